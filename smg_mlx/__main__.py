@@ -1,0 +1,3 @@
+from smg_mlx.cli import main
+
+raise SystemExit(main())

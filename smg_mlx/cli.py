@@ -1,0 +1,119 @@
+"""Command line: `smg-mlx serve ...` (also `python -m smg_mlx serve ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from smg_mlx.config import EngineConfig, ServerConfig
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="smg-mlx", description="MLX inference worker for the SMG model gateway."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over the MlxEngine gRPC service",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = serve.add_mutually_exclusive_group(required=True)
+    model.add_argument(
+        "--model", type=Path, help="an mlx-lm model directory (e.g. an mlx-community download)"
+    )
+    model.add_argument(
+        "--demo",
+        action="store_true",
+        help="serve a tiny random-weight demo model (its text is noise), built once offline",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
+    serve.add_argument(
+        "--served-model-name",
+        help="model name reported to the router (default: the model directory's name)",
+    )
+    serve.add_argument(
+        "--completion-batch-size",
+        type=_positive,
+        default=32,
+        help="most sequences decoded together in one step",
+    )
+    serve.add_argument(
+        "--prefill-batch-size",
+        type=_positive,
+        default=8,
+        help="most prompts prefilled together in one step",
+    )
+    serve.add_argument(
+        "--prefill-step-size",
+        type=_positive,
+        default=2048,
+        help="prompt tokens per prefill step; long prompts take several steps",
+    )
+    serve.add_argument(
+        "--max-pending",
+        type=int,
+        default=256,
+        help="requests that may wait beyond a full batch; more get RESOURCE_EXHAUSTED",
+    )
+    serve.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight requests may run before they are aborted",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("smg_mlx")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        log.error("%s is not a model directory (no config.json); pass an mlx-lm model", args.model)
+        return 2
+    if args.max_pending < 0:
+        log.error("--max-pending must be 0 or more, got %d", args.max_pending)
+        return 2
+    if args.demo:
+        log.warning(
+            "serving the built-in demo model: random weights, so its text is noise. "
+            "Serve a real model with: smg-mlx serve --model /path/to/mlx-model"
+        )
+    config = ServerConfig(
+        engine=EngineConfig(
+            model_path=args.model,
+            completion_batch_size=args.completion_batch_size,
+            prefill_batch_size=args.prefill_batch_size,
+            prefill_step_size=args.prefill_step_size,
+        ),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_pending=args.max_pending,
+        shutdown_grace_seconds=args.shutdown_grace_seconds,
+    )
+    from smg_mlx.server import run  # after logging is set up; pulls in grpc
+
+    return asyncio.run(run(config))

@@ -1,0 +1,26 @@
+"""Settings of one worker process, filled from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine thread needs to load and run a model."""
+
+    model_path: Path | None  # None: build and serve the demo model
+    completion_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50051
+    served_model_name: str | None = None
+    max_pending: int = 256
+    shutdown_grace_seconds: float = 30.0

@@ -1,0 +1,162 @@
+"""Build small random-weight mlx-lm models on disk, offline.
+
+`make serve` serves one (its text is noise); the tests build their own. The
+weights are random but fixed by a seed, so greedy output is deterministic.
+Runs MLX: call it from the engine thread or a separate process only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from smg_mlx import __version__
+
+log = logging.getLogger(__name__)
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. MLX runs models on Apple silicon. "
+    "A worker streams tokens to the router as soon as they are made. "
+    "Hello, world! How are you today? 0123456789 user assistant system "
+)
+
+
+def default_demo_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "smg-mlx" / f"demo-llama-{__version__}"
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> int:
+    """Train a byte-level BPE tokenizer on a fixed corpus; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS, "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": False,
+        "model_max_length": 1 << 30,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok.get_vocab_size()
+
+
+def build_model(
+    out: Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    context_length: int = 2048,
+    llama3_rope: bool = True,
+    dtype: str = "float32",
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight llama model directory that `mlx_lm.load` reads."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(out, vocab_size)
+    tok_ids = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": hidden_size * 2,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "max_position_embeddings": context_length,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": tok_ids[BOS],
+        "eos_token_id": tok_ids[EOS],
+        "pad_token_id": tok_ids[PAD],
+        "torch_dtype": dtype,
+    }
+    if llama3_rope:
+        # Rope frequencies computed lazily at construction: the case that
+        # crashes servers which load on one thread and generate on another.
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": context_length // 2,
+        }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def ensure_demo_model(path: Path | None = None) -> Path:
+    """The demo model directory, built on first use."""
+    path = path or default_demo_dir()
+    if (path / "model.safetensors").exists():
+        return path
+    log.info("building the demo model in %s (first run only)", path)
+    # Build aside and rename, so a crash never leaves a half-written model.
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    build_model(tmp)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write a random-weight llama model directory.")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--context-length", type=int, default=2048)
+    parser.add_argument("--no-llama3-rope", action="store_true")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    build_model(
+        args.out,
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        context_length=args.context_length,
+        llama3_rope=not args.no_llama3_rope,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

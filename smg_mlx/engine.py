@@ -1,0 +1,230 @@
+"""The engine thread and its hand-off to the asyncio side.
+
+One thread owns MLX: it loads the model, runs every BatchGenerator call, and
+is the only one that touches MLX arrays (MLX keeps per-stream state
+thread-local). This module is imported by the asyncio side and must not import
+mlx: the MLX work lives in `engine_loop`, imported on the engine thread.
+
+Hand-offs, all lock-light:
+- requests in: a deque plus a wake-up event (the thread sleeps when idle);
+- aborts in: a set of job keys the thread drains each step;
+- tokens out: one `call_soon_threadsafe` per step carrying every request's
+  new tokens, which lands in each Job and wakes its RPC handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from smg_mlx.config import EngineConfig
+from smg_mlx.request_translation import GenerationSpec
+
+if TYPE_CHECKING:
+    from smg_mlx.engine_loop import BatchLoop
+
+log = logging.getLogger(__name__)
+
+_keys = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The chosen token's logprob and the top alternatives at one step."""
+
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_values: tuple[float, ...]
+
+
+@dataclass(slots=True)
+class Event:
+    """What one engine step produced for one job."""
+
+    job: Job
+    token: int | None = None  # None for aborts and failures
+    finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in flight. Written only on the event loop (by `Event`s)."""
+
+    request_id: str
+    spec: GenerationSpec
+    key: int = field(default_factory=lambda: next(_keys))
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def apply(self, event: Event) -> None:
+        if self.done:  # e.g. an abort racing a natural finish
+            return
+        if event.token is not None:
+            self.tokens.append(event.token)
+            if event.logprobs is not None:
+                self.logprobs.append(event.logprobs)
+        self.finish_reason = event.finish_reason
+        self.error = event.error
+        self.changed.set()
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take work (not ready, failed, or stopping)."""
+
+
+class Engine:
+    """Owns the engine thread; every public method is called from the event loop."""
+
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.state = EngineState.STARTING
+        self.failure: str | None = None
+        self.running = 0  # sequences in the batch, as last seen by the engine thread
+        self._loop = loop
+        self._inbox: deque[Job] = deque()
+        self._aborts: set[int] = set()
+        self._abort_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._ready: asyncio.Future[None] = loop.create_future()
+        self._failure_listeners: list[Callable[[str], None]] = []
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        # Test hook: when set, the engine thread raises this before its next step.
+        self.inject_failure: BaseException | None = None
+
+    # ---- called on the event loop ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Returns once the model is loaded and warmed up; raises if loading failed."""
+        await asyncio.shield(self._ready)
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        self._failure_listeners.append(listener)
+
+    def submit(self, job: Job) -> None:
+        if self.state is not EngineState.READY or self._stop:
+            raise EngineUnavailable(self.failure or f"the engine is {self.state.value}")
+        self._inbox.append(job)
+        self._wake.set()
+
+    def abort(self, jobs: Iterable[Job]) -> None:
+        with self._abort_lock:
+            self._aborts.update(job.key for job in jobs)
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ask the thread to end; jobs it still holds end with finish_reason "abort"."""
+        self._stop = True
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _set_ready(self) -> None:
+        self.state = EngineState.READY
+        if not self._ready.done():
+            self._ready.set_result(None)
+
+    def _set_failed(self, message: str, during_load: bool) -> None:
+        self.state = EngineState.FAILED
+        self.failure = message
+        if during_load and not self._ready.done():
+            self._ready.set_exception(EngineUnavailable(message))
+        for listener in self._failure_listeners:
+            listener(message)
+
+    def _set_stopped(self) -> None:
+        self.state = EngineState.STOPPED
+
+    def _deliver(self, events: list[Event]) -> None:
+        for event in events:
+            event.job.apply(event)
+
+    # ---- the engine thread ----
+
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is gone: nobody is listening
+            pass
+
+    def _run(self) -> None:
+        try:
+            from smg_mlx.engine_loop import BatchLoop  # first MLX import, on this thread
+
+            batch = BatchLoop(self.config)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller, which exits
+            log.exception("engine failed to start")
+            self._post(self._set_failed, f"model load failed: {exc!r}", True)
+            return
+        self._post(self._set_ready)
+        held: list[Job] = []
+        try:
+            self._serve(batch, held)
+        except BaseException as exc:  # noqa: BLE001 - every job learns of it
+            log.exception("engine thread failed")
+            message = f"engine failure: {exc!r}; the worker must be restarted"
+            jobs = held + batch.jobs() + list(self._inbox)
+            self._post(self._deliver, [Event(job, error=message) for job in jobs])
+            self._post(self._set_failed, message, False)
+            return
+        # Stopped: whatever is still here ends as aborted.
+        jobs = batch.jobs() + list(self._inbox)
+        self._post(self._deliver, [Event(job, finish_reason="abort") for job in jobs])
+        batch.close()
+        self._post(self._set_stopped)
+
+    def _serve(self, batch: BatchLoop, held: list[Job]) -> None:
+        while not self._stop:
+            # Clear before looking at the inbox: a submit after this line sets
+            # it again, so no wake-up is lost.
+            self._wake.clear()
+            with self._abort_lock:
+                aborts, self._aborts = self._aborts, set()
+            held[:] = []
+            while self._inbox:
+                held.append(self._inbox.popleft())
+            events: list[Event] = []
+            if aborts:
+                events += [Event(j, finish_reason="abort") for j in held if j.key in aborts]
+                held[:] = [j for j in held if j.key not in aborts]
+                events += [Event(j, finish_reason="abort") for j in batch.remove(aborts)]
+            if held:
+                batch.admit(held)
+                held[:] = []
+            if self.inject_failure is not None:
+                raise self.inject_failure
+            if batch.has_work:
+                events += batch.step()
+            self.running = batch.size
+            if events:
+                self._post(self._deliver, events)
+            if not batch.has_work:
+                self._wake.wait()

@@ -1,0 +1,136 @@
+"""The MLX side of the engine: model, BatchGenerator and one step at a time.
+
+Everything here runs on the engine thread (see `engine`), which creates the
+model, the stream and every array, so no MLX state ever crosses threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from smg_mlx.config import EngineConfig
+from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
+from smg_mlx.engine import Event, Job, TokenLogprobs
+from smg_mlx.sampling import SamplerCache
+
+log = logging.getLogger(__name__)
+
+
+class BatchLoop:
+    """mlx-lm's BatchGenerator plus the bookkeeping from its uids to our jobs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        path = config.model_path or ensure_demo_model(default_demo_dir())
+        self.model, self.tokenizer = load(str(path))
+        # A stream made on this thread: mlx-lm's module-level one belongs to
+        # whichever thread imported mlx-lm first.
+        self._stream = mx.new_stream(mx.default_device())
+        self._generator = BatchGenerator(
+            self.model,
+            completion_batch_size=config.completion_batch_size,
+            prefill_batch_size=config.prefill_batch_size,
+            prefill_step_size=config.prefill_step_size,
+            stream=self._stream,
+        )
+        self._samplers = SamplerCache()
+        self._stops: dict[frozenset[int], StopSequences] = {}
+        self._jobs: dict[int, Job] = {}  # BatchGenerator uid -> job
+        self._uids: dict[int, int] = {}  # job key -> uid
+        self._warm_up()
+        log.info(
+            "model %s loaded and warmed up in %.2fs on %s",
+            path,
+            time.perf_counter() - started,
+            mx.default_device(),
+        )
+
+    def _warm_up(self) -> None:
+        """One short generation, so the first request pays no first-step costs."""
+        uid = self._generator.insert([[0, 1, 2, 3]], max_tokens=[2])[0]
+        while True:
+            _, done = self._generator.next()
+            if any(r.uid == uid and r.finish_reason for r in done):
+                return
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    @property
+    def size(self) -> int:
+        return len(self._jobs)
+
+    def jobs(self) -> list[Job]:
+        return list(self._jobs.values())
+
+    def _stop_sequences(self, ids: frozenset[int]) -> StopSequences:
+        if ids not in self._stops:
+            self._stops[ids] = StopSequences([[t] for t in sorted(ids)])
+        return self._stops[ids]
+
+    def admit(self, jobs: list[Job]) -> None:
+        """Insert new jobs; they start prefill at the next step."""
+        specs = [job.spec for job in jobs]
+        uids = self._generator.insert(
+            [list(s.prompt) for s in specs],
+            max_tokens=[s.max_tokens for s in specs],
+            samplers=[self._samplers.sampler(s.sampling) for s in specs],
+            logits_processors=[self._samplers.processors(s.logits) for s in specs],
+            stop_sequences=[self._stop_sequences(s.stop_token_ids) for s in specs],
+        )
+        for uid, job in zip(uids, jobs):
+            self._jobs[uid] = job
+            self._uids[job.key] = uid
+
+    def remove(self, keys: Iterable[int]) -> list[Job]:
+        """Drop the jobs with these keys from the batch; unknown keys are ignored."""
+        uids = [self._uids.pop(k) for k in keys if k in self._uids]
+        if uids:
+            self._generator.remove(uids)
+        return [self._jobs.pop(uid) for uid in uids]
+
+    def step(self) -> list[Event]:
+        """Advance the batch by one step and report each sequence's new token."""
+        _, responses = self._generator.next()
+        events = []
+        wanted = []  # (event, logprobs row, n) for requests that asked for logprobs
+        for r in responses:
+            job = self._jobs[r.uid]
+            event = Event(job, token=r.token, finish_reason=r.finish_reason)
+            if job.spec.logprobs is not None:
+                wanted.append((event, r.logprobs, job.spec.logprobs))
+            if r.finish_reason is not None:
+                del self._jobs[r.uid]
+                del self._uids[job.key]
+            events.append(event)
+        if wanted:
+            self._attach_logprobs(wanted)
+        return events
+
+    @staticmethod
+    def _attach_logprobs(wanted: list[tuple[Event, mx.array, int]]) -> None:
+        # Build every row's top-n lazily, then evaluate them all at once.
+        lazy = []
+        for event, row, n in wanted:
+            top = mx.array([], dtype=mx.uint32)
+            if n:
+                top = mx.argpartition(-row, kth=n - 1)[:n]
+                top = top[mx.argsort(-row[top])]
+            lazy.append((row[event.token], top, row[top]))
+        mx.eval(lazy)
+        for (event, _, _), (chosen, top, values) in zip(wanted, lazy):
+            event.logprobs = TokenLogprobs(
+                logprob=chosen.item(),
+                top_ids=tuple(top.tolist()),
+                top_values=tuple(values.tolist()),
+            )
+
+    def close(self) -> None:
+        self._generator.close()

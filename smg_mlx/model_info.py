@@ -1,0 +1,97 @@
+"""What the router asks about a model, read from its directory (no MLX)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Keys under which configs of different families store the context length.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_positions",
+    "n_ctx",
+)
+DEFAULT_CONTEXT_LENGTH = 4096
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_path: str
+    served_model_name: str
+    model_type: str
+    architectures: tuple[str, ...]
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value if v is not None]
+
+
+def _first(configs: list[dict[str, Any]], keys: tuple[str, ...]) -> Any:
+    for cfg in configs:
+        for key in keys:
+            if cfg.get(key) is not None:
+                return cfg[key]
+    return None
+
+
+def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | None) -> ModelInfo:
+    """Collect model facts from config.json, generation_config.json and the tokenizer."""
+    config = _read_json(model_dir / "config.json")
+    gen_config = _read_json(model_dir / "generation_config.json")
+    # Multimodal checkpoints nest the language model's settings.
+    configs = [config, config.get("text_config") or {}]
+
+    context = _first(configs, _CONTEXT_KEYS)
+    if context is None:
+        log.warning(
+            "%s/config.json names no context length; assuming %d",
+            model_dir,
+            DEFAULT_CONTEXT_LENGTH,
+        )
+        context = DEFAULT_CONTEXT_LENGTH
+
+    eos = set(_ids(_first(configs, ("eos_token_id",))))
+    eos.update(_ids(gen_config.get("eos_token_id")))
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+
+    def token_id(key: str, tokenizer_value: int | None) -> int | None:
+        value = _first([gen_config, *configs], (key,))
+        value = value if value is not None else tokenizer_value
+        return _ids(value)[0] if _ids(value) else None
+
+    return ModelInfo(
+        model_path=str(model_dir),
+        served_model_name=served_model_name or model_dir.name,
+        model_type=str(_first(configs, ("model_type",)) or ""),
+        architectures=tuple(config.get("architectures") or ()),
+        context_length=int(context),
+        vocab_size=int(_first(configs, ("vocab_size",)) or len(tokenizer)),
+        eos_token_ids=tuple(sorted(eos)),
+        bos_token_id=token_id("bos_token_id", tokenizer.bos_token_id),
+        pad_token_id=token_id("pad_token_id", tokenizer.pad_token_id),
+    )

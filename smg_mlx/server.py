@@ -1,0 +1,154 @@
+"""The worker process: gRPC server, health, start-up and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from smg_mlx.config import ServerConfig
+from smg_mlx.demo_model import default_demo_dir
+from smg_mlx.engine import Engine, EngineState, EngineUnavailable
+from smg_mlx.grpc_stubs import mlx_engine_pb2, mlx_engine_pb2_grpc
+from smg_mlx.model_info import load_model_info
+from smg_mlx.servicer import MlxEngineServicer
+
+log = logging.getLogger(__name__)
+
+ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_name
+HEALTH_NAMES = ("", ENGINE_SERVICE)  # "" is the whole server, as Kubernetes probes ask
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class StartupError(RuntimeError):
+    """The worker could not start; the message names the cause."""
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    # transformers tokenizes without MLX, so text prompts never touch the engine thread.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class Worker:
+    """One serving worker. Create, `start()`, then `serve_until_stopped()` or `shutdown()`."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.model_dir = config.engine.model_path or default_demo_dir()
+        self.port: int | None = None
+        self._stop_requested = asyncio.Event()
+        self.engine = Engine(config.engine, asyncio.get_running_loop())
+        self.servicer = MlxEngineServicer(
+            self.engine, capacity=config.engine.completion_batch_size + config.max_pending
+        )
+        self.health = health.aio.HealthServicer()
+        self.engine.on_failure(self._on_engine_failure)
+        self.server = grpc.aio.server()
+        mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+
+    async def _set_health(self, status: int) -> None:
+        for name in HEALTH_NAMES:
+            await self.health.set(name, status)
+
+    def _on_engine_failure(self, message: str) -> None:
+        log.error("%s; reporting NOT_SERVING", message)
+        asyncio.get_running_loop().create_task(self._set_health(NOT_SERVING))
+
+    async def start(self) -> None:
+        """Bind, load the model on the engine thread, and report SERVING once it is warm."""
+        await self._set_health(NOT_SERVING)
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {address}: {exc}") from exc
+        await self.server.start()
+        log.info("listening on %s:%d; loading %s", self.config.host, self.port, self.model_dir)
+        started = time.perf_counter()
+        self.engine.start()
+        try:
+            await self.engine.wait_ready()
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+            info = load_model_info(self.model_dir, tokenizer, self.config.served_model_name)
+        except (EngineUnavailable, OSError, ValueError) as exc:
+            await self.server.stop(None)
+            raise StartupError(f"cannot serve {self.model_dir}: {exc}") from exc
+        self.servicer.ready(self.model_dir, info, tokenizer)
+        await self._set_health(SERVING)
+        log.info(
+            "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs",
+            info.served_model_name,
+            info.context_length,
+            info.vocab_size,
+            self.config.host,
+            self.port,
+            time.perf_counter() - started,
+        )
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (signal handlers and tests call this on the loop)."""
+        self._stop_requested.set()
+
+    async def serve_until_stopped(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self._stop_requested.wait()
+        return await self.shutdown()
+
+    async def shutdown(self) -> int:
+        """Stop taking work, let in-flight requests finish within the grace period,
+        abort the rest, stop the engine. Returns the process exit code."""
+        servicer = self.servicer
+        servicer.draining = True
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, for good
+        grace = self.config.shutdown_grace_seconds
+        log.info(
+            "shutting down: %d request(s) in flight, waiting up to %.0fs",
+            servicer.active_requests,
+            grace,
+        )
+        deadline = time.monotonic() + grace
+        while servicer.active_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if servicer.active_requests:
+            log.warning("grace period over: aborting %d request(s)", servicer.active_requests)
+            self.engine.abort(servicer.jobs)
+            # Let the aborted streams send their final message.
+            end = time.monotonic() + 5
+            while servicer.active_requests and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        await self.server.stop(1.0)
+        self.engine.stop()
+        if not await asyncio.to_thread(self.engine.join, 30):
+            log.error("the engine thread did not stop within 30s")
+            return 1
+        failed = self.engine.state is EngineState.FAILED
+        log.info("stopped%s", " (the engine had failed)" if failed else "")
+        return 1 if failed else 0
+
+
+async def run(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code."""
+    worker = Worker(config)
+    try:
+        await worker.start()
+    except StartupError as exc:
+        log.error("%s", exc)
+        worker.engine.stop()
+        return 1
+    return await worker.serve_until_stopped()
