@@ -85,7 +85,7 @@ class BatchLoop:
             logits_processors=[self._samplers.processors(s.logits) for s in specs],
             stop_sequences=[self._stop_sequences(s.stop_token_ids) for s in specs],
         )
-        for uid, job in zip(uids, jobs):
+        for uid, job in zip(uids, jobs, strict=True):
             self._jobs[uid] = job
             self._uids[job.key] = uid
 
@@ -125,7 +125,7 @@ class BatchLoop:
                 top = top[mx.argsort(-row[top])]
             lazy.append((row[event.token], top, row[top]))
         mx.eval(lazy)
-        for (event, _, _), (chosen, top, values) in zip(wanted, lazy):
+        for (event, _, _), (chosen, top, values) in zip(wanted, lazy, strict=True):
             event.logprobs = TokenLogprobs(
                 logprob=chosen.item(),
                 top_ids=tuple(top.tolist()),

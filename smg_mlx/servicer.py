@@ -115,8 +115,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 return
             # Everything that arrived since the last wake-up goes in one chunk.
             if stream and len(job.tokens) > sent:
-                yield responses.chunk(job, sent)
-                sent = len(job.tokens)
+                message, sent = responses.chunk(job, sent), len(job.tokens)
+                yield message  # more tokens may land while this is sent
             if job.finish_reason:
                 yield responses.complete(job, streamed=stream)
                 return

@@ -1,0 +1,105 @@
+"""Shared fixtures: random-weight models on disk and workers on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from smg_mlx.config import EngineConfig, ServerConfig
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+from smg_mlx.server import Worker
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def build_model(path: Path, *args: str) -> Path:
+    # A separate process: in this one only the engine threads touch MLX.
+    subprocess.run(
+        [sys.executable, "-m", "smg_mlx.demo_model", str(path), *args],
+        check=True,
+        capture_output=True,
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The regression model: a llama whose rope frequencies are computed lazily (llama3)."""
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-llama3")
+
+
+@pytest.fixture(scope="session")
+def short_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same shapes with a 64-token context, to reach the context end quickly."""
+    return build_model(
+        tmp_path_factory.mktemp("models") / "tiny-ctx64", "--context-length", "64"
+    )
+
+
+class RunningWorker:
+    """A Worker on its own event loop thread, as in production but in-process."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.worker: Worker = self.call(self._create(config))
+        self.call(self.worker.start())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.worker.port}")
+        self.stub = mlx_engine_pb2_grpc.MlxEngineStub(self.channel)
+        self.exit_code: int | None = None
+
+    @staticmethod
+    async def _create(config: ServerConfig) -> Worker:
+        return Worker(config)
+
+    def call(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def active_requests(self) -> int:
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest()).active_requests
+
+    def stop(self) -> int:
+        if self.exit_code is None:
+            self.channel.close()
+            self.exit_code = self.call(self.worker.shutdown())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+        return self.exit_code
+
+
+def worker_config(model: Path, **overrides) -> ServerConfig:
+    engine = {k: overrides.pop(k) for k in list(overrides) if hasattr(EngineConfig, k)}
+    base = ServerConfig(engine=EngineConfig(model_path=model), port=0)
+    return replace(base, engine=replace(base.engine, **engine), **overrides)
+
+
+@pytest.fixture
+def start_worker() -> Iterator:
+    """Start workers with custom settings; all are stopped at the end of the test."""
+    started: list[RunningWorker] = []
+
+    def start(model: Path, **overrides) -> RunningWorker:
+        started.append(RunningWorker(worker_config(model, **overrides)))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir: Path) -> Iterator[RunningWorker]:
+    """A worker with default settings on the regression model, shared by a module."""
+    running = RunningWorker(worker_config(model_dir))
+    yield running
+    running.stop()

@@ -1,0 +1,157 @@
+"""Generate end to end over real gRPC, on the regression model (llama3 rope)."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from helpers import generate, prompt, request
+
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+
+def test_sixteen_concurrent_streams_on_the_lazy_rope_model(worker, caplog):
+    # The seed bug: lazily built rope frequencies evaluated on another thread
+    # raise "There is no Stream(cpu, 0) in current thread" on the first step.
+    with ThreadPoolExecutor(16) as pool:
+        results = list(
+            pool.map(lambda i: generate(worker.stub, prompt(8 + i, i), max_tokens=24), range(16))
+        )
+    for r in results:
+        assert len(r.tokens) == 24
+        assert r.complete.finish_reason == "length"
+        assert r.complete.completion_tokens == 24
+        assert [c.completion_tokens for c in r.chunks][-1] == 24
+    assert "There is no Stream" not in caplog.text
+
+
+def test_batched_output_equals_solo_output(worker):
+    prompts = [prompt(3 + 9 * i, i) for i in range(16)]
+    solo = [generate(worker.stub, p, max_tokens=20).tokens for p in prompts]
+
+    def staggered(i: int) -> list[int]:
+        # Later requests join a batch that is already decoding.
+        responses = worker.stub.Generate(request(prompts[i], max_tokens=20 + i), timeout=60)
+        return [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids][:20]
+
+    with ThreadPoolExecutor(16) as pool:
+        batched = list(pool.map(staggered, range(16)))
+    assert batched == solo
+
+
+def test_tokens_stream_as_they_are_made(worker):
+    r = generate(worker.stub, prompt(5), max_tokens=12)
+    # One chunk per step at this load, with running counts, then the final message.
+    assert len(r.chunks) > 1
+    assert [c.completion_tokens for c in r.chunks] == sorted(c.completion_tokens for c in r.chunks)
+    assert all(c.prompt_tokens == 5 for c in r.chunks)
+    assert r.complete.prompt_tokens == 5 and list(r.complete.output_ids) == []
+
+
+def test_non_streaming_returns_everything_in_one_message(worker):
+    streamed = generate(worker.stub, prompt(6), max_tokens=10)
+    whole = generate(worker.stub, prompt(6), max_tokens=10, stream=False)
+    assert whole.chunks == []
+    assert list(whole.complete.output_ids) == streamed.tokens
+    assert whole.complete.completion_tokens == 10
+
+
+def test_seeded_sampling_is_reproducible_under_concurrency(worker):
+    params = dict(temperature=1.0, top_p=0.9, max_tokens=24, seed=1234)
+    alone = generate(worker.stub, prompt(7), **params).tokens
+
+    def noise(i: int) -> list[int]:
+        return generate(worker.stub, prompt(5 + i, i), temperature=1.0, max_tokens=30).tokens
+
+    with ThreadPoolExecutor(9) as pool:
+        others = [pool.submit(noise, i) for i in range(8)]
+        crowded = pool.submit(lambda: generate(worker.stub, prompt(7), **params).tokens)
+        [f.result() for f in others]
+    assert crowded.result() == alone
+    other_seed = generate(worker.stub, prompt(7), **{**params, "seed": 99}).tokens
+    assert other_seed != alone
+
+
+def test_stop_token_ends_generation(worker):
+    free = generate(worker.stub, prompt(9), max_tokens=12).tokens
+    stop = free[4]
+    r = generate(worker.stub, prompt(9), max_tokens=12, stop_token_ids=[stop])
+    assert r.tokens == free[: free.index(stop) + 1]
+    assert r.complete.finish_reason == "stop"
+    assert r.complete.matched_stop_token_id == stop
+
+
+def test_eos_stops_unless_ignore_eos(worker):
+    eos = worker.stub.GetModelInfo(pb.GetModelInfoRequest()).eos_token_ids[0]
+    forced = {eos: 100.0}
+    r = generate(worker.stub, prompt(4), max_tokens=8, logit_bias=forced)
+    assert r.tokens == [eos] and r.complete.finish_reason == "stop"
+    assert r.complete.matched_stop_token_id == eos
+    r = generate(worker.stub, prompt(4), max_tokens=8, logit_bias=forced, ignore_eos=True)
+    assert r.tokens == [eos] * 8 and r.complete.finish_reason == "length"
+    assert not r.complete.HasField("matched_stop_token_id")
+
+
+def test_unset_max_tokens_runs_to_the_context_end(start_worker, short_model_dir):
+    w = start_worker(short_model_dir)
+    r = generate(w.stub, prompt(50))
+    assert len(r.tokens) == 64 - 50 and r.complete.finish_reason == "length"
+    r = generate(w.stub, prompt(60), max_tokens=100)
+    assert len(r.tokens) == 4 and r.complete.finish_reason == "length"
+
+
+def test_logprobs_shape_and_values(worker):
+    r = generate(worker.stub, prompt(6), max_tokens=6, logprobs=3)
+    lps = [c.output_logprobs for c in r.chunks]
+    assert [t for lp in lps for t in lp.token_ids] == r.tokens
+    for lp in lps:
+        for chosen, value, top in zip(lp.token_ids, lp.token_logprobs, lp.top_logprobs):
+            assert len(top.token_ids) == len(top.values) == 3
+            assert list(top.values) == sorted(top.values, reverse=True)
+            assert value <= 0
+            # Greedy: the chosen token is the most likely one.
+            assert top.token_ids[0] == chosen and math.isclose(top.values[0], value)
+    whole = generate(worker.stub, prompt(6), max_tokens=6, logprobs=0, stream=False)
+    out = whole.complete.output_logprobs
+    assert list(out.token_ids) == r.tokens and len(out.token_logprobs) == 6
+    assert all(len(t.token_ids) == 0 for t in out.top_logprobs)
+    assert not generate(worker.stub, prompt(6), max_tokens=2).chunks[0].HasField(
+        "output_logprobs"
+    )
+
+
+def test_text_input_is_tokenized_with_the_model_tokenizer(worker):
+    from transformers import AutoTokenizer
+
+    text = "The quick brown fox"
+    ids = AutoTokenizer.from_pretrained(worker.worker.model_dir).encode(text)
+    by_text = generate(worker.stub, text=text, max_tokens=8)
+    assert by_text.complete.prompt_tokens == len(ids)
+    assert by_text.tokens == generate(worker.stub, ids, max_tokens=8).tokens
+
+
+def test_sampling_options_are_accepted(worker):
+    r = generate(
+        worker.stub,
+        prompt(6),
+        temperature=0.7,
+        top_k=5,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        max_tokens=10,
+    )
+    assert len(r.tokens) == 10
+    # A repetition penalty changes greedy output of a model that repeats itself.
+    plain = generate(worker.stub, prompt(6), max_tokens=30).tokens
+    penalized = generate(worker.stub, prompt(6), max_tokens=30, repetition_penalty=5.0).tokens
+    assert len(set(penalized)) > len(set(plain))
+
+
+@pytest.mark.parametrize("settings", [{}, {"logprobs": 2}])
+def test_identical_requests_give_identical_output(worker, settings):
+    a = generate(worker.stub, prompt(11), max_tokens=9, **settings)
+    b = generate(worker.stub, prompt(11), max_tokens=9, **settings)
+    assert a.tokens == b.tokens
