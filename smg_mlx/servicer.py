@@ -109,17 +109,19 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def _responses(job: Job, stream: bool) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
         sent = 0
         while True:
-            await job.changed.wait()
             job.changed.clear()
             if job.error:
                 return
-            # Everything that arrived since the last wake-up goes in one chunk.
+            # Everything that arrived since the last chunk goes in one chunk;
+            # more may land while it is sent, so look again before finishing.
             if stream and len(job.tokens) > sent:
                 message, sent = responses.chunk(job, sent), len(job.tokens)
-                yield message  # more tokens may land while this is sent
+                yield message
+                continue
             if job.finish_reason:
                 yield responses.complete(job, streamed=stream)
                 return
+            await job.changed.wait()
 
     async def Abort(
         self, request: mlx_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,125 @@
+"""Bad requests get a clear status and message, and the worker keeps serving."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from helpers import generate, prompt, request, wait_until
+
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+BAD_REQUESTS = [
+    ("no input", pb.GenerateRequest(request_id="x"), "no input"),
+    ("empty prompt", request([]), "no tokens"),
+    ("empty text", request(text=""), "text is empty"),
+    ("token outside vocabulary", request([1, 2, 99999]), "outside the vocabulary"),
+    ("prompt at context length", request(prompt(2048)), "context length"),
+    ("max_tokens 0", request([5, 6], max_tokens=0), "max_tokens"),
+    ("negative temperature", request([5, 6], temperature=-0.5), "temperature"),
+    ("nan temperature", request([5, 6], temperature=float("nan")), "temperature"),
+    ("top_p above 1", request([5, 6], top_p=1.5), "top_p"),
+    ("negative top_p", request([5, 6], top_p=-0.1), "top_p"),
+    ("min_p above 1", request([5, 6], min_p=2.0), "min_p"),
+    ("logprobs too many", request([5, 6], logprobs=21), "logprobs"),
+    ("negative logprobs", request([5, 6], logprobs=-1), "logprobs"),
+    ("logit_bias outside vocabulary", request([5, 6], logit_bias={100000: 1.0}), "logit_bias"),
+    ("stop token outside vocabulary", request([5, 6], stop_token_ids=[100000]), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("req,needle", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_is_invalid_argument(worker, req, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        list(worker.stub.Generate(req, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+    # The worker is unharmed.
+    assert len(generate(worker.stub, prompt(3), max_tokens=2).tokens) == 2
+    assert worker.active_requests() == 0
+
+
+def test_prompt_one_below_context_is_served(worker):
+    r = generate(worker.stub, prompt(2047), max_tokens=5)
+    assert len(r.tokens) == 1 and r.complete.finish_reason == "length"
+
+
+def test_request_id_in_flight_is_already_exists(worker):
+    first = worker.stub.Generate(request(prompt(4), request_id="dup", max_tokens=500), timeout=60)
+    next(first)  # running now
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker.stub, prompt(4), request_id="dup", max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "dup" in err.value.details()
+    first.cancel()
+    assert wait_until(lambda: worker.active_requests() == 0)
+    # Free again once the first one has ended.
+    assert len(generate(worker.stub, prompt(4), request_id="dup", max_tokens=2).tokens) == 2
+
+
+def test_full_queue_is_resource_exhausted(start_worker, model_dir):
+    w = start_worker(model_dir, completion_batch_size=1, prefill_batch_size=1, max_pending=1)
+    calls = [w.stub.Generate(request(prompt(4, i), max_tokens=2000), timeout=60) for i in range(2)]
+    assert wait_until(lambda: w.active_requests() == 2)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(w.stub, prompt(4), max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "full" in err.value.details()
+    for c in calls:
+        c.cancel()
+    assert wait_until(lambda: w.active_requests() == 0)
+    assert len(generate(w.stub, prompt(4), max_tokens=2).tokens) == 2
+
+
+def test_abort_frees_running_and_queued_requests(start_worker, model_dir):
+    w = start_worker(model_dir, completion_batch_size=1, prefill_batch_size=1)
+    ids = ["run", "queued-1", "queued-2"]
+    calls = [w.stub.Generate(request(prompt(4, i), request_id=r, max_tokens=5000), timeout=60)
+             for i, r in enumerate(ids)]
+    # One runs (the batch holds one), two wait; arrival order is the server's.
+    assert wait_until(lambda: w.active_requests() == 3)
+    w.stub.Abort(pb.AbortRequest(request_ids=[*ids, "no-such-request"]))
+    for call in calls:
+        last = list(call)[-1]
+        assert last.complete.finish_reason == "abort"
+    assert w.active_requests() == 0
+    assert w.worker.engine.running == 0
+    assert len(generate(w.stub, prompt(4), max_tokens=3).tokens) == 3
+
+
+def test_abort_of_unknown_id_is_a_no_op(worker):
+    worker.stub.Abort(pb.AbortRequest(request_ids=["never-seen"]))
+    worker.stub.Abort(pb.AbortRequest())
+    assert len(generate(worker.stub, prompt(3), max_tokens=2).tokens) == 2
+
+
+def test_client_cancellation_frees_the_slot(worker):
+    call = worker.stub.Generate(request(prompt(4), max_tokens=5000), timeout=60)
+    next(call), next(call)
+    call.cancel()
+    assert wait_until(lambda: worker.active_requests() == 0, timeout=2)
+    assert wait_until(lambda: worker.worker.engine.running == 0, timeout=2)
+
+
+def test_deadline_frees_the_slot(worker):
+    with pytest.raises(grpc.RpcError) as err:
+        list(worker.stub.Generate(request(prompt(4), max_tokens=1900), timeout=0.3))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: worker.active_requests() == 0, timeout=2)
+    assert wait_until(lambda: worker.worker.engine.running == 0, timeout=2)
+
+
+def test_abort_ends_non_streaming_request_too(worker):
+    done = {}
+
+    def run():
+        done["r"] = generate(worker.stub, prompt(4), request_id="ns", max_tokens=1900, stream=False)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert wait_until(lambda: worker.active_requests() == 1)
+    worker.stub.Abort(pb.AbortRequest(request_ids=["ns"]))
+    t.join(10)
+    assert done["r"].complete.finish_reason == "abort"
+    assert len(done["r"].tokens) == done["r"].complete.completion_tokens < 1900
