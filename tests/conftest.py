@@ -40,9 +40,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def short_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same shapes with a 64-token context, to reach the context end quickly."""
-    return build_model(
-        tmp_path_factory.mktemp("models") / "tiny-ctx64", "--context-length", "64"
-    )
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-ctx64", "--context-length", "64")
 
 
 class RunningWorker:

@@ -106,7 +106,9 @@ def test_logprobs_shape_and_values(worker):
     lps = [c.output_logprobs for c in r.chunks]
     assert [t for lp in lps for t in lp.token_ids] == r.tokens
     for lp in lps:
-        for chosen, value, top in zip(lp.token_ids, lp.token_logprobs, lp.top_logprobs):
+        for chosen, value, top in zip(
+            lp.token_ids, lp.token_logprobs, lp.top_logprobs, strict=True
+        ):
             assert len(top.token_ids) == len(top.values) == 3
             assert list(top.values) == sorted(top.values, reverse=True)
             assert value <= 0
@@ -116,9 +118,7 @@ def test_logprobs_shape_and_values(worker):
     out = whole.complete.output_logprobs
     assert list(out.token_ids) == r.tokens and len(out.token_logprobs) == 6
     assert all(len(t.token_ids) == 0 for t in out.top_logprobs)
-    assert not generate(worker.stub, prompt(6), max_tokens=2).chunks[0].HasField(
-        "output_logprobs"
-    )
+    assert not generate(worker.stub, prompt(6), max_tokens=2).chunks[0].HasField("output_logprobs")
 
 
 def test_text_input_is_tokenized_with_the_model_tokenizer(worker):

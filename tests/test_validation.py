@@ -29,7 +29,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("req,needle", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "req,needle", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS]
+)
 def test_bad_input_is_invalid_argument(worker, req, needle):
     with pytest.raises(grpc.RpcError) as err:
         list(worker.stub.Generate(req, timeout=10))
@@ -75,8 +77,10 @@ def test_full_queue_is_resource_exhausted(start_worker, model_dir):
 def test_abort_frees_running_and_queued_requests(start_worker, model_dir):
     w = start_worker(model_dir, completion_batch_size=1, prefill_batch_size=1)
     ids = ["run", "queued-1", "queued-2"]
-    calls = [w.stub.Generate(request(prompt(4, i), request_id=r, max_tokens=5000), timeout=60)
-             for i, r in enumerate(ids)]
+    calls = [
+        w.stub.Generate(request(prompt(4, i), request_id=r, max_tokens=5000), timeout=60)
+        for i, r in enumerate(ids)
+    ]
     # One runs (the batch holds one), two wait; arrival order is the server's.
     assert wait_until(lambda: w.active_requests() == 3)
     w.stub.Abort(pb.AbortRequest(request_ids=[*ids, "no-such-request"]))
