@@ -1,0 +1,204 @@
+"""Start-up, health, info RPCs, engine failure and graceful shutdown."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import collect, generate, prompt, request, wait_until
+
+from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+ENGINE = "mlx.grpc.engine.MlxEngine"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """`python -m smg_mlx serve` as a real subprocess."""
+
+    def __init__(self, tmp_path, *args: str) -> None:
+        self.port = free_port()
+        self.log = tmp_path / f"worker-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "smg_mlx", "serve", "--port", str(self.port), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+        )
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = mlx_engine_pb2_grpc.MlxEngineStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def check(self, service: str = "") -> int:
+        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def wait_serving(self, timeout: float = 60) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout)
+        assert wait_until(lambda: self.check() == SERVING, timeout), self.log.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    procs = []
+
+    def start(*args: str) -> Process:
+        procs.append(Process(tmp_path, *args))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.close()
+
+
+def test_health_not_serving_until_ready_then_serving(spawn, model_dir):
+    p = spawn("--model", str(model_dir))
+    grpc.channel_ready_future(p.channel).result(60)
+    watch = p.health.Watch(health_pb2.HealthCheckRequest(service=ENGINE), timeout=60)
+    # The server listens before the model is loaded, and says so.
+    assert next(watch).status == NOT_SERVING
+    assert next(watch).status == SERVING
+    assert p.check() == SERVING and p.check(ENGINE) == SERVING
+    assert p.stub.HealthCheck(pb.HealthCheckRequest()).healthy
+    # Watch keeps streaming: shutdown shows up on it.
+    p.proc.send_signal(signal.SIGTERM)
+    assert next(watch).status == NOT_SERVING
+    assert p.proc.wait(30) == 0
+
+
+def test_sigterm_lets_in_flight_requests_finish(spawn, model_dir):
+    p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "20")
+    p.wait_serving()
+    call = p.stub.Generate(request(prompt(5), max_tokens=400), timeout=60)
+    next(call)
+    p.proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: p.check() == NOT_SERVING, 2)
+    assert not p.stub.HealthCheck(pb.HealthCheckRequest()).healthy
+    with pytest.raises(grpc.RpcError) as err:
+        generate(p.stub, prompt(3), max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in err.value.details()
+    rest = collect(call)
+    assert rest.complete.finish_reason == "length" and rest.complete.completion_tokens == 400
+    assert p.proc.wait(30) == 0
+    assert "Traceback" not in p.log.read_text()
+
+
+def test_sigterm_aborts_what_outlives_the_grace_period(spawn, model_dir):
+    p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "0.5")
+    p.wait_serving()
+    calls = [p.stub.Generate(request(prompt(5, i), max_tokens=2000), timeout=60) for i in range(4)]
+    for c in calls:
+        next(c)
+    started = time.monotonic()
+    assert p.stop() == 0
+    assert time.monotonic() - started < 10
+    for c in calls:
+        assert collect(c).complete.finish_reason == "abort"
+    assert "Traceback" not in p.log.read_text()
+
+
+def test_model_that_cannot_load_exits_non_zero_with_the_cause(spawn, tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    p = spawn("--model", str(broken))
+    assert p.proc.wait(60) == 1
+    log = p.log.read_text()
+    assert "model load failed" in log and str(broken) in log
+
+
+def test_not_a_model_directory_is_refused_at_once(spawn, tmp_path):
+    p = spawn("--model", str(tmp_path / "nowhere"))
+    assert p.proc.wait(30) == 2
+    assert "not a model directory" in p.log.read_text()
+
+
+def test_engine_failure_ends_requests_with_internal(start_worker, model_dir):
+    w = start_worker(model_dir)
+    health = health_pb2_grpc.HealthStub(w.channel)
+    calls = [w.stub.Generate(request(prompt(4, i), max_tokens=1900), timeout=60) for i in range(3)]
+    for c in calls:
+        next(c)
+    w.worker.engine.inject_failure = RuntimeError("injected fault")
+    for c in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            collect(c)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "injected fault" in err.value.details()
+    assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest()).status == NOT_SERVING)
+    reply = w.stub.HealthCheck(pb.HealthCheckRequest())
+    assert not reply.healthy and "injected fault" in reply.message
+    assert w.active_requests() == 0
+    with pytest.raises(grpc.RpcError) as err:
+        generate(w.stub, prompt(3), max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert w.stop() == 1
+
+
+def test_model_info(worker, model_dir):
+    info = worker.stub.GetModelInfo(pb.GetModelInfoRequest())
+    config = json.loads((model_dir / "config.json").read_text())
+    assert info.model_path == str(model_dir)
+    assert info.served_model_name == model_dir.name
+    assert info.is_generation
+    assert info.max_context_length == 2048 and info.max_req_input_len == 2047
+    assert info.vocab_size == config["vocab_size"]
+    assert list(info.eos_token_ids) == [config["eos_token_id"]]
+    assert info.bos_token_id == config["bos_token_id"]
+    assert info.pad_token_id == config["pad_token_id"]
+    assert info.model_type == "llama" and list(info.architectures) == ["LlamaForCausalLM"]
+
+
+def test_served_model_name_flag(start_worker, model_dir):
+    w = start_worker(model_dir, served_model_name="my-model")
+    assert w.stub.GetModelInfo(pb.GetModelInfoRequest()).served_model_name == "my-model"
+
+
+def test_server_info_counts_active_requests(worker):
+    info = worker.stub.GetServerInfo(pb.GetServerInfoRequest())
+    assert info.server_type == "mlx-grpc" and info.active_requests == 0
+    assert info.uptime_seconds > 0
+    call = worker.stub.Generate(request(prompt(4), max_tokens=1900), timeout=60)
+    next(call)
+    assert worker.active_requests() == 1
+    call.cancel()
+    assert wait_until(lambda: worker.active_requests() == 0)
+
+
+def test_tokenizer_zip_with_checksum(worker, model_dir):
+    chunks = list(worker.stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert all(c.sha256 == "" for c in chunks[:-1])
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(names)
+    assert "model.safetensors" not in names
+    tokenizer = zipfile.ZipFile(io.BytesIO(data)).read("tokenizer.json")
+    assert tokenizer == (model_dir / "tokenizer.json").read_bytes()
