@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from smg_mlx.config import EngineConfig, ServerConfig
+from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
 
 
 def _positive(value: str) -> int:
@@ -96,14 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_pending < 0:
         log.error("--max-pending must be 0 or more, got %d", args.max_pending)
         return 2
+    model_path = args.model
     if args.demo:
         log.warning(
             "serving the built-in demo model: random weights, so its text is noise. "
             "Serve a real model with: smg-mlx serve --model /path/to/mlx-model"
         )
+        model_path = ensure_demo_model(default_demo_dir())
     config = ServerConfig(
         engine=EngineConfig(
-            model_path=args.model,
+            model_path=model_path,
             completion_batch_size=args.completion_batch_size,
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,

@@ -10,7 +10,7 @@ from pathlib import Path
 class EngineConfig:
     """What the engine thread needs to load and run a model."""
 
-    model_path: Path | None  # None: build and serve the demo model
+    model_path: Path
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048

@@ -2,7 +2,8 @@
 
 `make serve` serves one (its text is noise); the tests build their own. The
 weights are random but fixed by a seed, so greedy output is deterministic.
-Runs MLX: call it from the engine thread or a separate process only.
+Building runs MLX, so the server does it in a separate process
+(`ensure_demo_model`): in the worker only the engine thread touches MLX.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from smg_mlx import __version__
@@ -120,15 +123,14 @@ def build_model(
     return out
 
 
-def ensure_demo_model(path: Path | None = None) -> Path:
-    """The demo model directory, built on first use."""
-    path = path or default_demo_dir()
+def ensure_demo_model(path: Path) -> Path:
+    """The demo model directory, built on first use by a child process."""
     if (path / "model.safetensors").exists():
         return path
     log.info("building the demo model in %s (first run only)", path)
     # Build aside and rename, so a crash never leaves a half-written model.
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    build_model(tmp)
+    subprocess.run([sys.executable, "-m", "smg_mlx.demo_model", str(tmp)], check=True)
     try:
         tmp.rename(path)
     except OSError:  # another process finished first

@@ -15,7 +15,6 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
 from smg_mlx.engine import Event, Job, TokenLogprobs
 from smg_mlx.sampling import SamplerCache
 
@@ -27,7 +26,7 @@ class BatchLoop:
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        path = config.model_path or ensure_demo_model(default_demo_dir())
+        path = config.model_path
         self.model, self.tokenizer = load(str(path))
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.

@@ -14,8 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from smg_mlx.config import ServerConfig
-from smg_mlx.demo_model import default_demo_dir
-from smg_mlx.engine import Engine, EngineState, EngineUnavailable
+from smg_mlx.engine import Engine, EngineState
 from smg_mlx.grpc_stubs import mlx_engine_pb2, mlx_engine_pb2_grpc
 from smg_mlx.model_info import load_model_info
 from smg_mlx.servicer import MlxEngineServicer
@@ -44,7 +43,7 @@ class Worker:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.model_dir = config.engine.model_path or default_demo_dir()
+        self.model_dir = config.engine.model_path
         self.port: int | None = None
         self._stop_requested = asyncio.Event()
         self.engine = Engine(config.engine, asyncio.get_running_loop())
@@ -79,15 +78,19 @@ class Worker:
         await self.server.start()
         log.info("listening on %s:%d; loading %s", self.config.host, self.port, self.model_dir)
         started = time.perf_counter()
-        self.engine.start()
         try:
-            await self.engine.wait_ready()
+            # Model facts need no weights: GetModelInfo answers while the
+            # engine thread loads them, so a router that probes early
+            # registers the right model. Read them before the engine starts:
+            # transformers' lazy imports are not safe from two threads at once.
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
             info = load_model_info(self.model_dir, tokenizer, self.config.served_model_name)
-        except (EngineUnavailable, OSError, ValueError) as exc:
+            self.servicer.set_model(self.model_dir, info, tokenizer)
+            self.engine.start()
+            await self.engine.wait_ready()
+        except Exception as exc:
             await self.server.stop(None)
             raise StartupError(f"cannot serve {self.model_dir}: {exc}") from exc
-        self.servicer.ready(self.model_dir, info, tokenizer)
         await self._set_health(SERVING)
         log.info(
             "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs",

@@ -25,6 +25,7 @@ from smg_mlx.tokenizer_files import chunks, tokenizer_zip
 log = logging.getLogger(__name__)
 
 SERVER_TYPE = "mlx-grpc"
+MODEL_INFO_WAIT_SECONDS = 60.0
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
@@ -34,15 +35,17 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._jobs: dict[str, Job] = {}
         self._started = time.monotonic()
         self.draining = False
-        # Set by `ready()` once the engine has loaded the model.
+        # Set by `set_model()` once the model directory has been read.
         self.model_dir: Path | None = None
         self.info: ModelInfo | None = None
         self.tokenizer: Any = None
+        self._model_known = asyncio.Event()
         self._tokenizer_zip: tuple[bytes, str] | None = None
         engine.on_failure(self._fail_all)
 
-    def ready(self, model_dir: Path, info: ModelInfo, tokenizer: Any) -> None:
+    def set_model(self, model_dir: Path, info: ModelInfo, tokenizer: Any) -> None:
         self.model_dir, self.info, self.tokenizer = model_dir, info, tokenizer
+        self._model_known.set()
 
     @property
     def active_requests(self) -> int:
@@ -64,7 +67,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             return "the worker is shutting down; send the request to another worker"
         if self._engine.state is EngineState.FAILED:
             return f"the engine has failed ({self._engine.failure})"
-        if self.info is None:
+        if self.info is None or self._engine.state is not EngineState.READY:
             return "the model is still loading; retry when health reports SERVING"
         return None
 
@@ -139,10 +142,13 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         return mlx_engine_pb2.HealthCheckResponse(healthy=reason is None, message=reason or "ok")
 
     async def _model_info(self, context: grpc.aio.ServicerContext) -> ModelInfo:
-        if self.info is None:
+        """The model's facts, waiting the short while it takes to read them at start-up."""
+        try:
+            await asyncio.wait_for(self._model_known.wait(), MODEL_INFO_WAIT_SECONDS)
+        except asyncio.TimeoutError:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                "the model is still loading; retry when health reports SERVING",
+                "the model directory is still being read; retry shortly",
             )
         return self.info
 

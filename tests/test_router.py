@@ -1,0 +1,286 @@
+"""End to end through the real SMG router (`smg launch`), OpenAI API in front of the worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import RunningWorker, worker_config
+from helpers import wait_until
+
+SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+pytestmark = pytest.mark.skipif(SMG is None, reason="the router (pip install smg) is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Router:
+    """`smg launch` in front of one worker, as the README says to run it."""
+
+    def __init__(self, worker_port: int, model_dir: Path, log: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                SMG,
+                "launch",
+                "--worker-urls",
+                f"grpc://127.0.0.1:{worker_port}",
+                "--model-path",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--health-check-interval-secs",
+                "1",
+                "--health-failure-threshold",
+                "1",
+                "--health-success-threshold",
+                "1",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+            ],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        assert wait_until(self._up, 60), log.read_text()[-3000:]
+
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, "the router exited"
+        try:
+            return urllib.request.urlopen(f"{self.base}/liveness", timeout=2).status == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    def worker_healthy(self) -> bool:
+        workers = self.get("/workers")["workers"]
+        return bool(workers) and all(w["is_healthy"] for w in workers)
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"{self.base}{path}", timeout=30) as r:
+            return json.load(r)
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(
+            f"{self.base}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.load(r)
+
+    def stream(self, path: str, body: dict) -> list[dict]:
+        req = urllib.request.Request(
+            f"{self.base}{path}",
+            json.dumps(
+                {**body, "stream": True, "stream_options": {"include_usage": True}}
+            ).encode(),
+            {"content-type": "application/json"},
+        )
+        events = []
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+        return events
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    worker = RunningWorker(worker_config(model_dir))
+    router = Router(worker.worker.port, model_dir, tmp_path_factory.mktemp("router") / "smg.log")
+    assert wait_until(router.worker_healthy, 30)
+    yield worker, router
+    router.stop()
+    worker.stop()
+
+
+NAME = "tiny-llama3"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def test_models_lists_the_served_name(stack):
+    _, router = stack
+    assert [m["id"] for m in router.get("/v1/models")["data"]] == [NAME]
+
+
+def test_completion_counts_and_usage(stack):
+    _, router = stack
+    r = router.post(
+        "/v1/completions", {"model": NAME, "prompt": "Hello world", "max_tokens": 7, **GREEDY}
+    )
+    usage = r["usage"]
+    assert usage["completion_tokens"] == 7 and r["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 7
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_streaming_completion(stack):
+    _, router = stack
+    events = router.stream(
+        "/v1/completions", {"model": NAME, "prompt": "Hello world", "max_tokens": 9, **GREEDY}
+    )
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == 9
+    whole = router.post(
+        "/v1/completions", {"model": NAME, "prompt": "Hello world", "max_tokens": 9, **GREEDY}
+    )
+    assert text == whole["choices"][0]["text"]
+    assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completion(stack, stream):
+    _, router = stack
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "max_tokens": 6,
+        **GREEDY,
+    }
+    if stream:
+        events = router.stream("/v1/chat/completions", body)
+        usage = events[-1]["usage"]
+        finish = [
+            c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")
+        ]
+    else:
+        r = router.post("/v1/chat/completions", body)
+        usage, finish = r["usage"], [r["choices"][0]["finish_reason"]]
+    assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] > 3
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert finish == ["length"]
+
+
+def test_temperature_zero_is_repeatable(stack):
+    _, router = stack
+    body = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 12, **GREEDY}
+    texts = {router.post("/v1/completions", body)["choices"][0]["text"] for _ in range(2)}
+    assert len(texts) == 1
+
+
+def test_stop_token_id_ends_with_stop(stack):
+    worker, router = stack
+    from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+    body = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 12, **GREEDY}
+    free = router.post("/v1/completions", body)
+    assert free["usage"]["completion_tokens"] == 12
+    # Ask the worker for the token ids behind that text, then stop on the fourth.
+    ids = [
+        t
+        for r in worker.stub.Generate(
+            pb.GenerateRequest(
+                text="The quick brown fox",
+                stream=False,
+                sampling_params=pb.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            )
+        )
+        for t in r.complete.output_ids
+    ]
+    stop = ids[3]
+    r = router.post("/v1/completions", {**body, "stop_token_ids": [stop]})
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == ids.index(stop) + 1
+
+
+def test_client_disconnect_makes_the_router_abort(stack):
+    worker, router = stack
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 1900, "stream": True, **GREEDY}
+    sock = socket.create_connection(("127.0.0.1", router.port))
+    payload = json.dumps(body).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    assert sock.recv(4096)  # the stream has started
+    assert wait_until(lambda: worker.active_requests() == 1, 5)
+    sock.close()
+    left = time.monotonic()
+    assert wait_until(lambda: worker.active_requests() == 0, 5)
+    assert time.monotonic() - left < 1.0
+    assert worker.worker.engine.running == 0
+
+
+def test_thirty_two_concurrent_chat_streams(stack):
+    worker, router = stack
+
+    def chat(i: int) -> int:
+        events = router.stream(
+            "/v1/chat/completions",
+            {
+                "model": NAME,
+                "messages": [{"role": "user", "content": f"Question number {i}"}],
+                "max_tokens": 16,
+                **GREEDY,
+            },
+        )
+        return events[-1]["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(chat, range(32))) == [16] * 32
+    assert worker.active_requests() == 0
+
+
+def test_router_sees_the_worker_healthy_only_when_ready(model_dir, tmp_path, monkeypatch):
+    from smg_mlx import engine_loop
+
+    release = threading.Event()
+    load = engine_loop.BatchLoop.__init__
+
+    def slow_load(self, config):
+        release.wait(60)  # hold the engine in its loading phase
+        load(self, config)
+
+    monkeypatch.setattr(engine_loop.BatchLoop, "__init__", slow_load)
+    port = free_port()
+    holder = {}
+    starting = threading.Thread(
+        target=lambda: holder.update(w=RunningWorker(worker_config(model_dir, port=port)))
+    )
+    starting.start()
+    router = Router(port, model_dir, tmp_path / "smg.log")
+    try:
+        # The worker listens and answers NOT_SERVING while it loads: the router must wait.
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            assert not router.worker_healthy()
+            time.sleep(0.2)
+        release.set()
+        starting.join(60)
+        assert wait_until(router.worker_healthy, 30)
+        body = {"model": NAME, "prompt": "Hi", "max_tokens": 3, **GREEDY}
+        assert router.post("/v1/completions", body)["usage"]["completion_tokens"] == 3
+        assert holder["w"].stop() == 0
+        assert wait_until(lambda: not router.worker_healthy(), 30)
+    finally:
+        release.set()
+        router.stop()
+        if "w" in holder:
+            holder["w"].stop()
