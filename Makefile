@@ -20,7 +20,7 @@ PORT ?= 50051
 MODEL ?=
 SERVE_ARGS ?=
 
-.PHONY: install stubs serve test lint clean
+.PHONY: install stubs serve test lint bench soak clean
 
 install: $(STAMP) $(STUBS)
 
@@ -51,6 +51,14 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Engine ceiling vs this worker vs the peer worker; BENCH_ARGS=--short for a quick run.
+bench: install
+	$(PY) -m bench $(BENCH_ARGS)
+
+# Long soak (not part of `make test`): thousands of requests, random cancellations.
+soak: install
+	$(PY) -m pytest -q -s -m slow tests/test_soak.py
 
 clean:
 	rm -rf $(VENV) smg_mlx/grpc_stubs .pytest_cache .ruff_cache
