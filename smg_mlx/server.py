@@ -15,8 +15,9 @@ from grpc_reflection.v1alpha import reflection
 
 from smg_mlx.config import ServerConfig
 from smg_mlx.engine import Engine, EngineState
-from smg_mlx.grpc_stubs import mlx_engine_pb2, mlx_engine_pb2_grpc
+from smg_mlx.grpc_stubs import mlx_engine_pb2
 from smg_mlx.model_info import load_model_info
+from smg_mlx.rpc_handlers import engine_handler
 from smg_mlx.servicer import MlxEngineServicer
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,9 @@ ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_na
 HEALTH_NAMES = ("", ENGINE_SERVICE)  # "" is the whole server, as Kubernetes probes ask
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Room for very long prompts (a 1M-token prompt is about 5 MB of ids); larger
+# requests get RESOURCE_EXHAUSTED from gRPC itself.
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 class StartupError(RuntimeError):
@@ -52,8 +56,10 @@ class Worker:
         )
         self.health = health.aio.HealthServicer()
         self.engine.on_failure(self._on_engine_failure)
-        self.server = grpc.aio.server()
-        mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(self.servicer, self.server)
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
+        )
+        self.server.add_generic_rpc_handlers((engine_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

@@ -1,0 +1,67 @@
+"""Registers the MlxEngine methods so that unparseable requests get INVALID_ARGUMENT.
+
+grpcio's generated registration parses requests before the handler runs and
+answers a malformed one with UNKNOWN and a Python exception name. Here each
+method receives raw bytes and parses them itself, so a client sending the wrong
+message (or garbage) is told what is wrong with the status that says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import message, message_factory
+
+from smg_mlx.grpc_stubs import mlx_engine_pb2
+
+SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"]
+
+
+async def _parse(raw: bytes, cls: type[message.Message], context: grpc.aio.ServicerContext):
+    try:
+        return cls.FromString(raw)
+    except message.DecodeError as exc:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid {cls.DESCRIPTOR.full_name} ({exc}); "
+            "build it from proto/mlx_engine.proto",
+        )
+
+
+def _unary(impl: Callable, cls: type[message.Message]) -> Callable:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await impl(await _parse(raw, cls, context), context)
+
+    return handle
+
+
+def _streaming(impl: Callable, cls: type[message.Message]) -> Callable:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for reply in impl(await _parse(raw, cls, context), context):
+            yield reply
+
+    return handle
+
+
+def engine_handler(servicer: Any) -> grpc.GenericRpcHandler:
+    """The MlxEngine service's handlers, calling the servicer's methods by name."""
+    handlers = {}
+    for method in SERVICE.methods:
+        cls = message_factory.GetMessageClass(method.input_type)
+        impl = getattr(servicer, method.name)
+        if method.server_streaming:
+            handler = grpc.unary_stream_rpc_method_handler(
+                _streaming(impl, cls), response_serializer=_serialize
+            )
+        else:
+            handler = grpc.unary_unary_rpc_method_handler(
+                _unary(impl, cls), response_serializer=_serialize
+            )
+        handlers[method.name] = handler
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+
+
+def _serialize(reply: message.Message) -> bytes:
+    return reply.SerializeToString()
