@@ -10,6 +10,7 @@ from pathlib import Path
 
 from smg_mlx.config import EngineConfig, ServerConfig
 from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
+from smg_mlx.request_log import JsonFormatter
 
 
 def _positive(value: str) -> int:
@@ -75,21 +76,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long in-flight requests may run before they are aborted",
     )
     serve.add_argument(
+        "--tls-cert",
+        type=Path,
+        help="PEM certificate (chain) to serve TLS with; needs --tls-key",
+    )
+    serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="log verbosity",
+    )
+    serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="json: one JSON object per line (request lines carry their fields as keys)",
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if args.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     log = logging.getLogger("smg_mlx")
     if args.model is not None and not (args.model / "config.json").is_file():
         log.error("%s is not a model directory (no config.json); pass an mlx-lm model", args.model)
@@ -97,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_pending < 0:
         log.error("--max-pending must be 0 or more, got %d", args.max_pending)
         return 2
+    if (args.tls_cert is None) != (args.tls_key is None):
+        log.error("TLS needs both --tls-cert and --tls-key")
+        return 2
+    for pem in (args.tls_cert, args.tls_key):
+        if pem is not None and not pem.is_file():
+            log.error("%s is not a readable file", pem)
+            return 2
     model_path = args.model
     if args.demo:
         log.warning(
@@ -116,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name,
         max_pending=args.max_pending,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        metrics_port=args.metrics_port,
     )
     from smg_mlx.server import run  # after logging is set up; pulls in grpc
 

@@ -24,3 +24,7 @@ class ServerConfig:
     served_model_name: str | None = None
     max_pending: int = 256
     shutdown_grace_seconds: float = 30.0
+    # PEM files; both set means the port speaks TLS only.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    metrics_port: int | None = None  # None: no /metrics endpoint

@@ -19,6 +19,7 @@ import enum
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -67,16 +68,27 @@ class Job:
     finish_reason: str | None = None
     error: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Event-loop clock readings, for TTFT, inter-token latency and duration.
+    arrived_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    token_gaps: list[float] = field(default_factory=list)
+    ended_at: float = 0.0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def apply(self, event: Event) -> None:
+    def apply(self, event: Event, now: float) -> None:
         if self.done:  # e.g. an abort racing a natural finish
             return
         if event.token is not None:
             self.tokens.append(event.token)
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.token_gaps.append(now - self.last_token_at)
+            self.last_token_at = now
             if event.logprobs is not None:
                 self.logprobs.append(event.logprobs)
         self.finish_reason = event.finish_reason
@@ -103,6 +115,8 @@ class Engine:
         self.state = EngineState.STARTING
         self.failure: str | None = None
         self.running = 0  # sequences in the batch, as last seen by the engine thread
+        # What BatchGenerator itself holds; equals `running` unless a slot leaked.
+        self.generator_sequences = 0
         self._loop = loop
         self._inbox: deque[Job] = deque()
         self._aborts: set[int] = set()
@@ -111,6 +125,7 @@ class Engine:
         self._stop = False
         self._ready: asyncio.Future[None] = loop.create_future()
         self._failure_listeners: list[Callable[[str], None]] = []
+        self._step_listeners: list[Callable[[float, int], None]] = []
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         # Test hook: when set, the engine thread raises this before its next step.
         self.inject_failure: BaseException | None = None
@@ -163,9 +178,17 @@ class Engine:
     def _set_stopped(self) -> None:
         self.state = EngineState.STOPPED
 
-    def _deliver(self, events: list[Event]) -> None:
+    def on_step(self, listener: Callable[[float, int], None]) -> None:
+        """Call `listener(step_seconds, batch_size)` on the event loop after each step."""
+        self._step_listeners.append(listener)
+
+    def _deliver(self, events: list[Event], step: tuple[float, int] | None = None) -> None:
+        now = time.monotonic()
         for event in events:
-            event.job.apply(event)
+            event.job.apply(event, now)
+        if step is not None:
+            for listener in self._step_listeners:
+                listener(*step)
 
     # ---- the engine thread ----
 
@@ -217,14 +240,18 @@ class Engine:
                 held[:] = [j for j in held if j.key not in aborts]
                 events += [Event(j, finish_reason="abort") for j in batch.remove(aborts)]
             if held:
-                batch.admit(held)
+                events += batch.admit(held)
                 held[:] = []
             if self.inject_failure is not None:
                 raise self.inject_failure
+            step = None
             if batch.has_work:
+                size, started = batch.size, time.perf_counter()
                 events += batch.step()
+                step = (time.perf_counter() - started, size)
             self.running = batch.size
-            if events:
-                self._post(self._deliver, events)
+            self.generator_sequences = batch.generator_sequences
+            if events or step:
+                self._post(self._deliver, events, step)
             if not batch.has_work:
                 self._wake.wait()

@@ -66,6 +66,12 @@ class BatchLoop:
     def size(self) -> int:
         return len(self._jobs)
 
+    @property
+    def generator_sequences(self) -> int:
+        """Sequences BatchGenerator itself holds (queued, prefilling, decoding)."""
+        g = self._generator
+        return len(g._unprocessed_sequences) + len(g._prompt_batch) + len(g._generation_batch)
+
     def jobs(self) -> list[Job]:
         return list(self._jobs.values())
 
@@ -74,19 +80,38 @@ class BatchLoop:
             self._stops[ids] = StopSequences([[t] for t in sorted(ids)])
         return self._stops[ids]
 
-    def admit(self, jobs: list[Job]) -> None:
-        """Insert new jobs; they start prefill at the next step."""
-        specs = [job.spec for job in jobs]
-        uids = self._generator.insert(
-            [list(s.prompt) for s in specs],
-            max_tokens=[s.max_tokens for s in specs],
-            samplers=[self._samplers.sampler(s.sampling) for s in specs],
-            logits_processors=[self._samplers.processors(s.logits) for s in specs],
-            stop_sequences=[self._stop_sequences(s.stop_token_ids) for s in specs],
-        )
-        for uid, job in zip(uids, jobs, strict=True):
-            self._jobs[uid] = job
-            self._uids[job.key] = uid
+    def admit(self, jobs: list[Job]) -> list[Event]:
+        """Insert new jobs (they start prefill at the next step). A job whose
+        sampling setup fails ends with an error event instead of reaching the batch."""
+        accepted, options, failed = [], [], []
+        for job in jobs:
+            spec = job.spec
+            try:
+                options.append(
+                    (
+                        self._samplers.sampler(spec.sampling),
+                        self._samplers.processors(spec.logits),
+                        self._stop_sequences(spec.stop_token_ids),
+                    )
+                )
+            except Exception as exc:  # noqa: BLE001 - one request's fault, not the engine's
+                log.exception("request %s cannot start", job.request_id)
+                failed.append(Event(job, error=f"the request could not start: {exc!r}"))
+                continue
+            accepted.append(job)
+        if accepted:
+            samplers, processors, stops = zip(*options, strict=True)
+            uids = self._generator.insert(
+                [list(job.spec.prompt) for job in accepted],
+                max_tokens=[job.spec.max_tokens for job in accepted],
+                samplers=list(samplers),
+                logits_processors=list(processors),
+                stop_sequences=list(stops),
+            )
+            for uid, job in zip(uids, accepted, strict=True):
+                self._jobs[uid] = job
+                self._uids[job.key] = uid
+        return failed
 
     def remove(self, keys: Iterable[int]) -> list[Job]:
         """Drop the jobs with these keys from the batch; unknown keys are ignored."""

@@ -81,21 +81,22 @@ def prompt_ids(request: Any, info: ModelInfo, tokenizer: Any) -> tuple[int, ...]
     else:
         ids = tuple(request.tokenized.input_ids)
     _check(bool(ids), "the prompt has no tokens: send at least one input id")
+    # Length first: it is cheap, and a huge prompt should not be scanned.
+    _check(
+        len(ids) < info.context_length,
+        f"the prompt has {len(ids)} tokens; this model's context length is "
+        f"{info.context_length}, so prompts must be shorter than that",
+    )
     bad = [t for t in ids if t >= info.vocab_size]
     _check(
         not bad,
         f"token id {bad[0] if bad else 0} is outside the vocabulary "
         f"(ids must be below {info.vocab_size})",
     )
-    _check(
-        len(ids) < info.context_length,
-        f"the prompt has {len(ids)} tokens; this model's context length is "
-        f"{info.context_length}, so prompts must be shorter than that",
-    )
     return ids
 
 
-def sampling_settings(params: Any) -> SamplingSettings:
+def sampling_settings(params: Any, vocab_size: int) -> SamplingSettings:
     temperature = 1.0
     if params.HasField("temperature"):
         temperature = _finite("temperature", params.temperature)
@@ -108,9 +109,11 @@ def sampling_settings(params: Any) -> SamplingSettings:
     return SamplingSettings(
         temperature=temperature,
         top_p=top_p or 1.0,
-        top_k=params.top_k,
+        # Keeping the whole vocabulary or more is no filter at all.
+        top_k=params.top_k if params.top_k < vocab_size else 0,
         min_p=min_p,
-        seed=params.seed if params.HasField("seed") else None,
+        # MLX random keys take unsigned seeds; a negative int32 maps to its bits.
+        seed=params.seed % 2**32 if params.HasField("seed") else None,
     )
 
 
@@ -161,7 +164,7 @@ def generation_spec(request: Any, info: ModelInfo, tokenizer: Any) -> Generation
         prompt=prompt,
         max_tokens=max_tokens,
         stop_token_ids=frozenset(stops),
-        sampling=sampling_settings(params),
+        sampling=sampling_settings(params, info.vocab_size),
         logits=logits_settings(params, info.vocab_size),
         logprobs=logprobs,
     )

@@ -8,6 +8,8 @@ message (or garbage) is told what is wrong with the status that says so.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -30,34 +32,63 @@ async def _parse(raw: bytes, cls: type[message.Message], context: grpc.aio.Servi
         )
 
 
-def _unary(impl: Callable, cls: type[message.Message]) -> Callable:
+def _ended_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
+    """The status the client sees, as far as the server can tell."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        return "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return "OK" if exc is None else "UNKNOWN"
+
+
+def _unary(impl: Callable, cls: type[message.Message], ended: Callable[[str], None]) -> Callable:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        return await impl(await _parse(raw, cls, context), context)
+        try:
+            reply = await impl(await _parse(raw, cls, context), context)
+        except BaseException as exc:
+            ended(_ended_code(context, exc))
+            raise
+        ended(_ended_code(context, None))
+        return reply
 
     return handle
 
 
-def _streaming(impl: Callable, cls: type[message.Message]) -> Callable:
+def _streaming(
+    impl: Callable, cls: type[message.Message], ended: Callable[[str], None]
+) -> Callable:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for reply in impl(await _parse(raw, cls, context), context):
-            yield reply
+        try:
+            async for reply in impl(await _parse(raw, cls, context), context):
+                yield reply
+        except BaseException as exc:
+            ended(_ended_code(context, exc))
+            raise
+        ended(_ended_code(context, None))
 
     return handle
 
 
-def engine_handler(servicer: Any) -> grpc.GenericRpcHandler:
-    """The MlxEngine service's handlers, calling the servicer's methods by name."""
+def engine_handler(
+    servicer: Any, rpc_ended: Callable[[str, str], None]
+) -> grpc.GenericRpcHandler:
+    """The MlxEngine service's handlers, calling the servicer's methods by name;
+    `rpc_ended(method, status code name)` hears how each call ended."""
     handlers = {}
     for method in SERVICE.methods:
         cls = message_factory.GetMessageClass(method.input_type)
         impl = getattr(servicer, method.name)
+        ended = functools.partial(rpc_ended, method.name)
         if method.server_streaming:
             handler = grpc.unary_stream_rpc_method_handler(
-                _streaming(impl, cls), response_serializer=_serialize
+                _streaming(impl, cls, ended), response_serializer=_serialize
             )
         else:
             handler = grpc.unary_unary_rpc_method_handler(
-                _unary(impl, cls), response_serializer=_serialize
+                _unary(impl, cls, ended), response_serializer=_serialize
             )
         handlers[method.name] = handler
     return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_mlx.config import ServerConfig
 from smg_mlx.engine import Engine, EngineState
 from smg_mlx.grpc_stubs import mlx_engine_pb2
+from smg_mlx.metrics import Metrics
 from smg_mlx.model_info import load_model_info
 from smg_mlx.rpc_handlers import engine_handler
 from smg_mlx.servicer import MlxEngineServicer
@@ -51,19 +52,33 @@ class Worker:
         self.port: int | None = None
         self._stop_requested = asyncio.Event()
         self.engine = Engine(config.engine, asyncio.get_running_loop())
+        self.metrics = Metrics(
+            active=lambda: self.servicer.active_requests, running=lambda: self.engine.running
+        )
+        self.engine.on_step(self.metrics.step)
         self.servicer = MlxEngineServicer(
-            self.engine, capacity=config.engine.completion_batch_size + config.max_pending
+            self.engine,
+            capacity=config.engine.completion_batch_size + config.max_pending,
+            metrics=self.metrics,
         )
         self.health = health.aio.HealthServicer()
         self.engine.on_failure(self._on_engine_failure)
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
         )
-        self.server.add_generic_rpc_handlers((engine_handler(self.servicer),))
+        self.server.add_generic_rpc_handlers(
+            (engine_handler(self.servicer, self.metrics.rpc_ended),)
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
+
+    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+        cert, key = self.config.tls_cert, self.config.tls_key
+        if cert is None or key is None:
+            return None
+        return grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
 
     async def _set_health(self, status: int) -> None:
         for name in HEALTH_NAMES:
@@ -78,11 +93,30 @@ class Worker:
         await self._set_health(NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
-        except RuntimeError as exc:
+            credentials = self._tls_credentials()
+            if credentials is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, credentials)
+        except (OSError, RuntimeError) as exc:
             raise StartupError(f"cannot listen on {address}: {exc}") from exc
         await self.server.start()
-        log.info("listening on %s:%d; loading %s", self.config.host, self.port, self.model_dir)
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics.serve(self.config.host, self.config.metrics_port)
+            except OSError as exc:
+                await self.server.stop(None)
+                raise StartupError(
+                    f"cannot serve metrics on {self.config.host}:{self.config.metrics_port}: {exc}"
+                ) from exc
+            log.info("metrics on http://%s:%d/metrics", self.config.host, self.config.metrics_port)
+        log.info(
+            "listening on %s:%d (%s); loading %s",
+            self.config.host,
+            self.port,
+            "TLS" if credentials else "plaintext",
+            self.model_dir,
+        )
         started = time.perf_counter()
         try:
             # Model facts need no weights: GetModelInfo answers while the
@@ -97,6 +131,7 @@ class Worker:
         except Exception as exc:
             await self.server.stop(None)
             raise StartupError(f"cannot serve {self.model_dir}: {exc}") from exc
+        self.metrics.model_load_seconds.set(time.perf_counter() - started)
         await self._set_health(SERVING)
         log.info(
             "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs",

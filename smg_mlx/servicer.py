@@ -15,9 +15,10 @@ from typing import Any
 
 import grpc
 
-from smg_mlx import responses
+from smg_mlx import request_log, responses
 from smg_mlx.engine import Engine, EngineState, EngineUnavailable, Job
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
+from smg_mlx.metrics import Metrics
 from smg_mlx.model_info import ModelInfo
 from smg_mlx.request_translation import InvalidRequest, generation_spec
 from smg_mlx.tokenizer_files import chunks, tokenizer_zip
@@ -29,8 +30,9 @@ MODEL_INFO_WAIT_SECONDS = 60.0
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
-    def __init__(self, engine: Engine, *, capacity: int) -> None:
+    def __init__(self, engine: Engine, *, capacity: int, metrics: Metrics) -> None:
         self._engine = engine
+        self._metrics = metrics
         self._capacity = capacity  # running batch plus --max-pending waiting
         self._jobs: dict[str, Job] = {}
         self._started = time.monotonic()
@@ -107,6 +109,13 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             del self._jobs[request_id]
             if not job.done:  # the client left or its deadline passed
                 self._engine.abort([job])
+            self._request_ended(job)
+
+    def _request_ended(self, job: Job) -> None:
+        job.ended_at = time.monotonic()
+        outcome = "error" if job.error else job.finish_reason or "cancelled"
+        self._metrics.request_ended(job, outcome)
+        request_log.request_ended(job, outcome)
 
     @staticmethod
     async def _responses(job: Job, stream: bool) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 1024
 # What the router's tokenizer loader reads, plus the configs that name special tokens.
@@ -27,14 +30,32 @@ TOKENIZER_FILES = (
 )
 
 
+def _servable(path: Path, model_root: Path) -> bool:
+    """Whether a listed file may be served. Symlinks are followed only to a
+    regular file that is itself a listed file of the model directory, or a blob
+    of the Hugging Face cache a snapshot directory (snapshots/<rev>/) links into,
+    so a link named vocab.json never hands out the weights or /etc/passwd."""
+    real = path.resolve()
+    if not real.is_file():
+        return False
+    if real.parent == model_root:
+        return real.name in TOKENIZER_FILES
+    return model_root.parent.name == "snapshots" and real.parent == (
+        model_root.parent.parent / "blobs"
+    )
+
+
 def tokenizer_zip(model_dir: Path) -> tuple[bytes, str]:
-    """The zip archive and its sha256 hex. Only regular files with listed names go in."""
+    """The zip archive and its sha256 hex: the listed files that are servable."""
+    model_root = model_dir.resolve()
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for name in TOKENIZER_FILES:
             path = model_dir / name
-            if path.is_file():
+            if _servable(path, model_root):
                 archive.writestr(name, path.read_bytes())
+            elif path.exists() or path.is_symlink():
+                log.warning("not serving %s: it is not a tokenizer file of the model", path)
     data = buffer.getvalue()
     return data, hashlib.sha256(data).hexdigest()
 

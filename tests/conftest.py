@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import Process
 
 from smg_mlx.config import EngineConfig, ServerConfig
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -101,3 +102,17 @@ def worker(model_dir: Path) -> Iterator[RunningWorker]:
     running = RunningWorker(worker_config(model_dir))
     yield running
     running.stop()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator:
+    """Start `python -m smg_mlx serve` subprocesses; all are killed at the end."""
+    procs = []
+
+    def start(*args: str) -> Process:
+        procs.append(Process(tmp_path, *args))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.close()

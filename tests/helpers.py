@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass
@@ -64,3 +75,42 @@ def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """`python -m smg_mlx serve` as a real subprocess."""
+
+    def __init__(self, tmp_path, *args: str) -> None:
+        self.port = free_port()
+        self.log = tmp_path / f"worker-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "smg_mlx", "serve", "--port", str(self.port), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+        )
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = mlx_engine_pb2_grpc.MlxEngineStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def check(self, service: str = "") -> int:
+        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def wait_serving(self, timeout: float = 60) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout)
+        assert wait_until(lambda: self.check() == SERVING, timeout), self.log.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

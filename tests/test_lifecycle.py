@@ -6,75 +6,19 @@ import hashlib
 import io
 import json
 import signal
-import socket
-import subprocess
-import sys
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import collect, generate, prompt, request, wait_until
+from helpers import NOT_SERVING, SERVING, collect, generate, prompt, request, wait_until
 
-from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
+from smg_mlx.grpc_stubs import common_pb2
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 ENGINE = "mlx.grpc.engine.MlxEngine"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Process:
-    """`python -m smg_mlx serve` as a real subprocess."""
-
-    def __init__(self, tmp_path, *args: str) -> None:
-        self.port = free_port()
-        self.log = tmp_path / f"worker-{self.port}.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "smg_mlx", "serve", "--port", str(self.port), *args],
-            stdout=subprocess.DEVNULL,
-            stderr=self.log.open("w"),
-        )
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = mlx_engine_pb2_grpc.MlxEngineStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    def check(self, service: str = "") -> int:
-        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
-
-    def wait_serving(self, timeout: float = 60) -> None:
-        grpc.channel_ready_future(self.channel).result(timeout)
-        assert wait_until(lambda: self.check() == SERVING, timeout), self.log.read_text()
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-    def close(self) -> None:
-        self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def spawn(tmp_path):
-    procs = []
-
-    def start(*args: str) -> Process:
-        procs.append(Process(tmp_path, *args))
-        return procs[-1]
-
-    yield start
-    for p in procs:
-        p.close()
 
 
 def test_health_not_serving_until_ready_then_serving(spawn, model_dir):
@@ -121,6 +65,27 @@ def test_sigterm_aborts_what_outlives_the_grace_period(spawn, model_dir):
     assert time.monotonic() - started < 10
     for c in calls:
         assert collect(c).complete.finish_reason == "abort"
+    assert "Traceback" not in p.log.read_text()
+
+
+def test_sigterm_under_load_ends_every_stream_cleanly(spawn, model_dir):
+    p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "2")
+    p.wait_serving()
+    # Short requests finish within the grace period, long ones outlive it.
+    lengths = [30 if i % 2 else 1900 for i in range(16)]
+    calls = [
+        p.stub.Generate(request(prompt(20, i), max_tokens=n, ignore_eos=True), timeout=60)
+        for i, n in enumerate(lengths)
+    ]
+    for c in calls:
+        next(c)
+    with ThreadPoolExecutor(len(calls)) as pool:
+        ends = [pool.submit(collect, c) for c in calls]
+        p.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: p.check() == NOT_SERVING, 1)
+        reasons = [e.result(timeout=10).complete.finish_reason for e in ends]
+    assert reasons == ["length" if n == 30 else "abort" for n in lengths]
+    assert p.proc.wait(30) == 0
     assert "Traceback" not in p.log.read_text()
 
 

@@ -1,0 +1,170 @@
+"""The fault matrix: malformed, oversized and hostile requests.
+
+Each case checks the status code and the message a client sees, and that the
+worker still serves a normal request afterwards (see also test_validation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from helpers import generate, prompt, request, wait_until
+
+from smg_mlx import sampling
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+
+GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"
+ABORT = "/mlx.grpc.engine.MlxEngine/Abort"
+
+
+def assert_still_serving(worker) -> None:
+    assert len(generate(worker.stub, prompt(3), max_tokens=2).tokens) == 2
+    assert wait_until(lambda: worker.active_requests() == 0)
+
+
+def send_raw(worker, method: str, payload: bytes):
+    """Send bytes as they are, the way a buggy or hostile client would."""
+    if method == GENERATE:
+        call = worker.channel.unary_stream(
+            method, response_deserializer=pb.GenerateResponse.FromString
+        )
+        return list(call(payload, timeout=30))
+    return worker.channel.unary_unary(method, response_deserializer=pb.AbortResponse.FromString)(
+        payload, timeout=30
+    )
+
+
+MALFORMED = [
+    ("garbage", GENERATE, b"\xff\xff\xff\xff", "not a valid mlx.grpc.engine.GenerateRequest"),
+    ("truncated", GENERATE, b"\x0a\x10ab", "not a valid mlx.grpc.engine.GenerateRequest"),
+    ("bad utf-8 in a string", GENERATE, b"\x0a\x02\xff\xfe", "bad UTF-8"),
+    # A field sent with the wrong wire type is skipped, which leaves no input.
+    ("request_id as a number", GENERATE, b"\x08\x05", "no input"),
+    ("abort garbage", ABORT, b"\xff\xff\xff\xff", "not a valid mlx.grpc.engine.AbortRequest"),
+]
+
+
+@pytest.mark.parametrize(
+    "method,payload,needle", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED]
+)
+def test_malformed_message_is_invalid_argument(worker, method, payload, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        send_raw(worker, method, payload)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+    assert_still_serving(worker)
+
+
+def test_request_over_the_size_limit_is_resource_exhausted(worker):
+    # 6M ids of 3 bytes each: about 18 MB, over the 16 MiB limit.
+    huge = request([70000] * 6_000_000)
+    with pytest.raises(grpc.RpcError) as err:
+        list(worker.stub.Generate(huge, timeout=60))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in err.value.details()
+    assert_still_serving(worker)
+
+
+def test_huge_repeated_fields_under_the_limit_are_refused_by_validation(worker):
+    with pytest.raises(grpc.RpcError) as err:
+        list(worker.stub.Generate(request([5] * 2_000_000), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2000000 tokens" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(
+            worker.stub.Generate(
+                request([5], stop_token_ids=list(range(1000, 500_000))), timeout=60
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stop_token_ids" in err.value.details()
+    assert_still_serving(worker)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": 0.8, "top_k": 4_000_000_000},  # beyond the vocabulary: no filter
+        {"temperature": 0.8, "seed": -7},  # int32 seeds may be negative
+        {"temperature": 0.8, "top_k": 1, "top_p": 0.01, "min_p": 1.0},
+        {"logit_bias": {k: 1e30 for k in range(0, 300, 7)}},
+        {"repetition_penalty": 1e-30, "frequency_penalty": -1e30},
+    ],
+    ids=[
+        "top_k above vocab",
+        "negative seed",
+        "strictest filters",
+        "huge bias",
+        "extreme penalties",
+    ],
+)
+def test_edge_settings_never_reach_the_engine_as_faults(worker, settings):
+    r = generate(worker.stub, prompt(5), max_tokens=4, ignore_eos=True, **settings)
+    assert len(r.tokens) == 4
+    assert r.complete.finish_reason == "length"
+    assert_still_serving(worker)
+
+
+def test_a_request_that_fails_to_start_fails_alone(start_worker, model_dir, monkeypatch):
+    broken = sampling.make_sampler
+
+    def make_sampler(settings):
+        if settings.seed == 666:
+            raise ValueError("sampler exploded")
+        return broken(settings)
+
+    monkeypatch.setattr(sampling, "make_sampler", make_sampler)
+    w = start_worker(model_dir)
+    neighbour = w.stub.Generate(request(prompt(4), max_tokens=200), timeout=60)
+    next(neighbour)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(w.stub, prompt(4), temperature=0.5, seed=666, max_tokens=3)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "could not start" in err.value.details() and "sampler exploded" in err.value.details()
+    # The batch it would have joined carries on.
+    assert sum(len(c.chunk.token_ids) for c in neighbour) == 199
+    assert_still_serving(w)
+
+
+def test_abort_with_no_ids_or_ten_thousand(worker):
+    assert send_raw(worker, ABORT, b"") == pb.AbortResponse()
+    running = worker.stub.Generate(request(prompt(4), request_id="victim", max_tokens=1900))
+    next(running)
+    ids = [f"unknown-{i}" for i in range(10_000)]
+    ids[5_000] = "victim"
+    worker.stub.Abort(pb.AbortRequest(request_ids=ids), timeout=10)
+    last = list(running)[-1]
+    assert last.complete.finish_reason == "abort"
+    assert_still_serving(worker)
+
+
+def test_overload_burst_rejects_the_excess_at_once(start_worker, model_dir):
+    batch, pending = 2, 4
+    w = start_worker(model_dir, completion_batch_size=batch, max_pending=pending)
+
+    async def burst() -> list[tuple[str, float]]:
+        loop = asyncio.get_running_loop()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{w.worker.port}") as channel:
+            stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
+
+            async def one(i: int) -> tuple[str, float]:
+                req = request(prompt(8, i), max_tokens=150, ignore_eos=True)
+                try:
+                    last = [r async for r in stub.Generate(req, timeout=60)][-1]
+                    return last.complete.finish_reason, loop.time()
+                except grpc.aio.AioRpcError as err:
+                    assert "full" in err.details()
+                    return err.code().name, loop.time()
+
+            return await asyncio.gather(*(one(i) for i in range(4 * pending)))
+
+    ends = asyncio.run(burst())
+    served = [t for outcome, t in ends if outcome == "length"]
+    refused = [t for outcome, t in ends if outcome == "RESOURCE_EXHAUSTED"]
+    assert len(served) == batch + pending and len(refused) == 4 * pending - batch - pending
+    # Refusals do not wait for the work in front of them.
+    assert max(refused) < min(served)
+    assert_still_serving(w)

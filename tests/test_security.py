@@ -1,0 +1,134 @@
+"""Security basics: loopback by default, optional TLS, GetTokenizer serves tokenizer files only."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import ipaddress
+import shutil
+import zipfile
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import SERVING, generate, prompt, wait_until
+
+from smg_mlx.cli import build_parser
+from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
+
+
+def test_default_host_is_loopback():
+    args = build_parser().parse_args(["serve", "--demo"])
+    assert args.host == "127.0.0.1"
+
+
+def self_signed(tmp_path):
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "smg-mlx test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    (tmp_path / "cert.pem").write_bytes(cert_pem)
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return tmp_path / "cert.pem", tmp_path / "key.pem", cert_pem
+
+
+def test_tls_with_a_self_signed_certificate(spawn, model_dir, tmp_path):
+    cert, key, cert_pem = self_signed(tmp_path)
+    p = spawn("--model", str(model_dir), "--tls-cert", str(cert), "--tls-key", str(key))
+    channel = grpc.secure_channel(f"127.0.0.1:{p.port}", grpc.ssl_channel_credentials(cert_pem))
+    health = health_pb2_grpc.HealthStub(channel)
+    grpc.channel_ready_future(channel).result(60)
+
+    def serving():
+        return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING
+
+    assert wait_until(serving, 60), p.log.read_text()
+    stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
+    assert len(generate(stub, prompt(4), max_tokens=3).tokens) == 3
+    # A plaintext client cannot talk to a TLS port.
+    with pytest.raises(grpc.RpcError) as err:
+        health_pb2_grpc.HealthStub(p.channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.close()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tls-cert", "cert.pem"], "needs both --tls-cert and --tls-key"),
+        (["--tls-cert", "missing.pem", "--tls-key", "key.pem"], "missing.pem is not a readable"),
+        (["--tls-cert", "garbage.pem", "--tls-key", "garbage.pem"], "cannot listen on"),
+    ],
+    ids=["cert without key", "missing file", "not PEM"],
+)
+def test_bad_tls_settings_are_refused(spawn, model_dir, tmp_path, args, message):
+    self_signed(tmp_path)
+    (tmp_path / "garbage.pem").write_text("not a certificate")
+    p = spawn(
+        "--model", str(model_dir), *[str(tmp_path / a) if a.endswith(".pem") else a for a in args]
+    )
+    assert p.proc.wait(60) != 0
+    assert message in p.log.read_text()
+
+
+def tokenizer_names(worker_stub) -> dict[str, bytes]:
+    data = b"".join(c.data for c in worker_stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    return {name: archive.read(name) for name in archive.namelist()}
+
+
+def test_tokenizer_bundle_never_follows_links_out_of_the_model(start_worker, model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not serve me")
+    # Listed names that point outside the model directory, or at a non-tokenizer file.
+    (model / "tiktoken.model").symlink_to(secret)
+    (model / "merges.txt").symlink_to(model / "model.safetensors")
+    (model / "vocab.txt").symlink_to("/etc/passwd")
+    (model / "special_tokens_map.json").mkdir()
+    (model / "tokenizer.model").symlink_to(model / "nowhere")
+    w = start_worker(model)
+    files = tokenizer_names(w.stub)
+    assert set(files) == {"tokenizer.json", "tokenizer_config.json", "config.json"}
+    assert files["tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
+
+
+def test_tokenizer_files_in_a_hub_cache_snapshot_are_served(start_worker, model_dir, tmp_path):
+    # Hugging Face's cache keeps files in blobs/ and symlinks them from snapshots/<rev>/.
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in model_dir.iterdir():
+        blob = blobs / f"blob-{f.name}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(f"../../blobs/{blob.name}")
+    w = start_worker(snapshot)
+    files = tokenizer_names(w.stub)
+    assert files["tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
+    assert "config.json" in files
