@@ -1,0 +1,128 @@
+"""Prometheus metrics and per-request log lines move by what the requests did."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import urllib.request
+
+import grpc
+import pytest
+from helpers import free_port, generate, prompt, request, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.request_log import JsonFormatter
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, keyed by name and sorted labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def moved(before: dict, after: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@pytest.fixture
+def metered(start_worker, model_dir):
+    port = free_port()
+    return start_worker(model_dir, metrics_port=port), port
+
+
+def test_counters_move_by_what_requests_did(metered):
+    w, port = metered
+    before = scrape(port)
+    sizes = [(5, 7), (12, 3), (30, 10)]  # (prompt tokens, generated tokens)
+    for i, (p, n) in enumerate(sizes):
+        generate(w.stub, prompt(p, i), max_tokens=n, ignore_eos=True)
+    with pytest.raises(grpc.RpcError):
+        generate(w.stub, [])
+    call = w.stub.Generate(request(prompt(4), request_id="gone", max_tokens=1900), timeout=60)
+    next(call)
+    w.stub.Abort(pb.AbortRequest(request_ids=["gone"]))
+    aborted = sum(len(r.chunk.token_ids) for r in call) + 1  # the first chunk had one token
+    assert wait_until(lambda: w.active_requests() == 0)
+    after = scrape(port)
+
+    def m(name, **labels):
+        return moved(before, after, name, **labels)
+
+    assert m("smg_mlx_requests_total", finish_reason="length") == 3
+    assert m("smg_mlx_requests_total", finish_reason="abort") == 1
+    assert m("smg_mlx_grpc_requests_total", method="Generate", code="OK") == 4
+    assert m("smg_mlx_grpc_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert m("smg_mlx_grpc_requests_total", method="Abort", code="OK") == 1
+    assert m("smg_mlx_prompt_tokens_total") == sum(p for p, _ in sizes) + 4
+    assert m("smg_mlx_generation_tokens_total") == sum(n for _, n in sizes) + aborted
+    assert m("smg_mlx_time_to_first_token_seconds_count") == 4
+    assert m("smg_mlx_request_duration_seconds_count") == 4
+    # One gap between each pair of consecutive tokens of a request.
+    gaps = sum(n - 1 for _, n in sizes) + aborted - 1
+    assert m("smg_mlx_inter_token_latency_seconds_count") == gaps
+    assert m("smg_mlx_inter_token_latency_seconds_sum") > 0
+    steps = m("smg_mlx_engine_step_duration_seconds_count")
+    assert steps >= max(n for _, n in sizes)
+    assert m("smg_mlx_engine_batch_size_count") == steps
+    assert after[("smg_mlx_model_load_seconds", ())] > 0
+
+
+def test_running_and_queued_gauges(start_worker, model_dir):
+    port = free_port()
+    w = start_worker(model_dir, metrics_port=port, completion_batch_size=1)
+    calls = [w.stub.Generate(request(prompt(4, i), max_tokens=1900), timeout=60) for i in range(3)]
+    assert wait_until(lambda: w.active_requests() == 3)
+    now = scrape(port)
+    assert now[("smg_mlx_running_requests", ())] == 1
+    assert now[("smg_mlx_queued_requests", ())] == 2
+    for c in calls:
+        c.cancel()
+    assert wait_until(lambda: scrape(port)[("smg_mlx_running_requests", ())] == 0)
+    assert scrape(port)[("smg_mlx_requests_total", (("finish_reason", "cancelled"),))] == 3
+
+
+def test_metrics_port_in_use_is_a_clear_start_up_error(spawn, model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        p = spawn("--model", str(model_dir), "--metrics-port", str(taken.getsockname()[1]))
+        assert p.proc.wait(60) == 1
+    assert "cannot serve metrics on 127.0.0.1" in p.log.read_text()
+
+
+def test_one_log_line_per_request_with_its_id_and_counts(worker, caplog):
+    with caplog.at_level(logging.INFO, logger="smg_mlx.requests"):
+        generate(worker.stub, prompt(9), request_id="req-42", max_tokens=6, ignore_eos=True)
+        assert wait_until(lambda: any("req-42" in r.getMessage() for r in caplog.records))
+    lines = [r for r in caplog.records if "req-42" in r.getMessage()]
+    assert len(lines) == 1
+    text = lines[0].getMessage()
+    for part in (
+        "request_id=req-42",
+        "prompt_tokens=9",
+        "completion_tokens=6",
+        "finish_reason=length",
+    ):
+        assert part in text
+    entry = json.loads(JsonFormatter().format(lines[0]))
+    assert entry["request_id"] == "req-42"
+    assert entry["prompt_tokens"] == 9 and entry["completion_tokens"] == 6
+    assert entry["cached_tokens"] == 0 and entry["finish_reason"] == "length"
+    assert entry["ttft_ms"] >= 0 and entry["duration_ms"] >= entry["ttft_ms"]
+
+
+def test_json_log_format_flag(spawn, model_dir):
+    p = spawn("--model", str(model_dir), "--log-format", "json")
+    p.wait_serving()
+    generate(p.stub, prompt(3), request_id="json-1", max_tokens=2, ignore_eos=True)
+    p.stop()
+    entries = [json.loads(line) for line in p.log.read_text().splitlines() if line.startswith("{")]
+    assert any(e.get("request_id") == "json-1" and e["completion_tokens"] == 2 for e in entries)
+    assert any("SERVING" in e["message"] for e in entries)
