@@ -126,3 +126,23 @@ def test_json_log_format_flag(spawn, model_dir):
     entries = [json.loads(line) for line in p.log.read_text().splitlines() if line.startswith("{")]
     assert any(e.get("request_id") == "json-1" and e["completion_tokens"] == 2 for e in entries)
     assert any("SERVING" in e["message"] for e in entries)
+
+
+def test_deadline_and_cancel_are_told_apart(metered):
+    w, port = metered
+    before = scrape(port)
+    with pytest.raises(grpc.RpcError):
+        list(w.stub.Generate(request(prompt(4), max_tokens=1900), timeout=0.3))
+    call = w.stub.Generate(request(prompt(4), max_tokens=1900), timeout=60)
+    next(call)
+    call.cancel()
+    assert wait_until(lambda: w.active_requests() == 0)
+
+    def code_moved(code: str) -> float:
+        return moved(
+            before, scrape(port), "smg_mlx_grpc_requests_total", method="Generate", code=code
+        )
+
+    assert wait_until(lambda: code_moved("DEADLINE_EXCEEDED") == 1)
+    assert wait_until(lambda: code_moved("CANCELLED") == 1)
+    assert moved(before, scrape(port), "smg_mlx_requests_total", finish_reason="cancelled") == 2
