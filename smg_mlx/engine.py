@@ -114,8 +114,9 @@ class Engine:
         self.config = config
         self.state = EngineState.STARTING
         self.failure: str | None = None
-        self.running = 0  # sequences in the batch, as last seen by the engine thread
-        # What BatchGenerator itself holds; equals `running` unless a slot leaked.
+        # As last seen by the engine thread: sequences being prefilled or decoded,
+        # and all BatchGenerator holds (queued too; equal to our jobs unless a slot leaked).
+        self.running = 0
         self.generator_sequences = 0
         self._loop = loop
         self._inbox: deque[Job] = deque()
@@ -246,10 +247,13 @@ class Engine:
                 raise self.inject_failure
             step = None
             if batch.has_work:
-                size, started = batch.size, time.perf_counter()
-                events += batch.step()
-                step = (time.perf_counter() - started, size)
-            self.running = batch.size
+                started = time.perf_counter()
+                stepped = batch.step()
+                seconds = time.perf_counter() - started
+                # Those still running plus those that finished in this step.
+                step = (seconds, batch.running + sum(e.finish_reason is not None for e in stepped))
+                events += stepped
+            self.running = batch.running
             self.generator_sequences = batch.generator_sequences
             if events or step:
                 self._post(self._deliver, events, step)

@@ -63,14 +63,15 @@ class BatchLoop:
         return bool(self._jobs)
 
     @property
-    def size(self) -> int:
-        return len(self._jobs)
+    def running(self) -> int:
+        """Sequences being prefilled or decoded; BatchGenerator queues the rest."""
+        g = self._generator
+        return len(g._prompt_batch) + len(g._generation_batch)
 
     @property
     def generator_sequences(self) -> int:
         """Sequences BatchGenerator itself holds (queued, prefilling, decoding)."""
-        g = self._generator
-        return len(g._unprocessed_sequences) + len(g._prompt_batch) + len(g._generation_batch)
+        return len(self._generator._unprocessed_sequences) + self.running
 
     def jobs(self) -> list[Job]:
         return list(self._jobs.values())

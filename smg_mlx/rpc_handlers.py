@@ -72,9 +72,7 @@ def _streaming(
     return handle
 
 
-def engine_handler(
-    servicer: Any, rpc_ended: Callable[[str, str], None]
-) -> grpc.GenericRpcHandler:
+def engine_handler(servicer: Any, rpc_ended: Callable[[str, str], None]) -> grpc.GenericRpcHandler:
     """The MlxEngine service's handlers, calling the servicer's methods by name;
     `rpc_ended(method, status code name)` hears how each call ended."""
     handlers = {}

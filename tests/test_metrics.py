@@ -76,7 +76,7 @@ def test_counters_move_by_what_requests_did(metered):
 
 def test_running_and_queued_gauges(start_worker, model_dir):
     port = free_port()
-    w = start_worker(model_dir, metrics_port=port, completion_batch_size=1)
+    w = start_worker(model_dir, metrics_port=port, completion_batch_size=1, prefill_batch_size=1)
     calls = [w.stub.Generate(request(prompt(4, i), max_tokens=1900), timeout=60) for i in range(3)]
     assert wait_until(lambda: w.active_requests() == 3)
     now = scrape(port)

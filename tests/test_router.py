@@ -69,9 +69,10 @@ class Router:
         except (urllib.error.URLError, ConnectionError):
             return False
 
-    def worker_healthy(self) -> bool:
+    def worker_healthy(self) -> bool | None:
+        """None while the router lists no worker yet."""
         workers = self.get("/workers")["workers"]
-        return bool(workers) and all(w["is_healthy"] for w in workers)
+        return all(w["is_healthy"] for w in workers) if workers else None
 
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(f"{self.base}{path}", timeout=30) as r:
@@ -271,10 +272,13 @@ def test_router_sees_the_worker_healthy_only_when_ready(model_dir, tmp_path, mon
     starting.start()
     router = Router(port, model_dir, tmp_path / "smg.log")
     try:
-        # The worker listens and answers NOT_SERVING while it loads: the router must wait.
-        end = time.monotonic() + 4
+        # The worker listens and answers NOT_SERVING while it loads. smg 1.13.0
+        # activates a new worker even when its first probe fails; its periodic
+        # health check then marks it unhealthy, and it must stay so while loading.
+        assert wait_until(lambda: router.worker_healthy() is False, 10)
+        end = time.monotonic() + 3
         while time.monotonic() < end:
-            assert not router.worker_healthy()
+            assert router.worker_healthy() is False
             time.sleep(0.2)
         release.set()
         starting.join(60)
