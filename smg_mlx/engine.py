@@ -53,6 +53,7 @@ class Event:
     finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 @dataclass(eq=False)
@@ -66,6 +67,7 @@ class Job:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -77,6 +79,7 @@ class Job:
             return
         if event.token is not None:
             self.tokens.append(event.token)
+            self.cached_tokens = event.cached_tokens
             if event.logprobs is not None:
                 self.logprobs.append(event.logprobs)
         self.finish_reason = event.finish_reason
