@@ -146,7 +146,9 @@ class PrefixCache:
         mx.eval([c.state for c in cache])
         node = self._node_for(tuple(tokens))
         entry = _Entry(node, cache)
-        if entry.nbytes > self.max_bytes:
+        own = node.entry is not None and node.entry.trimmable
+        # Too big, or redundant: a longer trimmable entry serves its prompts.
+        if entry.nbytes > self.max_bytes or (entry.trimmable and node.trimmable_below > own):
             self._prune(node)
             return
         if node.entry is not None:
