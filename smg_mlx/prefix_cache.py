@@ -142,15 +142,15 @@ class PrefixCache:
         """Keep `cache`, which holds the keys and values of exactly `tokens`."""
         if not tokens or not cache:
             return
-        # Materialize now: the lazy slice would keep the whole batch's arrays alive.
-        mx.eval([c.state for c in cache])
         node = self._node_for(tuple(tokens))
         entry = _Entry(node, cache)
-        own = node.entry is not None and node.entry.trimmable
+        longer = node.trimmable_below - (node.entry is not None and node.entry.trimmable)
         # Too big, or redundant: a longer trimmable entry serves its prompts.
-        if entry.nbytes > self.max_bytes or (entry.trimmable and node.trimmable_below > own):
+        if entry.nbytes > self.max_bytes or (entry.trimmable and longer > 0):
             self._prune(node)
             return
+        # Materialize now: the lazy slice would keep the whole batch's arrays alive.
+        mx.eval([c.state for c in cache])
         if node.entry is not None:
             self._drop(node.entry)  # a newer cache of the same tokens
         node.entry = entry
