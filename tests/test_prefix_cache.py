@@ -278,3 +278,29 @@ def test_abort_during_prefill_keeps_the_worker_sound(start_worker, model_dir):
     assert again.complete.finish_reason == "length"
     fresh = start_worker(model_dir, prompt_cache_bytes=0)
     assert again.tokens == generate(fresh.stub, ids + [5], max_tokens=6).tokens
+
+
+def test_sliding_window_caches_are_reused_only_whole(start_worker, tmp_path):
+    # Every other layer keeps a 16-token window: once a sequence passes 16
+    # tokens its cache cannot be cut back, so only prompts that extend its
+    # whole key may reuse it.
+    from conftest import build_model
+
+    model = build_model(tmp_path / "tiny-sliding", "--sliding-window", "16")
+    cached = start_worker(model)
+    cold = start_worker(model, prompt_cache_bytes=0)
+
+    def same(ids: list[int]) -> int:
+        got = generate(cached.stub, ids, max_tokens=6)
+        assert got.tokens == generate(cold.stub, ids, max_tokens=6).tokens
+        return got.complete.cached_tokens
+
+    long = prompt(30, 2)
+    assert same(long) == 0
+    out = generate(cold.stub, long, max_tokens=6).tokens
+    assert same(long) == 0  # the same prompt would need a cut: not reused
+    assert same(long[:20] + prompt(5, 3)) == 0  # diverging: not reused
+    assert same(long + out + [7]) == len(long) + len(out)  # extends it whole
+    short = prompt(6, 4)  # 12 tokens with its answer: within the window
+    assert same(short) == 0
+    assert same(short) == len(short) - 1  # cut back by one
