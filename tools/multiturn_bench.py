@@ -93,8 +93,8 @@ async def one_turn(stub, ids: list[int], max_tokens: int) -> tuple[float, float,
     return ttft, time.perf_counter() - started, output, cached
 
 
-async def conversation(stub, args, index: int, system: list[int], vocab: int) -> list[Turn]:
-    rng = random.Random(f"{args.seed}-{index}")
+async def conversation(stub, args, seed: int, index: int, system: list[int], vocab: int):
+    rng = random.Random(f"{seed}-{index}")
     history, turns = list(system), []
     for turn in range(1, args.turns + 1):
         ids = history + tokens(rng, args.turn_tokens, vocab)
@@ -125,6 +125,16 @@ def summarize(turns: list[Turn], wall: float) -> dict:
     }
 
 
+async def workload(stub, args, seed: int, vocab: int) -> tuple[list[Turn], float]:
+    """Every conversation at once; their turns, and the wall time of the whole."""
+    system = tokens(random.Random(seed), args.system_tokens, vocab)
+    started = time.perf_counter()
+    results = await asyncio.gather(
+        *(conversation(stub, args, seed, i, system, vocab) for i in range(args.conversations))
+    )
+    return [t for r in results for t in r], time.perf_counter() - started
+
+
 async def run_once(args, model: Path, cache_bytes: int | None) -> tuple[dict, list[Turn]]:
     port = free_port()
     command = [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model)]
@@ -138,16 +148,12 @@ async def run_once(args, model: Path, cache_bytes: int | None) -> tuple[dict, li
             await wait_healthy(stub, 120)
             await one_turn(stub, [1] * 8, 4)  # first-request costs, sharing no prefix below
             vocab = (await stub.GetModelInfo(pb.GetModelInfoRequest())).vocab_size
-            system = tokens(random.Random(args.seed), args.system_tokens, vocab)
-            started = time.perf_counter()
-            results = await asyncio.gather(
-                *(conversation(stub, args, i, system, vocab) for i in range(args.conversations))
-            )
-            wall = time.perf_counter() - started
+            if args.warmup:  # other tokens: every shape once, nothing to reuse below
+                await workload(stub, args, args.seed + 1, vocab)
+            turns, wall = await workload(stub, args, args.seed, vocab)
     finally:
         worker.terminate()
         worker.wait(60)
-    turns = [t for r in results for t in r]
     return summarize(turns, wall), turns
 
 
@@ -157,7 +163,8 @@ def build_model(args) -> Path:
     out = Path(tempfile.mkdtemp(prefix="multiturn-")) / "model"
     subprocess.run(
         [sys.executable, "-m", "smg_mlx.demo_model", str(out), "--hidden-size",
-         str(args.hidden_size), "--layers", str(args.layers), "--context-length", "8192"],
+         str(args.hidden_size), "--layers", str(args.layers), "--context-length", "8192",
+         "--dtype", args.dtype],
         check=True,
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
@@ -169,6 +176,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="model directory (default: build a demo one)")
     parser.add_argument("--hidden-size", type=int, default=256, help="of the built model")
     parser.add_argument("--layers", type=int, default=4, help="of the built model")
+    parser.add_argument("--dtype", default="float32", help="of the built model")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=512)
@@ -178,6 +186,11 @@ def main() -> None:
         "--prompt-cache-bytes", type=int, help="for the cached run (default: the worker's)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--warmup",
+        action="store_true",
+        help="run the workload once on other tokens first (GPUs compile kernels per shape)",
+    )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
