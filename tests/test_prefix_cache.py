@@ -266,10 +266,11 @@ def test_an_aborted_sequence_leaves_its_cache(pair):
 
 
 def test_abort_during_prefill_keeps_the_worker_sound(start_worker, model_dir):
-    # Small prefill steps: a long prompt is still being prefilled when it is aborted.
-    w = start_worker(model_dir, prefill_step_size=8)
+    # Small prefill steps: a long prompt is likely still being prefilled when it
+    # is aborted; many answer tokens make sure it cannot finish first.
+    w = start_worker(model_dir, prefill_step_size=4)
     ids = prompt(1200, 4)
-    call = w.stub.Generate(request(ids, max_tokens=4), timeout=60)
+    call = w.stub.Generate(request(ids, max_tokens=500, ignore_eos=True), timeout=60)
     threading.Timer(0.05, call.cancel).start()
     with pytest.raises(grpc.RpcError):
         collect(call)
