@@ -107,6 +107,8 @@ async def conversation(stub, args, seed: int, index: int, system: list[int], voc
 def summarize(turns: list[Turn], wall: float) -> dict:
     def ttft(selected: list[Turn]) -> dict:
         values = [t.ttft * 1000 for t in selected]
+        if not values:  # --turns 1
+            return {"p50_ms": None, "p99_ms": None, "n": 0}
         return {
             "p50_ms": round(statistics.median(values), 1),
             "p99_ms": round(percentile(values, 99), 1),
@@ -157,6 +159,10 @@ async def run_once(args, model: Path, cache_bytes: int | None) -> tuple[dict, li
     return summarize(turns, wall), turns
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a / b, 3)
+
+
 def build_model(args) -> Path:
     if args.model:
         return args.model
@@ -205,13 +211,13 @@ def main() -> None:
         "model": str(model),
         "cpu_count": os.cpu_count(),
         "runs": runs,
-        "later_turn_ttft_over_cold_turn1": round(
-            cache["ttft_later_turns"]["p50_ms"] / cache["ttft_turn1"]["p50_ms"], 3
+        "later_turn_ttft_over_cold_turn1": ratio(
+            cache["ttft_later_turns"]["p50_ms"], cache["ttft_turn1"]["p50_ms"]
         ),
-        "later_turn_ttft_cache_over_no_cache": round(
-            cache["ttft_later_turns"]["p50_ms"] / cold["ttft_later_turns"]["p50_ms"], 3
+        "later_turn_ttft_cache_over_no_cache": ratio(
+            cache["ttft_later_turns"]["p50_ms"], cold["ttft_later_turns"]["p50_ms"]
         ),
-        "throughput_cache_over_no_cache": round(cache["tokens_per_s"] / cold["tokens_per_s"], 3),
+        "throughput_cache_over_no_cache": ratio(cache["tokens_per_s"], cold["tokens_per_s"]),
         # Greedy decoding: the cache must not change a single token.
         "outputs_identical": outputs["cache"] == outputs["no_cache"],
     }
@@ -221,8 +227,8 @@ def main() -> None:
         t1, t2 = r["ttft_turn1"], r["ttft_later_turns"]
         share = f"{r['cached_tokens']}/{r['prompt_tokens']}"
         print(
-            f"{name:10} {t1['p50_ms']:>13} / {t1['p99_ms']:<8} {t2['p50_ms']:>15} / "
-            f"{t2['p99_ms']:<8} {r['tokens_per_s']:>8} {share:>22}"
+            f"{name:10} {t1['p50_ms']:>13} / {t1['p99_ms']:<8} {t2['p50_ms']!s:>15} / "
+            f"{t2['p99_ms']!s:<8} {r['tokens_per_s']:>8} {share:>22}"
         )
     for key in list(report)[4:]:
         print(f"{key}: {report[key]}")
