@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from smg_mlx.config import EngineConfig, ServerConfig
+from smg_mlx.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig, ServerConfig
 from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
 from smg_mlx.request_log import JsonFormatter
 
@@ -17,6 +17,13 @@ def _positive(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _non_negative(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
     return number
 
 
@@ -62,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=2048,
         help="prompt tokens per prefill step; long prompts take several steps",
+    )
+    serve.add_argument(
+        "--prompt-cache-bytes",
+        type=_non_negative,
+        default=DEFAULT_PROMPT_CACHE_BYTES,
+        help="memory for KV caches of finished requests, reused by later requests that "
+        "share a prompt prefix (least recently used dropped first); 0 disables. A fixed "
+        "2 GiB by default: it holds thousands of tokens of a 7B model's cache and stays "
+        "small next to the model; raise it on large-memory machines for long agent sessions",
     )
     serve.add_argument(
         "--max-pending",
@@ -137,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             completion_batch_size=args.completion_batch_size,
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
+            prompt_cache_bytes=args.prompt_cache_bytes,
         ),
         host=args.host,
         port=args.port,

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# KV caches of finished sequences kept for reuse. A fixed size rather than a
+# share of memory: the model's own footprint is unknown here, and 2 GiB holds
+# thousands of tokens of a 7B model's KV cache.
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -14,6 +19,7 @@ class EngineConfig:
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES  # 0: no prefix cache
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ def build_model(
     dtype: str = "float32",
     vocab_size: int = 512,
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random-weight llama model directory that `mlx_lm.load` reads."""
     import mlx.core as mx
@@ -115,6 +116,11 @@ def build_model(
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": context_length // 2,
         }
+    if sliding_window:
+        # Every other layer attends to a window: a rotating cache that cannot be
+        # cut back once it wraps (what the prefix cache must handle).
+        config["sliding_window"] = sliding_window
+        config["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
@@ -147,6 +153,7 @@ def main() -> None:
     parser.add_argument("--no-llama3-rope", action="store_true")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sliding-window", type=int, help="window of every other layer")
     args = parser.parse_args()
     build_model(
         args.out,
@@ -156,6 +163,7 @@ def main() -> None:
         llama3_rope=not args.no_llama3_rope,
         dtype=args.dtype,
         seed=args.seed,
+        sliding_window=args.sliding_window,
     )
     print(args.out)
 

@@ -54,6 +54,7 @@ class Event:
     finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 @dataclass(eq=False)
@@ -67,6 +68,7 @@ class Job:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Event-loop clock readings, for TTFT, inter-token latency and duration.
     arrived_at: float = field(default_factory=time.monotonic)
@@ -84,6 +86,7 @@ class Job:
             return
         if event.token is not None:
             self.tokens.append(event.token)
+            self.cached_tokens = event.cached_tokens
             if self.first_token_at is None:
                 self.first_token_at = now
             else:
@@ -118,6 +121,7 @@ class Engine:
         # and all BatchGenerator holds (queued too; equal to our jobs unless a slot leaked).
         self.running = 0
         self.generator_sequences = 0
+        self.prefix_cache_bytes = 0
         self._loop = loop
         self._inbox: deque[Job] = deque()
         self._aborts: set[int] = set()
@@ -255,6 +259,7 @@ class Engine:
                 events += stepped
             self.running = batch.running
             self.generator_sequences = batch.generator_sequences
+            self.prefix_cache_bytes = batch.prefix_cache_bytes
             if events or step:
                 self._post(self._deliver, events, step)
             if not batch.has_work:

@@ -16,6 +16,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine import Event, Job, TokenLogprobs
+from smg_mlx.prefix_cache import PrefixCache
 from smg_mlx.sampling import SamplerCache
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ class BatchLoop:
         self._stops: dict[frozenset[int], StopSequences] = {}
         self._jobs: dict[int, Job] = {}  # BatchGenerator uid -> job
         self._uids: dict[int, int] = {}  # job key -> uid
+        self._cached: dict[int, int] = {}  # uid -> prompt tokens reused from the cache
+        self._prefixes = (
+            PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
+        )
         self._warm_up()
         log.info(
             "model %s loaded and warmed up in %.2fs on %s",
@@ -63,6 +68,10 @@ class BatchLoop:
         return bool(self._jobs)
 
     @property
+    def prefix_cache_bytes(self) -> int:
+        return self._prefixes.nbytes if self._prefixes is not None else 0
+
+    @property
     def running(self) -> int:
         """Sequences being prefilled or decoded; BatchGenerator queues the rest."""
         g = self._generator
@@ -81,9 +90,19 @@ class BatchLoop:
             self._stops[ids] = StopSequences([[t] for t in sorted(ids)])
         return self._stops[ids]
 
+    def _start(self, prompt: tuple[int, ...]) -> tuple[list | None, int]:
+        """The cache to start `prompt` from (None: a fresh one) and the tokens it holds."""
+        if self._prefixes is None:
+            return None, 0
+        cache, cached = self._prefixes.lookup(prompt)
+        if cached:
+            log.debug("prefix cache hit: %d of %d prompt tokens", cached, len(prompt))
+        return cache, cached
+
     def admit(self, jobs: list[Job]) -> list[Event]:
-        """Insert new jobs (they start prefill at the next step). A job whose
-        sampling setup fails ends with an error event instead of reaching the batch."""
+        """Insert new jobs, each from its longest cached prefix; they start prefill
+        at the next step. A job whose sampling setup fails ends with an error event
+        instead of reaching the batch."""
         accepted, options, failed = [], [], []
         for job in jobs:
             spec = job.spec
@@ -100,25 +119,38 @@ class BatchLoop:
                 failed.append(Event(job, error=f"the request could not start: {exc!r}"))
                 continue
             accepted.append(job)
-        if accepted:
-            samplers, processors, stops = zip(*options, strict=True)
-            uids = self._generator.insert(
-                [list(job.spec.prompt) for job in accepted],
-                max_tokens=[job.spec.max_tokens for job in accepted],
-                samplers=list(samplers),
-                logits_processors=list(processors),
-                stop_sequences=list(stops),
-            )
-            for uid, job in zip(uids, accepted, strict=True):
-                self._jobs[uid] = job
-                self._uids[job.key] = uid
+        if not accepted:
+            return failed
+        prompts = [job.spec.prompt for job in accepted]
+        starts = [self._start(prompt) for prompt in prompts]
+        samplers, processors, stops = zip(*options, strict=True)
+        uids = self._generator.insert(
+            [list(p[n:]) for p, (_, n) in zip(prompts, starts, strict=True)],
+            max_tokens=[job.spec.max_tokens for job in accepted],
+            caches=[cache for cache, _ in starts],
+            # The tokens already in each cache (a new list: mlx-lm appends to it).
+            all_tokens=[list(p[:n]) for p, (_, n) in zip(prompts, starts, strict=True)],
+            samplers=list(samplers),
+            logits_processors=list(processors),
+            stop_sequences=list(stops),
+        )
+        for uid, job, (_, cached) in zip(uids, accepted, starts, strict=True):
+            self._jobs[uid] = job
+            self._uids[job.key] = uid
+            self._cached[uid] = cached
         return failed
 
     def remove(self, keys: Iterable[int]) -> list[Job]:
         """Drop the jobs with these keys from the batch; unknown keys are ignored."""
         uids = [self._uids.pop(k) for k in keys if k in self._uids]
         if uids:
-            self._generator.remove(uids)
+            # What an aborted sequence computed is as good as a finished one's.
+            kept = self._generator.remove(uids, return_prompt_caches=self._prefixes is not None)
+            for uid, (cache, tokens) in kept.items():
+                if len(tokens) > self._cached[uid]:  # else nothing new was computed
+                    self._prefixes.insert(tokens, cache)
+        for uid in uids:
+            del self._cached[uid]
         return [self._jobs.pop(uid) for uid in uids]
 
     def step(self) -> list[Event]:
@@ -128,12 +160,22 @@ class BatchLoop:
         wanted = []  # (event, logprobs row, n) for requests that asked for logprobs
         for r in responses:
             job = self._jobs[r.uid]
-            event = Event(job, token=r.token, finish_reason=r.finish_reason)
+            event = Event(
+                job,
+                token=r.token,
+                finish_reason=r.finish_reason,
+                cached_tokens=self._cached[r.uid],
+            )
             if job.spec.logprobs is not None:
                 wanted.append((event, r.logprobs, job.spec.logprobs))
             if r.finish_reason is not None:
                 del self._jobs[r.uid]
                 del self._uids[job.key]
+                del self._cached[r.uid]
+                if self._prefixes is not None:
+                    # The cache holds every token of `all_tokens`, the last
+                    # generated one included.
+                    self._prefixes.insert(r.all_tokens, r.prompt_cache)
             events.append(event)
         if wanted:
             self._attach_logprobs(wanted)

@@ -22,7 +22,13 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class Metrics:
     """The worker's instruments, in a registry of its own."""
 
-    def __init__(self, *, active: Callable[[], int], running: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        *,
+        active: Callable[[], int],
+        running: Callable[[], int],
+        prefix_cache_bytes: Callable[[], int],
+    ) -> None:
         self.registry = registry = CollectorRegistry()
         prefix = "smg_mlx_"
         self.requests = Counter(
@@ -52,6 +58,21 @@ class Metrics:
         self.generated_tokens = Counter(
             prefix + "generation_tokens", "Tokens generated", registry=registry
         )
+        self.cached_tokens = Counter(
+            prefix + "prefix_cache_hit_tokens",
+            "Prompt tokens reused from the prefix cache instead of prefilled",
+            registry=registry,
+        )
+        self.cache_hits = Counter(
+            prefix + "prefix_cache_hits",
+            "Requests that started from a cached prefix",
+            registry=registry,
+        )
+        Gauge(
+            prefix + "prefix_cache_bytes",
+            "Bytes of KV cache held by the prefix cache",
+            registry=registry,
+        ).set_function(prefix_cache_bytes)
         self.ttft = Histogram(
             prefix + "time_to_first_token_seconds",
             "From request arrival to its first token",
@@ -103,6 +124,9 @@ class Metrics:
         self.requests.labels(outcome).inc()
         self.prompt_tokens.inc(len(job.spec.prompt))
         self.generated_tokens.inc(len(job.tokens))
+        if job.cached_tokens:
+            self.cache_hits.inc()
+            self.cached_tokens.inc(job.cached_tokens)
         if job.first_token_at is not None:
             self.ttft.observe(job.first_token_at - job.arrived_at)
         for gap in job.token_gaps:

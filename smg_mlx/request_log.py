@@ -16,7 +16,7 @@ def request_ended(job: Job, outcome: str) -> None:
         "request_id": job.request_id,
         "prompt_tokens": len(job.spec.prompt),
         "completion_tokens": len(job.tokens),
-        "cached_tokens": 0,
+        "cached_tokens": job.cached_tokens,
         "ttft_ms": (
             None
             if job.first_token_at is None

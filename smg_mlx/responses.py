@@ -23,7 +23,7 @@ def chunk(job: Job, start: int) -> pb.GenerateResponse:
         token_ids=tokens,
         prompt_tokens=len(job.spec.prompt),
         completion_tokens=len(job.tokens),
-        cached_tokens=0,
+        cached_tokens=job.cached_tokens,
     )
     if job.spec.logprobs is not None:
         message.output_logprobs.CopyFrom(output_logprobs(tokens, job.logprobs[start:]))
@@ -36,7 +36,7 @@ def complete(job: Job, *, streamed: bool) -> pb.GenerateResponse:
         finish_reason=job.finish_reason,
         prompt_tokens=len(job.spec.prompt),
         completion_tokens=len(job.tokens),
-        cached_tokens=0,
+        cached_tokens=job.cached_tokens,
     )
     if not streamed:
         message.output_ids.extend(job.tokens)

@@ -53,7 +53,9 @@ class Worker:
         self._stop_requested = asyncio.Event()
         self.engine = Engine(config.engine, asyncio.get_running_loop())
         self.metrics = Metrics(
-            active=lambda: self.servicer.active_requests, running=lambda: self.engine.running
+            active=lambda: self.servicer.active_requests,
+            running=lambda: self.engine.running,
+            prefix_cache_bytes=lambda: self.engine.prefix_cache_bytes,
         )
         self.engine.on_step(self.metrics.step)
         self.servicer = MlxEngineServicer(

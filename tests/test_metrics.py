@@ -46,9 +46,9 @@ def test_counters_move_by_what_requests_did(metered):
     with pytest.raises(grpc.RpcError):
         generate(w.stub, [])
     call = w.stub.Generate(request(prompt(4), request_id="gone", max_tokens=1900), timeout=60)
-    next(call)
+    first = next(call)
     w.stub.Abort(pb.AbortRequest(request_ids=["gone"]))
-    aborted = sum(len(r.chunk.token_ids) for r in call) + 1  # the first chunk had one token
+    aborted = len(first.chunk.token_ids) + sum(len(r.chunk.token_ids) for r in call)
     assert wait_until(lambda: w.active_requests() == 0)
     after = scrape(port)
 
@@ -146,3 +146,20 @@ def test_deadline_and_cancel_are_told_apart(metered):
     assert wait_until(lambda: code_moved("DEADLINE_EXCEEDED") == 1)
     assert wait_until(lambda: code_moved("CANCELLED") == 1)
     assert moved(before, scrape(port), "smg_mlx_requests_total", finish_reason="cancelled") == 2
+
+
+def test_prefix_cache_metrics_and_log(metered, caplog):
+    w, port = metered
+    before = scrape(port)
+    ids = prompt(40, 77)
+    generate(w.stub, ids, max_tokens=4, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="smg_mlx.requests"):
+        again = generate(w.stub, ids, request_id="again", max_tokens=4, ignore_eos=True)
+        assert wait_until(lambda: any("again" in r.getMessage() for r in caplog.records))
+    assert again.complete.cached_tokens == 39
+    after = scrape(port)
+    assert moved(before, after, "smg_mlx_prefix_cache_hits_total") == 1
+    assert moved(before, after, "smg_mlx_prefix_cache_hit_tokens_total") == 39
+    assert after[("smg_mlx_prefix_cache_bytes", ())] > 0
+    line = next(r for r in caplog.records if "again" in r.getMessage())
+    assert "cached_tokens=39" in line.getMessage()

@@ -178,8 +178,27 @@ def test_chat_completion(stack, stream):
         r = router.post("/v1/chat/completions", body)
         usage, finish = r["usage"], [r["choices"][0]["finish_reason"]]
     assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] > 3
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert finish == ["length"]
+
+
+def test_a_repeated_chat_reports_cached_tokens(stack):
+    _, router = stack
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "How are you today, fox?"}],
+        "max_tokens": 5,
+        **GREEDY,
+    }
+    first = router.post("/v1/chat/completions", body)
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    # At most the chat template's opening, shared with earlier chats.
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] <= 3
+    again = router.post("/v1/chat/completions", body)
+    # The whole prompt but its last token, which is prefilled for the first logits.
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    streamed = router.stream("/v1/chat/completions", body)[-1]["usage"]
+    assert streamed["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1
 
 
 def test_temperature_zero_is_repeatable(stack):

@@ -1,0 +1,224 @@
+"""A bounded store of finished sequences' KV caches, keyed by their tokens.
+
+Runs on the engine thread only. Each entry is one sequence's per-layer cache
+(as mlx-lm's BatchGenerator hands it back) and the tokens whose keys and
+values it holds. A new prompt starts from the entry sharing its longest prefix:
+
+- A trimmable entry (plain KV caches; rotating ones that have not wrapped)
+  can be cut back to any shorter prefix, so it serves every prompt that shares
+  some prefix with it.
+- Any other entry (a wrapped sliding window, recurrent state) holds a state
+  that cannot be rewound: it serves only prompts that extend its whole key.
+
+At least one prompt token is always left to prefill, so the model still
+produces the logits of the first new token.
+
+Entries live in a radix tree (edges labelled by token runs), so a lookup
+walks the prompt once, whatever the number of entries. Memory is bounded by
+the entries' `nbytes`; the least recently used go first.
+
+Stored entries are never mutated: a lookup returns new cache objects over the
+same MLX arrays (which are immutable values; BatchGenerator copies them into
+its batch), trimmed to the reused length.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList
+
+log = logging.getLogger(__name__)
+
+LayerCache = Any  # one layer's mlx-lm cache object
+
+
+def _detached(layer: LayerCache) -> LayerCache:
+    """A new cache object over the same arrays, so trimming it leaves `layer` as it was."""
+    if isinstance(layer, CacheList):
+        return CacheList(*(_detached(c) for c in layer.caches))
+    clone = copy.copy(layer)
+    if isinstance(layer, ArraysCache):
+        clone.cache = list(layer.cache)  # a list it would otherwise share
+    return clone
+
+
+class _Entry:
+    __slots__ = ("node", "cache", "nbytes", "trimmable")
+
+    def __init__(self, node: _Node, cache: list[LayerCache]) -> None:
+        self.node = node
+        self.cache = cache
+        self.nbytes = sum(c.nbytes for c in cache)
+        self.trimmable = all(c.is_trimmable() for c in cache)
+
+
+class _Node:
+    """A radix-tree node: the path from the root spells `depth` tokens."""
+
+    __slots__ = ("edge", "parent", "children", "entry", "depth", "trimmable_below")
+
+    def __init__(self, edge: tuple[int, ...], parent: _Node | None) -> None:
+        self.edge = edge  # the tokens from the parent to this node
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.entry: _Entry | None = None
+        self.depth = (parent.depth if parent else 0) + len(edge)
+        # Trimmable entries at or below this node: finds one without a search.
+        self.trimmable_below = 0
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PrefixCache:
+    """Longest-prefix KV cache reuse under a byte budget, LRU eviction."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._root = _Node((), None)
+        self._lru: OrderedDict[_Entry, None] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    # ---- lookup ----
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[list[LayerCache] | None, int]:
+        """A cache holding the first n prompt tokens, and n (0 and None on a miss).
+
+        n is at most len(prompt) - 1. The cache is the caller's to mutate.
+        """
+        limit = len(prompt) - 1
+        best: tuple[int, _Entry] | None = None
+        node, depth = self._root, 0
+        while True:
+            # Entries whose whole key is a prefix of the prompt need no trimming.
+            if node.entry is not None and 0 < depth <= limit:
+                best = (depth, node.entry)
+            if depth == len(prompt) or prompt[depth] not in node.children:
+                below = node
+                break
+            child = node.children[prompt[depth]]
+            matched = _common(child.edge, prompt[depth : depth + len(child.edge)])
+            if matched < len(child.edge):
+                below, depth = child, depth + matched
+                break
+            node, depth = child, depth + matched
+        # Every entry under `below` shares exactly `depth` tokens with the prompt.
+        reach = min(depth, limit)
+        if below.trimmable_below and reach > (best[0] if best else 0):
+            best = (reach, self._trimmable_under(below))
+        if best is None:
+            return None, 0
+        n, entry = best
+        self._lru.move_to_end(entry)
+        cache = [_detached(c) for c in entry.cache]
+        if n < entry.node.depth:
+            for layer in cache:
+                layer.trim(entry.node.depth - n)
+        return cache, n
+
+    @staticmethod
+    def _trimmable_under(node: _Node) -> _Entry:
+        while node.entry is None or not node.entry.trimmable:
+            node = next(c for c in node.children.values() if c.trimmable_below)
+        return node.entry
+
+    # ---- insert ----
+
+    def insert(self, tokens: Sequence[int], cache: list[LayerCache]) -> None:
+        """Keep `cache`, which holds the keys and values of exactly `tokens`."""
+        if not tokens or not cache:
+            return
+        node = self._node_for(tuple(tokens))
+        entry = _Entry(node, cache)
+        longer = node.trimmable_below - (node.entry is not None and node.entry.trimmable)
+        # Too big, or redundant: a longer trimmable entry serves its prompts.
+        if entry.nbytes > self.max_bytes or (entry.trimmable and longer > 0):
+            self._prune(node)
+            return
+        # Materialize now: the lazy slice would keep the whole batch's arrays alive.
+        mx.eval([c.state for c in cache])
+        if node.entry is not None:
+            self._drop(node.entry)  # a newer cache of the same tokens
+        node.entry = entry
+        self._lru[entry] = None
+        self.nbytes += entry.nbytes
+        if entry.trimmable:
+            self._count_trimmable(node, 1)
+            # Shorter entries on the path are now redundant: this one, trimmed,
+            # serves every prompt they serve.
+            ancestor = node.parent
+            while ancestor is not None:
+                parent = ancestor.parent
+                if ancestor.entry is not None:
+                    self._remove(ancestor.entry)
+                ancestor = parent
+        while self.nbytes > self.max_bytes:
+            self._remove(next(iter(self._lru)))
+
+    def _node_for(self, key: tuple[int, ...]) -> _Node:
+        """The node spelling `key`, created (splitting an edge) if need be."""
+        node, depth = self._root, 0
+        while depth < len(key):
+            child = node.children.get(key[depth])
+            if child is None:
+                leaf = _Node(key[depth:], node)
+                node.children[key[depth]] = leaf
+                return leaf
+            matched = _common(child.edge, key[depth : depth + len(child.edge)])
+            if matched < len(child.edge):
+                middle = _Node(child.edge[:matched], node)
+                middle.trimmable_below = child.trimmable_below
+                node.children[key[depth]] = middle
+                child.edge = child.edge[matched:]
+                child.parent = middle
+                middle.children[child.edge[0]] = child
+                child = middle
+            node, depth = child, depth + matched
+        return node
+
+    # ---- removal ----
+
+    def _remove(self, entry: _Entry) -> None:
+        self._drop(entry)
+        self._prune(entry.node)
+
+    def _drop(self, entry: _Entry) -> None:
+        """Forget `entry`, leaving its node in the tree."""
+        del self._lru[entry]
+        self.nbytes -= entry.nbytes
+        entry.node.entry = None
+        if entry.trimmable:
+            self._count_trimmable(entry.node, -1)
+
+    @staticmethod
+    def _count_trimmable(node: _Node | None, delta: int) -> None:
+        while node is not None:
+            node.trimmable_below += delta
+            node = node.parent
+
+    @staticmethod
+    def _prune(node: _Node) -> None:
+        """Drop empty leaves and fold single-child nodes into their child."""
+        while node.parent is not None and node.entry is None and not node.children:
+            parent = node.parent
+            del parent.children[node.edge[0]]
+            node = parent
+        if node.parent is not None and node.entry is None and len(node.children) == 1:
+            (child,) = node.children.values()
+            child.edge = node.edge + child.edge
+            child.parent = node.parent
+            node.parent.children[node.edge[0]] = child

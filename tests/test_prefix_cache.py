@@ -1,0 +1,307 @@
+"""The prefix cache: the store on its own, then through a worker.
+
+The store tests use MLX in the test process, on the main thread only (each
+builds, stores and reads its arrays there); the worker tests compare a worker
+with the cache against one without it, under greedy decoding.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import mlx.core as mx
+import pytest
+from helpers import collect, generate, prompt, request
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from smg_mlx.prefix_cache import PrefixCache
+
+# ---- the store ----
+
+
+def kv(tokens: list[int], layers: int = 2) -> list[KVCache]:
+    """A cache whose key at position i is tokens[i], so tests can read back what it holds."""
+    cache = []
+    for _ in range(layers):
+        layer = KVCache()
+        x = mx.array(tokens, dtype=mx.float32).reshape(1, 1, len(tokens), 1)
+        layer.update_and_fetch(x, x)
+        cache.append(layer)
+    return cache
+
+
+def held(cache: list) -> list[int]:
+    """The tokens a cache built by `kv` holds."""
+    keys, _ = cache[0].keys_and_values()
+    return [int(t) for t in keys[0, 0, :, 0].tolist()]
+
+
+def rotating(tokens: list[int], window: int) -> list[RotatingKVCache]:
+    layer = RotatingKVCache(max_size=window)
+    for t in tokens:  # one at a time, as decoding does: the window wraps
+        x = mx.array([t], dtype=mx.float32).reshape(1, 1, 1, 1)
+        layer.update_and_fetch(x, x)
+    return [layer]
+
+
+def recurrent() -> list[ArraysCache]:
+    layer = ArraysCache(1)
+    layer[0] = mx.zeros((1, 4))
+    return [layer]
+
+
+A = list(range(100, 120))
+
+
+def test_longest_prefix_is_found_and_trimmed():
+    store = PrefixCache(1 << 30)
+    store.insert(A, kv(A))
+    store.insert(A[:5] + [7, 8, 9], kv(A[:5] + [7, 8, 9]))
+    # Extends A: all of A, no trimming.
+    cache, n = store.lookup(A + [1, 2])
+    assert n == 20 and held(cache) == A and cache[0].offset == 20
+    # Diverges from A after 12 tokens: A cut back to 12.
+    cache, n = store.lookup(A[:12] + [3, 4])
+    assert n == 12 and cache[0].offset == 12 and held(cache) == A[:12]
+    # Shares 7 with the second entry, 5 with A.
+    cache, n = store.lookup(A[:5] + [7, 8, 4, 4])
+    assert n == 7 and held(cache) == A[:5] + [7, 8]
+    assert store.lookup([1, 2, 3]) == (None, 0)
+
+
+def test_a_whole_prompt_match_leaves_one_token_and_the_entry_intact():
+    store = PrefixCache(1 << 30)
+    store.insert(A, kv(A))
+    cache, n = store.lookup(A)
+    assert n == len(A) - 1 and held(cache) == A[:-1]
+    cache[0].trim(10)  # the caller owns what it got
+    assert store.lookup(A + [5])[1] == len(A)
+    assert store.lookup(A[:1]) == (None, 0)  # one token: nothing to reuse
+
+
+def test_non_trimmable_caches_serve_only_prompts_that_extend_them():
+    store = PrefixCache(1 << 30)
+    wrapped = rotating(A, window=8)  # 20 tokens through an 8-token window
+    assert not wrapped[0].is_trimmable()
+    store.insert(A, wrapped)
+    cache, n = store.lookup(A + [1])
+    assert n == 20 and cache[0].offset == 20
+    assert store.lookup(A) == (None, 0)  # would need a trim
+    assert store.lookup(A[:10] + [1, 2]) == (None, 0)
+    # A shorter exact prefix is the fallback; a trimmable one is not made redundant.
+    store.insert(A[:6], rotating(A[:6], window=8))
+    assert store.lookup(A)[1] == 6
+    assert store.lookup(A[:10] + [1, 2])[1] == 6
+    store.insert([1, 2, 3], recurrent())
+    assert store.lookup([1, 2, 3, 4])[1] == 3
+    assert store.lookup([1, 2, 3]) == (None, 0)
+    assert store.lookup([1, 2, 5, 5]) == (None, 0)
+    assert len(store) == 3
+
+
+def test_a_reused_entry_is_not_changed_by_its_user():
+    store = PrefixCache(1 << 30)
+    store.insert([1, 2, 3, 4], recurrent())
+    cache, _ = store.lookup([1, 2, 3, 4, 5])
+    cache[0][0] = mx.ones((1, 4))
+    again, _ = store.lookup([1, 2, 3, 4, 5])
+    assert again[0][0].sum().item() == 0
+
+
+def test_longer_trimmable_entries_replace_their_prefixes():
+    store = PrefixCache(1 << 30)
+    store.insert(A[:5], kv(A[:5]))
+    store.insert(A[:10], kv(A[:10]))
+    store.insert(A[:10] + [1], kv(A[:10] + [1]))
+    assert len(store) == 1
+    assert store.lookup(A[:5] + [0])[1] == 5
+    store.insert(A[:10], kv(A[:10]))  # already covered by a longer one
+    assert len(store) == 1
+    store.insert(A[:10] + [1], kv(A[:10] + [1]))  # same key again: replaced, not doubled
+    assert len(store) == 1 and store.nbytes == sum(c.nbytes for c in kv(A))
+    # A non-trimmable entry is not covered by a longer one, nor does it cover its prefixes.
+    store.insert(A[:10] + [1, 2], rotating(A[:10] + [1, 2], window=4))
+    store.insert(A[:4] + [0], rotating(A[:4] + [0], window=2))
+    store.insert(A[:4], rotating(A[:4], window=2))
+    assert len(store) == 4
+
+
+def test_byte_bound_and_lru_order():
+    size = sum(c.nbytes for c in kv([1]))
+    store = PrefixCache(3 * size)
+    keys = [[i, i + 1, i + 2] for i in range(0, 50, 10)]
+    for key in keys[:3]:
+        store.insert(key, kv(key))
+    assert store.nbytes == 3 * size and len(store) == 3
+    store.lookup(keys[0] + [99])  # keys[0] is now the most recently used
+    store.insert(keys[3], kv(keys[3]))
+    assert store.nbytes <= 3 * size
+    present = [store.lookup(k + [99])[1] == 3 for k in keys[:4]]
+    assert present == [True, False, True, True]  # keys[1] was least recently used
+    store.insert(keys[4], kv(keys[4]))
+    # The lookups above touched 0, 2, 3 in that order: 0 goes next.
+    assert [store.lookup(k + [99])[1] for k in keys] == [0, 0, 3, 3, 3]
+    assert store.nbytes == 3 * size
+
+
+def test_an_entry_larger_than_the_budget_is_not_kept():
+    size = sum(c.nbytes for c in kv([1]))
+    store = PrefixCache(size - 1)
+    store.insert([1, 2, 3], kv([1, 2, 3]))
+    assert len(store) == 0 and store.nbytes == 0
+    assert store.lookup([1, 2, 3, 4]) == (None, 0)
+
+
+def test_many_entries_keep_the_tree_consistent():
+    # Random inserts under a tight budget: every lookup must return a cache
+    # holding exactly the reused prefix of its prompt.
+    import random
+
+    rng = random.Random(0)
+    size = sum(c.nbytes for c in kv([1]))
+    store = PrefixCache(6 * size)
+    for _ in range(300):
+        key = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        store.insert(key, kv(key))
+        assert store.nbytes <= 6 * size
+        probe = [rng.randrange(4) for _ in range(rng.randrange(1, 14))]
+        cache, n = store.lookup(probe)
+        assert n < len(probe)
+        if cache is not None:
+            assert held(cache) == probe[:n]
+
+
+# ---- through a worker ----
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    """A worker with the prefix cache and one without, on the same model."""
+    from conftest import RunningWorker, worker_config
+
+    cached = RunningWorker(worker_config(model_dir))
+    cold = RunningWorker(worker_config(model_dir, prompt_cache_bytes=0))
+    yield cached, cold
+    cached.stop()
+    cold.stop()
+
+
+def test_greedy_output_with_the_cache_equals_output_without(pair):
+    cached, cold = pair
+    base = prompt(80, 3)
+    first = generate(cached.stub, base, max_tokens=16)
+    assert first.complete.cached_tokens == 0
+    out = first.tokens
+    cases = {
+        "exact repeat": (base, len(base) - 1),
+        "extends prompt and answer": (base + out + prompt(9, 5), len(base) + len(out)),
+        "extends the prompt only": (base + prompt(9, 6), len(base)),
+        "diverges": (base[:50] + prompt(30, 7), 50),
+    }
+    for name, (ids, reused) in cases.items():
+        want = generate(cold.stub, ids, max_tokens=16)
+        got = generate(cached.stub, ids, max_tokens=16)
+        assert got.tokens == want.tokens, name
+        assert got.complete.cached_tokens == reused, name
+        assert all(c.cached_tokens == reused for c in got.chunks), name
+        assert want.complete.cached_tokens == 0
+        whole = generate(cached.stub, ids, max_tokens=16, stream=False)
+        assert whole.tokens == want.tokens and whole.complete.cached_tokens >= reused, name
+
+
+def test_concurrent_requests_on_shared_prefixes(pair):
+    cached, cold = pair
+    system = prompt(120, 11)
+    generate(cached.stub, system + [7], max_tokens=4)  # leaves `system` in the cache
+    prompts = []
+    for i in range(12):
+        if i % 3 == 0:
+            prompts.append(system + prompt(5 + i, i))  # extends it
+        elif i % 3 == 1:
+            prompts.append(system[: 40 + 5 * i] + prompt(20, i))  # diverges inside it
+        else:
+            prompts.append(system)  # repeats it
+    want = [generate(cold.stub, p, max_tokens=20).tokens for p in prompts]
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda p: generate(cached.stub, p, max_tokens=20), prompts))
+    assert [g.tokens for g in got] == want
+    assert all(g.complete.cached_tokens >= 40 for g in got)
+
+
+def test_penalties_see_the_cached_tokens(pair):
+    # A repetition penalty looks back over the last 20 tokens, most of them
+    # cached here: the model's own favourite tokens, which it would repeat.
+    cached, cold = pair
+    ids = prompt(30, 9)
+    ids += generate(cold.stub, ids, max_tokens=20).tokens
+    generate(cached.stub, ids, max_tokens=4)
+    want = generate(cold.stub, ids, max_tokens=12, repetition_penalty=5.0)
+    got = generate(cached.stub, ids, max_tokens=12, repetition_penalty=5.0)
+    assert got.complete.cached_tokens == len(ids) - 1
+    assert got.tokens == want.tokens
+
+
+def _abort_after(stub, ids: list[int], n_tokens: int, **settings) -> None:
+    """Start a stream and cancel it once `n_tokens` tokens arrived."""
+    call = stub.Generate(request(ids, max_tokens=500, ignore_eos=True, **settings), timeout=60)
+    seen = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for response in call:
+            seen += len(response.chunk.token_ids)
+            if seen >= n_tokens:
+                call.cancel()
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_an_aborted_sequence_leaves_its_cache(pair):
+    cached, cold = pair
+    ids = prompt(70, 21)
+    _abort_after(cached.stub, ids, 5)
+    r = generate(cached.stub, ids + [9], max_tokens=8)
+    assert r.complete.cached_tokens == len(ids)
+    assert r.tokens == generate(cold.stub, ids + [9], max_tokens=8).tokens
+
+
+def test_abort_during_prefill_keeps_the_worker_sound(start_worker, model_dir):
+    # Small prefill steps: a long prompt is likely still being prefilled when it
+    # is aborted; many answer tokens make sure it cannot finish first.
+    w = start_worker(model_dir, prefill_step_size=4)
+    ids = prompt(1200, 4)
+    call = w.stub.Generate(request(ids, max_tokens=500, ignore_eos=True), timeout=60)
+    threading.Timer(0.05, call.cancel).start()
+    with pytest.raises(grpc.RpcError):
+        collect(call)
+    time.sleep(0.2)
+    again = generate(w.stub, ids + [5], max_tokens=6)
+    assert again.complete.finish_reason == "length"
+    fresh = start_worker(model_dir, prompt_cache_bytes=0)
+    assert again.tokens == generate(fresh.stub, ids + [5], max_tokens=6).tokens
+
+
+def test_sliding_window_caches_are_reused_only_whole(start_worker, tmp_path):
+    # Every other layer keeps a 16-token window: once a sequence passes 16
+    # tokens its cache cannot be cut back, so only prompts that extend its
+    # whole key may reuse it.
+    from conftest import build_model
+
+    model = build_model(tmp_path / "tiny-sliding", "--sliding-window", "16")
+    cached = start_worker(model)
+    cold = start_worker(model, prompt_cache_bytes=0)
+
+    def same(ids: list[int]) -> int:
+        got = generate(cached.stub, ids, max_tokens=6)
+        assert got.tokens == generate(cold.stub, ids, max_tokens=6).tokens
+        return got.complete.cached_tokens
+
+    long = prompt(30, 2)
+    assert same(long) == 0
+    out = generate(cold.stub, long, max_tokens=6).tokens
+    assert same(long) == 0  # the same prompt would need a cut: not reused
+    assert same(long[:20] + prompt(5, 3)) == 0  # diverging: not reused
+    assert same(long + out + [7]) == len(long) + len(out)  # extends it whole
+    short = prompt(6, 4)  # 12 tokens with its answer: within the window
+    assert same(short) == 0
+    assert same(short) == len(short) - 1  # cut back by one
