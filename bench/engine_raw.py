@@ -1,0 +1,105 @@
+"""The ceiling: mlx-lm's BatchGenerator driven directly, on one thread, no server.
+
+Run as its own process (`python -m bench.engine_raw`), like the workers. It
+keeps `concurrency` sequences in flight (a closed loop: a new one is inserted
+as soon as one finishes, between two steps, which is where a worker can
+insert too) with the same prompts, lengths, sampler and batch limits the
+workers get. Timestamps are taken when `next()` hands the tokens over: the
+earliest a server could send them. Prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.stats import LevelResult, RequestRecord, summarize
+from bench.workload import Workload, parse_levels
+
+
+def _closed_loop(generator, workload: Workload, concurrency: int, indices: range):
+    """Runs the requests with these prompt indices, `concurrency` at a time.
+
+    Returns (records, wall seconds).
+    """
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(temp=0.0)  # one shared greedy sampler: batched sampling
+    started: dict[int, tuple[float, RequestRecord]] = {}
+    records: list[RequestRecord] = []
+    issued = 0
+
+    def launch(n: int) -> None:
+        nonlocal issued
+        n = min(n, len(indices) - issued)
+        if n <= 0:
+            return
+        prompts = [workload.prompt(indices[issued + i]) for i in range(n)]
+        uids = generator.insert(
+            prompts, max_tokens=[workload.gen_tokens] * n, samplers=[sampler] * n
+        )
+        now = time.perf_counter()
+        for uid in uids:
+            started[uid] = (now, RequestRecord())
+        issued += n
+
+    begin = time.perf_counter()
+    launch(concurrency)
+    while started:
+        _, responses = generator.next()
+        now = time.perf_counter()
+        finished = 0
+        for r in responses:
+            t0, record = started[r.uid]
+            record.arrived(now - t0, 1)
+            if r.finish_reason is not None:
+                if record.tokens != workload.gen_tokens:
+                    record.error = f"{r.finish_reason} after {record.tokens} tokens"
+                records.append(record)
+                del started[r.uid]
+                finished += 1
+        launch(finished)
+    return records, time.perf_counter() - begin
+
+
+def run(model_dir: Path, workload: Workload, levels: list[int]) -> dict:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = load(str(model_dir))
+    generator = BatchGenerator(
+        model,
+        completion_batch_size=workload.completion_batch_size,
+        prefill_batch_size=workload.prefill_batch_size,
+        prefill_step_size=workload.prefill_step_size,
+    )
+    results: list[LevelResult] = []
+    for level in workload.plan(levels):
+        c = level.concurrency
+        _closed_loop(generator, workload, c, level.warmup)
+        records, wall = _closed_loop(generator, workload, c, level.timed)
+        results.append(summarize("engine", c, records, wall))
+        print(f"  {results[-1].brief()}", file=sys.stderr, flush=True)
+    generator.close()
+    return {
+        "device": str(mx.default_device()),
+        "levels": [r.to_dict() for r in results],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--workload", required=True, help="Workload as JSON")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    args = parser.parse_args()
+    workload = Workload.from_dict(json.loads(args.workload))
+    print(json.dumps(run(args.model, workload, parse_levels(args.concurrency))))
+
+
+if __name__ == "__main__":
+    main()
