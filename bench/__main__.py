@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="for the engine and both workers; at least the top concurrency",
     )
     p.add_argument("--prefill-batch-size", type=int, default=8)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed requests per slot before each level (2 on GPUs: more batch shapes)",
+    )
     p.add_argument("--model", type=Path, help="an existing model directory (default: build one)")
     p.add_argument(
         "--shape",
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         gen_tokens=args.gen_tokens,
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
+        warmup_per_slot=args.warmup,
     )
     if args.short:
         workload = replace(workload, **SHORT)

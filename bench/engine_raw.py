@@ -73,6 +73,8 @@ def run(model_dir: Path, workload: Workload, levels: list[int]) -> dict:
     model, _ = load(str(model_dir))
     generator = BatchGenerator(
         model,
+        # A stream of its own, made on this thread, as the worker's engine thread does.
+        stream=mx.new_stream(mx.default_device()),
         completion_batch_size=workload.completion_batch_size,
         prefill_batch_size=workload.prefill_batch_size,
         prefill_step_size=workload.prefill_step_size,
