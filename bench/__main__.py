@@ -119,28 +119,32 @@ def main(argv: list[str] | None = None) -> int:
         profile_dir=args.profile,
         start_timeout_s=args.start_timeout,
     )
-    results, system_info = run_all(opts)
-    rows = report.ratios(results)
-    checked = report.targets(rows)
-    print(report.format_table(results))
-    print()
-    print(report.format_ratios(rows, checked))
     info = machine.describe()
     out = args.out or report.default_out(machine.slug(info))
-    payload = {
-        "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
-        "short": args.short,
-        "machine": info,
-        "model": model.describe(model_dir),
-        "workload": workload.to_dict(),
-        "concurrency": levels,
-        "systems": system_info,
-        "results": [r.to_dict() for r in results],
-        "ratios": rows,
-        "targets": checked,
-        "elapsed_s": time.monotonic() - began,
-    }
-    report.write_json(out, payload)
+
+    def save(results: list, systems: dict) -> None:
+        """Written after each system, so a run cut short still leaves its numbers."""
+        rows = report.ratios(results)
+        payload = {
+            "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
+            "short": args.short,
+            "machine": info,
+            "model": model.describe(model_dir),
+            "workload": workload.to_dict(),
+            "concurrency": levels,
+            "systems": systems,
+            "results": [r.to_dict() for r in results],
+            "ratios": rows,
+            "targets": report.targets(rows),
+            "elapsed_s": time.monotonic() - began,
+        }
+        report.write_json(out, payload)
+
+    results, _ = run_all(opts, save)
+    rows = report.ratios(results)
+    print(report.format_table(results))
+    print()
+    print(report.format_ratios(rows, report.targets(rows)))
     progress(f"done in {time.monotonic() - began:.0f}s; results in {out}")
     return 0
 

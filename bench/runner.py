@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,14 +92,25 @@ def run_worker(name: str, opts: Options) -> tuple[list[LevelResult], dict]:
     return results, info
 
 
-def run_all(opts: Options) -> tuple[list[LevelResult], dict]:
+def run_all(
+    opts: Options, on_progress: Callable[[list[LevelResult], dict], None] | None = None
+) -> tuple[list[LevelResult], dict]:
+    """Every system in turn. One that fails is reported as failed and the rest
+    still run (one broken worker must not cost the others' numbers);
+    `on_progress` sees the results after each system."""
     results: list[LevelResult] = []
     systems: dict[str, dict] = {}
     for name in opts.systems:
-        if name == "engine":
-            level_results, info = run_engine(opts)
-        else:
-            level_results, info = run_worker(name, opts)
+        try:
+            if name == "engine":
+                level_results, info = run_engine(opts)
+            else:
+                level_results, info = run_worker(name, opts)
+        except Exception as exc:  # noqa: BLE001 - reported, then the next system runs
+            progress(f"{name}: FAILED: {exc!r}")
+            level_results, info = [], {"error": repr(exc)}
         results += level_results
         systems[name] = info
+        if on_progress is not None:
+            on_progress(results, systems)
     return results, systems
