@@ -56,5 +56,9 @@ def describe() -> dict:
 
 def slug(info: dict) -> str:
     """A file-name-safe machine name: 'h100' for a GPU box, else the host name."""
-    name = "gpu-" + info["gpus"][0].split()[-1] if info["gpus"] else info["hostname"] or "cpu"
+    if info["gpus"]:  # "NVIDIA H100 80GB HBM3, 81559 MiB" -> "gpu-h100"
+        words = info["gpus"][0].split(",")[0].split()
+        name = "gpu-" + (words[1] if len(words) > 1 and words[0] == "NVIDIA" else words[0])
+    else:
+        name = info["hostname"] or "cpu"
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-").lower() or "machine"
