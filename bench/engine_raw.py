@@ -80,16 +80,29 @@ def run(model_dir: Path, workload: Workload, levels: list[int]) -> dict:
         prefill_step_size=workload.prefill_step_size,
     )
     results: list[LevelResult] = []
+    stats: list[dict] = []
     for level in workload.plan(levels):
         c = level.concurrency
         _closed_loop(generator, workload, c, level.warmup)
-        records, wall = _closed_loop(generator, workload, c, level.timed)
+        with generator.stats() as counted:
+            records, wall = _closed_loop(generator, workload, c, level.timed)
         results.append(summarize("engine", c, records, wall))
-        print(f"  {results[-1].brief()}", file=sys.stderr, flush=True)
+        # Where the engine's own time goes: a worker's profile compares with this.
+        stats.append(
+            {
+                "concurrency": c,
+                "decode_steps": counted.generation_steps,
+                "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
+                "prompt_share": counted.prompt_time / counted.wall_time,
+                "decode_share": counted.decode_time / counted.wall_time,
+            }
+        )
+        print(f"  {results[-1].brief()}; {stats[-1]}", file=sys.stderr, flush=True)
     generator.close()
     return {
         "device": str(mx.default_device()),
         "levels": [r.to_dict() for r in results],
+        "batch_stats": stats,
     }
 
 

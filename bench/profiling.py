@@ -10,10 +10,13 @@ how busy each thread is, not only what it does when busy.
 from __future__ import annotations
 
 import collections
+import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # Leaf frames that mean "this thread is waiting", not working.
@@ -38,16 +41,75 @@ class PySpy:
                 find_py_spy(), "record", "--pid", str(pid), "--threads", "--idle",
                 "--nonblocking", "--rate", str(rate), "--format", "raw", "--output", str(out),
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )  # fmt: skip
+        # Start timing only once py-spy samples: the worker idles until then, and
+        # idle samples before the timed requests would read as engine idle time.
+        self._said = []
+        for line in self.process.stdout:
+            self._said.append(line)
+            if b"Sampling process" in line:
+                break
 
     def stop(self) -> Path:
         self.process.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        _, err = self.process.communicate(timeout=60)
+        out, _ = self.process.communicate(timeout=60)
         if not self.out.exists():
-            raise RuntimeError(f"py-spy wrote nothing: {err.decode(errors='replace')}")
+            said = b"".join(self._said) + (out or b"")
+            raise RuntimeError(f"py-spy wrote nothing: {said.decode(errors='replace')}")
         return self.out
+
+
+class ThreadCpu:
+    """CPU seconds per thread of a process over a window, from /proc (Linux).
+
+    py-spy sees Python frames only; this also counts native threads (MLX's
+    CPU stream, gRPC's pollers), which compete for the same cores.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.ticks = os.sysconf("SC_CLK_TCK")
+        self.started = time.monotonic()
+        self.before = self._read()
+
+    def _read(self) -> dict[int, float]:
+        seconds = {}
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:  # the thread ended
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "(comm) "
+            seconds[int(task.name)] = (int(fields[11]) + int(fields[12])) / self.ticks
+        return seconds
+
+    def snapshot(self) -> tuple[float, dict[int, float]]:
+        """The window's end: (wall seconds since the start, CPU seconds per thread)."""
+        return time.monotonic() - self.started, self._read()
+
+    def report(self, end: tuple[float, dict[int, float]], names: dict[int, str]) -> str:
+        """`names`: thread id -> Python thread name (from py-spy); others are native."""
+        wall, after = end
+        used = {tid: after[tid] - self.before.get(tid, 0.0) for tid in after}
+        lines = [f"== CPU per thread over {wall:.1f}s wall (100% = one core busy)"]
+        for tid, seconds in sorted(used.items(), key=lambda kv: -kv[1]):
+            if seconds > 0:
+                name = names.get(tid, "native (MLX or gRPC)")
+                lines.append(f"    {100 * seconds / wall:6.1f}%  {tid} {name}")
+        lines.append(f"    {100 * sum(used.values()) / wall:6.1f}%  whole process")
+        return "\n".join(lines)
+
+
+def thread_names(raw: Path) -> dict[int, str]:
+    """Thread ids and names from py-spy's first frames: 'thread (27877): mlx-engine'."""
+    names = {}
+    for line in raw.read_text().splitlines():
+        match = re.match(r"thread \((\d+)\): ([^;]*)", line)
+        if match:
+            names[int(match.group(1))] = match.group(2)
+    return names
 
 
 def _frame_name(frame: str) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench import peer
 from bench.grpc_client import run_closed_loop
-from bench.profiling import PySpy, summarize
+from bench.profiling import PySpy, ThreadCpu, summarize, thread_names
 from bench.stats import LevelResult
 from bench.stats import summarize as summarize_level
 from bench.workers import WorkerProcess, free_port, ours_command
@@ -47,7 +47,8 @@ def run_engine(opts: Options) -> tuple[list[LevelResult], dict]:
         check=True, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     data = json.loads(out.stdout)
-    return [LevelResult(**level) for level in data["levels"]], {"device": data["device"]}
+    info = {"device": data["device"], "batch_stats": data["batch_stats"]}
+    return [LevelResult(**level) for level in data["levels"]], info
 
 
 def _worker(name: str, opts: Options) -> tuple[WorkerProcess, dict]:
@@ -76,15 +77,21 @@ def run_worker(name: str, opts: Options) -> tuple[list[LevelResult], dict]:
             c = level.concurrency
             progress(f"{name} c={c}: {len(level.warmup)} warm-up, {len(level.timed)} timed")
             run_closed_loop(worker.address, opts.workload, c, level.warmup, f"w{c}")
-            spy = None
+            spy = cpu = None
             if opts.profile_dir is not None and name == "ours":
                 spy = PySpy(worker.pid, opts.profile_dir / f"{name}-c{c}.txt")
-                time.sleep(0.5)  # let py-spy attach before the timed requests
+                cpu = ThreadCpu(worker.pid)
+            client_cpu = time.process_time()
             records, wall = run_closed_loop(worker.address, opts.workload, c, level.timed, f"t{c}")
+            client_cpu = time.process_time() - client_cpu
             if spy is not None:
+                cpu_end = cpu.snapshot()
                 raw = spy.stop()
                 summary = raw.with_suffix(".summary.txt")
-                summary.write_text(summarize(raw) + "\n")
+                threads = cpu.report(cpu_end, thread_names(raw))
+                # The load generator shares the machine's cores with the worker.
+                threads += f"\n    {100 * client_cpu / wall:6.1f}%  (the bench client process)"
+                summary.write_text(threads + "\n" + summarize(raw) + "\n")
                 progress(f"{name} c={c}: profile in {raw}, summary in {summary}")
             results.append(summarize_level(name, c, records, wall))
             progress(results[-1].brief())
