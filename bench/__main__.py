@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="py-spy our worker during each timed level; raw stacks and summaries here",
     )
     p.add_argument(
+        "--ours-switch-interval",
+        type=float,
+        metavar="SECONDS",
+        help="experiment: run our worker with this sys.setswitchinterval (default 0.005)",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=600.0,
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         peer_python=args.peer_python,
         profile_dir=args.profile,
         start_timeout_s=args.start_timeout,
+        ours_switch_interval=args.ours_switch_interval,
     )
     info = machine.describe()
     out = args.out or report.default_out(machine.slug(info))

@@ -11,9 +11,11 @@ earliest a server could send them. Prints one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 from bench.stats import LevelResult, RequestRecord, summarize
@@ -65,6 +67,15 @@ def _closed_loop(generator, workload: Workload, concurrency: int, indices: range
     return records, time.perf_counter() - begin
 
 
+def _counting(generator) -> contextlib.AbstractContextManager:
+    """mlx-lm 0.32's `stats()` window; a no-op (yielding None) on older mlx-lm,
+    so this module also measures the peer's mlx-lm 0.31 engine."""
+    major, minor = (int(part) for part in metadata.version("mlx-lm").split(".")[:2])
+    if (major, minor) < (0, 32):
+        return contextlib.nullcontext(None)
+    return generator.stats()
+
+
 def run(model_dir: Path, workload: Workload, levels: list[int]) -> dict:
     import mlx.core as mx
     from mlx_lm import load
@@ -84,23 +95,25 @@ def run(model_dir: Path, workload: Workload, levels: list[int]) -> dict:
     for level in workload.plan(levels):
         c = level.concurrency
         _closed_loop(generator, workload, c, level.warmup)
-        with generator.stats() as counted:
+        with _counting(generator) as counted:
             records, wall = _closed_loop(generator, workload, c, level.timed)
         results.append(summarize("engine", c, records, wall))
-        # Where the engine's own time goes: a worker's profile compares with this.
-        stats.append(
-            {
-                "concurrency": c,
-                "decode_steps": counted.generation_steps,
-                "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
-                "prompt_share": counted.prompt_time / counted.wall_time,
-                "decode_share": counted.decode_time / counted.wall_time,
-            }
-        )
-        print(f"  {results[-1].brief()}; {stats[-1]}", file=sys.stderr, flush=True)
+        if counted is not None:
+            # Where the engine's own time goes: a worker's profile compares with this.
+            stats.append(
+                {
+                    "concurrency": c,
+                    "decode_steps": counted.generation_steps,
+                    "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
+                    "prompt_share": counted.prompt_time / counted.wall_time,
+                    "decode_share": counted.decode_time / counted.wall_time,
+                }
+            )
+        print(f"  {results[-1].brief()}; {stats[-1:]}", file=sys.stderr, flush=True)
     generator.close()
     return {
         "device": str(mx.default_device()),
+        "mlx_lm": metadata.version("mlx-lm"),
         "levels": [r.to_dict() for r in results],
         "batch_stats": stats,
     }

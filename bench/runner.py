@@ -33,6 +33,7 @@ class Options:
     peer_python: Path | None = None  # an interpreter that already has the peer
     profile_dir: Path | None = None
     start_timeout_s: float = 600.0
+    ours_switch_interval: float | None = None
 
 
 def run_engine(opts: Options) -> tuple[list[LevelResult], dict]:
@@ -47,7 +48,7 @@ def run_engine(opts: Options) -> tuple[list[LevelResult], dict]:
         check=True, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     data = json.loads(out.stdout)
-    info = {"device": data["device"], "batch_stats": data["batch_stats"]}
+    info = {k: data[k] for k in ("device", "mlx_lm", "batch_stats")}
     return [LevelResult(**level) for level in data["levels"]], info
 
 
@@ -55,7 +56,8 @@ def _worker(name: str, opts: Options) -> tuple[WorkerProcess, dict]:
     port = free_port()
     log = opts.work_dir / "logs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     if name == "ours":
-        command, env, info = ours_command(opts.model_dir, port, opts.workload), None, {}
+        command = ours_command(opts.model_dir, port, opts.workload, opts.ours_switch_interval)
+        env, info = None, {}
     else:
         python = opts.peer_python or peer.ensure_peer_python(opts.work_dir / "peer-venv")
         command = peer.peer_command(python, opts.model_dir, port, opts.workload)

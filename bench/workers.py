@@ -22,11 +22,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ours_command(model_dir: Path, port: int, workload: Workload) -> list[str]:
+def ours_command(
+    model_dir: Path, port: int, workload: Workload, switch_interval: float | None = None
+) -> list[str]:
     """Our worker, from the interpreter running the bench (the project's venv, or
-    PYTHONPATH on the GPU machine: `python -m smg_mlx` is `.venv/bin/smg-mlx`)."""
+    PYTHONPATH on the GPU machine: `python -m smg_mlx` is `.venv/bin/smg-mlx`).
+
+    `switch_interval` (an experiment): the worker's `sys.setswitchinterval`, how
+    long the engine thread may hold the GIL before the event loop gets a turn.
+    """
+    entry = ["-m", "smg_mlx"]
+    if switch_interval is not None:
+        entry = [
+            "-c",
+            f"import sys; sys.setswitchinterval({switch_interval!r}); "
+            "from smg_mlx.cli import main; sys.exit(main())",
+        ]
     return [
-        sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
+        sys.executable, *entry, "serve", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
         "--completion-batch-size", str(workload.completion_batch_size),
         "--prefill-batch-size", str(workload.prefill_batch_size),
