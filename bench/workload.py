@@ -12,6 +12,8 @@ PROMPT_ID_RANGE = (10, 250)
 
 @dataclass(frozen=True)
 class Level:
+    """One concurrency level of a run: its warm-up and timed requests."""
+
     concurrency: int
     warmup: range  # prompt indices of the untimed requests
     timed: range  # prompt indices of the timed requests
@@ -19,6 +21,8 @@ class Level:
 
 @dataclass(frozen=True)
 class Workload:
+    """What each system is asked to do, and how many times per concurrency level."""
+
     prompt_tokens: int = 64
     gen_tokens: int = 64
     # Timed requests per level: max(min_requests, requests_per_slot * concurrency),
