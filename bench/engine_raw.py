@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import sys
 import time
 from importlib import metadata
@@ -22,10 +23,14 @@ from bench.stats import LevelResult, RequestRecord, summarize
 from bench.workload import Workload, parse_levels
 
 
-def _closed_loop(generator, workload: Workload, concurrency: int, indices: range):
+def _closed_loop(
+    generator, workload: Workload, concurrency: int, indices: range, max_delay: int = 0
+):
     """Runs the requests with these prompt indices, `concurrency` at a time.
 
-    Returns (records, wall seconds).
+    `max_delay` (an experiment): each replacement is inserted 1 to `max_delay`
+    steps after its predecessor finished, at random, as the replacements reaching a
+    server over a network do, instead of in the same step. Returns (records, wall seconds).
     """
     from mlx_lm.sample_utils import make_sampler
 
@@ -48,10 +53,14 @@ def _closed_loop(generator, workload: Workload, concurrency: int, indices: range
             started[uid] = (now, RequestRecord())
         issued += n
 
+    rng = random.Random(0)
+    due: list[int] = []  # steps at which one replacement each is inserted
+    step = 0
     begin = time.perf_counter()
     launch(concurrency)
-    while started:
+    while started or due:
         _, responses = generator.next()
+        step += 1
         now = time.perf_counter()
         finished = 0
         for r in responses:
@@ -63,6 +72,10 @@ def _closed_loop(generator, workload: Workload, concurrency: int, indices: range
                 records.append(record)
                 del started[r.uid]
                 finished += 1
+        if max_delay:
+            due += [step + rng.randint(1, max_delay) for _ in range(finished)]
+            finished = sum(1 for d in due if d <= step)
+            due = [d for d in due if d > step]
         launch(finished)
     return records, time.perf_counter() - begin
 
@@ -76,7 +89,7 @@ def _counting(generator) -> contextlib.AbstractContextManager:
     return generator.stats()
 
 
-def run(model_dir: Path, workload: Workload, levels: list[int]) -> dict:
+def run(model_dir: Path, workload: Workload, levels: list[int], max_delay: int = 0) -> dict:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
@@ -94,9 +107,9 @@ def run(model_dir: Path, workload: Workload, levels: list[int]) -> dict:
     stats: list[dict] = []
     for level in workload.plan(levels):
         c = level.concurrency
-        _closed_loop(generator, workload, c, level.warmup)
+        _closed_loop(generator, workload, c, level.warmup, max_delay)
         with _counting(generator) as counted:
-            records, wall = _closed_loop(generator, workload, c, level.timed)
+            records, wall = _closed_loop(generator, workload, c, level.timed, max_delay)
         results.append(summarize("engine", c, records, wall))
         if counted is not None:
             # Where the engine's own time goes: a worker's profile compares with this.
@@ -124,9 +137,16 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--workload", required=True, help="Workload as JSON")
     parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument(
+        "--insert-delay-steps",
+        type=int,
+        default=0,
+        help="experiment: insert each replacement 1..N steps late, as over a network",
+    )
     args = parser.parse_args()
     workload = Workload.from_dict(json.loads(args.workload))
-    print(json.dumps(run(args.model, workload, parse_levels(args.concurrency))))
+    levels = parse_levels(args.concurrency)
+    print(json.dumps(run(args.model, workload, levels, args.insert_delay_steps)))
 
 
 if __name__ == "__main__":
