@@ -33,6 +33,10 @@ _CORPUS = (
 )
 
 
+# Model families build_model can write: mlx-lm module name -> HF architecture.
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def default_demo_dir() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return cache / "smg-mlx" / f"demo-llama-{__version__}"
@@ -79,34 +83,48 @@ def build_model(
     vocab_size: int = 512,
     seed: int = 0,
     sliding_window: int | None = None,
+    family: str = "llama",
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    model_vocab_size: int | None = None,
+    tie_word_embeddings: bool = False,
 ) -> Path:
-    """Write a random-weight llama model directory that `mlx_lm.load` reads."""
+    """Write a random-weight model directory that `mlx_lm.load` reads.
+
+    `family` is "llama" or "qwen3" (benchmarks use a Qwen3-shaped model on GPUs).
+    `model_vocab_size` lets the model's vocabulary exceed the small trained
+    tokenizer's, so embedding and output shapes match a real model's.
+    """
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
     out.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(out, vocab_size)
     tok_ids = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": family,
+        "architectures": [FAMILIES[family]],
         "hidden_size": hidden_size,
         "num_hidden_layers": num_layers,
-        "intermediate_size": hidden_size * 2,
+        "intermediate_size": intermediate_size or hidden_size * 2,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": vocab,
+        "head_dim": head_dim or hidden_size // num_heads,
+        "rms_norm_eps": 1e-5 if family == "llama" else 1e-6,
+        "vocab_size": max(vocab, model_vocab_size or 0),
         "max_position_embeddings": context_length,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
+        "rope_theta": 10000.0 if family == "llama" else 1000000.0,
+        "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": tok_ids[BOS],
         "eos_token_id": tok_ids[EOS],
         "pad_token_id": tok_ids[PAD],
         "torch_dtype": dtype,
     }
-    if llama3_rope:
+    if llama3_rope and family == "llama":
         # Rope frequencies computed lazily at construction: the case that
         # crashes servers which load on one thread and generate on another.
         config["rope_scaling"] = {
@@ -122,7 +140,8 @@ def build_model(
         config["sliding_window"] = sliding_window
         config["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    model = module.Model(module.ModelArgs.from_dict(config))
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -145,10 +164,19 @@ def ensure_demo_model(path: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write a random-weight llama model directory.")
+    parser = argparse.ArgumentParser(description="Write a random-weight model directory.")
     parser.add_argument("out", type=Path)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, help="default: hidden size / heads")
+    parser.add_argument("--intermediate-size", type=int, help="default: 2 x hidden size")
+    parser.add_argument(
+        "--vocab-size", type=int, help="the model's vocabulary (default: the tokenizer's)"
+    )
+    parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--context-length", type=int, default=2048)
     parser.add_argument("--no-llama3-rope", action="store_true")
     parser.add_argument("--dtype", default="float32")
@@ -159,11 +187,18 @@ def main() -> None:
         args.out,
         hidden_size=args.hidden_size,
         num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
         context_length=args.context_length,
         llama3_rope=not args.no_llama3_rope,
         dtype=args.dtype,
         seed=args.seed,
         sliding_window=args.sliding_window,
+        family=args.family,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        model_vocab_size=args.vocab_size,
+        tie_word_embeddings=args.tie_word_embeddings,
     )
     print(args.out)
 

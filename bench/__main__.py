@@ -1,0 +1,160 @@
+"""`python -m bench` (`make bench`): engine vs ours vs peer, one table, one JSON file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench import machine, model, report
+from bench.runner import Options, progress, run_all
+from bench.workload import SHORT, Workload, parse_levels
+
+SYSTEMS = ("engine", "ours", "peer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Raw mlx-lm engine vs this worker vs the peer worker: streaming, "
+        "greedy, ignore_eos, fixed lengths, closed loop at each concurrency level.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--short",
+        action="store_true",
+        help="fewer requests per level (max(16, 2 x concurrency)); under 2 minutes",
+    )
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="subset of engine,ours,peer")
+    p.add_argument("--concurrency", default="1,4,16,64", help="levels, comma-separated")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument(
+        "--requests", type=int, help="timed requests per level at least (default 64, short 16)"
+    )
+    p.add_argument(
+        "--completion-batch-size",
+        type=int,
+        default=64,
+        help="for the engine and both workers; at least the top concurrency",
+    )
+    p.add_argument("--prefill-batch-size", type=int, default=8)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed requests per slot before each level (2 on GPUs: more batch shapes)",
+    )
+    p.add_argument("--model", type=Path, help="an existing model directory (default: build one)")
+    p.add_argument(
+        "--shape",
+        choices=sorted(model.SHAPES),
+        default="tiny",
+        help="the random-weight model to build when --model is not given",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(".bench"),
+        help="built models, the peer venv, worker logs",
+    )
+    p.add_argument(
+        "--peer-python",
+        type=Path,
+        help="an interpreter that already has the peer (skips creating its venv)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="py-spy our worker during each timed level; raw stacks and summaries here",
+    )
+    p.add_argument(
+        "--ours-switch-interval",
+        type=float,
+        metavar="SECONDS",
+        help="experiment: run our worker with this sys.setswitchinterval (default 0.005)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a worker may take to report SERVING",
+    )
+    p.add_argument(
+        "--out", type=Path, help="JSON results (default bench-results/<machine>-<time>.json)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    levels = parse_levels(args.concurrency)
+    workload = Workload(
+        prompt_tokens=args.prompt_tokens,
+        gen_tokens=args.gen_tokens,
+        completion_batch_size=args.completion_batch_size,
+        prefill_batch_size=args.prefill_batch_size,
+        warmup_per_slot=args.warmup,
+    )
+    if args.short:
+        workload = replace(workload, **SHORT)
+    if args.requests:
+        workload = replace(workload, min_requests=args.requests)
+    if max(levels) > workload.completion_batch_size:
+        progress(f"note: concurrency {max(levels)} exceeds the completion batch size; "
+                 "requests will queue")  # fmt: skip
+    began = time.monotonic()
+    model_dir = args.model
+    if model_dir is None:
+        progress(f"model: {args.shape} (built once under {args.work_dir / 'models'})")
+        model_dir = model.ensure_model(args.shape, args.work_dir / "models")
+    opts = Options(
+        systems=systems,
+        levels=levels,
+        workload=workload,
+        model_dir=model_dir.resolve(),
+        work_dir=args.work_dir.resolve(),
+        peer_python=args.peer_python,
+        profile_dir=args.profile,
+        start_timeout_s=args.start_timeout,
+        ours_switch_interval=args.ours_switch_interval,
+    )
+    info = machine.describe()
+    out = args.out or report.default_out(machine.slug(info))
+
+    def save(results: list, systems: dict) -> None:
+        """Written after each system, so a run cut short still leaves its numbers."""
+        rows = report.ratios(results)
+        payload = {
+            "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
+            "short": args.short,
+            "machine": info,
+            "model": model.describe(model_dir),
+            "workload": workload.to_dict(),
+            "concurrency": levels,
+            "systems": systems,
+            "results": [r.to_dict() for r in results],
+            "ratios": rows,
+            "targets": report.targets(rows),
+            "elapsed_s": time.monotonic() - began,
+        }
+        report.write_json(out, payload)
+
+    results, _ = run_all(opts, save)
+    rows = report.ratios(results)
+    print(report.format_table(results))
+    print()
+    print(report.format_ratios(rows, report.targets(rows)))
+    progress(f"done in {time.monotonic() - began:.0f}s; results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""The ceiling: mlx-lm's BatchGenerator driven directly, on one thread, no server.
+
+Run as its own process (`python -m bench.engine_raw`), like the workers. It
+keeps `concurrency` sequences in flight (a closed loop: a new one is inserted
+as soon as one finishes, between two steps, which is where a worker can
+insert too) with the same prompts, lengths, sampler and batch limits the
+workers get. Timestamps are taken when `next()` hands the tokens over: the
+earliest a server could send them. Prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from bench.stats import LevelResult, RequestRecord, summarize
+from bench.workload import Workload, parse_levels
+
+
+def _closed_loop(
+    generator, workload: Workload, concurrency: int, indices: range, max_delay: int = 0
+):
+    """Runs the requests with these prompt indices, `concurrency` at a time.
+
+    `max_delay` (an experiment): each replacement is inserted 1 to `max_delay`
+    steps after its predecessor finished, at random, as the replacements reaching a
+    server over a network do, instead of in the same step. Returns (records, wall seconds).
+    """
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(temp=0.0)  # one shared greedy sampler: batched sampling
+    started: dict[int, tuple[float, RequestRecord]] = {}
+    records: list[RequestRecord] = []
+    issued = 0
+
+    def launch(n: int) -> None:
+        nonlocal issued
+        n = min(n, len(indices) - issued)
+        if n <= 0:
+            return
+        prompts = [workload.prompt(indices[issued + i]) for i in range(n)]
+        uids = generator.insert(
+            prompts, max_tokens=[workload.gen_tokens] * n, samplers=[sampler] * n
+        )
+        now = time.perf_counter()
+        for uid in uids:
+            started[uid] = (now, RequestRecord())
+        issued += n
+
+    rng = random.Random(0)
+    due: list[int] = []  # steps at which one replacement each is inserted
+    step = 0
+    begin = time.perf_counter()
+    launch(concurrency)
+    while started or due:
+        _, responses = generator.next()
+        step += 1
+        now = time.perf_counter()
+        finished = 0
+        for r in responses:
+            t0, record = started[r.uid]
+            record.arrived(now - t0, 1)
+            if r.finish_reason is not None:
+                if record.tokens != workload.gen_tokens:
+                    record.error = f"{r.finish_reason} after {record.tokens} tokens"
+                records.append(record)
+                del started[r.uid]
+                finished += 1
+        if max_delay:
+            due += [step + rng.randint(1, max_delay) for _ in range(finished)]
+            finished = sum(1 for d in due if d <= step)
+            due = [d for d in due if d > step]
+        launch(finished)
+    return records, time.perf_counter() - begin
+
+
+def _counting(generator) -> contextlib.AbstractContextManager:
+    """mlx-lm 0.32's `stats()` window; a no-op (yielding None) on older mlx-lm,
+    so this module also measures the peer's mlx-lm 0.31 engine."""
+    major, minor = (int(part) for part in metadata.version("mlx-lm").split(".")[:2])
+    if (major, minor) < (0, 32):
+        return contextlib.nullcontext(None)
+    return generator.stats()
+
+
+def run(model_dir: Path, workload: Workload, levels: list[int], max_delay: int = 0) -> dict:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = load(str(model_dir))
+    generator = BatchGenerator(
+        model,
+        # A stream of its own, made on this thread, as the worker's engine thread does.
+        stream=mx.new_stream(mx.default_device()),
+        completion_batch_size=workload.completion_batch_size,
+        prefill_batch_size=workload.prefill_batch_size,
+        prefill_step_size=workload.prefill_step_size,
+    )
+    results: list[LevelResult] = []
+    stats: list[dict] = []
+    for level in workload.plan(levels):
+        c = level.concurrency
+        _closed_loop(generator, workload, c, level.warmup, max_delay)
+        with _counting(generator) as counted:
+            records, wall = _closed_loop(generator, workload, c, level.timed, max_delay)
+        results.append(summarize("engine", c, records, wall))
+        if counted is not None:
+            # Where the engine's own time goes: a worker's profile compares with this.
+            stats.append(
+                {
+                    "concurrency": c,
+                    "decode_steps": counted.generation_steps,
+                    "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
+                    "prompt_share": counted.prompt_time / counted.wall_time,
+                    "decode_share": counted.decode_time / counted.wall_time,
+                }
+            )
+        print(f"  {results[-1].brief()}; {stats[-1:]}", file=sys.stderr, flush=True)
+    generator.close()
+    return {
+        "device": str(mx.default_device()),
+        "mlx_lm": metadata.version("mlx-lm"),
+        "levels": [r.to_dict() for r in results],
+        "batch_stats": stats,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--workload", required=True, help="Workload as JSON")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument(
+        "--insert-delay-steps",
+        type=int,
+        default=0,
+        help="experiment: insert each replacement 1..N steps late, as over a network",
+    )
+    args = parser.parse_args()
+    workload = Workload.from_dict(json.loads(args.workload))
+    levels = parse_levels(args.concurrency)
+    print(json.dumps(run(args.model, workload, levels, args.insert_delay_steps)))
+
+
+if __name__ == "__main__":
+    main()

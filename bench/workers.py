@@ -1,0 +1,111 @@
+"""A worker in its own process: start it, wait for SERVING, stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.workload import Workload
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ours_command(
+    model_dir: Path, port: int, workload: Workload, switch_interval: float | None = None
+) -> list[str]:
+    """Our worker, from the interpreter running the bench (the project's venv, or
+    PYTHONPATH on the GPU machine: `python -m smg_mlx` is `.venv/bin/smg-mlx`).
+
+    `switch_interval` (an experiment): the worker's `sys.setswitchinterval`, how
+    long the engine thread may hold the GIL before the event loop gets a turn.
+    """
+    entry = ["-m", "smg_mlx"]
+    if switch_interval is not None:
+        entry = [
+            "-c",
+            f"import sys; sys.setswitchinterval({switch_interval!r}); "
+            "from smg_mlx.cli import main; sys.exit(main())",
+        ]
+    return [
+        sys.executable, *entry, "serve", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--completion-batch-size", str(workload.completion_batch_size),
+        "--prefill-batch-size", str(workload.prefill_batch_size),
+        "--prefill-step-size", str(workload.prefill_step_size),
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+class WorkerProcess:
+    """One worker process; its output goes to `log_path` (read it when it fails)."""
+
+    def __init__(self, name: str, command: list[str], port: int, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.name = name
+        self.command = command
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # a Ctrl-C of the bench does not reach it first
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Polls grpc.health.v1 until the whole server reports SERVING."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with code {self.process.returncode} "
+                        f"before serving; see {self.log_path}"
+                    )
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass  # not listening yet
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{self.name} not SERVING after {timeout_s:.0f}s; see {self.log_path}")
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (graceful: nothing is in flight by now), SIGKILL if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
