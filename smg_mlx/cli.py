@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         "small next to the model; raise it on large-memory machines for long agent sessions",
     )
     serve.add_argument(
+        "--stream-interval",
+        type=_positive,
+        default=2,
+        help="engine steps between sends of a stream's new tokens (a first token and "
+        "the end go at once); 1 sends every token alone, more saves per-message work "
+        "under load at the price of tokens arriving in groups",
+    )
+    serve.add_argument(
         "--max-pending",
         type=int,
         default=256,
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
             prompt_cache_bytes=args.prompt_cache_bytes,
+            stream_interval=args.stream_interval,
         ),
         host=args.host,
         port=args.port,

@@ -55,6 +55,7 @@ class Event:
     logprobs: TokenLogprobs | None = None
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    first: bool = False  # the job's first token
 
 
 @dataclass(eq=False)
@@ -187,11 +188,11 @@ class Engine:
         """Call `listener(step_seconds, batch_size)` on the event loop after each step."""
         self._step_listeners.append(listener)
 
-    def _deliver(self, events: list[Event], step: tuple[float, int] | None = None) -> None:
+    def _deliver(self, events: list[Event], steps: Iterable[tuple[float, int]] = ()) -> None:
         now = time.monotonic()
         for event in events:
             event.job.apply(event, now)
-        if step is not None:
+        for step in steps:
             for listener in self._step_listeners:
                 listener(*step)
 
@@ -230,6 +231,13 @@ class Engine:
         self._post(self._set_stopped)
 
     def _serve(self, batch: BatchLoop, held: list[Job]) -> None:
+        # Tokens are handed over every `stream_interval` steps: each hand-off
+        # costs the event loop a wake-up and every stream a gRPC message, which
+        # under load is time taken from the engine. First tokens and endings
+        # never wait.
+        interval = self.config.stream_interval
+        pending: list[Event] = []
+        steps: list[tuple[float, int]] = []
         while not self._stop:
             # Clear before looking at the inbox: a submit after this line sets
             # it again, so no wake-up is lost.
@@ -239,28 +247,36 @@ class Engine:
             held[:] = []
             while self._inbox:
                 held.append(self._inbox.popleft())
-            events: list[Event] = []
+            urgent: list[Event] = []
             if aborts:
-                events += [Event(j, finish_reason="abort") for j in held if j.key in aborts]
+                urgent += [Event(j, finish_reason="abort") for j in held if j.key in aborts]
                 held[:] = [j for j in held if j.key not in aborts]
-                events += [Event(j, finish_reason="abort") for j in batch.remove(aborts)]
+                urgent += [Event(j, finish_reason="abort") for j in batch.remove(aborts)]
             if held:
-                events += batch.admit(held)
+                urgent += batch.admit(held)
                 held[:] = []
             if self.inject_failure is not None:
                 raise self.inject_failure
-            step = None
             if batch.has_work:
                 started = time.perf_counter()
                 stepped = batch.step()
                 seconds = time.perf_counter() - started
                 # Those still running plus those that finished in this step.
-                step = (seconds, batch.running + sum(e.finish_reason is not None for e in stepped))
-                events += stepped
+                steps.append(
+                    (seconds, batch.running + sum(e.finish_reason is not None for e in stepped))
+                )
+                pending += stepped
+                urgent += [e for e in stepped if e.first or e.finish_reason is not None]
             self.running = batch.running
             self.generator_sequences = batch.generator_sequences
             self.prefix_cache_bytes = batch.prefix_cache_bytes
-            if events or step:
-                self._post(self._deliver, events, step)
+            if urgent or len(steps) >= interval or not batch.has_work:
+                # Pending token events before the abort/failure ones, in order.
+                events = pending + [e for e in urgent if e.token is None]
+                if events or steps:
+                    self._post(self._deliver, events, steps)
+                pending, steps = [], []
             if not batch.has_work:
                 self._wake.wait()
+        if pending or steps:
+            self._post(self._deliver, pending, steps)

@@ -44,6 +44,7 @@ class BatchLoop:
         self._jobs: dict[int, Job] = {}  # BatchGenerator uid -> job
         self._uids: dict[int, int] = {}  # job key -> uid
         self._cached: dict[int, int] = {}  # uid -> prompt tokens reused from the cache
+        self._fresh: set[int] = set()  # uids that have not made a token yet
         self._prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         )
@@ -138,6 +139,7 @@ class BatchLoop:
             self._jobs[uid] = job
             self._uids[job.key] = uid
             self._cached[uid] = cached
+            self._fresh.add(uid)
         return failed
 
     def remove(self, keys: Iterable[int]) -> list[Job]:
@@ -151,6 +153,7 @@ class BatchLoop:
                     self._prefixes.insert(tokens, cache)
         for uid in uids:
             del self._cached[uid]
+            self._fresh.discard(uid)
         return [self._jobs.pop(uid) for uid in uids]
 
     def step(self) -> list[Event]:
@@ -165,7 +168,9 @@ class BatchLoop:
                 token=r.token,
                 finish_reason=r.finish_reason,
                 cached_tokens=self._cached[r.uid],
+                first=r.uid in self._fresh,
             )
+            self._fresh.discard(r.uid)
             if job.spec.logprobs is not None:
                 wanted.append((event, r.logprobs, job.spec.logprobs))
             if r.finish_reason is not None:

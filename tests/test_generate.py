@@ -156,3 +156,16 @@ def test_identical_requests_give_identical_output(worker, settings):
     a = generate(worker.stub, prompt(11), max_tokens=9, **settings)
     b = generate(worker.stub, prompt(11), max_tokens=9, **settings)
     assert a.tokens == b.tokens
+
+
+def test_stream_interval_groups_tokens_but_not_the_first(start_worker, model_dir):
+    interval = 3
+    w = start_worker(model_dir, stream_interval=interval)
+    r = generate(w.stub, prompt(6), max_tokens=20, ignore_eos=True)
+    sizes = [len(c.token_ids) for c in r.chunks]
+    assert sum(sizes) == 20 and sizes[0] == 1
+    # Tokens wait for a group of `interval`; the end sends what is left.
+    assert all(size >= interval for size in sizes[1:-1])
+    assert (
+        r.tokens == generate(w.stub, prompt(6), max_tokens=20, ignore_eos=True, stream=False).tokens
+    )
