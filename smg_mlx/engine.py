@@ -71,6 +71,9 @@ class Job:
     error: str | None = None
     cached_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set `changed` once this many tokens are here (or the job ends): a handler
+    # that waits for a group of tokens is not woken for each one.
+    wake_at: int = 1
     # Event-loop clock readings, for TTFT, inter-token latency and duration.
     arrived_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -97,7 +100,8 @@ class Job:
                 self.logprobs.append(event.logprobs)
         self.finish_reason = event.finish_reason
         self.error = event.error
-        self.changed.set()
+        if self.done or len(self.tokens) >= self.wake_at:
+            self.changed.set()
 
 
 class EngineState(enum.Enum):

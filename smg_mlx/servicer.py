@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -139,6 +140,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             if job.finish_reason:
                 yield responses.complete(job, streamed=stream)
                 return
+            # Non-streaming requests need waking only at the end.
+            job.wake_at = sent + due if stream else sys.maxsize
             await job.changed.wait()
 
     async def Abort(
