@@ -30,83 +30,74 @@ class Metrics:
         prefix_cache_bytes: Callable[[], int],
     ) -> None:
         self.registry = registry = CollectorRegistry()
-        prefix = "smg_mlx_"
-        self.requests = Counter(
-            prefix + "requests",
+
+        def metric(kind, name, doc, **options):  # every name gets the smg_mlx_ prefix
+            return kind("smg_mlx_" + name, doc, registry=registry, **options)
+
+        self.requests = metric(
+            Counter,
+            "requests",
             "Generate requests that ended, by finish reason "
             "(stop, length, abort; cancelled: the client left; error: the engine failed)",
-            ["finish_reason"],
-            registry=registry,
+            labelnames=["finish_reason"],
         )
-        self.rpcs = Counter(
-            prefix + "grpc_requests",
+        self.rpcs = metric(
+            Counter,
+            "grpc_requests",
             "RPCs that ended, by method and gRPC status code",
-            ["method", "code"],
-            registry=registry,
+            labelnames=["method", "code"],
         )
-        Gauge(
-            prefix + "running_requests", "Requests in the engine's batch", registry=registry
-        ).set_function(running)
-        Gauge(
-            prefix + "queued_requests",
-            "Requests accepted but not yet in the batch",
-            registry=registry,
-        ).set_function(lambda: max(active() - running(), 0))
-        self.prompt_tokens = Counter(
-            prefix + "prompt_tokens", "Prompt tokens of ended requests", registry=registry
+        metric(Gauge, "running_requests", "Requests being prefilled or decoded").set_function(
+            running
         )
-        self.generated_tokens = Counter(
-            prefix + "generation_tokens", "Tokens generated", registry=registry
+        metric(Gauge, "queued_requests", "Requests accepted but not yet in the batch").set_function(
+            lambda: max(active() - running(), 0)
         )
-        self.cached_tokens = Counter(
-            prefix + "prefix_cache_hit_tokens",
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of ended requests")
+        self.generated_tokens = metric(Counter, "generation_tokens", "Tokens generated")
+        self.cached_tokens = metric(
+            Counter,
+            "prefix_cache_hit_tokens",
             "Prompt tokens reused from the prefix cache instead of prefilled",
-            registry=registry,
         )
-        self.cache_hits = Counter(
-            prefix + "prefix_cache_hits",
-            "Requests that started from a cached prefix",
-            registry=registry,
+        self.cache_hits = metric(
+            Counter, "prefix_cache_hits", "Requests that started from a cached prefix"
         )
-        Gauge(
-            prefix + "prefix_cache_bytes",
-            "Bytes of KV cache held by the prefix cache",
-            registry=registry,
+        metric(
+            Gauge, "prefix_cache_bytes", "Bytes of KV cache held by the prefix cache"
         ).set_function(prefix_cache_bytes)
-        self.ttft = Histogram(
-            prefix + "time_to_first_token_seconds",
+        self.ttft = metric(
+            Histogram,
+            "time_to_first_token_seconds",
             "From request arrival to its first token",
             buckets=TTFT_BUCKETS,
-            registry=registry,
         )
-        self.itl = Histogram(
-            prefix + "inter_token_latency_seconds",
+        self.itl = metric(
+            Histogram,
+            "inter_token_latency_seconds",
             "Between consecutive tokens of one request",
             buckets=LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.e2e = Histogram(
-            prefix + "request_duration_seconds",
+        self.e2e = metric(
+            Histogram,
+            "request_duration_seconds",
             "From request arrival to its end",
             buckets=REQUEST_BUCKETS,
-            registry=registry,
         )
-        self.step_seconds = Histogram(
-            prefix + "engine_step_duration_seconds",
+        self.step_seconds = metric(
+            Histogram,
+            "engine_step_duration_seconds",
             "One BatchGenerator step (prefill or decode) on the engine thread",
             buckets=LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.batch_size = Histogram(
-            prefix + "engine_batch_size",
+        self.batch_size = metric(
+            Histogram,
+            "engine_batch_size",
             "Sequences in the batch at each engine step",
             buckets=BATCH_BUCKETS,
-            registry=registry,
         )
-        self.model_load_seconds = Gauge(
-            prefix + "model_load_seconds",
-            "Time to load and warm up the model",
-            registry=registry,
+        self.model_load_seconds = metric(
+            Gauge, "model_load_seconds", "Time to load and warm up the model"
         )
 
     def serve(self, host: str, port: int) -> None:
