@@ -47,7 +47,7 @@ serve: install
 		--host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 lint: install
-	$(PY) -m ruff check smg_mlx tests tools bench
+	$(PY) -m ruff check smg_mlx tests bench
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -5,6 +5,8 @@ Modules, one job each:
 - `model`: builds the random-weight model (in a child process, via `smg_mlx.demo_model`);
 - `engine_raw`: drives mlx-lm's BatchGenerator directly, on one thread (child process);
 - `grpc_client`: an asyncio MlxEngine client that keeps `concurrency` streams in flight;
+- `multiturn`: conversations resending their history, our worker with and without its
+  prefix cache (run after the throughput table);
 - `workers`: starts a worker process, waits for SERVING, stops it;
 - `peer`: the published peer worker's virtualenv and command line;
 - `profiling`: py-spy around our worker's timed phases, CPU per thread, a summary;

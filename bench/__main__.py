@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench import machine, model, report
+from bench.multiturn import SHORT_MULTITURN, MultiTurn, format_multiturn, run_multiturn
 from bench.runner import Options, progress, run_all
 from bench.workload import SHORT, Workload, parse_levels
 
@@ -78,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiment: run our worker with this sys.setswitchinterval (default 0.005)",
     )
     p.add_argument(
+        "--ours-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="experiment: pass FLAG to our worker, repeatable; write it with '=', "
+        "e.g. --ours-arg=--stream-interval=1",
+    )
+    p.add_argument(
+        "--no-multiturn",
+        action="store_true",
+        help="skip the multi-turn prefix-cache workload (run after the table when "
+        "ours is among the systems; --short runs a smaller one)",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=600.0,
@@ -125,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         profile_dir=args.profile,
         start_timeout_s=args.start_timeout,
         ours_switch_interval=args.ours_switch_interval,
+        ours_args=args.ours_arg,
     )
     info = machine.describe()
     out = args.out or report.default_out(machine.slug(info))
+
+    multiturn: dict = {}
 
     def save(results: list, systems: dict) -> None:
         """Written after each system, so a run cut short still leaves its numbers."""
@@ -143,15 +161,27 @@ def main(argv: list[str] | None = None) -> int:
             "results": [r.to_dict() for r in results],
             "ratios": rows,
             "targets": report.targets(rows),
+            "multiturn": multiturn or None,
             "elapsed_s": time.monotonic() - began,
         }
         report.write_json(out, payload)
 
-    results, _ = run_all(opts, save)
+    results, systems_info = run_all(opts, save)
     rows = report.ratios(results)
     print(report.format_table(results))
     print()
     print(report.format_ratios(rows, report.targets(rows)))
+    if "ours" in systems and not args.no_multiturn:
+        shape = SHORT_MULTITURN if args.short else MultiTurn()
+        try:
+            multiturn.update(run_multiturn(opts, shape))
+        except Exception as exc:  # noqa: BLE001 - the throughput numbers are saved already
+            progress(f"multi-turn: FAILED: {exc!r}")
+            multiturn["error"] = repr(exc)
+        save(results, systems_info)
+        if "runs" in multiturn:
+            print()
+            print(format_multiturn(multiturn))
     progress(f"done in {time.monotonic() - began:.0f}s; results in {out}")
     return 0
 

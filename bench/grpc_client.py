@@ -20,29 +20,37 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 REQUEST_TIMEOUT_S = 600.0
 
 
-def generate_request(workload: Workload, index: int, tag: str) -> pb.GenerateRequest:
-    """Greedy, streaming, exactly `gen_tokens` tokens (EOS ignored)."""
+def token_request(ids: list[int], max_tokens: int, request_id: str) -> pb.GenerateRequest:
+    """Greedy, streaming, exactly `max_tokens` tokens (EOS ignored)."""
     return pb.GenerateRequest(
-        request_id=f"bench-{tag}-{index}",
-        tokenized=pb.TokenizedInput(input_ids=workload.prompt(index)),
-        sampling_params=pb.SamplingParams(
-            temperature=0.0, max_tokens=workload.gen_tokens, ignore_eos=True
-        ),
+        request_id=request_id,
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
         stream=True,
     )
 
 
-async def _one(stub: mlx_engine_pb2_grpc.MlxEngineStub, request: pb.GenerateRequest,
-               expected: int) -> RequestRecord:  # fmt: skip
-    record = RequestRecord()
+def generate_request(workload: Workload, index: int, tag: str) -> pb.GenerateRequest:
+    """Prompt number `index` of the workload, `gen_tokens` long answer."""
+    return token_request(workload.prompt(index), workload.gen_tokens, f"bench-{tag}-{index}")
+
+
+async def stream_one(stub: mlx_engine_pb2_grpc.MlxEngineStub, request: pb.GenerateRequest,
+                     expected: int, keep_ids: bool = False) -> RequestRecord:  # fmt: skip
+    """One streamed request's timeline; `keep_ids` also keeps the generated ids
+    (a multi-turn conversation resends them), left off in the throughput loop."""
+    record = RequestRecord(output_ids=[] if keep_ids else None)
     start = time.perf_counter()
     finish = None
     try:
         async for response in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
             if response.HasField("chunk"):
                 record.arrived(time.perf_counter() - start, len(response.chunk.token_ids))
+                if keep_ids:
+                    record.output_ids.extend(response.chunk.token_ids)
             else:
                 finish = response.complete.finish_reason
+                record.cached_tokens = response.complete.cached_tokens
                 # A non-streaming answer would carry the ids here; streamed ones don't.
                 record.arrived(time.perf_counter() - start, len(response.complete.output_ids))
     except grpc.aio.AioRpcError as exc:
@@ -72,7 +80,7 @@ async def closed_loop(
             while queue:
                 index = queue.pop()
                 request = generate_request(workload, index, tag)
-                records.append(await _one(stub, request, workload.gen_tokens))
+                records.append(await stream_one(stub, request, workload.gen_tokens))
 
         begin = time.perf_counter()
         await asyncio.gather(*(slot() for _ in range(concurrency)))

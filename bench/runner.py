@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import peer
@@ -34,6 +34,7 @@ class Options:
     profile_dir: Path | None = None
     start_timeout_s: float = 600.0
     ours_switch_interval: float | None = None
+    ours_args: list[str] = field(default_factory=list)  # extra flags for our worker
 
 
 def run_engine(opts: Options) -> tuple[list[LevelResult], dict]:
@@ -57,6 +58,7 @@ def _worker(name: str, opts: Options) -> tuple[WorkerProcess, dict]:
     log = opts.work_dir / "logs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     if name == "ours":
         command = ours_command(opts.model_dir, port, opts.workload, opts.ours_switch_interval)
+        command += opts.ours_args
         env, info = None, {}
     else:
         python = opts.peer_python or peer.ensure_peer_python(opts.work_dir / "peer-venv")

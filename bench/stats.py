@@ -25,6 +25,8 @@ class RequestRecord:
     chunks: int = 0
     last: float | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens the worker reported as served from its cache
+    output_ids: list[int] | None = None  # kept only when asked for
 
     def arrived(self, at: float, count: int) -> None:
         """`count` tokens arrived together at time `at`."""
