@@ -149,8 +149,10 @@ class PrefixCache:
         if entry.nbytes > self.max_bytes or (entry.trimmable and longer > 0):
             self._prune(node)
             return
-        # Materialize now: the lazy slice would keep the whole batch's arrays alive.
-        mx.eval([c.state for c in cache])
+        # Materialize the lazy slices (they would keep the whole batch's arrays
+        # alive), without waiting: a blocking eval would stall the engine's
+        # pipelined steps on every finished request.
+        mx.async_eval([c.state for c in cache])
         if node.entry is not None:
             self._drop(node.entry)  # a newer cache of the same tokens
         node.entry = entry
