@@ -79,9 +79,13 @@ def test_running_and_queued_gauges(start_worker, model_dir):
     w = start_worker(model_dir, metrics_port=port, completion_batch_size=1, prefill_batch_size=1)
     calls = [w.stub.Generate(request(prompt(4, i), max_tokens=1900), timeout=60) for i in range(3)]
     assert wait_until(lambda: w.active_requests() == 3)
-    now = scrape(port)
-    assert now[("smg_mlx_running_requests", ())] == 1
-    assert now[("smg_mlx_queued_requests", ())] == 2
+
+    def gauges() -> tuple[float, float]:
+        now = scrape(port)
+        return now[("smg_mlx_running_requests", ())], now[("smg_mlx_queued_requests", ())]
+
+    # The engine updates its count at its next step; then one runs and two wait.
+    assert wait_until(lambda: gauges() == (1, 2)), gauges()
     for c in calls:
         c.cancel()
     assert wait_until(lambda: scrape(port)[("smg_mlx_running_requests", ())] == 0)
