@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-pending",
-        type=int,
+        type=_non_negative,
         default=256,
         help="requests that may wait beyond a full batch; more get RESOURCE_EXHAUSTED",
     )
@@ -137,9 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("smg_mlx")
     if args.model is not None and not (args.model / "config.json").is_file():
         log.error("%s is not a model directory (no config.json); pass an mlx-lm model", args.model)
-        return 2
-    if args.max_pending < 0:
-        log.error("--max-pending must be 0 or more, got %d", args.max_pending)
         return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         log.error("TLS needs both --tls-cert and --tls-key")

@@ -251,16 +251,17 @@ class Engine:
             held[:] = []
             while self._inbox:
                 held.append(self._inbox.popleft())
-            urgent: list[Event] = []
+            control: list[Event] = []  # aborts and failed starts: never held back
             if aborts:
-                urgent += [Event(j, finish_reason="abort") for j in held if j.key in aborts]
+                control += [Event(j, finish_reason="abort") for j in held if j.key in aborts]
                 held[:] = [j for j in held if j.key not in aborts]
-                urgent += [Event(j, finish_reason="abort") for j in batch.remove(aborts)]
+                control += [Event(j, finish_reason="abort") for j in batch.remove(aborts)]
             if held:
-                urgent += batch.admit(held)
+                control += batch.admit(held)
                 held[:] = []
             if self.inject_failure is not None:
                 raise self.inject_failure
+            urgent = bool(control)
             if batch.has_work:
                 started = time.perf_counter()
                 stepped = batch.step()
@@ -270,15 +271,14 @@ class Engine:
                     (seconds, batch.running + sum(e.finish_reason is not None for e in stepped))
                 )
                 pending += stepped
-                urgent += [e for e in stepped if e.first or e.finish_reason is not None]
+                urgent = urgent or any(e.first or e.finish_reason is not None for e in stepped)
             self.running = batch.running
             self.generator_sequences = batch.generator_sequences
             self.prefix_cache_bytes = batch.prefix_cache_bytes
             if urgent or len(steps) >= interval or not batch.has_work:
-                # Pending token events before the abort/failure ones, in order.
-                events = pending + [e for e in urgent if e.token is None]
-                if events or steps:
-                    self._post(self._deliver, events, steps)
+                # Held tokens first: an abort must follow its job's last tokens.
+                if pending or control or steps:
+                    self._post(self._deliver, pending + control, steps)
                 pending, steps = [], []
             if not batch.has_work:
                 self._wake.wait()
