@@ -7,13 +7,14 @@ Modules, one job each:
 - `grpc_client`: an asyncio MlxEngine client that keeps `concurrency` streams in flight;
 - `multiturn`: conversations resending their history, our worker with and without its
   prefix cache (run after the throughput table);
-- `workers`: starts a worker process, waits for SERVING, stops it;
+- `workers`: starts a worker process, waits for SERVING, pauses it between turns, stops it;
 - `peer`: the published peer worker's virtualenv and command line;
 - `profiling`: py-spy around our worker's timed phases, CPU per thread, a summary;
 - `stats`: per-request records to per-level numbers;
 - `report`: the table, the ratios and targets, the JSON file;
 - `machine`: what the numbers were measured on;
-- `runner` and `__main__`: the orchestration and the command line;
+- `runner` and `__main__`: the orchestration (systems take turns, level by level) and the
+  command line;
 - `stage_gpu.sh`: packs the bench for the offline GPU machine.
 
 BENCHMARKS.md at the repository top has the commands, results and profiles.

@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefill-batch-size", type=int, default=8)
     p.add_argument(
+        "--rounds",
+        type=int,
+        help="interleaved rounds per level, pooled (default 3, short 1): every system "
+        "runs a round before any runs the next, so the VM's drift hits them alike",
+    )
+    p.add_argument(
         "--warmup",
         type=int,
         default=1,
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         start_timeout_s=args.start_timeout,
         ours_switch_interval=args.ours_switch_interval,
         ours_args=args.ours_arg,
+        rounds=args.rounds or (1 if args.short else 3),
     )
     info = machine.describe()
     out = args.out or report.default_out(machine.slug(info))
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     multiturn: dict = {}
 
     def save(results: list, systems: dict) -> None:
-        """Written after each system, so a run cut short still leaves its numbers."""
+        """Written after each level, so a run cut short still leaves its numbers."""
         rows = report.ratios(results)
         payload = {
             "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
@@ -157,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model.describe(model_dir),
             "workload": workload.to_dict(),
             "concurrency": levels,
+            "rounds": opts.rounds,
             "systems": systems,
             "results": [r.to_dict() for r in results],
             "ratios": rows,

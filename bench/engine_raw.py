@@ -1,11 +1,12 @@
 """The ceiling: mlx-lm's BatchGenerator driven directly, on one thread, no server.
 
-Run as its own process (`python -m bench.engine_raw`), like the workers. It
-keeps `concurrency` sequences in flight (a closed loop: a new one is inserted
-as soon as one finishes, between two steps, which is where a worker can
-insert too) with the same prompts, lengths, sampler and batch limits the
+Run as its own process (`python -m bench.engine_raw`), one per round of a
+level. It keeps `concurrency` sequences in flight (a closed loop: a new one is
+inserted as soon as one finishes, between two steps, which is where a worker
+can insert too) with the same prompts, lengths, sampler and batch limits the
 workers get. Timestamps are taken when `next()` hands the tokens over: the
-earliest a server could send them. Prints one JSON object on stdout.
+earliest a server could send them. Prints one JSON object (the per-request
+records) on stdout.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import argparse
 import contextlib
 import json
 import random
-import sys
 import time
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
-from bench.stats import LevelResult, RequestRecord, summarize
-from bench.workload import Workload, parse_levels
+from bench.stats import RequestRecord
+from bench.workload import Level, Workload
 
 
 def _closed_loop(
@@ -89,7 +90,8 @@ def _counting(generator) -> contextlib.AbstractContextManager:
     return generator.stats()
 
 
-def run(model_dir: Path, workload: Workload, levels: list[int], max_delay: int = 0) -> dict:
+def run(model_dir: Path, workload: Workload, level: Level, max_delay: int = 0) -> dict:
+    """One round of one level: its warm-up, then its timed requests."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
@@ -103,40 +105,43 @@ def run(model_dir: Path, workload: Workload, levels: list[int], max_delay: int =
         prefill_batch_size=workload.prefill_batch_size,
         prefill_step_size=workload.prefill_step_size,
     )
-    results: list[LevelResult] = []
-    stats: list[dict] = []
-    for level in workload.plan(levels):
-        c = level.concurrency
-        _closed_loop(generator, workload, c, level.warmup, max_delay)
-        with _counting(generator) as counted:
-            records, wall = _closed_loop(generator, workload, c, level.timed, max_delay)
-        results.append(summarize("engine", c, records, wall))
-        if counted is not None:
-            # Where the engine's own time goes: a worker's profile compares with this.
-            stats.append(
-                {
-                    "concurrency": c,
-                    "decode_steps": counted.generation_steps,
-                    "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
-                    "prompt_share": counted.prompt_time / counted.wall_time,
-                    "decode_share": counted.decode_time / counted.wall_time,
-                }
-            )
-        print(f"  {results[-1].brief()}; {stats[-1:]}", file=sys.stderr, flush=True)
+    c = level.concurrency
+    _closed_loop(generator, workload, c, level.warmup, max_delay)
+    with _counting(generator) as counted:
+        records, wall = _closed_loop(generator, workload, c, level.timed, max_delay)
+    stats = None
+    if counted is not None:
+        # Where the engine's own time goes: a worker's profile compares with this.
+        stats = {
+            "concurrency": c,
+            "round": level.round,
+            "decode_steps": counted.generation_steps,
+            "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
+            "prompt_share": counted.prompt_time / counted.wall_time,
+            "decode_share": counted.decode_time / counted.wall_time,
+        }
     generator.close()
     return {
         "device": str(mx.default_device()),
         "mlx_lm": metadata.version("mlx-lm"),
-        "levels": [r.to_dict() for r in results],
+        "records": [asdict(r) for r in records],
+        "wall_s": wall,
         "batch_stats": stats,
     }
+
+
+def _range(text: str) -> range:
+    start, stop = (int(part) for part in text.split(":"))
+    return range(start, stop)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--workload", required=True, help="Workload as JSON")
-    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--concurrency", type=int, required=True)
+    parser.add_argument("--warmup", type=_range, required=True, help="prompt indices A:B")
+    parser.add_argument("--timed", type=_range, required=True, help="prompt indices A:B")
     parser.add_argument(
         "--insert-delay-steps",
         type=int,
@@ -145,8 +150,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     workload = Workload.from_dict(json.loads(args.workload))
-    levels = parse_levels(args.concurrency)
-    print(json.dumps(run(args.model, workload, levels, args.insert_delay_steps)))
+    level = Level(args.concurrency, 0, args.warmup, args.timed)
+    print(json.dumps(run(args.model, workload, level, args.insert_delay_steps)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Runs each system in turn (never two at once) over the same levels and prompts."""
+"""Runs the systems in turn (never two at once), level by level, on the same prompts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -13,10 +14,10 @@ from pathlib import Path
 from bench import peer
 from bench.grpc_client import run_closed_loop
 from bench.profiling import PySpy, ThreadCpu, summarize, thread_names
-from bench.stats import LevelResult
+from bench.stats import LevelResult, RequestRecord
 from bench.stats import summarize as summarize_level
 from bench.workers import WorkerProcess, free_port, ours_command
-from bench.workload import Workload
+from bench.workload import Level, Workload
 
 
 def progress(message: str) -> None:
@@ -35,25 +36,29 @@ class Options:
     start_timeout_s: float = 600.0
     ours_switch_interval: float | None = None
     ours_args: list[str] = field(default_factory=list)  # extra flags for our worker
+    rounds: int = 1  # interleaved rounds per level, pooled
 
 
-def run_engine(opts: Options) -> tuple[list[LevelResult], dict]:
-    """The raw BatchGenerator in a child process; its JSON comes back on stdout."""
-    progress("engine: raw BatchGenerator, one thread, no server")
+def _span(indices: range) -> str:
+    return f"{indices.start}:{indices.stop}"
+
+
+def _engine_round(opts: Options, level: Level) -> tuple[list[RequestRecord], float, dict]:
+    """One round of the raw BatchGenerator in a child process; its JSON comes back on stdout."""
     out = subprocess.run(
         [
             sys.executable, "-m", "bench.engine_raw", "--model", str(opts.model_dir),
             "--workload", json.dumps(opts.workload.to_dict()),
-            "--concurrency", ",".join(map(str, opts.levels)),
+            "--concurrency", str(level.concurrency),
+            "--warmup", _span(level.warmup), "--timed", _span(level.timed),
         ],
         check=True, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     data = json.loads(out.stdout)
-    info = {k: data[k] for k in ("device", "mlx_lm", "batch_stats")}
-    return [LevelResult(**level) for level in data["levels"]], info
+    return [RequestRecord(**r) for r in data.pop("records")], data.pop("wall_s"), data
 
 
-def _worker(name: str, opts: Options) -> tuple[WorkerProcess, dict]:
+def _start_worker(name: str, opts: Options) -> tuple[WorkerProcess, dict]:
     port = free_port()
     log = opts.work_dir / "logs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     if name == "ours":
@@ -65,63 +70,103 @@ def _worker(name: str, opts: Options) -> tuple[WorkerProcess, dict]:
         command = peer.peer_command(python, opts.model_dir, port, opts.workload)
         env, info = peer.peer_env(opts.workload), {"versions": peer.peer_versions(python)}
     info["command"] = command
-    return WorkerProcess(name, command, port, log, env), info
-
-
-def run_worker(name: str, opts: Options) -> tuple[list[LevelResult], dict]:
-    """Start the worker, run every level against it over gRPC, stop it."""
-    worker, info = _worker(name, opts)
-    progress(f"{name}: starting {' '.join(worker.command)}")
-    results = []
-    with worker:
+    progress(f"{name}: starting {' '.join(command)}")
+    worker = WorkerProcess(name, command, port, log, env)
+    try:
         started = time.monotonic()
         worker.wait_serving(opts.start_timeout_s)
-        progress(f"{name}: SERVING after {time.monotonic() - started:.1f}s")
-        for level in opts.workload.plan(opts.levels):
-            c = level.concurrency
-            progress(f"{name} c={c}: {len(level.warmup)} warm-up, {len(level.timed)} timed")
-            run_closed_loop(worker.address, opts.workload, c, level.warmup, f"w{c}")
-            spy = cpu = None
-            if opts.profile_dir is not None and name == "ours":
-                spy = PySpy(worker.pid, opts.profile_dir / f"{name}-c{c}.txt")
-                cpu = ThreadCpu(worker.pid)
-            client_cpu = time.process_time()
-            records, wall = run_closed_loop(worker.address, opts.workload, c, level.timed, f"t{c}")
-            client_cpu = time.process_time() - client_cpu
-            if spy is not None:
-                cpu_end = cpu.snapshot()
-                raw = spy.stop()
-                summary = raw.with_suffix(".summary.txt")
-                threads = cpu.report(cpu_end, thread_names(raw))
-                # The load generator shares the machine's cores with the worker.
-                threads += f"\n    {100 * client_cpu / wall:6.1f}%  (the bench client process)"
-                summary.write_text(threads + "\n" + summarize(raw) + "\n")
-                progress(f"{name} c={c}: profile in {raw}, summary in {summary}")
-            results.append(summarize_level(name, c, records, wall))
-            progress(results[-1].brief())
-    info["exit_code"] = worker.process.returncode
-    return results, info
+    except BaseException:
+        worker.stop()
+        raise
+    progress(f"{name}: SERVING after {time.monotonic() - started:.1f}s")
+    worker.pause()  # it waits its turn without taking CPU from the system measured
+    return worker, info
+
+
+def _worker_round(
+    worker: WorkerProcess, opts: Options, level: Level
+) -> tuple[list[RequestRecord], float]:
+    """One round of one level over gRPC; the worker runs only meanwhile."""
+    c, tag = level.concurrency, f"{level.concurrency}-{level.round}"
+    worker.resume()
+    try:
+        run_closed_loop(worker.address, opts.workload, c, level.warmup, f"w{tag}")
+        spy = cpu = None
+        if opts.profile_dir is not None and worker.name == "ours" and level.round == 0:
+            spy = PySpy(worker.pid, opts.profile_dir / f"{worker.name}-c{c}.txt")
+            cpu = ThreadCpu(worker.pid)
+        client_cpu = time.process_time()
+        records, wall = run_closed_loop(worker.address, opts.workload, c, level.timed, f"t{tag}")
+        client_cpu = time.process_time() - client_cpu
+    finally:
+        worker.pause()
+    if spy is not None:
+        cpu_end = cpu.snapshot()
+        raw = spy.stop()
+        summary = raw.with_suffix(".summary.txt")
+        threads = cpu.report(cpu_end, thread_names(raw))
+        # The load generator shares the machine's cores with the worker.
+        threads += f"\n    {100 * client_cpu / wall:6.1f}%  (the bench client process)"
+        summary.write_text(threads + "\n" + summarize(raw) + "\n")
+        progress(f"{worker.name} c={c}: profile in {raw}, summary in {summary}")
+    return records, wall
 
 
 def run_all(
     opts: Options, on_progress: Callable[[list[LevelResult], dict], None] | None = None
 ) -> tuple[list[LevelResult], dict]:
-    """Every system in turn. One that fails is reported as failed and the rest
-    still run (one broken worker must not cost the others' numbers);
-    `on_progress` sees the results after each system."""
-    results: list[LevelResult] = []
+    """Every system at every level, interleaved: all systems run round 1 of a
+    level, then round 2 in reverse order, and so on, then the next level; each
+    level's rounds are pooled. This VM's speed drifts by tens of percent over
+    minutes, so systems measured minutes apart would compare the drift.
+    Workers stay up, paused (SIGSTOP) while another system runs. One that fails
+    is reported as failed and the rest still run; `on_progress` sees the
+    results after each level."""
     systems: dict[str, dict] = {}
-    for name in opts.systems:
-        try:
+    workers: dict[str, WorkerProcess] = {}
+    results: list[LevelResult] = []
+    with contextlib.ExitStack() as stack:
+        for name in opts.systems:
             if name == "engine":
-                level_results, info = run_engine(opts)
-            else:
-                level_results, info = run_worker(name, opts)
-        except Exception as exc:  # noqa: BLE001 - reported, then the next system runs
-            progress(f"{name}: FAILED: {exc!r}")
-            level_results, info = [], {"error": repr(exc)}
-        results += level_results
-        systems[name] = info
-        if on_progress is not None:
-            on_progress(results, systems)
+                progress("engine: raw BatchGenerator, one thread, no server, a process per round")
+                systems[name] = {"batch_stats": []}
+                continue
+            try:
+                worker, systems[name] = _start_worker(name, opts)
+            except Exception as exc:  # noqa: BLE001 - reported, then the others run
+                progress(f"{name}: FAILED: {exc!r}")
+                systems[name] = {"error": repr(exc)}
+                continue
+            workers[name] = stack.enter_context(worker)
+        pooled: dict[str, tuple[list[RequestRecord], float]] = {}
+        for level in opts.workload.plan(opts.levels, opts.rounds):
+            c = level.concurrency
+            order = opts.systems if level.round % 2 == 0 else opts.systems[::-1]
+            for name in order:
+                if "error" in systems[name]:
+                    continue
+                progress(f"{name} c={c} round {level.round + 1}/{opts.rounds}: "
+                         f"{len(level.warmup)} warm-up, {len(level.timed)} timed")  # fmt: skip
+                try:
+                    if name == "engine":
+                        records, wall, info = _engine_round(opts, level)
+                        systems[name]["batch_stats"].append(info.pop("batch_stats"))
+                        systems[name].update(info)
+                    else:
+                        records, wall = _worker_round(workers[name], opts, level)
+                except Exception as exc:  # noqa: BLE001 - reported, then the others run
+                    progress(f"{name}: FAILED: {exc!r}")
+                    systems[name]["error"] = repr(exc)
+                    continue
+                earlier, earlier_wall = pooled.get(name, ([], 0.0))
+                pooled[name] = (earlier + records, earlier_wall + wall)
+            if level.round == opts.rounds - 1:
+                for name, (records, wall) in pooled.items():
+                    results.append(summarize_level(name, c, records, wall))
+                    progress(results[-1].brief())
+                pooled = {}
+                if on_progress is not None:
+                    on_progress(results, systems)
+    for name, worker in workers.items():
+        systems[name]["exit_code"] = worker.process.returncode
     return results, systems

@@ -12,9 +12,10 @@ PROMPT_ID_RANGE = (10, 250)
 
 @dataclass(frozen=True)
 class Level:
-    """One concurrency level of a run: its warm-up and timed requests."""
+    """One round of one concurrency level: its warm-up and timed requests."""
 
     concurrency: int
+    round: int  # 0, 1, ...: each system runs every round of a level before the next level
     warmup: range  # prompt indices of the untimed requests
     timed: range  # prompt indices of the timed requests
 
@@ -51,16 +52,17 @@ class Workload:
         low, high = PROMPT_ID_RANGE
         return [rng.randrange(low, high) for _ in range(self.prompt_tokens)]
 
-    def plan(self, levels: list[int]) -> list[Level]:
-        """Each level's warm-up and timed requests, numbered so that every
-        request of a run gets its own prompt, the same one in every system."""
+    def plan(self, levels: list[int], rounds: int = 1) -> list[Level]:
+        """Each level's rounds, level by level, numbered so that every request of a
+        run gets its own prompt (nothing for a prefix cache to reuse), the same
+        one in every system."""
         plan, first = [], 0
         for c in levels:
             warm, timed = self.warmup(c), self.requests(c)
-            plan.append(
-                Level(c, range(first, first + warm), range(first + warm, first + warm + timed))
-            )
-            first += warm + timed
+            for r in range(rounds):
+                warmup = range(first, first + warm)
+                plan.append(Level(c, r, warmup, range(warmup.stop, warmup.stop + timed)))
+                first = warmup.stop + timed
         return plan
 
     def to_dict(self) -> dict:

@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream-interval",
         type=_positive,
         default=2,
-        help="engine steps between sends of a stream's new tokens (a first token and "
-        "the end go at once); 1 sends every token alone, more saves per-message work "
-        "under load at the price of tokens arriving in groups",
+        help="tokens per stream message at light load (a first token and the end go "
+        "at once); under load chunks grow to about batch/16 tokens, never holding a "
+        "token more than ~100 ms, to save per-message work; 1 sends every token alone",
     )
     serve.add_argument(
         "--max-pending",

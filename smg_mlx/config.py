@@ -20,7 +20,7 @@ class EngineConfig:
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES  # 0: no prefix cache
-    stream_interval: int = 2  # engine steps between token hand-offs to the streams
+    stream_interval: int = 2  # tokens per stream message at light load (1: each alone)
 
 
 @dataclass(frozen=True)

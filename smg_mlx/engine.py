@@ -104,6 +104,26 @@ class Job:
             self.changed.set()
 
 
+# Under load the event loop's per-message work (gRPC, in this process, under
+# the GIL) delays the engine's next step, so chunks grow with the batch: about
+# one message per step for every this many running streams...
+STREAMS_PER_MESSAGE_STEP = 16
+# ...but a token never waits for more than about this long.
+MAX_CHUNK_SECONDS = 0.1
+
+
+def chunk_tokens(minimum: int, running: int, step_seconds: float) -> int:
+    """Tokens per stream message: `minimum` (--stream-interval) at light load,
+    growing with the batch so that about `running / STREAMS_PER_MESSAGE_STEP`
+    messages go out per step, capped at MAX_CHUNK_SECONDS of steps. A minimum
+    of 1 asks for every token alone, at any load."""
+    if minimum == 1:
+        return 1
+    by_load = -(-running // STREAMS_PER_MESSAGE_STEP)
+    by_time = int(MAX_CHUNK_SECONDS / step_seconds) if step_seconds > 0 else by_load
+    return max(minimum, min(by_load, by_time))
+
+
 class EngineState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
@@ -127,6 +147,8 @@ class Engine:
         self.running = 0
         self.generator_sequences = 0
         self.prefix_cache_bytes = 0
+        # Tokens per stream message now (the engine thread adapts it to the load).
+        self.chunk_tokens = config.stream_interval
         self._loop = loop
         self._inbox: deque[Job] = deque()
         self._aborts: set[int] = set()
@@ -235,11 +257,10 @@ class Engine:
         self._post(self._set_stopped)
 
     def _serve(self, batch: BatchLoop, held: list[Job]) -> None:
-        # Tokens are handed over every `stream_interval` steps: each hand-off
+        # Tokens are handed over every `chunk_tokens` steps: each hand-off
         # costs the event loop a wake-up and every stream a gRPC message, which
         # under load is time taken from the engine. First tokens and endings
         # never wait.
-        interval = self.config.stream_interval
         pending: list[Event] = []
         steps: list[tuple[float, int]] = []
         while not self._stop:
@@ -275,7 +296,11 @@ class Engine:
             self.running = batch.running
             self.generator_sequences = batch.generator_sequences
             self.prefix_cache_bytes = batch.prefix_cache_bytes
-            if urgent or len(steps) >= interval or not batch.has_work:
+            if steps:
+                self.chunk_tokens = chunk_tokens(
+                    self.config.stream_interval, self.running, steps[-1][0]
+                )
+            if urgent or len(steps) >= self.chunk_tokens or not batch.has_work:
                 # Held tokens first: an abort must follow its job's last tokens.
                 if pending or control or steps:
                     self._post(self._deliver, pending + control, steps)

@@ -122,9 +122,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, job: Job, stream: bool
     ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
         # Under load several streams end or start in most steps, so the engine
-        # hands tokens over more often than every stream_interval steps; a
+        # hands tokens over more often than every `chunk_tokens` steps; a
         # stream still waits for that many tokens (its first and last excepted).
-        interval = self._engine.config.stream_interval
         sent = 0
         while True:
             job.changed.clear()
@@ -132,7 +131,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 return
             # Everything that arrived since the last chunk goes in one chunk;
             # more may land while it is sent, so look again before finishing.
-            due = 1 if sent == 0 or job.finish_reason else interval
+            due = 1 if sent == 0 or job.finish_reason else self._engine.chunk_tokens
             if stream and len(job.tokens) - sent >= due:
                 message, sent = responses.chunk(job, sent), len(job.tokens)
                 yield message

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import generate, prompt, request
 
+from smg_mlx.engine import chunk_tokens
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 
@@ -169,3 +171,32 @@ def test_stream_interval_groups_tokens_but_not_the_first(start_worker, model_dir
     assert (
         r.tokens == generate(w.stub, prompt(6), max_tokens=20, ignore_eos=True, stream=False).tokens
     )
+
+
+@pytest.mark.parametrize("interval", [1, 2])
+def test_chunks_grow_under_load_unless_every_token_was_asked_for(start_worker, model_dir, interval):
+    # 48 long streams at once: with more than 32 running, a chunk carries 3
+    # tokens (--stream-interval 2); --stream-interval 1 still sends each alone.
+    w = start_worker(model_dir, stream_interval=interval, completion_batch_size=48)
+    with ThreadPoolExecutor(48) as pool:
+        results = list(
+            pool.map(
+                lambda i: generate(w.stub, prompt(8, i), max_tokens=200, ignore_eos=True),
+                range(48),
+            )
+        )
+    assert all(len(r.tokens) == 200 and r.chunks[0].token_ids for r in results)
+    assert all(len(r.chunks[0].token_ids) == 1 for r in results)  # first tokens never wait
+    middle = [len(c.token_ids) for r in results for c in r.chunks[1:-1]]
+    if interval == 1:
+        assert set(middle) == {1}
+    else:
+        assert statistics.median(middle) >= 3
+
+
+def test_chunk_size_follows_the_batch_but_tokens_wait_at_most_100_ms():
+    assert chunk_tokens(2, running=1, step_seconds=0.001) == 2
+    assert chunk_tokens(2, running=64, step_seconds=0.015) == 4
+    assert chunk_tokens(2, running=64, step_seconds=0.04) == 2  # 4 steps would be 160 ms
+    assert chunk_tokens(3, running=64, step_seconds=0.5) == 3  # never below the flag
+    assert chunk_tokens(1, running=64, step_seconds=0.001) == 1
