@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -58,58 +57,51 @@ def _engine_round(opts: Options, level: Level) -> tuple[list[RequestRecord], flo
     return [RequestRecord(**r) for r in data.pop("records")], data.pop("wall_s"), data
 
 
-def _start_worker(name: str, opts: Options) -> tuple[WorkerProcess, dict]:
+def _worker_process(name: str, opts: Options, log: Path) -> tuple[WorkerProcess, dict]:
+    """The worker, started, and what the JSON records of it."""
     port = free_port()
-    log = opts.work_dir / "logs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     if name == "ours":
         command = ours_command(opts.model_dir, port, opts.workload, opts.ours_switch_interval)
-        command += opts.ours_args
-        env, info = None, {}
+        command, env, info = command + opts.ours_args, None, {}
     else:
         python = opts.peer_python or peer.ensure_peer_python(opts.work_dir / "peer-venv")
         command = peer.peer_command(python, opts.model_dir, port, opts.workload)
         env, info = peer.peer_env(opts.workload), {"versions": peer.peer_versions(python)}
     info["command"] = command
-    progress(f"{name}: starting {' '.join(command)}")
-    worker = WorkerProcess(name, command, port, log, env)
-    try:
-        started = time.monotonic()
-        worker.wait_serving(opts.start_timeout_s)
-    except BaseException:
-        worker.stop()
-        raise
-    progress(f"{name}: SERVING after {time.monotonic() - started:.1f}s")
-    worker.pause()  # it waits its turn without taking CPU from the system measured
-    return worker, info
+    return WorkerProcess(name, command, port, log, env), info
 
 
 def _worker_round(
-    worker: WorkerProcess, opts: Options, level: Level
-) -> tuple[list[RequestRecord], float]:
-    """One round of one level over gRPC; the worker runs only meanwhile."""
+    name: str, opts: Options, level: Level
+) -> tuple[list[RequestRecord], float, dict]:
+    """One round of one level over gRPC, on a worker started for it and stopped after
+    (a paused worker would still hold its accelerator memory)."""
     c, tag = level.concurrency, f"{level.concurrency}-{level.round}"
-    worker.resume()
-    try:
-        run_closed_loop(worker.address, opts.workload, c, level.warmup, f"w{tag}")
+    log = opts.work_dir / "logs" / f"{name}-c{c}-r{level.round}-{time.strftime('%H%M%S')}.log"
+    worker, info = _worker_process(name, opts, log)
+    with worker as w:
+        started = time.monotonic()
+        w.wait_serving(opts.start_timeout_s)
+        progress(f"{name}: SERVING after {time.monotonic() - started:.1f}s")
+        run_closed_loop(w.address, opts.workload, c, level.warmup, f"w{tag}")
         spy = cpu = None
-        if opts.profile_dir is not None and worker.name == "ours" and level.round == 0:
-            spy = PySpy(worker.pid, opts.profile_dir / f"{worker.name}-c{c}.txt")
-            cpu = ThreadCpu(worker.pid)
+        if opts.profile_dir is not None and name == "ours" and level.round == 0:
+            spy = PySpy(w.pid, opts.profile_dir / f"{name}-c{c}.txt")
+            cpu = ThreadCpu(w.pid)
         client_cpu = time.process_time()
-        records, wall = run_closed_loop(worker.address, opts.workload, c, level.timed, f"t{tag}")
+        records, wall = run_closed_loop(w.address, opts.workload, c, level.timed, f"t{tag}")
         client_cpu = time.process_time() - client_cpu
-    finally:
-        worker.pause()
-    if spy is not None:
-        cpu_end = cpu.snapshot()
-        raw = spy.stop()
-        summary = raw.with_suffix(".summary.txt")
-        threads = cpu.report(cpu_end, thread_names(raw))
-        # The load generator shares the machine's cores with the worker.
-        threads += f"\n    {100 * client_cpu / wall:6.1f}%  (the bench client process)"
-        summary.write_text(threads + "\n" + summarize(raw) + "\n")
-        progress(f"{worker.name} c={c}: profile in {raw}, summary in {summary}")
-    return records, wall
+        if spy is not None:
+            cpu_end = cpu.snapshot()
+            raw = spy.stop()
+            summary = raw.with_suffix(".summary.txt")
+            threads = cpu.report(cpu_end, thread_names(raw))
+            # The load generator shares the machine's cores with the worker.
+            threads += f"\n    {100 * client_cpu / wall:6.1f}%  (the bench client process)"
+            summary.write_text(threads + "\n" + summarize(raw) + "\n")
+            progress(f"{name} c={c}: profile in {raw}, summary in {summary}")
+    info["exit_code"] = w.process.returncode
+    return records, wall, info
 
 
 def run_all(
@@ -118,55 +110,38 @@ def run_all(
     """Every system at every level, interleaved: all systems run round 1 of a
     level, then round 2 in reverse order, and so on, then the next level; each
     level's rounds are pooled. This VM's speed drifts by tens of percent over
-    minutes, so systems measured minutes apart would compare the drift.
-    Workers stay up, paused (SIGSTOP) while another system runs. One that fails
-    is reported as failed and the rest still run; `on_progress` sees the
-    results after each level."""
-    systems: dict[str, dict] = {}
-    workers: dict[str, WorkerProcess] = {}
+    minutes, so systems measured minutes apart would compare the drift. One
+    system that fails is reported as failed and the rest still run;
+    `on_progress` sees the results after each level."""
+    systems: dict[str, dict] = {name: {} for name in opts.systems}
     results: list[LevelResult] = []
-    with contextlib.ExitStack() as stack:
-        for name in opts.systems:
-            if name == "engine":
-                progress("engine: raw BatchGenerator, one thread, no server, a process per round")
-                systems[name] = {"batch_stats": []}
+    pooled: dict[str, tuple[list[RequestRecord], float]] = {}
+    for level in opts.workload.plan(opts.levels, opts.rounds):
+        c = level.concurrency
+        order = opts.systems if level.round % 2 == 0 else opts.systems[::-1]
+        for name in order:
+            if "error" in systems[name]:
                 continue
+            progress(f"{name} c={c} round {level.round + 1}/{opts.rounds}: "
+                     f"{len(level.warmup)} warm-up, {len(level.timed)} timed")  # fmt: skip
             try:
-                worker, systems[name] = _start_worker(name, opts)
+                if name == "engine":
+                    records, wall, info = _engine_round(opts, level)
+                    systems[name].setdefault("batch_stats", []).append(info.pop("batch_stats"))
+                else:
+                    records, wall, info = _worker_round(name, opts, level)
             except Exception as exc:  # noqa: BLE001 - reported, then the others run
                 progress(f"{name}: FAILED: {exc!r}")
-                systems[name] = {"error": repr(exc)}
+                systems[name]["error"] = repr(exc)
                 continue
-            workers[name] = stack.enter_context(worker)
-        pooled: dict[str, tuple[list[RequestRecord], float]] = {}
-        for level in opts.workload.plan(opts.levels, opts.rounds):
-            c = level.concurrency
-            order = opts.systems if level.round % 2 == 0 else opts.systems[::-1]
-            for name in order:
-                if "error" in systems[name]:
-                    continue
-                progress(f"{name} c={c} round {level.round + 1}/{opts.rounds}: "
-                         f"{len(level.warmup)} warm-up, {len(level.timed)} timed")  # fmt: skip
-                try:
-                    if name == "engine":
-                        records, wall, info = _engine_round(opts, level)
-                        systems[name]["batch_stats"].append(info.pop("batch_stats"))
-                        systems[name].update(info)
-                    else:
-                        records, wall = _worker_round(workers[name], opts, level)
-                except Exception as exc:  # noqa: BLE001 - reported, then the others run
-                    progress(f"{name}: FAILED: {exc!r}")
-                    systems[name]["error"] = repr(exc)
-                    continue
-                earlier, earlier_wall = pooled.get(name, ([], 0.0))
-                pooled[name] = (earlier + records, earlier_wall + wall)
-            if level.round == opts.rounds - 1:
-                for name, (records, wall) in pooled.items():
-                    results.append(summarize_level(name, c, records, wall))
-                    progress(results[-1].brief())
-                pooled = {}
-                if on_progress is not None:
-                    on_progress(results, systems)
-    for name, worker in workers.items():
-        systems[name]["exit_code"] = worker.process.returncode
+            systems[name].update(info)
+            earlier, earlier_wall = pooled.get(name, ([], 0.0))
+            pooled[name] = (earlier + records, earlier_wall + wall)
+        if level.round == opts.rounds - 1:
+            for name, (records, wall) in pooled.items():
+                results.append(summarize_level(name, c, records, wall))
+                progress(results[-1].brief())
+            pooled = {}
+            if on_progress is not None:
+                on_progress(results, systems)
     return results, systems

@@ -92,18 +92,8 @@ class WorkerProcess:
         self.stop()
         raise RuntimeError(f"{self.name} not SERVING after {timeout_s:.0f}s; see {self.log_path}")
 
-    def pause(self) -> None:
-        """SIGSTOP its process group: an idle worker that polls takes no CPU meanwhile."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGCONT)
-
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM (graceful: nothing is in flight by now), SIGKILL if it hangs."""
-        self.resume()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
