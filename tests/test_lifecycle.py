@@ -25,9 +25,13 @@ def test_health_not_serving_until_ready_then_serving(spawn, model_dir):
     p = spawn("--model", str(model_dir))
     grpc.channel_ready_future(p.channel).result(60)
     watch = p.health.Watch(health_pb2.HealthCheckRequest(service=ENGINE), timeout=60)
-    # The server listens before the model is loaded, and says so.
-    assert next(watch).status == NOT_SERVING
-    assert next(watch).status == SERVING
+    # The server listens before the model is loaded and says NOT_SERVING until
+    # it is ready (the tiny model may be ready before the watch starts: the
+    # router test holds the load to see that phase for certain).
+    seen = [next(watch).status]
+    while seen[-1] != SERVING:
+        seen.append(next(watch).status)
+    assert set(seen[:-1]) <= {NOT_SERVING}
     assert p.check() == SERVING and p.check(ENGINE) == SERVING
     assert p.stub.HealthCheck(pb.HealthCheckRequest()).healthy
     # Watch keeps streaming: shutdown shows up on it.
