@@ -7,7 +7,7 @@ Modules, one job each:
 - `grpc_client`: an asyncio MlxEngine client that keeps `concurrency` streams in flight;
 - `multiturn`: conversations resending their history, our worker with and without its
   prefix cache (run after the throughput table);
-- `workers`: starts a worker process, waits for SERVING, pauses it between turns, stops it;
+- `workers`: starts a worker process, waits for SERVING, stops it;
 - `peer`: the published peer worker's virtualenv and command line;
 - `profiling`: py-spy around our worker's timed phases, CPU per thread, a summary;
 - `stats`: per-request records to per-level numbers;

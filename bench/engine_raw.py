@@ -114,7 +114,6 @@ def run(model_dir: Path, workload: Workload, level: Level, max_delay: int = 0) -
         # Where the engine's own time goes: a worker's profile compares with this.
         stats = {
             "concurrency": c,
-            "round": level.round,
             "decode_steps": counted.generation_steps,
             "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
             "prompt_share": counted.prompt_time / counted.wall_time,
@@ -150,7 +149,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     workload = Workload.from_dict(json.loads(args.workload))
-    level = Level(args.concurrency, 0, args.warmup, args.timed)
+    level = Level(args.concurrency, 0, args.warmup, args.timed)  # the runner counts rounds
     print(json.dumps(run(args.model, workload, level, args.insert_delay_steps)))
 
 

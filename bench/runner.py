@@ -127,7 +127,10 @@ def run_all(
             try:
                 if name == "engine":
                     records, wall, info = _engine_round(opts, level)
-                    systems[name].setdefault("batch_stats", []).append(info.pop("batch_stats"))
+                    stats = info.pop("batch_stats")  # None on mlx-lm < 0.32
+                    if stats is not None:
+                        stats["round"] = level.round
+                    systems[name].setdefault("batch_stats", []).append(stats)
                 else:
                     records, wall, info = _worker_round(name, opts, level)
             except Exception as exc:  # noqa: BLE001 - reported, then the others run

@@ -185,7 +185,7 @@ def test_chunks_grow_under_load_unless_every_token_was_asked_for(start_worker, m
                 range(48),
             )
         )
-    assert all(len(r.tokens) == 200 and r.chunks[0].token_ids for r in results)
+    assert all(len(r.tokens) == 200 for r in results)
     assert all(len(r.chunks[0].token_ids) == 1 for r in results)  # first tokens never wait
     middle = [len(c.token_ids) for r in results for c in r.chunks[1:-1]]
     if interval == 1:
