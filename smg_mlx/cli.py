@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=2,
         help="tokens per stream message at light load (a first token and the end go "
-        "at once); under load chunks grow to about batch/16 tokens, never holding a "
-        "token more than ~100 ms, to save per-message work; 1 sends every token alone",
+        "at once); under load chunks grow so that all streams together send about 300 "
+        "messages/s, never holding a token more than ~100 ms, to save per-message "
+        "work; 1 sends every token alone",
     )
     serve.add_argument(
         "--max-pending",

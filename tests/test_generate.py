@@ -175,7 +175,7 @@ def test_stream_interval_groups_tokens_but_not_the_first(start_worker, model_dir
 
 @pytest.mark.parametrize("interval", [1, 2])
 def test_chunks_grow_under_load_unless_every_token_was_asked_for(start_worker, model_dir, interval):
-    # 48 long streams at once: with more than 32 running, a chunk carries 3
+    # 48 long streams at once: the message budget makes chunks of several
     # tokens (--stream-interval 2); --stream-interval 1 still sends each alone.
     w = start_worker(model_dir, stream_interval=interval, completion_batch_size=48)
     with ThreadPoolExecutor(48) as pool:
@@ -194,9 +194,11 @@ def test_chunks_grow_under_load_unless_every_token_was_asked_for(start_worker, m
         assert statistics.median(middle) >= 3
 
 
-def test_chunk_size_follows_the_batch_but_tokens_wait_at_most_100_ms():
-    assert chunk_tokens(2, running=1, step_seconds=0.001) == 2
-    assert chunk_tokens(2, running=64, step_seconds=0.015) == 4
-    assert chunk_tokens(2, running=64, step_seconds=0.04) == 2  # 4 steps would be 160 ms
+def test_chunk_size_keeps_to_a_message_budget_but_tokens_wait_at_most_100_ms():
+    assert chunk_tokens(2, running=1, step_seconds=0.01) == 2  # 100 messages/s
+    assert chunk_tokens(2, running=1, step_seconds=0.001) == 4  # 250 messages/s
+    assert chunk_tokens(2, running=16, step_seconds=0.003) == 18  # 296 messages/s
+    assert chunk_tokens(2, running=64, step_seconds=0.015) == 6  # 15 would be 225 ms
+    assert chunk_tokens(2, running=64, step_seconds=0.04) == 2  # 3 steps would be 120 ms
     assert chunk_tokens(3, running=64, step_seconds=0.5) == 3  # never below the flag
     assert chunk_tokens(1, running=64, step_seconds=0.001) == 1
