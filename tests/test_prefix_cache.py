@@ -200,6 +200,7 @@ def test_greedy_output_with_the_cache_equals_output_without(pair):
         "extends prompt and answer": (base + out + prompt(9, 5), len(base) + len(out)),
         "extends the prompt only": (base + prompt(9, 6), len(base)),
         "diverges": (base[:50] + prompt(30, 7), 50),
+        "shares too little to be worth it": (base[:10] + prompt(70, 8), 0),
     }
     for name, (ids, reused) in cases.items():
         want = generate(cold.stub, ids, max_tokens=16)
@@ -282,12 +283,12 @@ def test_abort_during_prefill_keeps_the_worker_sound(start_worker, model_dir):
 
 
 def test_sliding_window_caches_are_reused_only_whole(start_worker, tmp_path):
-    # Every other layer keeps a 16-token window: once a sequence passes 16
+    # Every other layer keeps a 32-token window: once a sequence passes 32
     # tokens its cache cannot be cut back, so only prompts that extend its
     # whole key may reuse it.
     from conftest import build_model
 
-    model = build_model(tmp_path / "tiny-sliding", "--sliding-window", "16")
+    model = build_model(tmp_path / "tiny-sliding", "--sliding-window", "32")
     cached = start_worker(model)
     cold = start_worker(model, prompt_cache_bytes=0)
 
@@ -296,12 +297,12 @@ def test_sliding_window_caches_are_reused_only_whole(start_worker, tmp_path):
         assert got.tokens == generate(cold.stub, ids, max_tokens=6).tokens
         return got.complete.cached_tokens
 
-    long = prompt(30, 2)
+    long = prompt(40, 2)
     assert same(long) == 0
     out = generate(cold.stub, long, max_tokens=6).tokens
     assert same(long) == 0  # the same prompt would need a cut: not reused
     assert same(long[:20] + prompt(5, 3)) == 0  # diverging: not reused
     assert same(long + out + [7]) == len(long) + len(out)  # extends it whole
-    short = prompt(6, 4)  # 12 tokens with its answer: within the window
+    short = prompt(20, 4)  # 26 tokens with its answer: within the window
     assert same(short) == 0
     assert same(short) == len(short) - 1  # cut back by one

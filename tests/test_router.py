@@ -185,14 +185,17 @@ def test_a_repeated_chat_reports_cached_tokens(stack):
     _, router = stack
     body = {
         "model": NAME,
-        "messages": [{"role": "user", "content": "How are you today, fox?"}],
+        "messages": [
+            {"role": "user", "content": "How are you today, fox? Tell me how the hounds are."}
+        ],
         "max_tokens": 5,
         **GREEDY,
     }
     first = router.post("/v1/chat/completions", body)
     prompt_tokens = first["usage"]["prompt_tokens"]
-    # At most the chat template's opening, shared with earlier chats.
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] <= 3
+    assert prompt_tokens > 16  # long enough to be worth reusing
+    # The chat template's opening, shared with earlier chats, is too short to reuse.
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     again = router.post("/v1/chat/completions", body)
     # The whole prompt but its last token, which is prefilled for the first logits.
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1
