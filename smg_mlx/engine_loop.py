@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 # Shorter cached prefixes are not reused. Random prompts share their first
 # token or two with some cached entry all the time (a quarter of the bench's
 # requests did); reusing that saves nothing worth having, and every odd
-# prefill length is one more shape to compile kernels for (a new prompt length
-# cost 1.3 to 1.4 s on the H100 the first time it was seen).
+# prefill length is one more shape to prepare kernels for (on the H100 some
+# new prefill lengths cost 1.0 to 1.4 s the first time they were seen).
 MIN_REUSED_TOKENS = 16
 
 
@@ -102,10 +102,9 @@ class BatchLoop:
         """The cache to start `prompt` from (None: a fresh one) and the tokens it holds."""
         if self._prefixes is None:
             return None, 0
-        cache, cached = self._prefixes.lookup(prompt)
-        if cached < MIN_REUSED_TOKENS:
-            return None, 0
-        log.debug("prefix cache hit: %d of %d prompt tokens", cached, len(prompt))
+        cache, cached = self._prefixes.lookup(prompt, MIN_REUSED_TOKENS)
+        if cached:
+            log.debug("prefix cache hit: %d of %d prompt tokens", cached, len(prompt))
         return cache, cached
 
     def admit(self, jobs: list[Job]) -> list[Event]:

@@ -95,10 +95,14 @@ class PrefixCache:
 
     # ---- lookup ----
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[list[LayerCache] | None, int]:
+    def lookup(
+        self, prompt: Sequence[int], minimum: int = 1
+    ) -> tuple[list[LayerCache] | None, int]:
         """A cache holding the first n prompt tokens, and n (0 and None on a miss).
 
-        n is at most len(prompt) - 1. The cache is the caller's to mutate.
+        n is at most len(prompt) - 1; a match shorter than `minimum` is a miss
+        (and does not count as a use of its entry). The cache is the caller's
+        to mutate.
         """
         limit = len(prompt) - 1
         best: tuple[int, _Entry] | None = None
@@ -120,7 +124,7 @@ class PrefixCache:
         reach = min(depth, limit)
         if below.trimmable_below and reach > (best[0] if best else 0):
             best = (reach, self._trimmable_under(below))
-        if best is None:
+        if best is None or best[0] < minimum:
             return None, 0
         n, entry = best
         self._lru.move_to_end(entry)

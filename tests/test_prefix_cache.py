@@ -147,6 +147,20 @@ def test_byte_bound_and_lru_order():
     assert store.nbytes == 3 * size
 
 
+def test_a_match_below_the_minimum_is_a_miss_and_no_use():
+    size = sum(c.nbytes for c in kv([1]))
+    store = PrefixCache(2 * size)
+    old, new = [1, 2, 3], [5, 6, 7]
+    store.insert(old, kv(old))
+    store.insert(new, kv(new))
+    assert store.lookup([1, 2, 9], minimum=3) == (None, 0)
+    assert store.lookup([1, 2, 9], minimum=2)[1] == 2
+    store.lookup([5, 6, 9])  # `new` is used last: `old` goes first
+    store.lookup([1, 9], minimum=2)  # too short: must not refresh `old`
+    store.insert([8, 9, 10], kv([8, 9, 10]))
+    assert store.lookup([1, 2, 3, 4])[1] == 0 and store.lookup([5, 6, 7, 4])[1] == 3
+
+
 def test_an_entry_larger_than_the_budget_is_not_kept():
     size = sum(c.nbytes for c in kv([1]))
     store = PrefixCache(size - 1)
