@@ -16,17 +16,17 @@ def output_logprobs(tokens: Sequence[int], entries: Sequence[TokenLogprobs]) -> 
     )
 
 
-def chunk(job: Job, start: int) -> pb.GenerateResponse:
-    """The tokens made since index `start`, with running counts."""
-    tokens = job.tokens[start:]
+def chunk(job: Job, start: int, end: int) -> pb.GenerateResponse:
+    """Tokens `start` to `end` (excluded), with counts as of `end`."""
+    tokens = job.tokens[start:end]
     message = pb.GenerateStreamChunk(
         token_ids=tokens,
         prompt_tokens=len(job.spec.prompt),
-        completion_tokens=len(job.tokens),
+        completion_tokens=end,
         cached_tokens=job.cached_tokens,
     )
     if job.spec.logprobs is not None:
-        message.output_logprobs.CopyFrom(output_logprobs(tokens, job.logprobs[start:]))
+        message.output_logprobs.CopyFrom(output_logprobs(tokens, job.logprobs[start:end]))
     return pb.GenerateResponse(chunk=message)
 
 

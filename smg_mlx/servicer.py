@@ -129,11 +129,15 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             job.changed.clear()
             if job.error:
                 return
-            # Everything that arrived since the last chunk goes in one chunk;
-            # more may land while it is sent, so look again before finishing.
+            # What arrived since the last chunk goes in one chunk, except the
+            # first token and, under --stream-interval 1, every token: those go
+            # alone even when a handler woken late finds several. More may land
+            # while a chunk is sent, so look again before finishing.
             due = 1 if sent == 0 or job.finish_reason else self._engine.chunk_tokens
             if stream and len(job.tokens) - sent >= due:
-                message, sent = responses.chunk(job, sent), len(job.tokens)
+                alone = sent == 0 or self._engine.config.stream_interval == 1
+                end = sent + 1 if alone else len(job.tokens)
+                message, sent = responses.chunk(job, sent, end), end
                 yield message
                 continue
             if job.finish_reason:
