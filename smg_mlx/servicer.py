@@ -135,7 +135,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             # while a chunk is sent, so look again before finishing.
             due = 1 if sent == 0 or job.finish_reason else self._engine.chunk_tokens
             if stream and len(job.tokens) - sent >= due:
-                alone = sent == 0 or self._engine.config.stream_interval == 1
+                alone = sent == 0 or self._engine.chunk_tokens == 1
                 end = sent + 1 if alone else len(job.tokens)
                 message, sent = responses.chunk(job, sent, end), end
                 yield message
