@@ -27,6 +27,13 @@ def _non_negative(value: str) -> int:
     return number
 
 
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if not number >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="smg-mlx", description="MLX inference worker for the SMG model gateway."
@@ -87,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         "at once); under load chunks grow so that all streams together send about 300 "
         "messages/s, never holding a token more than ~100 ms, to save per-message "
         "work; 1 sends every token alone",
+    )
+    serve.add_argument(
+        "--burst-window-ms",
+        type=_non_negative_float,
+        default=5.0,
+        help="when idle, wait this long after each new request for another, so that a "
+        "burst starts as one prefill group (until the group is full, as many have come as "
+        "requests just ended, or 5 windows have passed); a running batch never waits: new "
+        "requests join it at the next step; 0 starts each at once",
     )
     serve.add_argument(
         "--max-pending",
@@ -161,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_step_size=args.prefill_step_size,
             prompt_cache_bytes=args.prompt_cache_bytes,
             stream_interval=args.stream_interval,
+            burst_window_seconds=args.burst_window_ms / 1000,
         ),
         host=args.host,
         port=args.port,

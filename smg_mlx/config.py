@@ -21,6 +21,9 @@ class EngineConfig:
     prefill_step_size: int = 2048
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES  # 0: no prefix cache
     stream_interval: int = 2  # tokens per stream message at light load (1: each alone)
+    # An idle engine waits this long after each new request for more, to start
+    # a burst as one group (0: never waits); see `engine.Engine._gather_burst`.
+    burst_window_seconds: float = 0.005
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ thread-local). This module is imported by the asyncio side and must not import
 mlx: the MLX work lives in `engine_loop`, imported on the engine thread.
 
 Hand-offs, all lock-light:
-- requests in: a deque plus a wake-up event (the thread sleeps when idle);
+- requests in: a deque plus a wake-up event (the thread sleeps when idle, and
+  on waking gathers a burst for a moment, see `Engine._gather_burst`);
 - aborts in: a set of job keys the thread drains each step;
 - tokens out: one `call_soon_threadsafe` per step carrying every request's
   new tokens, which lands in each Job and wakes its RPC handler.
@@ -127,6 +128,10 @@ def chunk_tokens(minimum: int, running: int, step_seconds: float) -> int:
     return max(minimum, min(by_budget, by_time))
 
 
+# An idle engine gathers a burst for at most this many burst windows in all.
+BURST_WINDOWS_AT_MOST = 5
+
+
 class EngineState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
@@ -162,6 +167,7 @@ class Engine:
         self._failure_listeners: list[Callable[[str], None]] = []
         self._step_listeners: list[Callable[[float, int], None]] = []
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._burst_reach = config.burst_window_seconds * BURST_WINDOWS_AT_MOST
         # Test hook: when set, the engine thread raises this before its next step.
         self.inject_failure: BaseException | None = None
 
@@ -259,6 +265,37 @@ class Engine:
         batch.close()
         self._post(self._set_stopped)
 
+    def _gather_burst(self, expected: int) -> None:
+        """Called when the idle engine wakes up: waits while requests keep coming
+        (each within the burst window of the last), until `expected` of them or a
+        prefill group's worth are here, or BURST_WINDOWS_AT_MOST windows have passed.
+
+        Requests started one or two at a time stay out of step for good: each
+        group costs a prefill call and a merge into the batch, and ends in a step
+        of its own; a burst started together runs, and ends, in lock-step (with
+        a 5 ms window on 2 CPU cores: 0.84 -> 0.92 of the bare engine's tokens/s
+        at 4 streams, 0.71 -> 0.95 at 8). A running batch never waits: requests
+        join it at the next step.
+        `expected`: how many jobs ended just before the engine went idle, whose
+        replacements (a client's next turn) are the burst to wait for.
+        """
+        window = self.config.burst_window_seconds
+        wanted = min(expected or self.config.prefill_batch_size, self.config.prefill_batch_size)
+        started = time.monotonic()
+        deadline = started + window * BURST_WINDOWS_AT_MOST
+        seen = len(self._inbox)
+        while 0 < seen < wanted and not self._stop:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.clear()  # a submit after this line sets it again
+            if len(self._inbox) == seen:
+                self._wake.wait(min(window, left))
+            if len(self._inbox) == seen:  # the burst is over, or an abort came
+                break
+            seen = len(self._inbox)
+        log.debug("burst of %d gathered in %.1f ms", seen, 1e3 * (time.monotonic() - started))
+
     def _serve(self, batch: BatchLoop, held: list[Job]) -> None:
         # Tokens are handed over every `chunk_tokens` steps: each hand-off
         # costs the event loop a wake-up and every stream a gRPC message, which
@@ -266,6 +303,9 @@ class Engine:
         # never wait.
         pending: list[Event] = []
         steps: list[tuple[float, int]] = []
+        # Jobs that ended one shortly after another (each within a burst's
+        # reach of the last), and when the last of them did.
+        ended, ended_at = 0, 0.0
         while not self._stop:
             # Clear before looking at the inbox: a submit after this line sets
             # it again, so no wake-up is lost.
@@ -290,10 +330,13 @@ class Engine:
                 started = time.perf_counter()
                 stepped = batch.step()
                 seconds = time.perf_counter() - started
+                finished = sum(e.finish_reason is not None for e in stepped)
                 # Those still running plus those that finished in this step.
-                steps.append(
-                    (seconds, batch.running + sum(e.finish_reason is not None for e in stepped))
-                )
+                steps.append((seconds, batch.running + finished))
+                if finished:
+                    now = time.monotonic()
+                    ended = (ended if now - ended_at <= self._burst_reach else 0) + finished
+                    ended_at = now
                 pending += stepped
                 urgent = urgent or any(e.first or e.finish_reason is not None for e in stepped)
             self.running = batch.running
@@ -310,5 +353,9 @@ class Engine:
                 pending, steps = [], []
             if not batch.has_work:
                 self._wake.wait()
+                if self.config.burst_window_seconds:
+                    just_ended = time.monotonic() - ended_at <= self._burst_reach
+                    self._gather_burst(ended if just_ended else 0)
+                ended = 0
         if pending or steps:
             self._post(self._deliver, pending, steps)
