@@ -133,9 +133,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             # first token and, under --stream-interval 1, every token: those go
             # alone even when a handler woken late finds several. More may land
             # while a chunk is sent, so look again before finishing.
-            due = 1 if sent == 0 or job.finish_reason else self._engine.chunk_tokens
+            interval = self._engine.chunk_tokens  # one reading for both uses
+            due = 1 if sent == 0 or job.finish_reason else interval
             if stream and len(job.tokens) - sent >= due:
-                alone = sent == 0 or self._engine.chunk_tokens == 1
+                alone = sent == 0 or interval == 1
                 end = sent + 1 if alone else len(job.tokens)
                 message, sent = responses.chunk(job, sent, end), end
                 yield message
