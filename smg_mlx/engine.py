@@ -338,7 +338,7 @@ class Engine:
                     ended = (ended if now - ended_at <= self._burst_reach else 0) + finished
                     ended_at = now
                 pending += stepped
-                urgent = urgent or any(e.first or e.finish_reason is not None for e in stepped)
+                urgent = urgent or finished > 0 or any(e.first for e in stepped)
             self.running = batch.running
             self.generator_sequences = batch.generator_sequences
             self.prefix_cache_bytes = batch.prefix_cache_bytes
