@@ -5,56 +5,80 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from smg_mlx.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig, ServerConfig
-from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
-from smg_mlx.request_log import JsonFormatter
+from smg_mlx import __version__
+from smg_mlx.api.request_log import JsonFormatter
+from smg_mlx.config import EngineConfig, ServerConfig
+from smg_mlx.demo_model import ensure_demo_model
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
-def _positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
+def byte_size(text: str) -> int:
+    """Bytes from "4GiB", "512MB", "2G" or "1073741824": KiB/MiB/GiB and bare
+    K/M/G are powers of 1024, KB/MB/GB powers of 1000."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 4GiB, 512MB or a number of bytes, got {text!r}"
+        )
+    number, prefix, binary = match.groups()
+    decimal = prefix and not binary and text.strip().lower().endswith("b")
+    base = 1000 if decimal else 1024
+    return int(float(number) * base ** _POWERS[prefix.lower()])
 
 
-def _non_negative(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
-    return number
+def _number(kind: type, low: float, what: str) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value >= low and math.isfinite(value)):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_float(value: str) -> float:
-    number = float(value)
-    if not number >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return number
+_positive = _number(int, 1, "a whole number of at least 1")
+_count = _number(int, 0, "a whole number, 0 or more")
+_non_negative = _number(float, 0, "a number, 0 or more")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="smg-mlx", description="MLX inference worker for the SMG model gateway."
     )
+    parser.add_argument("--version", action="version", version=f"smg-mlx {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser(
-        "serve",
-        help="serve a model over the MlxEngine gRPC service",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    serve = commands.add_parser("serve", help="serve a model over the MlxEngine gRPC service")
+    engine, server = EngineConfig, ServerConfig  # the defaults
     model = serve.add_mutually_exclusive_group(required=True)
     model.add_argument(
-        "--model", type=Path, help="an mlx-lm model directory (e.g. an mlx-community download)"
+        "--model",
+        "--model-path",
+        dest="model",
+        type=Path,
+        help="an mlx-lm model directory (e.g. an mlx-community download)",
     )
     model.add_argument(
         "--demo",
         action="store_true",
         help="serve a tiny random-weight demo model (its text is noise), built once offline",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
-    serve.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
+    serve.add_argument(
+        "--host", default=server.host, help="address to listen on, 0.0.0.0 for all (%(default)s)"
+    )
+    serve.add_argument(
+        "--port", type=int, default=server.port, help="gRPC port, 0 picks a free one (%(default)s)"
+    )
     serve.add_argument(
         "--served-model-name",
         help="model name reported to the router (default: the model directory's name)",
@@ -62,64 +86,62 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--completion-batch-size",
         type=_positive,
-        default=32,
-        help="most sequences decoded together in one step",
+        default=engine.completion_batch_size,
+        help="most sequences decoded together in one step (%(default)s)",
     )
     serve.add_argument(
         "--prefill-batch-size",
         type=_positive,
-        default=8,
-        help="most prompts prefilled together in one step",
+        default=engine.prefill_batch_size,
+        help="most prompts prefilled together in one step (%(default)s)",
     )
     serve.add_argument(
         "--prefill-step-size",
         type=_positive,
-        default=2048,
-        help="prompt tokens per prefill step; long prompts take several steps",
+        default=engine.prefill_step_size,
+        help="prompt tokens per prefill step; long prompts take several (%(default)s)",
     )
     serve.add_argument(
         "--prompt-cache-bytes",
-        type=_non_negative,
-        default=DEFAULT_PROMPT_CACHE_BYTES,
+        type=byte_size,
+        default=engine.prompt_cache_bytes,
+        metavar="SIZE",
         help="memory for KV caches of finished requests, reused by later requests that "
-        "share a prompt prefix (least recently used dropped first); 0 disables. A fixed "
-        "2 GiB by default: it holds thousands of tokens of a 7B model's cache and stays "
-        "small next to the model; raise it on large-memory machines for long agent sessions",
+        "share a prompt prefix; least recently used go first; 0 disables; units such as "
+        "4GiB or 512MB (default: 2GiB)",
     )
     serve.add_argument(
         "--stream-interval",
         type=_positive,
-        default=2,
-        help="tokens per stream message at light load (a first token and the end go "
-        "at once); under load chunks grow so that all streams together send about 300 "
-        "messages/s, never holding a token more than ~100 ms, to save per-message "
-        "work; 1 sends every token alone",
+        default=server.stream_interval,
+        help="tokens per stream message at light load; chunks grow under load, never "
+        "holding a token more than ~100 ms; the first token and the end go at once; "
+        "1 sends every token alone (%(default)s)",
     )
     serve.add_argument(
         "--burst-window-ms",
-        type=_non_negative_float,
-        default=5.0,
-        help="when idle, wait this long after each new request for another, so that a "
-        "burst starts as one prefill group (until the group is full, as many have come as "
-        "requests just ended, or 5 windows have passed); a running batch never waits: new "
-        "requests join it at the next step; 0 starts each at once",
+        type=_non_negative,
+        default=engine.burst_window_seconds * 1000,
+        help="an idle worker waits this long after each new request for another, so "
+        "that a burst starts as one prefill group; a running batch never waits; 0 starts "
+        "each at once (%(default)s)",
     )
     serve.add_argument(
         "--max-pending",
-        type=_non_negative,
-        default=256,
-        help="requests that may wait beyond a full batch; more get RESOURCE_EXHAUSTED",
+        type=_count,
+        default=server.max_pending,
+        help="requests that may wait beyond a full batch; more get RESOURCE_EXHAUSTED "
+        "(%(default)s)",
     )
     serve.add_argument(
         "--shutdown-grace-seconds",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, how long in-flight requests may run before they are aborted",
+        type=_non_negative,
+        default=server.shutdown_grace_seconds,
+        help="on SIGTERM, how long in-flight requests may run before they are aborted "
+        "(%(default)s)",
     )
     serve.add_argument(
-        "--tls-cert",
-        type=Path,
-        help="PEM certificate (chain) to serve TLS with; needs --tls-key",
+        "--tls-cert", type=Path, help="PEM certificate (chain) to serve TLS with; needs --tls-key"
     )
     serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     serve.add_argument(
@@ -130,14 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level",
         default="info",
+        type=str.lower,
         choices=["debug", "info", "warning", "error"],
-        help="log verbosity",
+        help="log verbosity (%(default)s)",
     )
     serve.add_argument(
         "--log-format",
         default="text",
+        type=str.lower,
         choices=["text", "json"],
-        help="json: one JSON object per line (request lines carry their fields as keys)",
+        help="json: one JSON object per line, request lines with their fields as keys "
+        "(%(default)s)",
     )
     return parser
 
@@ -168,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "serving the built-in demo model: random weights, so its text is noise. "
             "Serve a real model with: smg-mlx serve --model /path/to/mlx-model"
         )
-        model_path = ensure_demo_model(default_demo_dir())
+        model_path = ensure_demo_model()
     config = ServerConfig(
         engine=EngineConfig(
             model_path=model_path,
@@ -176,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
             prompt_cache_bytes=args.prompt_cache_bytes,
-            stream_interval=args.stream_interval,
             burst_window_seconds=args.burst_window_ms / 1000,
         ),
         host=args.host,
@@ -184,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name,
         max_pending=args.max_pending,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
+        stream_interval=args.stream_interval,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         metrics_port=args.metrics_port,

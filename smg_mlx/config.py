@@ -1,28 +1,28 @@
-"""Settings of one worker process, filled from the command line."""
+"""Settings of one worker process, and the one home of their defaults.
+
+The command line (`cli.py`) takes its defaults from these classes, and the
+README's flag table is checked against `--help` by the tests.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-# KV caches of finished sequences kept for reuse. A fixed size rather than a
-# share of memory: the model's own footprint is unknown here, and 2 GiB holds
-# thousands of tokens of a 7B model's KV cache.
-DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
-
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine thread needs to load and run a model."""
+    """What the engine needs to load and run a model."""
 
     model_path: Path
-    completion_batch_size: int = 32
-    prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
-    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES  # 0: no prefix cache
-    stream_interval: int = 2  # tokens per stream message at light load (1: each alone)
+    completion_batch_size: int = 32  # most sequences decoded together
+    prefill_batch_size: int = 8  # most prompts prefilled together
+    prefill_step_size: int = 2048  # prompt tokens per prefill step
+    # KV caches of finished sequences kept for reuse; 0: no prefix cache. A
+    # fixed size, since the model's own footprint is unknown when flags are read.
+    prompt_cache_bytes: int = 2 << 30
     # An idle engine waits this long after each new request for more, to start
-    # a burst as one group (0: never waits); see `engine.Engine._gather_burst`.
+    # a burst as one group (0: never waits); see `engine.bursts`.
     burst_window_seconds: float = 0.005
 
 
@@ -32,8 +32,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     served_model_name: str | None = None
-    max_pending: int = 256
+    max_pending: int = 256  # requests waiting beyond a full batch
     shutdown_grace_seconds: float = 30.0
+    stream_interval: int = 2  # tokens per stream message at light load (1: each alone)
     # PEM files; both set means the port speaks TLS only.
     tls_cert: Path | None = None
     tls_key: Path | None = None

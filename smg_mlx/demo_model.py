@@ -1,9 +1,10 @@
 """Build small random-weight mlx-lm models on disk, offline.
 
-`make serve` serves one (its text is noise); the tests build their own. The
-weights are random but fixed by a seed, so greedy output is deterministic.
-Building runs MLX, so the server does it in a separate process
-(`ensure_demo_model`): in the worker only the engine thread touches MLX.
+`make serve` serves one (its text is noise); the tests and the bench build
+their own. The weights are random but fixed by a seed, so greedy output is
+deterministic. Building runs MLX, so callers use `build_model`, which runs
+`write_model` in a child process: in the worker only the engine thread touches
+MLX, and the tests and the bench never do.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from smg_mlx import __version__
@@ -33,7 +35,7 @@ _CORPUS = (
 )
 
 
-# Model families build_model can write: mlx-lm module name -> HF architecture.
+# Model families write_model can write: mlx-lm module name -> HF architecture.
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -70,7 +72,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> int:
     return tok.get_vocab_size()
 
 
-def build_model(
+def write_model(
     out: Path,
     *,
     hidden_size: int = 64,
@@ -89,7 +91,7 @@ def build_model(
     model_vocab_size: int | None = None,
     tie_word_embeddings: bool = False,
 ) -> Path:
-    """Write a random-weight model directory that `mlx_lm.load` reads.
+    """Write a random-weight model directory that `mlx_lm.load` reads (uses MLX).
 
     `family` is "llama" or "qwen3" (benchmarks use a Qwen3-shaped model on GPUs).
     `model_vocab_size` lets the model's vocabulary exceed the small trained
@@ -148,19 +150,36 @@ def build_model(
     return out
 
 
-def ensure_demo_model(path: Path) -> Path:
-    """The demo model directory, built on first use by a child process."""
-    if (path / "model.safetensors").exists():
-        return path
-    log.info("building the demo model in %s (first run only)", path)
-    # Build aside and rename, so a crash never leaves a half-written model.
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    subprocess.run([sys.executable, "-m", "smg_mlx.demo_model", str(tmp)], check=True)
+def build_model(out: Path, args: Sequence[str] = ()) -> Path:
+    """The model directory `out`, written by a child process (`main` with `args`)
+    unless it is there already. Built aside and renamed, so an interrupted build
+    is never mistaken for a model."""
+    if (out / "model.safetensors").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    built = subprocess.run(
+        [sys.executable, "-m", "smg_mlx.demo_model", str(tmp), *args],
+        capture_output=True,
+        text=True,
+    )
+    if built.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"building the model in {out} failed:\n{built.stderr}")
     try:
-        tmp.rename(path)
+        tmp.rename(out)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return out
+
+
+def ensure_demo_model() -> Path:
+    """The demo model directory, built on first use."""
+    path = default_demo_dir()
+    if not (path / "model.safetensors").exists():
+        log.info("building the demo model in %s (first run only)", path)
+    return build_model(path)
 
 
 def main() -> None:
@@ -183,7 +202,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sliding-window", type=int, help="window of every other layer")
     args = parser.parse_args()
-    build_model(
+    write_model(
         args.out,
         hidden_size=args.hidden_size,
         num_layers=args.layers,
@@ -200,7 +219,6 @@ def main() -> None:
         model_vocab_size=args.vocab_size,
         tie_word_embeddings=args.tie_word_embeddings,
     )
-    print(args.out)
 
 
 if __name__ == "__main__":

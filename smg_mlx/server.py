@@ -13,13 +13,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from smg_mlx.api.engine_client import EngineClient, EngineState
+from smg_mlx.api.metrics import Metrics
+from smg_mlx.api.model_info import load_model_info
+from smg_mlx.api.rpc_handlers import engine_handler
+from smg_mlx.api.servicer import MlxEngineServicer
 from smg_mlx.config import ServerConfig
-from smg_mlx.engine import Engine, EngineState
 from smg_mlx.grpc_stubs import mlx_engine_pb2
-from smg_mlx.metrics import Metrics
-from smg_mlx.model_info import load_model_info
-from smg_mlx.rpc_handlers import engine_handler
-from smg_mlx.servicer import MlxEngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ class Worker:
         self.model_dir = config.engine.model_path
         self.port: int | None = None
         self._stop_requested = asyncio.Event()
-        self.engine = Engine(config.engine, asyncio.get_running_loop())
+        self.engine = EngineClient(
+            config.engine, asyncio.get_running_loop(), config.stream_interval
+        )
         self.metrics = Metrics(
             active=lambda: self.servicer.active_requests,
             running=lambda: self.engine.running,

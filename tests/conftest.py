@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -15,21 +13,12 @@ import pytest
 from helpers import Process
 
 from smg_mlx.config import EngineConfig, ServerConfig
+from smg_mlx.demo_model import build_model
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 from smg_mlx.server import Worker
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def build_model(path: Path, *args: str) -> Path:
-    # A separate process: in this one only the engine threads touch MLX.
-    subprocess.run(
-        [sys.executable, "-m", "smg_mlx.demo_model", str(path), *args],
-        check=True,
-        capture_output=True,
-    )
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def short_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same shapes with a 64-token context, to reach the context end quickly."""
-    return build_model(tmp_path_factory.mktemp("models") / "tiny-ctx64", "--context-length", "64")
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-ctx64", ["--context-length", "64"])
 
 
 class RunningWorker:

@@ -95,4 +95,4 @@ def test_the_next_request_after_one_that_ended_is_not_held(start_worker, model_d
 def test_burst_window_flag_refuses_negative_values(value, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--demo", "--burst-window-ms", value])
-    assert "--burst-window-ms: must be 0 or more" in capsys.readouterr().err
+    assert "--burst-window-ms: expected a number, 0 or more" in capsys.readouterr().err

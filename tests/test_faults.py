@@ -12,7 +12,7 @@ import grpc
 import pytest
 from helpers import generate, prompt, request, wait_until
 
-from smg_mlx import sampling
+from smg_mlx.engine import sampling
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import generate, prompt, request
 
-from smg_mlx.engine import chunk_tokens
+from smg_mlx.api.streaming import chunk_tokens
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import signal
+import threading
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -109,13 +110,24 @@ def test_not_a_model_directory_is_refused_at_once(spawn, tmp_path):
     assert "not a model directory" in p.log.read_text()
 
 
-def test_engine_failure_ends_requests_with_internal(start_worker, model_dir):
+def test_engine_failure_ends_requests_with_internal(start_worker, model_dir, monkeypatch):
+    from smg_mlx.engine.batch import Batch
+
+    failing = threading.Event()
+    step = Batch.step
+
+    def step_or_fail(self):
+        if failing.is_set():
+            raise RuntimeError("injected fault")
+        return step(self)
+
+    monkeypatch.setattr(Batch, "step", step_or_fail)
     w = start_worker(model_dir)
     health = health_pb2_grpc.HealthStub(w.channel)
     calls = [w.stub.Generate(request(prompt(4, i), max_tokens=1900), timeout=60) for i in range(3)]
     for c in calls:
         next(c)
-    w.worker.engine.inject_failure = RuntimeError("injected fault")
+    failing.set()
     for c in calls:
         with pytest.raises(grpc.RpcError) as err:
             collect(c)

@@ -9,11 +9,12 @@ import urllib.request
 
 import grpc
 import pytest
-from helpers import free_port, generate, prompt, request, wait_until
+from helpers import generate, prompt, request, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.workers import free_port
+from smg_mlx.api.request_log import JsonFormatter
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
-from smg_mlx.request_log import JsonFormatter
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

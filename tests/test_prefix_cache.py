@@ -17,7 +17,8 @@ import pytest
 from helpers import collect, generate, prompt, request
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from smg_mlx.prefix_cache import PrefixCache
+from smg_mlx.demo_model import build_model
+from smg_mlx.engine.prefix_cache import PrefixCache
 
 # ---- the store ----
 
@@ -300,9 +301,7 @@ def test_sliding_window_caches_are_reused_only_whole(start_worker, tmp_path):
     # Every other layer keeps a 32-token window: once a sequence passes 32
     # tokens its cache cannot be cut back, so only prompts that extend its
     # whole key may reuse it.
-    from conftest import build_model
-
-    model = build_model(tmp_path / "tiny-sliding", "--sliding-window", "32")
+    model = build_model(tmp_path / "tiny-sliding", ["--sliding-window", "32"])
     cached = start_worker(model)
     cold = start_worker(model, prompt_cache_bytes=0)
 

@@ -18,14 +18,10 @@ import pytest
 from conftest import RunningWorker, worker_config
 from helpers import wait_until
 
+from bench.workers import free_port
+
 SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 pytestmark = pytest.mark.skipif(SMG is None, reason="the router (pip install smg) is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Router:
@@ -276,16 +272,16 @@ def test_thirty_two_concurrent_chat_streams(stack):
 
 
 def test_router_sees_the_worker_healthy_only_when_ready(model_dir, tmp_path, monkeypatch):
-    from smg_mlx import engine_loop
+    from smg_mlx.engine.batch import Batch
 
     release = threading.Event()
-    load = engine_loop.BatchLoop.__init__
+    load = Batch.__init__
 
     def slow_load(self, config):
         release.wait(60)  # hold the engine in its loading phase
         load(self, config)
 
-    monkeypatch.setattr(engine_loop.BatchLoop, "__init__", slow_load)
+    monkeypatch.setattr(Batch, "__init__", slow_load)
     port = free_port()
     holder = {}
     starting = threading.Thread(

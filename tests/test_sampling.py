@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from smg_mlx.request_translation import LogitsSettings, SamplingSettings
-from smg_mlx.sampling import SamplerCache
+from smg_mlx.engine.sampling import SamplerCache
+from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
 
 def test_equal_settings_share_one_sampler_and_seeded_ones_do_not():

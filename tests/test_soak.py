@@ -80,14 +80,14 @@ def test_soak(start_worker, model_dir):
     elapsed = time.monotonic() - started
     engine = w.worker.engine
     assert wait_until(lambda: w.active_requests() == 0, timeout=10)
-    assert wait_until(lambda: engine.running == 0 and engine.generator_sequences == 0)
+    assert wait_until(lambda: engine.running == 0 and engine.waiting == 0)
     rss_end = rss_mb()
     errors = {k: v for k, v in counts.items() if k not in {"length", "cancelled"}}
     print(
         f"\nsoak: {REQUESTS} requests in {elapsed:.0f}s at concurrency {CONCURRENCY}; "
         f"outcomes {counts}; errors {sum(errors.values())}; "
-        f"leaked slots {w.active_requests()} (engine {engine.running}, "
-        f"BatchGenerator {engine.generator_sequences}); "
+        f"leaked slots {w.active_requests()} (engine {engine.running} running, "
+        f"{engine.waiting} waiting); "
         f"prefix cache {engine.prefix_cache_bytes / 2**20:.0f} MB; "
         f"RSS start {rss_start:.0f} MB, after warm-up {rss_warm[0]:.0f} MB, end {rss_end:.0f} MB"
     )

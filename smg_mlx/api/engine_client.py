@@ -1,0 +1,131 @@
+"""The event loop's handle on the engine: its thread, its inbox, and the jobs it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from smg_mlx.api.jobs import Job
+from smg_mlx.api.streaming import StreamPublisher
+from smg_mlx.config import EngineConfig
+from smg_mlx.engine.core import EngineCore
+from smg_mlx.engine.handoff import Inbox
+from smg_mlx.engine.types import Event, StepReport
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take work (not ready, failed, or stopping)."""
+
+
+class EngineClient:
+    """Runs an `EngineCore` on a thread of its own and serves its jobs.
+
+    Every method but `join` (which blocks) runs on the event loop: the engine
+    thread's reports reach `started`, `deliver`, `stopped` and `failed`
+    through the loop (`api.streaming.StreamPublisher`), never directly.
+    """
+
+    def __init__(
+        self, config: EngineConfig, loop: asyncio.AbstractEventLoop, stream_interval: int
+    ) -> None:
+        self.state = EngineState.STARTING
+        self.failure: str | None = None
+        # As of the last report: sequences being prefilled or decoded, admitted
+        # but not started, the prefix cache's size, and tokens per stream message.
+        self.running = 0
+        self.waiting = 0
+        self.prefix_cache_bytes = 0
+        self.chunk_tokens = stream_interval
+        self._jobs: dict[int, Job] = {}
+        self._inbox = Inbox()
+        self._stopping = False
+        self._ready: asyncio.Future[None] = loop.create_future()
+        self._failure_listeners: list[Callable[[str], None]] = []
+        self._step_listeners: list[Callable[[float, int], None]] = []
+        core = EngineCore(config, self._inbox, StreamPublisher(loop, self, stream_interval))
+        self._thread = threading.Thread(target=core.run, name="mlx-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Returns once the model is loaded and warmed up; raises if loading failed."""
+        await asyncio.shield(self._ready)
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        self._failure_listeners.append(listener)
+
+    def on_step(self, listener: Callable[[float, int], None]) -> None:
+        """Call `listener(step_seconds, batch_size)` after each model step."""
+        self._step_listeners.append(listener)
+
+    def submit(self, job: Job) -> None:
+        if self.state is not EngineState.READY or self._stopping:
+            raise EngineUnavailable(self.failure or f"the engine is {self.state.value}")
+        self._jobs[job.key] = job
+        self._inbox.submit(job.request())
+
+    def abort(self, jobs: Iterable[Job]) -> None:
+        self._inbox.abort(job.key for job in jobs)
+
+    def stop(self) -> None:
+        """Ask the engine to end; jobs it still holds end with finish_reason "abort"."""
+        self._stopping = True
+        self._inbox.stop()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the engine thread to end (call off the loop); True if it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- the engine's reports, on the loop ----
+
+    def started(self) -> None:
+        self.state = EngineState.READY
+        if not self._ready.done():
+            self._ready.set_result(None)
+
+    def deliver(self, events: list[Event], reports: list[StepReport], chunk: int) -> None:
+        now = time.monotonic()
+        for event in events:
+            job = self._jobs.get(event.key)
+            if job is not None:
+                job.apply(event, now)
+                if event.ends:
+                    del self._jobs[event.key]
+        for report in reports:
+            if report.step_seconds is not None:
+                for listener in self._step_listeners:
+                    listener(report.step_seconds, report.batch_size)
+        self.running = reports[-1].running
+        self.waiting = reports[-1].waiting
+        self.prefix_cache_bytes = reports[-1].prefix_cache_bytes
+        self.chunk_tokens = chunk
+
+    def stopped(self) -> None:
+        self.state = EngineState.STOPPED
+        self._end_all(finish_reason="abort")
+
+    def failed(self, message: str) -> None:
+        self.state = EngineState.FAILED
+        self.failure = message
+        if not self._ready.done():
+            self._ready.set_exception(EngineUnavailable(message))
+        self._end_all(error=message)
+        for listener in self._failure_listeners:
+            listener(message)
+
+    def _end_all(self, **how: str) -> None:
+        for job in self._jobs.values():
+            job.end(**how)
+        self._jobs.clear()

@@ -1,0 +1,67 @@
+"""A Generate request as the event loop sees it: what the engine made of it so far."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
+
+_keys = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in flight. Only the event loop reads or writes a Job: the
+    engine's events reach it through `EngineClient`, on the loop."""
+
+    request_id: str
+    spec: GenerationSpec
+    key: int = field(default_factory=lambda: next(_keys))
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # `changed` is set once this many tokens are here, or the job ends; the
+    # stream's pacing (api.streaming) moves it.
+    wake_at: int = 1
+    # Event-loop clock readings, for TTFT, inter-token latency and duration.
+    arrived_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    token_gaps: list[float] = field(default_factory=list)
+    ended_at: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def request(self) -> Request:
+        """What the engine is handed."""
+        return Request(self.key, self.spec, self.request_id)
+
+    def apply(self, event: Event, now: float) -> None:
+        if self.done:  # e.g. an abort racing a natural finish
+            return
+        if event.token is not None:
+            self.tokens.append(event.token)
+            self.cached_tokens = event.cached_tokens
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.token_gaps.append(now - self.last_token_at)
+            self.last_token_at = now
+            if event.logprobs is not None:
+                self.logprobs.append(event.logprobs)
+        self.finish_reason = event.finish_reason
+        self.error = event.error
+        if self.done or len(self.tokens) >= self.wake_at:
+            self.changed.set()
+
+    def end(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
+        """End the job without the engine (it stopped or failed)."""
+        self.apply(Event(self.key, finish_reason=finish_reason, error=error), time.monotonic())

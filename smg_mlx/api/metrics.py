@@ -1,0 +1,125 @@
+"""Prometheus metrics of one worker, served on `--metrics-port`.
+
+Everything is recorded on the event loop: per request when it ends, per step
+from the one callback that already carries a step's tokens. The engine thread
+only times its step, so metrics cost it nothing measurable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from smg_mlx.api.jobs import Job
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    """The worker's instruments, in a registry of its own."""
+
+    def __init__(
+        self,
+        *,
+        active: Callable[[], int],
+        running: Callable[[], int],
+        prefix_cache_bytes: Callable[[], int],
+    ) -> None:
+        self.registry = registry = CollectorRegistry()
+
+        def metric(kind, name, doc, **options):  # every name gets the smg_mlx_ prefix
+            return kind("smg_mlx_" + name, doc, registry=registry, **options)
+
+        self.requests = metric(
+            Counter,
+            "requests",
+            "Generate requests that ended, by finish reason "
+            "(stop, length, abort; cancelled: the client left; error: the engine failed)",
+            labelnames=["finish_reason"],
+        )
+        self.rpcs = metric(
+            Counter,
+            "grpc_requests",
+            "RPCs that ended, by method and gRPC status code",
+            labelnames=["method", "code"],
+        )
+        metric(Gauge, "running_requests", "Requests being prefilled or decoded").set_function(
+            running
+        )
+        metric(Gauge, "queued_requests", "Requests accepted but not yet in the batch").set_function(
+            lambda: max(active() - running(), 0)
+        )
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of ended requests")
+        self.generated_tokens = metric(Counter, "generation_tokens", "Tokens generated")
+        self.cached_tokens = metric(
+            Counter,
+            "prefix_cache_hit_tokens",
+            "Prompt tokens reused from the prefix cache instead of prefilled",
+        )
+        self.cache_hits = metric(
+            Counter, "prefix_cache_hits", "Requests that started from a cached prefix"
+        )
+        metric(
+            Gauge, "prefix_cache_bytes", "Bytes of KV cache held by the prefix cache"
+        ).set_function(prefix_cache_bytes)
+        self.ttft = metric(
+            Histogram,
+            "time_to_first_token_seconds",
+            "From request arrival to its first token",
+            buckets=TTFT_BUCKETS,
+        )
+        self.itl = metric(
+            Histogram,
+            "inter_token_latency_seconds",
+            "Between consecutive tokens of one request",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = metric(
+            Histogram,
+            "request_duration_seconds",
+            "From request arrival to its end",
+            buckets=REQUEST_BUCKETS,
+        )
+        self.step_seconds = metric(
+            Histogram,
+            "engine_step_duration_seconds",
+            "One BatchGenerator step (prefill or decode) on the engine thread",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.batch_size = metric(
+            Histogram,
+            "engine_batch_size",
+            "Sequences in the batch at each engine step",
+            buckets=BATCH_BUCKETS,
+        )
+        self.model_load_seconds = metric(
+            Gauge, "model_load_seconds", "Time to load and warm up the model"
+        )
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics over HTTP from a background thread."""
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def rpc_ended(self, method: str, code: str) -> None:
+        self.rpcs.labels(method, code).inc()
+
+    def step(self, seconds: float, batch_size: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.batch_size.observe(batch_size)
+
+    def request_ended(self, job: Job, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(len(job.spec.prompt))
+        self.generated_tokens.inc(len(job.tokens))
+        if job.cached_tokens:
+            self.cache_hits.inc()
+            self.cached_tokens.inc(job.cached_tokens)
+        if job.first_token_at is not None:
+            self.ttft.observe(job.first_token_at - job.arrived_at)
+        for gap in job.token_gaps:
+            self.itl.observe(gap)
+        self.e2e.observe(job.ended_at - job.arrived_at)

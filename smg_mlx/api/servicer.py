@@ -1,0 +1,177 @@
+"""The MlxEngine gRPC service: validate, hand over to the engine, stream back.
+
+Runs on the event loop only and never touches MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from smg_mlx.api import request_log, streaming
+from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
+from smg_mlx.api.jobs import Job
+from smg_mlx.api.metrics import Metrics
+from smg_mlx.api.model_info import ModelInfo
+from smg_mlx.api.tokenizer_files import chunks, tokenizer_zip
+from smg_mlx.api.translation import InvalidRequest, generation_spec
+from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVER_TYPE = "mlx-grpc"
+MODEL_INFO_WAIT_SECONDS = 60.0
+
+
+class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
+    def __init__(self, engine: EngineClient, *, capacity: int, metrics: Metrics) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._capacity = capacity  # running batch plus --max-pending waiting
+        self._jobs: dict[str, Job] = {}
+        self._started = time.monotonic()
+        self.draining = False
+        # Set by `set_model()` once the model directory has been read.
+        self.model_dir: Path | None = None
+        self.info: ModelInfo | None = None
+        self.tokenizer: Any = None
+        self._model_known = asyncio.Event()
+        self._tokenizer_zip: tuple[bytes, str] | None = None
+
+    def set_model(self, model_dir: Path, info: ModelInfo, tokenizer: Any) -> None:
+        self.model_dir, self.info, self.tokenizer = model_dir, info, tokenizer
+        self._model_known.set()
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def jobs(self) -> list[Job]:
+        return list(self._jobs.values())
+
+    def unavailable_reason(self) -> str | None:
+        """Why the worker cannot take a request now, or None when it can."""
+        if self.draining:
+            return "the worker is shutting down; send the request to another worker"
+        if self._engine.state is EngineState.FAILED:
+            return f"the engine has failed ({self._engine.failure})"
+        if self.info is None or self._engine.state is not EngineState.READY:
+            return "the model is still loading; retry when health reports SERVING"
+        return None
+
+    async def Generate(
+        self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
+        reason = self.unavailable_reason()
+        if reason:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        try:
+            spec = generation_spec(request, self.info, self.tokenizer)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._jobs:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request_id!r} is already in flight; use a unique id",
+            )
+        if len(self._jobs) >= self._capacity:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the worker is full ({len(self._jobs)} requests in flight); retry elsewhere",
+            )
+        job = Job(request_id, spec)
+        try:
+            self._engine.submit(job)
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._jobs[request_id] = job
+        try:
+            async for message in streaming.messages(job, request.stream, self._chunk_tokens):
+                yield message
+            if job.error:
+                await context.abort(grpc.StatusCode.INTERNAL, job.error)
+        finally:
+            del self._jobs[request_id]
+            if not job.done:  # the client left or its deadline passed
+                self._engine.abort([job])
+            self._request_ended(job)
+
+    def _chunk_tokens(self) -> int:
+        return self._engine.chunk_tokens
+
+    def _request_ended(self, job: Job) -> None:
+        job.ended_at = time.monotonic()
+        outcome = "error" if job.error else job.finish_reason or "cancelled"
+        self._metrics.request_ended(job, outcome)
+        request_log.request_ended(job, outcome)
+
+    async def Abort(
+        self, request: mlx_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.AbortResponse:
+        jobs = [self._jobs[r] for r in request.request_ids if r in self._jobs]
+        if jobs:
+            self._engine.abort(jobs)
+            log.info("abort requested for %d request(s)", len(jobs))
+        return mlx_engine_pb2.AbortResponse()
+
+    async def HealthCheck(
+        self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.HealthCheckResponse:
+        reason = self.unavailable_reason()
+        return mlx_engine_pb2.HealthCheckResponse(healthy=reason is None, message=reason or "ok")
+
+    async def _model_info(self, context: grpc.aio.ServicerContext) -> ModelInfo:
+        """The model's facts, waiting the short while it takes to read them at start-up."""
+        try:
+            await asyncio.wait_for(self._model_known.wait(), MODEL_INFO_WAIT_SECONDS)
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the model directory is still being read; retry shortly",
+            )
+        return self.info
+
+    async def GetModelInfo(
+        self, request: mlx_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.GetModelInfoResponse:
+        info = await self._model_info(context)
+        return mlx_engine_pb2.GetModelInfoResponse(
+            model_path=info.model_path,
+            is_generation=True,
+            max_context_length=info.context_length,
+            vocab_size=info.vocab_size,
+            served_model_name=info.served_model_name,
+            model_type=info.model_type,
+            architectures=info.architectures,
+            eos_token_ids=info.eos_token_ids,
+            pad_token_id=info.pad_token_id or 0,
+            bos_token_id=info.bos_token_id or 0,
+            max_req_input_len=info.context_length - 1,
+        )
+
+    async def GetServerInfo(
+        self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.GetServerInfoResponse:
+        return mlx_engine_pb2.GetServerInfoResponse(
+            server_type=SERVER_TYPE,
+            active_requests=len(self._jobs),
+            uptime_seconds=time.monotonic() - self._started,
+        )
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        await self._model_info(context)
+        if self._tokenizer_zip is None:
+            self._tokenizer_zip = await asyncio.to_thread(tokenizer_zip, self.model_dir)
+        for data, sha256 in chunks(*self._tokenizer_zip):
+            yield common_pb2.GetTokenizerChunk(data=data, sha256=sha256)

@@ -1,0 +1,137 @@
+"""Every stream pacing rule, in one place.
+
+Each stream message costs the event loop (gRPC, in this process, under the
+GIL) time the engine thread then waits for, and costs the client as much
+again. So tokens travel in chunks:
+
+- a request's first token, and its end, go at once;
+- otherwise a chunk carries `chunk_tokens` tokens: --stream-interval at light
+  load, growing with the load so that all streams together send about
+  MESSAGES_PER_SECOND messages, but never holding a token more than about
+  MAX_CHUNK_SECONDS;
+- --stream-interval 1 sends every token alone, at any load.
+
+Two halves apply these rules, on two threads:
+
+- `StreamPublisher` is the engine's `Sink`, on the engine thread. It hands
+  step reports to the event loop at once when they carry a first token, an
+  end or an abort, else every `chunk_tokens` steps (each hand-off is an
+  event-loop wake-up). Its only way to the loop is `call_soon_threadsafe`.
+- `messages()` runs on the event loop, one per stream: it waits until
+  `chunk_tokens` new tokens are there and sends them as one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from smg_mlx.api import responses
+from smg_mlx.api.jobs import Job
+from smg_mlx.engine.types import Event, StepReport
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+MESSAGES_PER_SECOND = 300
+MAX_CHUNK_SECONDS = 0.1
+
+
+def chunk_tokens(minimum: int, running: int, step_seconds: float) -> int:
+    """Tokens per stream message: `minimum` at light load, growing so that
+    `running` streams send about MESSAGES_PER_SECOND messages in all, capped at
+    MAX_CHUNK_SECONDS of steps. A minimum of 1 asks for every token alone."""
+    if minimum == 1 or step_seconds <= 0:
+        return minimum
+    by_budget = math.ceil(running / (MESSAGES_PER_SECOND * step_seconds))
+    by_time = int(MAX_CHUNK_SECONDS / step_seconds)
+    return max(minimum, min(by_budget, by_time))
+
+
+class Receiver(Protocol):
+    """The event-loop side of the engine (`EngineClient`); called on the loop."""
+
+    def started(self) -> None: ...
+
+    def deliver(self, events: list[Event], reports: list[StepReport], chunk: int) -> None: ...
+
+    def stopped(self) -> None: ...
+
+    def failed(self, message: str) -> None: ...
+
+
+class StreamPublisher:
+    """The engine's sink: forwards its reports to the event loop, paced."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, receiver: Receiver, minimum: int) -> None:
+        self._loop = loop
+        self._receiver = receiver
+        self._minimum = minimum
+        self._chunk = minimum  # tokens per message now
+        self._held: list[StepReport] = []
+
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is gone: nobody is listening
+            pass
+
+    def _flush(self) -> None:
+        if self._held:
+            events = [event for report in self._held for event in report.events]
+            self._post(self._receiver.deliver, events, self._held, self._chunk)
+            self._held = []
+
+    def started(self) -> None:
+        self._post(self._receiver.started)
+
+    def step(self, report: StepReport) -> None:
+        self._held.append(report)
+        if report.step_seconds is not None:
+            self._chunk = chunk_tokens(self._minimum, report.running, report.step_seconds)
+        steps = sum(r.step_seconds is not None for r in self._held)
+        urgent = any(e.first or e.ends for e in report.events)
+        if urgent or report.idle or steps >= self._chunk:
+            self._flush()
+
+    def stopped(self) -> None:
+        self._flush()
+        self._post(self._receiver.stopped)
+
+    def failed(self, message: str) -> None:
+        self._flush()
+        self._post(self._receiver.failed, message)
+
+
+async def messages(
+    job: Job, stream: bool, chunk: Callable[[], int]
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The messages of one Generate call, until the job ends; returns without a
+    final message if it failed. `chunk()` gives the tokens per message now."""
+    # The engine hands tokens over more often than every `chunk` steps (any
+    # step where some stream starts or ends is handed over at once), so each
+    # stream still waits for its own `chunk` tokens.
+    sent = 0
+    while True:
+        job.changed.clear()
+        if job.error:
+            return
+        # What arrived since the last chunk goes in one chunk, except the first
+        # token and, under --stream-interval 1, every token: those go alone even
+        # when a handler woken late finds several. More may land while a chunk
+        # is sent, so look again before finishing.
+        size = chunk()  # one reading for both uses
+        due = 1 if sent == 0 or job.finish_reason else size
+        if stream and len(job.tokens) - sent >= due:
+            alone = sent == 0 or size == 1
+            end = sent + 1 if alone else len(job.tokens)
+            message, sent = responses.chunk(job, sent, end), end
+            yield message
+            continue
+        if job.finish_reason:
+            yield responses.complete(job, streamed=stream)
+            return
+        # Non-streaming requests need waking only at the end.
+        job.wake_at = sent + due if stream else sys.maxsize
+        await job.changed.wait()

@@ -1,0 +1,241 @@
+"""mlx-lm's BatchGenerator behind the engine's own bookkeeping (runs on the engine thread).
+
+The model, the stream and every array are created here, on the engine thread,
+so no MLX state ever crosses threads. What the engine knows of the batch
+(which request holds which slot, which have started) it counts itself, from
+what BatchGenerator returns, rather than from BatchGenerator's internals.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from smg_mlx.config import EngineConfig
+from smg_mlx.engine.prefix_cache import PrefixCache
+from smg_mlx.engine.sampling import SamplerCache
+from smg_mlx.engine.types import Event, Request, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+# Shorter cached prefixes are not reused: unrelated prompts often share a token
+# or two, which saves nothing, and every odd prefill length is one more shape
+# for the backend to prepare kernels for.
+MIN_REUSED_TOKENS = 16
+# Distinct stop-token sets kept built; most requests share the model's EOS set.
+STOP_SETS_KEPT = 64
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One request's place in the batch."""
+
+    key: int
+    logprobs: int | None
+    cached: int  # prompt tokens reused from the prefix cache
+    started: bool = False  # BatchGenerator has begun its prefill
+    fresh: bool = True  # no token yet
+
+
+def _stop_sequences(ids: frozenset[int]) -> StopSequences:
+    return StopSequences([[t] for t in sorted(ids)])
+
+
+class Batch:
+    """The model and its BatchGenerator; each request is a slot keyed by its uid."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.model, self.tokenizer = load(str(config.model_path))
+        # A stream made on this thread: mlx-lm's module-level one belongs to
+        # whichever thread imported mlx-lm first.
+        self._stream = mx.new_stream(mx.default_device())
+        self._generator = BatchGenerator(
+            self.model,
+            completion_batch_size=config.completion_batch_size,
+            prefill_batch_size=config.prefill_batch_size,
+            prefill_step_size=config.prefill_step_size,
+            stream=self._stream,
+        )
+        self._samplers = SamplerCache()
+        self._stops = functools.lru_cache(maxsize=STOP_SETS_KEPT)(_stop_sequences)
+        self._slots: dict[int, _Slot] = {}  # BatchGenerator uid -> slot
+        self._uids: dict[int, int] = {}  # request key -> uid
+        self._started = 0  # slots BatchGenerator is prefilling or decoding
+        self._prefixes = (
+            PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
+        )
+        self._warm_up()
+        log.info(
+            "model %s loaded and warmed up in %.2fs on %s",
+            config.model_path,
+            time.perf_counter() - started,
+            mx.default_device(),
+        )
+
+    def _warm_up(self) -> None:
+        """One short generation, so the first request pays no first-step costs."""
+        uid = self._generator.insert([[0, 1, 2, 3]], max_tokens=[2])[0]
+        while True:
+            _, done = self._generator.next()
+            if any(r.uid == uid and r.finish_reason for r in done):
+                return
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._slots)
+
+    @property
+    def running(self) -> int:
+        """Requests being prefilled or decoded; BatchGenerator queues the rest."""
+        return self._started
+
+    @property
+    def waiting(self) -> int:
+        """Requests admitted that BatchGenerator has not started yet."""
+        return len(self._slots) - self._started
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self._prefixes.nbytes if self._prefixes is not None else 0
+
+    def _start_from(self, prompt: tuple[int, ...]) -> tuple[list | None, int]:
+        """The cache to start `prompt` from (None: a fresh one) and the tokens it holds."""
+        if self._prefixes is None:
+            return None, 0
+        cache, cached = self._prefixes.lookup(prompt, MIN_REUSED_TOKENS)
+        if cached:
+            log.debug("prefix cache hit: %d of %d prompt tokens", cached, len(prompt))
+        return cache, cached
+
+    def admit(self, requests: list[Request]) -> list[Event]:
+        """Insert new requests, each from its longest cached prefix; they start
+        prefill at the next step. A request whose sampling setup fails ends with
+        an error event instead of reaching the batch."""
+        accepted, options, failed = [], [], []
+        for request in requests:
+            spec = request.spec
+            try:
+                options.append(
+                    (
+                        self._samplers.sampler(spec.sampling),
+                        self._samplers.processors(spec.logits),
+                        self._stops(spec.stop_token_ids),
+                    )
+                )
+            except Exception as exc:  # noqa: BLE001 - one request's fault, not the engine's
+                log.exception("request %r cannot start", request.request_id)
+                failed.append(Event(request.key, error=f"the request could not start: {exc!r}"))
+                continue
+            accepted.append(request)
+        if not accepted:
+            return failed
+        prompts = [r.spec.prompt for r in accepted]
+        starts = [self._start_from(prompt) for prompt in prompts]
+        samplers, processors, stops = zip(*options, strict=True)
+        uids = self._generator.insert(
+            [list(p[n:]) for p, (_, n) in zip(prompts, starts, strict=True)],
+            max_tokens=[r.spec.max_tokens for r in accepted],
+            caches=[cache for cache, _ in starts],
+            # The tokens already in each cache (a new list: mlx-lm appends to it).
+            all_tokens=[list(p[:n]) for p, (_, n) in zip(prompts, starts, strict=True)],
+            samplers=list(samplers),
+            logits_processors=list(processors),
+            stop_sequences=list(stops),
+        )
+        for uid, request, (_, cached) in zip(uids, accepted, starts, strict=True):
+            self._slots[uid] = _Slot(request.key, request.spec.logprobs, cached)
+            self._uids[request.key] = uid
+        return failed
+
+    def _forget(self, uid: int) -> _Slot:
+        slot = self._slots.pop(uid)
+        del self._uids[slot.key]
+        self._started -= slot.started
+        return slot
+
+    def _mark_started(self, uid: int) -> None:
+        slot = self._slots.get(uid)
+        if slot is not None and not slot.started:
+            slot.started = True
+            self._started += 1
+
+    def remove(self, keys: Iterable[int]) -> list[Event]:
+        """Drop the requests with these keys (unknown keys are ignored); an abort
+        event for each one dropped."""
+        uids = [self._uids[k] for k in keys if k in self._uids]
+        if not uids:
+            return []
+        # What an aborted sequence computed is as good as a finished one's.
+        kept = self._generator.remove(uids, return_prompt_caches=self._prefixes is not None)
+        events = []
+        for uid in uids:
+            slot = self._forget(uid)
+            cache, tokens = kept.get(uid, (None, ()))
+            if cache is not None and len(tokens) > slot.cached:  # else nothing new was computed
+                self._prefixes.insert(tokens, cache)
+            events.append(Event(slot.key, finish_reason="abort"))
+        return events
+
+    def step(self) -> list[Event]:
+        """Advance the batch by one step and report each sequence's new token."""
+        prefilling, responses = self._generator.next()
+        for r in prefilling:
+            self._mark_started(r.uid)
+        logprobs = self._logprobs(responses)
+        events = []
+        for r, chosen in zip(responses, logprobs, strict=True):
+            slot = self._slots[r.uid]
+            events.append(
+                Event(
+                    slot.key,
+                    token=r.token,
+                    finish_reason=r.finish_reason,
+                    logprobs=chosen,
+                    cached_tokens=slot.cached,
+                    first=slot.fresh,
+                )
+            )
+            slot.fresh = False
+            if r.finish_reason is not None:
+                self._forget(r.uid)
+                if self._prefixes is not None:
+                    # The cache holds every token of `all_tokens`, the last
+                    # generated one included.
+                    self._prefixes.insert(r.all_tokens, r.prompt_cache)
+        return events
+
+    def _logprobs(self, responses: list) -> list[TokenLogprobs | None]:
+        """Each response's logprobs, if its request asked for them."""
+        found: list[TokenLogprobs | None] = [None] * len(responses)
+        rows, lazy = [], []
+        # Build every row's top-n lazily, then evaluate them all at once.
+        for i, r in enumerate(responses):
+            n = self._slots[r.uid].logprobs
+            if n is None:
+                continue
+            top = mx.array([], dtype=mx.uint32)
+            if n:
+                top = mx.argpartition(-r.logprobs, kth=n - 1)[:n]
+                top = top[mx.argsort(-r.logprobs[top])]
+            rows.append(i)
+            lazy.append((r.logprobs[r.token], top, r.logprobs[top]))
+        if lazy:
+            mx.eval(lazy)
+        for i, (chosen, top, values) in zip(rows, lazy, strict=True):
+            found[i] = TokenLogprobs(chosen.item(), tuple(top.tolist()), tuple(values.tolist()))
+        return found
+
+    def close(self) -> None:
+        """Release the generator and the model on this thread (see `EngineCore.run`)."""
+        self._generator.close()
+        self._generator = None
+        self._prefixes = None
+        self.model = None

@@ -1,0 +1,103 @@
+"""Everything that crosses between the engine thread and the rest of the process.
+
+One thread owns MLX (it keeps per-stream state thread-local). It meets the
+other threads in exactly two places, both here:
+
+- in, through an `Inbox`: `Request`s, abort keys and a stop flag. Any thread
+  may write; only the engine thread drains it, once per loop turn.
+- out, through a `Sink`: the engine thread calls it with immutable values
+  (`StepReport`s of `Event`s) and state changes. What a sink does with them
+  is its own business; the gRPC worker's sink forwards them to the event loop
+  (`api.streaming.StreamPublisher`), a test's may just keep them.
+
+Nothing else is shared: no MLX array, cache or model object ever leaves the
+engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import Protocol
+
+from smg_mlx.engine.types import Request, StepReport
+
+
+class Inbox:
+    """Requests, aborts and stop, handed to the engine thread.
+
+    `submit`, `abort` and `stop` may be called from any thread; `take`,
+    `pending`, `wait` and `wait_for_more` only from the engine thread.
+    """
+
+    def __init__(self) -> None:
+        self._requests: deque[Request] = deque()
+        self._aborts: set[int] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+
+    def submit(self, request: Request) -> None:
+        self._requests.append(request)
+        self._wake.set()
+
+    def abort(self, keys: Iterable[int]) -> None:
+        with self._lock:
+            self._aborts.update(keys)
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ask the engine loop to end after its current turn."""
+        self._stopping = True
+        self._wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def take(self) -> tuple[list[Request], set[int]]:
+        """Everything submitted and aborted since the last call."""
+        # Clear first: a submit after this line sets it again, so `wait` never
+        # sleeps through one.
+        self._wake.clear()
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+        requests = []
+        while self._requests:
+            requests.append(self._requests.popleft())
+        return requests, aborts
+
+    def pending(self) -> int:
+        """Requests submitted and not yet taken."""
+        return len(self._requests)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Sleep until something arrives (or was already there since the last `take`)."""
+        self._wake.wait(timeout)
+
+    def wait_for_more(self, seen: int, timeout: float) -> int:
+        """Sleep until more than `seen` requests are pending, or an abort or stop
+        comes, or `timeout` passes; returns how many are pending."""
+        self._wake.clear()
+        if len(self._requests) == seen:
+            self._wake.wait(timeout)
+        return len(self._requests)
+
+
+class Sink(Protocol):
+    """Where the engine reports. Every method is called on the engine thread."""
+
+    def started(self) -> None:
+        """The model is loaded and warmed up: requests can be served."""
+
+    def step(self, report: StepReport) -> None:
+        """One loop turn's events and the batch's state after it."""
+
+    def stopped(self) -> None:
+        """The loop ended on `Inbox.stop`; requests it still held were dropped
+        unfinished and are the caller's to end."""
+
+    def failed(self, message: str) -> None:
+        """Loading or a step failed; the engine thread ends and takes no more work.
+        Requests it held are the caller's to end."""

@@ -1,0 +1,80 @@
+"""Samplers and logits processors for the engine thread (uses MLX).
+
+mlx-lm samples a whole step in one call only when every row shares the same
+sampler object, so unseeded requests with equal settings share one. A seeded
+request gets its own sampler with its own random key: reproducible whatever
+else is in the batch, and the process-wide generator is never reseeded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+
+from smg_mlx.engine.types import LogitsSettings, SamplingSettings
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def make_sampler(settings: SamplingSettings) -> Sampler:
+    """A sampler over log-probabilities; seeded ones carry their own key."""
+    if settings.greedy:
+        return greedy_sampler
+    filters = []
+    if settings.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, settings.top_p))
+    if settings.min_p > 0.0:
+        filters.append(lambda x: apply_min_p(x, settings.min_p))
+    if settings.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, settings.top_k))
+    scale = 1.0 / settings.temperature
+    key = None if settings.seed is None else mx.random.key(settings.seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        for keep in filters:
+            logprobs = keep(logprobs)
+        step_key = None
+        if key is not None:
+            key, step_key = mx.random.split(key)
+        return mx.random.categorical(logprobs * scale, key=step_key)
+
+    return sample
+
+
+def make_processors(settings: LogitsSettings) -> list:
+    if not settings.active:
+        return []
+    return make_logits_processors(
+        logit_bias=dict(settings.logit_bias) or None,
+        repetition_penalty=(
+            settings.repetition_penalty if settings.repetition_penalty != 1.0 else None
+        ),
+        frequency_penalty=settings.frequency_penalty or None,
+        presence_penalty=settings.presence_penalty or None,
+    )
+
+
+class SamplerCache:
+    """Shares samplers and logits processors between requests with equal settings.
+
+    Bounded, so clients sending ever-new settings cannot grow it without end.
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self._shared_sampler = functools.lru_cache(maxsize=size)(make_sampler)
+        self.processors = functools.lru_cache(maxsize=size)(make_processors)
+
+    def sampler(self, settings: SamplingSettings) -> Sampler:
+        if settings.seed is not None and not settings.greedy:
+            return make_sampler(settings)  # its key is its own state
+        return self._shared_sampler(settings)

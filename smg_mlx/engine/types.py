@@ -1,0 +1,98 @@
+"""The values that travel between the front door and the engine: plain, immutable data.
+
+No MLX and no asyncio here: a request goes in as a `Request` (its
+`GenerationSpec`), and comes back as `Event`s inside `StepReport`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How the next token is chosen. Hashable: equal settings share one sampler."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class LogitsSettings:
+    """Penalties and biases applied to the logits before sampling; hashable."""
+
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self != LogitsSettings()
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """Everything the engine needs to run one request, already validated."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    sampling: SamplingSettings
+    logits: LogitsSettings
+    logprobs: int | None  # None: none asked; 0: the chosen token's only
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request handed to the engine. `key` names it in every later event and abort."""
+
+    key: int
+    spec: GenerationSpec
+    request_id: str = ""  # the client's id, for the engine's logs only
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The chosen token's logprob and the top alternatives at one step."""
+
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_values: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What the engine did for one request: a new token, its end, or both."""
+
+    key: int
+    token: int | None = None  # None for aborts and requests that could not start
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    error: str | None = None  # the request could not run; it has ended
+    logprobs: TokenLogprobs | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    first: bool = False  # the request's first token
+
+    @property
+    def ends(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One turn of the engine loop: the events it produced and the batch after it."""
+
+    events: tuple[Event, ...]
+    step_seconds: float | None  # None when no model step ran (aborts only)
+    batch_size: int  # sequences the step ran on, those that finished in it included
+    running: int  # sequences being prefilled or decoded after the step
+    waiting: int  # admitted sequences the batch has not started yet
+    prefix_cache_bytes: int
+    idle: bool  # nothing left to run: the engine sleeps until new work comes

@@ -1,0 +1,162 @@
+"""The engine core driven directly, with no gRPC server and no event loop:
+an Inbox in, a Sink out, as any front door (or a follower rank) uses it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+from helpers import prompt
+
+from smg_mlx.config import EngineConfig
+from smg_mlx.engine.core import EngineCore
+from smg_mlx.engine.handoff import Inbox
+from smg_mlx.engine.types import (
+    Event,
+    GenerationSpec,
+    LogitsSettings,
+    Request,
+    SamplingSettings,
+    StepReport,
+)
+
+TIMEOUT = 60
+
+
+class Recorder:
+    """A sink that keeps everything the engine reports."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.reports: queue.Queue[StepReport] = queue.Queue()
+        self.ending: queue.Queue[str] = queue.Queue()
+
+    def started(self) -> None:
+        self.ready.set()
+
+    def step(self, report: StepReport) -> None:
+        self.reports.put(report)
+
+    def stopped(self) -> None:
+        self.ending.put("stopped")
+
+    def failed(self, message: str) -> None:
+        self.ending.put(f"failed: {message}")
+
+    def next_report(self) -> StepReport:
+        self.last = self.reports.get(timeout=TIMEOUT)
+        return self.last
+
+    def events_of(self, key: int, count: int | None = None) -> list[Event]:
+        """This request's events, until `count` of them or its last."""
+        events: list[Event] = []
+        while not (events and events[-1].ends) and (count is None or len(events) < count):
+            events += [e for e in self.next_report().events if e.key == key]
+        return events
+
+    def settled(self) -> StepReport:
+        """The last report, once the engine has gone idle."""
+        while not self.last.idle or not self.reports.empty():
+            self.next_report()
+        return self.last
+
+
+def spec(ids: list[int], max_tokens: int, **sampling) -> GenerationSpec:
+    return GenerationSpec(
+        prompt=tuple(ids),
+        max_tokens=max_tokens,
+        stop_token_ids=frozenset(),
+        sampling=SamplingSettings(**{"temperature": 0.0, **sampling}),
+        logits=LogitsSettings(),
+        logprobs=None,
+    )
+
+
+def start_core(model_dir, inbox: Inbox) -> tuple[Recorder, threading.Thread]:
+    sink = Recorder()
+    core = EngineCore(EngineConfig(model_path=model_dir), inbox, sink)
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    assert sink.ready.wait(TIMEOUT)
+    return sink, thread
+
+
+@pytest.fixture
+def core(model_dir):
+    inbox = Inbox()
+    sink, thread = start_core(model_dir, inbox)
+    yield inbox, sink
+    inbox.stop()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+
+
+def test_a_request_streams_its_tokens_then_ends(core):
+    inbox, sink = core
+    inbox.submit(Request(1, spec(prompt(12), max_tokens=24)))
+    events = sink.events_of(1)
+    tokens = [e.token for e in events]
+    assert len(tokens) == 24 and events[-1].finish_reason == "length"
+    assert [e.first for e in events] == [True] + [False] * 23
+    # Random weights drawn too small repeat one token: equality tests on such
+    # a model would prove nothing.
+    assert len(set(tokens)) > 3
+    report = sink.settled()
+    assert (report.running, report.waiting) == (0, 0)
+
+
+def test_concurrent_requests_give_their_solo_output(core):
+    inbox, sink = core
+    solo = {}
+    for key in (1, 2):
+        inbox.submit(Request(key, spec(prompt(10 + key, key), max_tokens=16)))
+        solo[key] = [e.token for e in sink.events_of(key)]
+    assert solo[1] != solo[2]
+    for key in (3, 4):
+        inbox.submit(Request(key, spec(prompt(10 + key - 2, key - 2), max_tokens=16)))
+    together: dict[int, list[int]] = {3: [], 4: []}
+    while len([k for k, t in together.items() if len(t) == 16]) < 2:
+        for e in sink.next_report().events:
+            together[e.key].append(e.token)
+    assert together[3] == solo[1] and together[4] == solo[2]
+
+
+def test_an_abort_frees_the_slot(core):
+    inbox, sink = core
+    inbox.submit(Request(7, spec(prompt(8), max_tokens=1000)))
+    assert sink.events_of(7, count=1)[0].first
+    inbox.abort([7, 12345])  # an unknown key is ignored
+    events = sink.events_of(7)
+    assert events[-1].finish_reason == "abort" and len(events) < 1000
+    report = sink.settled()
+    assert (report.running, report.waiting, report.idle) == (0, 0, True)
+
+
+def test_a_request_aborted_before_admission_never_runs(model_dir):
+    inbox = Inbox()
+    inbox.submit(Request(5, spec(prompt(8), max_tokens=10)))
+    inbox.abort([5])
+    sink, thread = start_core(model_dir, inbox)  # takes both in its first turn
+    assert [(e.token, e.finish_reason) for e in sink.events_of(5)] == [(None, "abort")]
+    inbox.stop()
+    thread.join(TIMEOUT)
+
+
+def test_stop_ends_the_loop_and_reports_it(model_dir):
+    inbox = Inbox()
+    sink, thread = start_core(model_dir, inbox)
+    inbox.submit(Request(1, spec(prompt(8), max_tokens=1000)))
+    sink.next_report()
+    inbox.stop()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+    assert sink.ending.get(timeout=1) == "stopped"
+
+
+def test_a_model_that_cannot_load_is_reported(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    sink = Recorder()
+    EngineCore(EngineConfig(model_path=tmp_path), Inbox(), sink).run()  # returns at once
+    assert sink.ending.get(timeout=1).startswith("failed: model load failed")
+    assert not sink.ready.is_set()
