@@ -12,9 +12,7 @@ records) on stdout.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import random
 import time
 from dataclasses import asdict
 from importlib import metadata
@@ -24,15 +22,10 @@ from bench.stats import RequestRecord
 from bench.workload import Level, Workload
 
 
-def _closed_loop(
-    generator, workload: Workload, concurrency: int, indices: range, max_delay: int = 0
-):
-    """Runs the requests with these prompt indices, `concurrency` at a time.
-
-    `max_delay` (an experiment): each replacement is inserted 1 to `max_delay`
-    steps after its predecessor finished, at random, as the replacements reaching a
-    server over a network do, instead of in the same step. Returns (records, wall seconds).
-    """
+def _closed_loop(generator, workload: Workload, concurrency: int, indices: range):
+    """Runs the requests with these prompt indices, `concurrency` at a time, each
+    replacement inserted in the step its predecessor finished.
+    Returns (records, wall seconds)."""
     from mlx_lm.sample_utils import make_sampler
 
     sampler = make_sampler(temp=0.0)  # one shared greedy sampler: batched sampling
@@ -54,14 +47,10 @@ def _closed_loop(
             started[uid] = (now, RequestRecord())
         issued += n
 
-    rng = random.Random(0)
-    due: list[int] = []  # steps at which one replacement each is inserted
-    step = 0
     begin = time.perf_counter()
     launch(concurrency)
-    while started or due:
+    while started:
         _, responses = generator.next()
-        step += 1
         now = time.perf_counter()
         finished = 0
         for r in responses:
@@ -73,24 +62,11 @@ def _closed_loop(
                 records.append(record)
                 del started[r.uid]
                 finished += 1
-        if max_delay:
-            due += [step + rng.randint(1, max_delay) for _ in range(finished)]
-            finished = sum(1 for d in due if d <= step)
-            due = [d for d in due if d > step]
         launch(finished)
     return records, time.perf_counter() - begin
 
 
-def _counting(generator) -> contextlib.AbstractContextManager:
-    """mlx-lm 0.32's `stats()` window; a no-op (yielding None) on older mlx-lm,
-    so this module also measures the peer's mlx-lm 0.31 engine."""
-    major, minor = (int(part) for part in metadata.version("mlx-lm").split(".")[:2])
-    if (major, minor) < (0, 32):
-        return contextlib.nullcontext(None)
-    return generator.stats()
-
-
-def run(model_dir: Path, workload: Workload, level: Level, max_delay: int = 0) -> dict:
+def run(model_dir: Path, workload: Workload, level: Level) -> dict:
     """One round of one level: its warm-up, then its timed requests."""
     import mlx.core as mx
     from mlx_lm import load
@@ -106,26 +82,23 @@ def run(model_dir: Path, workload: Workload, level: Level, max_delay: int = 0) -
         prefill_step_size=workload.prefill_step_size,
     )
     c = level.concurrency
-    _closed_loop(generator, workload, c, level.warmup, max_delay)
-    with _counting(generator) as counted:
-        records, wall = _closed_loop(generator, workload, c, level.timed, max_delay)
-    stats = None
-    if counted is not None:
-        # Where the engine's own time goes: a worker's profile compares with this.
-        stats = {
-            "concurrency": c,
-            "decode_steps": counted.generation_steps,
-            "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
-            "prompt_share": counted.prompt_time / counted.wall_time,
-            "decode_share": counted.decode_time / counted.wall_time,
-        }
+    _closed_loop(generator, workload, c, level.warmup)
+    with generator.stats() as counted:
+        records, wall = _closed_loop(generator, workload, c, level.timed)
     generator.close()
     return {
         "device": str(mx.default_device()),
         "mlx_lm": metadata.version("mlx-lm"),
         "records": [asdict(r) for r in records],
         "wall_s": wall,
-        "batch_stats": stats,
+        # mlx-lm's own counters: how the engine's time splits between prefill and decode.
+        "batch_stats": {
+            "concurrency": c,
+            "decode_steps": counted.generation_steps,
+            "tokens_per_step": counted.generation_tokens / max(1, counted.generation_steps),
+            "prompt_share": counted.prompt_time / counted.wall_time,
+            "decode_share": counted.decode_time / counted.wall_time,
+        },
     }
 
 
@@ -141,16 +114,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--warmup", type=_range, required=True, help="prompt indices A:B")
     parser.add_argument("--timed", type=_range, required=True, help="prompt indices A:B")
-    parser.add_argument(
-        "--insert-delay-steps",
-        type=int,
-        default=0,
-        help="experiment: insert each replacement 1..N steps late, as over a network",
-    )
     args = parser.parse_args()
     workload = Workload.from_dict(json.loads(args.workload))
     level = Level(args.concurrency, 0, args.warmup, args.timed)  # the runner counts rounds
-    print(json.dumps(run(args.model, workload, level, args.insert_delay_steps)))
+    print(json.dumps(run(args.model, workload, level)))
 
 
 if __name__ == "__main__":

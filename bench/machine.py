@@ -34,7 +34,8 @@ def _gpus() -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
-def _version(package: str) -> str | None:
+def version(package: str) -> str | None:
+    """The installed version of `package`, None if it is not installed."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -50,7 +51,7 @@ def describe() -> dict:
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "gpus": _gpus(),
-        "versions": {p: _version(p) for p in ("mlx", "mlx-lm", "grpcio", "protobuf")},
+        "versions": {p: version(p) for p in ("mlx", "mlx-lm", "grpcio", "protobuf")},
     }
 
 

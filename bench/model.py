@@ -1,15 +1,15 @@
-"""The random-weight model every system loads, built once per shape."""
+"""The random-weight models the bench measures, built once under the work folder."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from smg_mlx.demo_model import build_model
 
 # Named shapes; the flags are `python -m smg_mlx.demo_model`'s.
 SHAPES: dict[str, list[str]] = {
-    # The CPU workload of the issue: demo_model's defaults (hidden 64, 2 layers, float32).
+    # The CPU workload: demo_model's defaults (hidden 64, 2 layers, float32).
     "tiny": [],
     # Qwen3-0.6B's shapes, random bf16 weights: the GPU workload.
     "qwen3-0.6b": [
@@ -22,24 +22,9 @@ SHAPES: dict[str, list[str]] = {
 
 
 def ensure_model(shape: str, root: Path) -> Path:
-    """The model directory for `shape` under `root`, built by a child process if missing.
-
-    A child process, because building runs MLX and the bench process itself
-    never should (it only measures); built aside and renamed, so an
-    interrupted build is never mistaken for a model.
-    """
-    out = root / shape
-    if (out / "model.safetensors").exists():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{shape}.tmp"
-    subprocess.run(
-        [sys.executable, "-m", "smg_mlx.demo_model", str(tmp), *SHAPES[shape]],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    tmp.rename(out)
-    return out
+    """The model directory for `shape` under `root`, built on first use (in a child
+    process: the bench itself never runs MLX, it only measures)."""
+    return build_model(root / shape, SHAPES[shape])
 
 
 def describe(model_dir: Path) -> dict:

@@ -116,8 +116,7 @@ def _summary(turns: list[Turn], wall: float) -> dict:
 def _run(opts: Options, shape: MultiTurn, cache: bool) -> tuple[dict, list[list[int]]]:
     name = "cache" if cache else "no-cache"
     port = free_port()
-    command = ours_command(opts.model_dir, port, opts.workload, opts.ours_switch_interval)
-    command += opts.ours_args  # the same worker settings as the throughput run
+    command = ours_command(opts.model_dir, port, opts.workload)
     if not cache:
         command += ["--prompt-cache-bytes", "0"]
     log = opts.work_dir / "logs" / f"multiturn-{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"

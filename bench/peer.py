@@ -11,21 +11,27 @@ MLX_PREFILL_STEP environment variable (default 2048).
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
+from bench.machine import version
 from bench.workload import Workload
 
 PEER_SPEC = "smg-grpc-servicer[mlx]==0.14.1"
 PEER_MODULE = "smg_grpc_servicer.mlx.server"
 
 
+# mlx's backend packages on Linux and the extras that install them.
+MLX_BACKENDS = {"mlx-cuda-13": "cuda13", "mlx-cuda-12": "cuda12", "mlx-cpu": "cpu"}
+
+
 def _requirements() -> list[str]:
-    # PyPI's Linux mlx wheels carry no backend: the peer needs the CPU one there
-    # (macOS wheels carry Metal).
-    return [PEER_SPEC] + (["mlx[cpu]"] if platform.system() == "Linux" else [])
+    """The peer and the mlx that ours runs on, with the same backend, so that the
+    two differ only above mlx (Linux wheels need a backend extra; macOS's carry Metal)."""
+    extra = next((e for pkg, e in MLX_BACKENDS.items() if version(pkg)), None)
+    mlx = f"mlx[{extra}]" if extra else "mlx"
+    return [PEER_SPEC, f"{mlx}=={version('mlx')}"]
 
 
 def ensure_peer_python(venv: Path) -> Path:

@@ -7,14 +7,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import peer
 from bench.grpc_client import run_closed_loop
-from bench.profiling import PySpy, ThreadCpu, summarize, thread_names
-from bench.stats import LevelResult, RequestRecord
-from bench.stats import summarize as summarize_level
+from bench.stats import LevelResult, RequestRecord, summarize
 from bench.workers import WorkerProcess, free_port, ours_command
 from bench.workload import Level, Workload
 
@@ -31,10 +29,7 @@ class Options:
     model_dir: Path
     work_dir: Path  # .bench: the peer venv, worker logs
     peer_python: Path | None = None  # an interpreter that already has the peer
-    profile_dir: Path | None = None
     start_timeout_s: float = 600.0
-    ours_switch_interval: float | None = None
-    ours_args: list[str] = field(default_factory=list)  # extra flags for our worker
     rounds: int = 1  # interleaved rounds per level, pooled
 
 
@@ -61,8 +56,8 @@ def _worker_process(name: str, opts: Options, log: Path) -> tuple[WorkerProcess,
     """The worker, started, and what the JSON records of it."""
     port = free_port()
     if name == "ours":
-        command = ours_command(opts.model_dir, port, opts.workload, opts.ours_switch_interval)
-        command, env, info = command + opts.ours_args, None, {}
+        command = ours_command(opts.model_dir, port, opts.workload)
+        env, info = None, {}
     else:
         python = opts.peer_python or peer.ensure_peer_python(opts.work_dir / "peer-venv")
         command = peer.peer_command(python, opts.model_dir, port, opts.workload)
@@ -84,22 +79,7 @@ def _worker_round(
         w.wait_serving(opts.start_timeout_s)
         progress(f"{name}: SERVING after {time.monotonic() - started:.1f}s")
         run_closed_loop(w.address, opts.workload, c, level.warmup, f"w{tag}")
-        spy = cpu = None
-        if opts.profile_dir is not None and name == "ours" and level.round == 0:
-            spy = PySpy(w.pid, opts.profile_dir / f"{name}-c{c}.txt")
-            cpu = ThreadCpu(w.pid)
-        client_cpu = time.process_time()
         records, wall = run_closed_loop(w.address, opts.workload, c, level.timed, f"t{tag}")
-        client_cpu = time.process_time() - client_cpu
-        if spy is not None:
-            cpu_end = cpu.snapshot()
-            raw = spy.stop()
-            summary = raw.with_suffix(".summary.txt")
-            threads = cpu.report(cpu_end, thread_names(raw))
-            # The load generator shares the machine's cores with the worker.
-            threads += f"\n    {100 * client_cpu / wall:6.1f}%  (the bench client process)"
-            summary.write_text(threads + "\n" + summarize(raw) + "\n")
-            progress(f"{name} c={c}: profile in {raw}, summary in {summary}")
     info["exit_code"] = w.process.returncode
     return records, wall, info
 
@@ -109,8 +89,8 @@ def run_all(
 ) -> tuple[list[LevelResult], dict]:
     """Every system at every level, interleaved: all systems run round 1 of a
     level, then round 2 in reverse order, and so on, then the next level; each
-    level's rounds are pooled. This VM's speed drifts by tens of percent over
-    minutes, so systems measured minutes apart would compare the drift. One
+    level's rounds are pooled. A shared machine's speed drifts over minutes, so
+    systems measured minutes apart would compare the drift as well. One
     system that fails is reported as failed and the rest still run;
     `on_progress` sees the results after each level."""
     systems: dict[str, dict] = {name: {} for name in opts.systems}
@@ -127,9 +107,7 @@ def run_all(
             try:
                 if name == "engine":
                     records, wall, info = _engine_round(opts, level)
-                    stats = info.pop("batch_stats")  # None on mlx-lm < 0.32
-                    if stats is not None:
-                        stats["round"] = level.round
+                    stats = {**info.pop("batch_stats"), "round": level.round}
                     systems[name].setdefault("batch_stats", []).append(stats)
                 else:
                     records, wall, info = _worker_round(name, opts, level)
@@ -142,7 +120,7 @@ def run_all(
             pooled[name] = (earlier + records, earlier_wall + wall)
         if level.round == opts.rounds - 1:
             for name, (records, wall) in pooled.items():
-                results.append(summarize_level(name, c, records, wall))
+                results.append(summarize(name, c, records, wall))
                 progress(results[-1].brief())
             pooled = {}
             if on_progress is not None:

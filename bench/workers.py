@@ -17,29 +17,16 @@ from bench.workload import Workload
 
 
 def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def ours_command(
-    model_dir: Path, port: int, workload: Workload, switch_interval: float | None = None
-) -> list[str]:
-    """Our worker, from the interpreter running the bench (the project's venv, or
-    PYTHONPATH on the GPU machine: `python -m smg_mlx` is `.venv/bin/smg-mlx`).
-
-    `switch_interval` (an experiment): the worker's `sys.setswitchinterval`, how
-    long the engine thread may hold the GIL before the event loop gets a turn.
-    """
-    entry = ["-m", "smg_mlx"]
-    if switch_interval is not None:
-        entry = [
-            "-c",
-            f"import sys; sys.setswitchinterval({switch_interval!r}); "
-            "from smg_mlx.cli import main; sys.exit(main())",
-        ]
+def ours_command(model_dir: Path, port: int, workload: Workload) -> list[str]:
+    """Our worker, run by the bench's own interpreter (the project's venv)."""
     return [
-        sys.executable, *entry, "serve", "--model", str(model_dir),
+        sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
         "--completion-batch-size", str(workload.completion_batch_size),
         "--prefill-batch-size", str(workload.prefill_batch_size),
@@ -66,10 +53,6 @@ class WorkerProcess:
             env={**os.environ, **(env or {})},
             start_new_session=True,  # a Ctrl-C of the bench does not reach it first
         )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
     def wait_serving(self, timeout_s: float) -> None:
         """Polls grpc.health.v1 until the whole server reports SERVING."""
