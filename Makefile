@@ -56,9 +56,13 @@ test: lint
 bench: install
 	$(PY) -m bench $(BENCH_ARGS)
 
-# Long soak (not part of `make test`): thousands of requests, random cancellations.
+# Long soak (not part of `make test`): thousands of requests with random
+# cancellations, then the exit-code and settings-memory tests at larger sizes.
 soak: install
 	$(PY) -m pytest -q -s -m slow tests/test_soak.py
+	SOAK_EXIT_CYCLES=200 SOAK_SETTINGS_REQUESTS=5000 $(PY) -m pytest -q -s \
+		tests/test_exit.py::test_start_stop_cycles_always_exit_zero \
+		tests/test_settings_memory.py
 
 clean:
 	rm -rf $(VENV) smg_mlx/grpc_stubs .pytest_cache .ruff_cache

@@ -6,13 +6,15 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
-from smg_mlx import __version__
-from smg_mlx.api.request_log import JsonFormatter
+from smg_mlx import __version__, logs
 from smg_mlx.config import EngineConfig, ServerConfig
 from smg_mlx.demo_model import ensure_demo_model
 
@@ -167,16 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_before_serving(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # nothing to drain yet
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Until the event loop takes over (server.run), SIGTERM and SIGINT end the
+    # process quietly with 0, as they do later.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_before_serving)
     args = build_parser().parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter()
-        if args.log_format == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    logs.configure(args.log_level, args.log_format)
     log = logging.getLogger("smg_mlx")
+    log.info("smg-mlx %s starting", __version__)
     if args.model is not None and not (args.model / "config.json").is_file():
         log.error("%s is not a model directory (no config.json); pass an mlx-lm model", args.model)
         return 2
@@ -215,4 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     from smg_mlx.server import run  # after logging is set up; pulls in grpc
 
-    return asyncio.run(run(config))
+    exit_process(asyncio.run(run(config)))
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with `code`, skipping interpreter finalization.
+
+    MLX keeps per-thread state whose teardown runs after a thread has been
+    joined and needs the interpreter; racing the main thread's finalization it
+    aborts the process (exit -6 instead of the documented code)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

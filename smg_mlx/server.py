@@ -51,6 +51,7 @@ class Worker:
         self.model_dir = config.engine.model_path
         self.port: int | None = None
         self._stop_requested = asyncio.Event()
+        self._hurry = False  # a second stop request: no more grace
         self.engine = EngineClient(
             config.engine, asyncio.get_running_loop(), config.stream_interval
         )
@@ -68,7 +69,12 @@ class Worker:
         self.health = health.aio.HealthServicer()
         self.engine.on_failure(self._on_engine_failure)
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
+            options=[
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                # gRPC shares ports by default: a second worker on the same
+                # port would silently take half the connections.
+                ("grpc.so_reuseport", 0),
+            ]
         )
         self.server.add_generic_rpc_handlers(
             (engine_handler(self.servicer, self.metrics.rpc_ended),)
@@ -148,15 +154,16 @@ class Worker:
         )
 
     def request_stop(self) -> None:
-        """Begin a graceful shutdown (signal handlers and tests call this on the loop)."""
+        """Begin a graceful shutdown; a second request skips what is left of the
+        grace period. Signal handlers and tests call this on the loop."""
+        if self._stop_requested.is_set() and not self._hurry:
+            log.warning("asked again to stop: aborting what is still running")
+            self._hurry = True
         self._stop_requested.set()
 
-    async def serve_until_stopped(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+    async def stop_requested(self) -> None:
+        """Returns once a stop was requested."""
         await self._stop_requested.wait()
-        return await self.shutdown()
 
     async def shutdown(self) -> int:
         """Stop taking work, let in-flight requests finish within the grace period,
@@ -171,10 +178,10 @@ class Worker:
             grace,
         )
         deadline = time.monotonic() + grace
-        while servicer.active_requests and time.monotonic() < deadline:
+        while servicer.active_requests and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         if servicer.active_requests:
-            log.warning("grace period over: aborting %d request(s)", servicer.active_requests)
+            log.warning("aborting %d request(s) still running", servicer.active_requests)
             self.engine.abort(servicer.jobs)
             # Let the aborted streams send their final message.
             end = time.monotonic() + 5
@@ -191,12 +198,29 @@ class Worker:
 
 
 async def run(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code."""
+    """Serve until SIGTERM/SIGINT, which may come at any time, even while the
+    model loads; returns the exit code."""
     worker = Worker(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    starting = asyncio.ensure_future(worker.start())
+    stop = asyncio.ensure_future(worker.stop_requested())
+    await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        # The engine thread may be deep in loading weights: it is not waited
+        # for (the process exits without joining it).
+        log.info("asked to stop while starting; stopping")
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await worker.server.stop(None)
+        worker.engine.stop()
+        return 0
     try:
-        await worker.start()
+        starting.result()
     except StartupError as exc:
         log.error("%s", exc)
         worker.engine.stop()
         return 1
-    return await worker.serve_until_stopped()
+    await stop
+    return await worker.shutdown()

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import NOT_SERVING, SERVING, collect, generate, prompt, request, wait_until
 
-from smg_mlx.grpc_stubs import common_pb2
+from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 ENGINE = "mlx.grpc.engine.MlxEngine"
@@ -183,3 +183,70 @@ def test_tokenizer_zip_with_checksum(worker, model_dir):
     assert "model.safetensors" not in names
     tokenizer = zipfile.ZipFile(io.BytesIO(data)).read("tokenizer.json")
     assert tokenizer == (model_dir / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"max_position_embeddings": 0}, "context length of 0"),
+        ({"max_position_embeddings": "lots"}, "max_position_embeddings"),
+        ({"vocab_size": 0}, "vocab_size of 0"),
+    ],
+)
+def test_a_model_config_that_cannot_be_served_is_refused_at_start(
+    spawn, model_dir, tmp_path, changes, message
+):
+    broken = tmp_path / "absurd-model"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        (broken / f.name).symlink_to(f)
+    (broken / "config.json").unlink()
+    config = json.loads((model_dir / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, **changes}))
+    p = spawn("--model", str(broken))
+    assert p.proc.wait(60) == 1
+    assert message in p.log.read_text()
+
+
+def test_a_huge_context_or_odd_token_ids_are_reported_within_range(
+    start_worker, model_dir, tmp_path
+):
+    odd = tmp_path / "odd-model"
+    odd.mkdir()
+    for f in model_dir.iterdir():
+        (odd / f.name).symlink_to(f)
+    (odd / "config.json").unlink()
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(max_position_embeddings=2**40, pad_token_id=-1, eos_token_id=[2, 10**12])
+    (odd / "config.json").write_text(json.dumps(config))
+    w = start_worker(odd)
+    info = w.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.max_context_length == 2**32 - 1 and info.pad_token_id == 0
+    assert list(info.eos_token_ids) == [2]
+    assert len(generate(w.stub, prompt(4), max_tokens=3).tokens) == 3
+
+
+def test_a_second_stop_request_ends_the_grace_period(start_worker, model_dir, monkeypatch):
+    from smg_mlx.engine.batch import Batch
+
+    step = Batch.step
+
+    def slow_step(self):
+        time.sleep(0.02)  # 1900 tokens take far longer than the test waits
+        return step(self)
+
+    monkeypatch.setattr(Batch, "step", slow_step)
+    w = start_worker(model_dir, shutdown_grace_seconds=600)
+    # A channel of its own: stopping the test worker closes the worker's.
+    with grpc.insecure_channel(f"127.0.0.1:{w.worker.port}") as channel:
+        call = mlx_engine_pb2_grpc.MlxEngineStub(channel).Generate(
+            request(prompt(4), max_tokens=1900), timeout=120
+        )
+        next(call)
+        w.loop.call_soon_threadsafe(w.worker.request_stop)
+        stopping = ThreadPoolExecutor(1).submit(w.stop)
+        time.sleep(0.5)
+        assert not stopping.done()  # draining: the stream may finish
+        w.loop.call_soon_threadsafe(w.worker.request_stop)
+        assert stopping.result(timeout=15) == 0
+        assert collect(call).complete.finish_reason == "abort"

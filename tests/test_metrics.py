@@ -13,8 +13,8 @@ from helpers import generate, prompt, request, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.workers import free_port
-from smg_mlx.api.request_log import JsonFormatter
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.logs import JsonFormatter
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -168,3 +168,25 @@ def test_prefix_cache_metrics_and_log(metered, caplog):
     assert after[("smg_mlx_prefix_cache_bytes", ())] > 0
     line = next(r for r in caplog.records if "again" in r.getMessage())
     assert "cached_tokens=39" in line.getMessage()
+
+
+FORGED = "ok\n2026-01-01 00:00:00,000 ERROR smg_mlx.server: engine failure: FORGED\u2028LINE"
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_request_id_cannot_forge_log_lines(spawn, model_dir, log_format):
+    p = spawn("--model", str(model_dir), "--log-format", log_format)
+    p.wait_serving()
+    generate(p.stub, prompt(3), request_id=FORGED, max_tokens=2)
+    generate(p.stub, prompt(3), request_id="long-" + "x" * 5000, max_tokens=2)
+    p.stop()
+    lines = p.log.read_text().splitlines()
+    assert not any(line.startswith("2026-01-01") or "LINE" == line[:4] for line in lines)
+    request_lines = [line for line in lines if "FORGED" in line]
+    assert len(request_lines) == 1
+    if log_format == "json":
+        assert json.loads(request_lines[0])["request_id"] == FORGED
+    else:
+        assert "request_id=ok\\n2026-01-01" in request_lines[0]
+    long_line = next(line for line in lines if "long-" in line)
+    assert "x" * 200 not in long_line and "(5005 characters)" in long_line

@@ -127,3 +127,42 @@ def test_abort_ends_non_streaming_request_too(worker):
     t.join(10)
     assert done["r"].complete.finish_reason == "abort"
     assert len(done["r"].tokens) == done["r"].complete.completion_tokens < 1900
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(worker, monkeypatch):
+    tokenizer = worker.worker.servicer.tokenizer
+    monkeypatch.setattr(tokenizer, "encode", lambda text: pytest.fail("tokenized"))
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker.stub, text="x" * 4_000_000)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the text has 4000000 characters" in err.value.details()
+    assert "send a shorter prompt" in err.value.details()
+
+
+def test_tokenizing_a_text_never_blocks_the_event_loop(worker, monkeypatch):
+    tokenizer = worker.worker.servicer.tokenizer
+    encode, release = tokenizer.encode, threading.Event()
+
+    def slow_encode(text):
+        release.wait(30)  # a text that takes long to tokenize
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    call = worker.stub.Generate(request(text="Hello there", max_tokens=3), timeout=60)
+    replies = threading.Thread(target=lambda: list(call), daemon=True)
+    replies.start()
+    try:
+        # The loop answers other calls meanwhile, token-id requests included.
+        assert worker.stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
+        assert len(generate(worker.stub, prompt(3), max_tokens=2).tokens) == 2
+    finally:
+        release.set()
+    replies.join(30)
+    assert wait_until(lambda: worker.active_requests() == 0)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-38, 1e-45])
+def test_a_tiny_temperature_is_greedy(worker, temperature):
+    greedy = generate(worker.stub, prompt(9), max_tokens=12, ignore_eos=True)
+    tiny = generate(worker.stub, prompt(9), max_tokens=12, ignore_eos=True, temperature=temperature)
+    assert tiny.tokens == greedy.tokens

@@ -20,6 +20,12 @@ _CONTEXT_KEYS = (
     "n_ctx",
 )
 DEFAULT_CONTEXT_LENGTH = 4096
+# GetModelInfo reports lengths and token ids as uint32.
+UINT32_MAX = 2**32 - 1
+
+
+class BadModelConfig(ValueError):
+    """The model directory's config cannot be served; the message says what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,13 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value if v is not None]
 
 
+def _whole(value: Any, what: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise BadModelConfig(f"config.json gives {what} as {value!r}, not a number") from None
+
+
 def _first(configs: list[dict[str, Any]], keys: tuple[str, ...]) -> Any:
     for cfg in configs:
         for key in keys:
@@ -73,6 +86,25 @@ def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | No
             DEFAULT_CONTEXT_LENGTH,
         )
         context = DEFAULT_CONTEXT_LENGTH
+    context = _whole(context, "the context length")
+    if context < 2:
+        raise BadModelConfig(
+            f"config.json gives a context length of {context}; a model needs at least 2 "
+            "tokens (one of prompt, one to generate): fix max_position_embeddings"
+        )
+    if context > UINT32_MAX:
+        log.warning("config.json gives a context length of %d; serving %d", context, UINT32_MAX)
+        context = UINT32_MAX
+    vocab = _first(configs, ("vocab_size",))
+    vocab = _whole(len(tokenizer) if vocab is None else vocab, "vocab_size")
+    if not 0 < vocab <= UINT32_MAX:
+        raise BadModelConfig(f"config.json gives a vocab_size of {vocab}; fix it")
+
+    def valid(ids: list[int], key: str) -> list[int]:
+        kept = [i for i in ids if 0 <= i < vocab]
+        if len(kept) < len(ids):
+            log.warning("ignoring %s %s: outside the vocabulary", key, sorted(set(ids) - set(kept)))
+        return kept
 
     eos = set(_ids(_first(configs, ("eos_token_id",))))
     eos.update(_ids(gen_config.get("eos_token_id")))
@@ -82,16 +114,17 @@ def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | No
     def token_id(key: str, tokenizer_value: int | None) -> int | None:
         value = _first([gen_config, *configs], (key,))
         value = value if value is not None else tokenizer_value
-        return _ids(value)[0] if _ids(value) else None
+        ids = valid(_ids(value)[:1], key)
+        return ids[0] if ids else None
 
     return ModelInfo(
         model_path=str(model_dir),
         served_model_name=served_model_name or model_dir.name,
         model_type=str(_first(configs, ("model_type",)) or ""),
         architectures=tuple(config.get("architectures") or ()),
-        context_length=int(context),
-        vocab_size=int(_first(configs, ("vocab_size",)) or len(tokenizer)),
-        eos_token_ids=tuple(sorted(eos)),
+        context_length=context,
+        vocab_size=vocab,
+        eos_token_ids=tuple(sorted(valid(sorted(eos), "eos_token_id"))),
         bos_token_id=token_id("bos_token_id", tokenizer.bos_token_id),
         pad_token_id=token_id("pad_token_id", tokenizer.pad_token_id),
     )

@@ -1,19 +1,27 @@
-"""One log line per finished request, and the JSON log format (`--log-format json`)."""
+"""One log line per finished request, with its fields for the JSON log format."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 from smg_mlx.api.jobs import Job
 
 log = logging.getLogger("smg_mlx.requests")
 
+# Ids a client chose are logged at most this long.
+MAX_LOGGED_ID = 128
+
+
+def bounded(text: str) -> str:
+    if len(text) <= MAX_LOGGED_ID:
+        return text
+    return f"{text[:MAX_LOGGED_ID]}...({len(text)} characters)"
+
 
 def request_ended(job: Job, outcome: str) -> None:
     """Log what an operator asks about a request: its id, sizes, latency and end."""
     fields = {
-        "request_id": job.request_id,
+        "request_id": bounded(job.request_id),
         "prompt_tokens": len(job.spec.prompt),
         "completion_tokens": len(job.tokens),
         "cached_tokens": job.cached_tokens,
@@ -27,19 +35,3 @@ def request_ended(job: Job, outcome: str) -> None:
     }
     text = " ".join(f"{k}={v}" for k, v in fields.items())
     log.info("request done %s", text, extra={"fields": fields})
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line; a request line carries its fields as keys."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)

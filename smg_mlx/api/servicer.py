@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from smg_mlx.api.jobs import Job
 from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.api.tokenizer_files import chunks, tokenizer_zip
-from smg_mlx.api.translation import InvalidRequest, generation_spec
+from smg_mlx.api.translation import InvalidRequest, generation_spec, prompt_text
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self.tokenizer: Any = None
         self._model_known = asyncio.Event()
         self._tokenizer_zip: tuple[bytes, str] | None = None
+        # One thread: a fast tokenizer is not safe to call from several at once.
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     def set_model(self, model_dir: Path, info: ModelInfo, tokenizer: Any) -> None:
         self.model_dir, self.info, self.tokenizer = model_dir, info, tokenizer
@@ -74,7 +77,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         if reason:
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         try:
-            spec = generation_spec(request, self.info, self.tokenizer)
+            text = prompt_text(request, self.info)
+            ids = request.tokenized.input_ids if text is None else await self._encode(text)
+            spec = generation_spec(request, self.info, ids)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
@@ -104,6 +109,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             if not job.done:  # the client left or its deadline passed
                 self._engine.abort([job])
             self._request_ended(job)
+
+    async def _encode(self, text: str) -> list[int]:
+        """Tokenize off the event loop: megabytes of text take seconds."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text)
 
     def _chunk_tokens(self) -> int:
         return self._engine.chunk_tokens

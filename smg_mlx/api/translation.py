@@ -7,12 +7,19 @@ nothing invalid ever reaches the engine thread.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, SamplingSettings
 
 MAX_LOGPROBS = 20  # top alternatives per token, as in the OpenAI API
+# A text prompt longer than this many characters per context token cannot fit:
+# it is refused before tokenizing, which takes seconds for megabytes of text.
+MAX_TEXT_CHARS_PER_TOKEN = 64
+# Temperatures below this are greedy: 1/temperature would overflow float32
+# and sample at random, and far above it sampling is greedy in all but name.
+GREEDY_BELOW = 1e-5
 
 
 class InvalidRequest(ValueError):
@@ -29,16 +36,27 @@ def _finite(name: str, value: float) -> float:
     return float(value)
 
 
-def prompt_ids(request: Any, info: ModelInfo, tokenizer: Any) -> tuple[int, ...]:
-    """The prompt as token ids, checked against the vocabulary and context."""
+def prompt_text(request: Any, info: ModelInfo) -> str | None:
+    """The text prompt, bounded before anything tokenizes it; None when the
+    request carries token ids."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("no input: set tokenized.input_ids or text")
-    if kind == "text":
-        _check(bool(request.text), "text is empty: send a non-empty prompt")
-        ids = tuple(tokenizer.encode(request.text))
-    else:
-        ids = tuple(request.tokenized.input_ids)
+    if kind != "text":
+        return None
+    _check(bool(request.text), "text is empty: send a non-empty prompt")
+    limit = info.context_length * MAX_TEXT_CHARS_PER_TOKEN
+    _check(
+        len(request.text) <= limit,
+        f"the text has {len(request.text)} characters; this model's context of "
+        f"{info.context_length} tokens takes at most {limit} "
+        f"({MAX_TEXT_CHARS_PER_TOKEN} per token): send a shorter prompt",
+    )
+    return request.text
+
+
+def prompt_ids(ids: Sequence[int], info: ModelInfo) -> tuple[int, ...]:
+    """The prompt's token ids, checked against the vocabulary and context."""
     _check(bool(ids), "the prompt has no tokens: send at least one input id")
     # Length first: it is cheap, and a huge prompt should not be scanned.
     _check(
@@ -52,7 +70,7 @@ def prompt_ids(request: Any, info: ModelInfo, tokenizer: Any) -> tuple[int, ...]
         f"token id {bad[0] if bad else 0} is outside the vocabulary "
         f"(ids must be below {info.vocab_size})",
     )
-    return ids
+    return tuple(ids)
 
 
 def sampling_settings(params: Any, vocab_size: int) -> SamplingSettings:
@@ -66,7 +84,7 @@ def sampling_settings(params: Any, vocab_size: int) -> SamplingSettings:
     min_p = _finite("min_p", params.min_p)
     _check(0 <= min_p <= 1, f"sampling_params.min_p must be in [0, 1], got {min_p}")
     return SamplingSettings(
-        temperature=temperature,
+        temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
         top_p=top_p or 1.0,
         # Keeping the whole vocabulary or more is no filter at all.
         top_k=params.top_k if params.top_k < vocab_size else 0,
@@ -97,9 +115,10 @@ def logits_settings(params: Any, vocab_size: int) -> LogitsSettings:
     )
 
 
-def generation_spec(request: Any, info: ModelInfo, tokenizer: Any) -> GenerationSpec:
-    """Validate a GenerateRequest and translate it; raises InvalidRequest."""
-    prompt = prompt_ids(request, info, tokenizer)
+def generation_spec(request: Any, info: ModelInfo, prompt: Sequence[int]) -> GenerationSpec:
+    """Validate a GenerateRequest whose prompt is `prompt` (its token ids, or its
+    text tokenized) and translate it; raises InvalidRequest."""
+    prompt = prompt_ids(prompt, info)
     params = request.sampling_params
     room = info.context_length - len(prompt)
     max_tokens = room

@@ -4,25 +4,44 @@ mlx-lm samples a whole step in one call only when every row shares the same
 sampler object, so unseeded requests with equal settings share one. A seeded
 request gets its own sampler with its own random key: reproducible whatever
 else is in the batch, and the process-wide generator is never reseeded.
+
+The top-p and min-p filters are our own: mlx-lm compiles its filters with
+the value as a constant, so every new value from a client would compile
+anew, on the engine thread, while every stream waits, and stay in MLX's
+compile cache for good. Ours take the value as an array: compiled once.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    greedy_sampler,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import apply_top_k, greedy_sampler, make_logits_processors
 
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
 Sampler = Callable[[mx.array], mx.array]
+
+
+@mx.compile
+def keep_top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:
+    """Keep the most likely tokens whose probabilities sum to `top_p` (at least one)."""
+    ordered = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(ordered.astype(mx.float32))
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + probs[..., :1]
+    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(ordered, dropped, axis=-1)
+    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+
+
+@mx.compile
+def keep_min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
+    """Keep the tokens at least `min_p` times as likely as the most likely one."""
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + log_min_p
+    return mx.where(logprobs < floor, -mx.inf, logprobs)
 
 
 def make_sampler(settings: SamplingSettings) -> Sampler:
@@ -31,9 +50,11 @@ def make_sampler(settings: SamplingSettings) -> Sampler:
         return greedy_sampler
     filters = []
     if settings.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, settings.top_p))
+        top_p = mx.array(settings.top_p, dtype=mx.float32)
+        filters.append(lambda x: keep_top_p(x, top_p))
     if settings.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, settings.min_p))
+        log_min_p = mx.array(math.log(settings.min_p), dtype=mx.float32)
+        filters.append(lambda x: keep_min_p(x, log_min_p))
     if settings.top_k > 0:
         filters.append(lambda x: apply_top_k(x, settings.top_k))
     scale = 1.0 / settings.temperature
