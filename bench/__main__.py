@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench import machine, model, report
+from bench.long_prompts import run_long_prompts
 from bench.multiturn import SHORT_MULTITURN, MultiTurn, format_multiturn, run_multiturn
 from bench.runner import Options, progress, run_all
 from bench.workload import SHORT, Workload, parse_levels
@@ -80,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         "ours is among the systems; --short runs a smaller one)",
     )
     p.add_argument(
+        "--long-prompts",
+        metavar="COUNTS",
+        help="instead of the table: send this many long prompts at once to our worker with "
+        "its default flags, e.g. 4,8,40 (one fresh worker per count)",
+    )
+    p.add_argument("--long-prompt-tokens", type=int, default=24_000)
+    p.add_argument("--long-gen-tokens", type=int, default=16)
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=600.0,
@@ -117,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         progress(f"model: {args.shape} (built once under {args.work_dir / 'models'})")
         model_dir = model.ensure_model(args.shape, args.work_dir / "models")
+    if args.long_prompts:
+        return _long_prompts(args, model_dir, argv)
     opts = Options(
         systems=systems,
         levels=levels,
@@ -172,6 +183,28 @@ def main(argv: list[str] | None = None) -> int:
     # A system that failed is in the table as missing; the exit status says so too.
     failed = any("error" in info for info in systems_info.values()) or "error" in multiturn
     return 1 if failed else 0
+
+
+def _long_prompts(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
+    workload = Workload(prompt_tokens=args.long_prompt_tokens, gen_tokens=args.long_gen_tokens)
+    info = machine.describe()
+    out = args.out or report.default_out(machine.slug(info))
+    results = run_long_prompts(
+        model_dir.resolve(), args.work_dir.resolve(), parse_levels(args.long_prompts),
+        workload, args.start_timeout,
+    )  # fmt: skip
+    report.write_json(
+        out,
+        {
+            "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
+            "machine": info,
+            "model": model.describe(model_dir),
+            "workload": workload.to_dict(),
+            "long_prompts": results,
+        },
+    )
+    progress(f"results in {out}")
+    return 0 if all(r["completed"] == r["requests"] for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ class EngineConfig:
     # An idle engine waits this long after each new request for more, to start
     # a burst as one group (0: never waits); see `engine.bursts`.
     burst_window_seconds: float = 0.005
+    # Bytes (an int), a share of the device's memory (a float), or None for the
+    # default share (engine.memory_probe); see `engine.memory`.
+    memory_budget: int | float | None = None
 
 
 @dataclass(frozen=True)

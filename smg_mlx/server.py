@@ -52,13 +52,14 @@ class Worker:
         self.port: int | None = None
         self._stop_requested = asyncio.Event()
         self._hurry = False  # a second stop request: no more grace
+        self.serving = False  # started and reported SERVING
         self.engine = EngineClient(
             config.engine, asyncio.get_running_loop(), config.stream_interval
         )
         self.metrics = Metrics(
             active=lambda: self.servicer.active_requests,
             running=lambda: self.engine.running,
-            prefix_cache_bytes=lambda: self.engine.prefix_cache_bytes,
+            memory=lambda: self.engine.memory,
         )
         self.engine.on_step(self.metrics.step)
         self.servicer = MlxEngineServicer(
@@ -97,6 +98,10 @@ class Worker:
     def _on_engine_failure(self, message: str) -> None:
         log.error("%s; reporting NOT_SERVING", message)
         asyncio.get_running_loop().create_task(self._set_health(NOT_SERVING))
+        if self.serving:  # (a failure while loading ends start-up instead)
+            # Supervisors restart a worker that exits, not one that stays up broken.
+            log.error("the engine failed: stopping the worker (exit code 1)")
+            self.request_stop()
 
     async def start(self) -> None:
         """Bind, load the model on the engine thread, and report SERVING once it is warm."""
@@ -143,6 +148,7 @@ class Worker:
             raise StartupError(f"cannot serve {self.model_dir}: {exc}") from exc
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         await self._set_health(SERVING)
+        self.serving = True
         log.info(
             "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs",
             info.served_model_name,

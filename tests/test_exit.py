@@ -10,8 +10,13 @@ import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 from helpers import NOT_SERVING, generate, prompt, wait_until
+
+from bench.workers import free_port
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 # More with SOAK_EXIT_CYCLES (make soak runs 200).
 CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "8"))
@@ -44,7 +49,7 @@ ENGINE_THEN_EXIT = textwrap.dedent(
 
     class Sink:
         ready = threading.Event()
-        def started(self): self.ready.set()
+        def started(self, memory): self.ready.set()
         def step(self, report): pass
         def stopped(self): pass
         def failed(self, message): sys.exit(message)
@@ -78,13 +83,14 @@ def test_the_engine_thread_never_spoils_the_exit_code(model_dir):
 
 @pytest.fixture
 def loading_model(model_dir, tmp_path):
-    """A model whose weights never finish loading: model.safetensors is a FIFO."""
+    """A model that never finishes loading: reading its tokenizer config blocks
+    (a FIFO no one writes), in a thread that lets the event loop run."""
     stuck = tmp_path / "stuck-model"
     stuck.mkdir()
     for f in model_dir.iterdir():
-        if f.name != "model.safetensors":
+        if f.name != "tokenizer_config.json":
             (stuck / f.name).symlink_to(f)
-    os.mkfifo(stuck / "model.safetensors")
+    os.mkfifo(stuck / "tokenizer_config.json")
     return stuck
 
 
@@ -124,3 +130,48 @@ def test_a_second_worker_on_a_taken_port_exits_one(spawn, model_dir, tmp_path):
 def test_bad_flags_exit_two(spawn, model_dir):
     p = spawn("--model", str(model_dir), "--max-pending", "-3")
     assert p.proc.wait(30) == 2
+
+
+# The worker's command line, with the engine made to fail at its fifth step.
+FAILING_ENGINE = textwrap.dedent(
+    """
+    import sys
+    from smg_mlx.cli import main
+    from smg_mlx.engine.batch import Batch
+
+    steps, step = [0], Batch.step
+
+    def step_or_fail(self, chunk):
+        steps[0] += 1
+        if steps[0] == 5:
+            raise RuntimeError("injected engine fault")
+        return step(self, chunk)
+
+    Batch.step = step_or_fail
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_an_engine_failure_ends_the_process_with_one(model_dir, tmp_path):
+    port = free_port()
+    log = tmp_path / "failing.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAILING_ENGINE, "serve", "--model", str(model_dir),
+         "--port", str(port)],
+        stderr=log.open("w"),
+    )  # fmt: skip
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(60)
+            stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
+            assert wait_until(
+                lambda: stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy, 60
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                generate(stub, prompt(4), max_tokens=50)
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert proc.wait(30) == 1  # for the supervisor to restart it
+    finally:
+        proc.kill()
+    assert "injected engine fault" in log.read_text()

@@ -13,6 +13,7 @@ import smg_mlx
 # module of the package, present or future, is asyncio side.
 MLX_SIDE = {
     "smg_mlx.engine.batch",
+    "smg_mlx.engine.memory_probe",
     "smg_mlx.engine.prefix_cache",
     "smg_mlx.engine.sampling",
     "smg_mlx.demo_model",

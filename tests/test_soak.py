@@ -88,13 +88,13 @@ def test_soak(start_worker, model_dir):
         f"outcomes {counts}; errors {sum(errors.values())}; "
         f"leaked slots {w.active_requests()} (engine {engine.running} running, "
         f"{engine.waiting} waiting); "
-        f"prefix cache {engine.prefix_cache_bytes / 2**20:.0f} MB; "
+        f"prefix cache {engine.memory.prefix_cache / 2**20:.0f} MB; "
         f"RSS start {rss_start:.0f} MB, after warm-up {rss_warm[0]:.0f} MB, end {rss_end:.0f} MB"
     )
     assert not errors
     # Some cancels come too late (the request already ended); most do not.
     assert counts["cancelled"] > REQUESTS * CANCEL_SHARE * 0.5
-    assert engine.prefix_cache_bytes <= PROMPT_CACHE_BYTES
+    assert engine.memory.prefix_cache <= PROMPT_CACHE_BYTES
     # One-time allocations happen early; afterwards only the prefix cache grows.
     assert rss_end - rss_warm[0] < PROMPT_CACHE_BYTES / 2**20 + 150
     assert generate(w.stub, prompt(30, 5), max_tokens=30).tokens == solo

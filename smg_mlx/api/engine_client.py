@@ -13,7 +13,7 @@ from smg_mlx.api.streaming import StreamPublisher
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.types import Event, StepReport
+from smg_mlx.engine.types import Event, Memory, StepReport
 
 
 class EngineState(enum.Enum):
@@ -41,10 +41,10 @@ class EngineClient:
         self.state = EngineState.STARTING
         self.failure: str | None = None
         # As of the last report: sequences being prefilled or decoded, admitted
-        # but not started, the prefix cache's size, and tokens per stream message.
+        # but not started, the memory budget's state, and tokens per stream message.
         self.running = 0
         self.waiting = 0
-        self.prefix_cache_bytes = 0
+        self.memory: Memory | None = None
         self.chunk_tokens = stream_interval
         self._jobs: dict[int, Job] = {}
         self._inbox = Inbox()
@@ -90,7 +90,13 @@ class EngineClient:
 
     # ---- the engine's reports, on the loop ----
 
-    def started(self) -> None:
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens (prompt and output) one request may have in memory."""
+        return self.memory.longest_sequence if self.memory else 0
+
+    def started(self, memory: Memory) -> None:
+        self.memory = memory
         self.state = EngineState.READY
         if not self._ready.done():
             self._ready.set_result(None)
@@ -109,7 +115,7 @@ class EngineClient:
                     listener(report.step_seconds, report.batch_size)
         self.running = reports[-1].running
         self.waiting = reports[-1].waiting
-        self.prefix_cache_bytes = reports[-1].prefix_cache_bytes
+        self.memory = reports[-1].memory
         self.chunk_tokens = chunk
 
     def stopped(self) -> None:

@@ -24,6 +24,7 @@ class Job:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    out_of_memory: bool = False  # the error: it did not fit in memory
     cached_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # `changed` is set once this many tokens are here, or the job ends; the
@@ -59,6 +60,7 @@ class Job:
                 self.logprobs.append(event.logprobs)
         self.finish_reason = event.finish_reason
         self.error = event.error
+        self.out_of_memory = event.out_of_memory
         if self.done or len(self.tokens) >= self.wake_at:
             self.changed.set()
 

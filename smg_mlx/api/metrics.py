@@ -12,6 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from smg_mlx.api.jobs import Job
+from smg_mlx.engine.types import Memory
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -27,7 +28,7 @@ class Metrics:
         *,
         active: Callable[[], int],
         running: Callable[[], int],
-        prefix_cache_bytes: Callable[[], int],
+        memory: Callable[[], Memory | None],
     ) -> None:
         self.registry = registry = CollectorRegistry()
 
@@ -63,9 +64,29 @@ class Metrics:
         self.cache_hits = metric(
             Counter, "prefix_cache_hits", "Requests that started from a cached prefix"
         )
-        metric(
-            Gauge, "prefix_cache_bytes", "Bytes of KV cache held by the prefix cache"
-        ).set_function(prefix_cache_bytes)
+
+        def memory_gauge(name: str, doc: str, field: str) -> None:
+            metric(Gauge, name, doc).set_function(
+                lambda: getattr(memory(), field) if memory() is not None else 0
+            )
+
+        memory_gauge(
+            "prefix_cache_bytes", "Bytes of KV cache held by the prefix cache", "prefix_cache"
+        )
+        memory_gauge("memory_budget_bytes", "The memory budget the engine keeps", "budget")
+        memory_gauge("memory_weights_bytes", "Memory the loaded model takes", "weights")
+        memory_gauge("memory_kv_bytes", "KV caches of the running batch", "kv")
+        memory_gauge(
+            "memory_prefill_bytes", "Estimated working set of the last prefill step", "prefill"
+        )
+        memory_gauge("memory_active_bytes", "All memory MLX has allocated now", "active")
+        memory_gauge("memory_peak_bytes", "The most MLX has had allocated while serving", "peak")
+        memory_gauge("queued_for_memory_requests", "Requests waiting for memory", "queued")
+        memory_gauge(
+            "out_of_memory_steps",
+            "Steps that ran out of memory since start (their requests were put back)",
+            "out_of_memory",
+        )
         self.ttft = metric(
             Histogram,
             "time_to_first_token_seconds",

@@ -79,7 +79,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         try:
             text = prompt_text(request, self.info)
             ids = request.tokenized.input_ids if text is None else await self._encode(text)
-            spec = generation_spec(request, self.info, ids)
+            spec = generation_spec(request, self.info, ids, self._engine.longest_sequence)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
@@ -103,7 +103,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             async for message in streaming.messages(job, request.stream, self._chunk_tokens):
                 yield message
             if job.error:
-                await context.abort(grpc.StatusCode.INTERNAL, job.error)
+                code = grpc.StatusCode.INTERNAL
+                if job.out_of_memory:
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                await context.abort(code, job.error)
         finally:
             del self._jobs[request_id]
             if not job.done:  # the client left or its deadline passed

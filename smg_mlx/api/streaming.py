@@ -31,7 +31,7 @@ from typing import Protocol
 
 from smg_mlx.api import responses
 from smg_mlx.api.jobs import Job
-from smg_mlx.engine.types import Event, StepReport
+from smg_mlx.engine.types import Event, Memory, StepReport
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 MESSAGES_PER_SECOND = 300
@@ -52,7 +52,7 @@ def chunk_tokens(minimum: int, running: int, step_seconds: float) -> int:
 class Receiver(Protocol):
     """The event-loop side of the engine (`EngineClient`); called on the loop."""
 
-    def started(self) -> None: ...
+    def started(self, memory: Memory) -> None: ...
 
     def deliver(self, events: list[Event], reports: list[StepReport], chunk: int) -> None: ...
 
@@ -83,8 +83,8 @@ class StreamPublisher:
             self._post(self._receiver.deliver, events, self._held, self._chunk)
             self._held = []
 
-    def started(self) -> None:
-        self._post(self._receiver.started)
+    def started(self, memory: Memory) -> None:
+        self._post(self._receiver.started, memory)
 
     def step(self, report: StepReport) -> None:
         self._held.append(report)

@@ -115,16 +115,27 @@ def logits_settings(params: Any, vocab_size: int) -> LogitsSettings:
     )
 
 
-def generation_spec(request: Any, info: ModelInfo, prompt: Sequence[int]) -> GenerationSpec:
+def generation_spec(
+    request: Any, info: ModelInfo, prompt: Sequence[int], memory_tokens: int
+) -> GenerationSpec:
     """Validate a GenerateRequest whose prompt is `prompt` (its token ids, or its
-    text tokenized) and translate it; raises InvalidRequest."""
+    text tokenized) and translate it; raises InvalidRequest. `memory_tokens`:
+    the most tokens (prompt and output) one request may have in the worker's
+    memory budget."""
     prompt = prompt_ids(prompt, info)
+    _check(
+        len(prompt) < memory_tokens,
+        f"the prompt has {len(prompt)} tokens; this worker's memory budget holds at most "
+        f"{memory_tokens} tokens of prompt and output per request: send a shorter prompt "
+        "or use a worker with more memory",
+    )
     params = request.sampling_params
-    room = info.context_length - len(prompt)
+    # Past the context end, or what memory holds, generation stops with
+    # finish_reason "length".
+    room = min(info.context_length, memory_tokens) - len(prompt)
     max_tokens = room
     if params.HasField("max_tokens"):
         _check(params.max_tokens > 0, "sampling_params.max_tokens must be at least 1")
-        # Past the context end generation stops with finish_reason "length".
         max_tokens = min(params.max_tokens, room)
     logprobs = None
     if params.HasField("logprobs"):

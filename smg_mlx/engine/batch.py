@@ -12,13 +12,15 @@ import functools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from smg_mlx.config import EngineConfig
+from smg_mlx.engine import memory_probe
+from smg_mlx.engine.memory import Sequence, sequence
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache
 from smg_mlx.engine.types import Event, Request, TokenLogprobs
@@ -37,11 +39,17 @@ STOP_SETS_KEPT = 64
 class _Slot:
     """One request's place in the batch."""
 
-    key: int
-    logprobs: int | None
+    request: Request
+    options: tuple  # its sampler, logits processors and stop sequences
     cached: int  # prompt tokens reused from the prefix cache
     started: bool = False  # BatchGenerator has begun its prefill
+    prefilling: bool = True  # its prompt is not all processed yet
     fresh: bool = True  # no token yet
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def key(self) -> int:
+        return self.request.key
 
 
 def _stop_sequences(ids: frozenset[int]) -> StopSequences:
@@ -53,31 +61,39 @@ class Batch:
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
+        self._config = config
         self.model, self.tokenizer = load(str(config.model_path))
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.
         self._stream = mx.new_stream(mx.default_device())
-        self._generator = BatchGenerator(
-            self.model,
-            completion_batch_size=config.completion_batch_size,
-            prefill_batch_size=config.prefill_batch_size,
-            prefill_step_size=config.prefill_step_size,
-            stream=self._stream,
-        )
+        self._generator = self._new_generator()
         self._samplers = SamplerCache()
         self._stops = functools.lru_cache(maxsize=STOP_SETS_KEPT)(_stop_sequences)
-        self._slots: dict[int, _Slot] = {}  # BatchGenerator uid -> slot
+        self._slots: dict[int, _Slot] = {}  # BatchGenerator uid -> slot, in admission order
         self._uids: dict[int, int] = {}  # request key -> uid
         self._started = 0  # slots BatchGenerator is prefilling or decoding
+        self._resuming: dict[int, _Slot] = {}  # key -> slot of a request put back (see reset)
         self._prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         )
         self._warm_up()
+        self.memory = memory_probe.measure(self.model, self._stream, config.prefill_step_size)
+        mx.reset_peak_memory()
         log.info(
             "model %s loaded and warmed up in %.2fs on %s",
             config.model_path,
             time.perf_counter() - started,
             mx.default_device(),
+        )
+
+    def _new_generator(self) -> BatchGenerator:
+        config = self._config
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=config.completion_batch_size,
+            prefill_batch_size=config.prefill_batch_size,
+            prefill_step_size=config.prefill_step_size,
+            stream=self._stream,
         )
 
     def _warm_up(self) -> None:
@@ -93,6 +109,11 @@ class Batch:
         return bool(self._slots)
 
     @property
+    def size(self) -> int:
+        """Requests admitted to the batch."""
+        return len(self._slots)
+
+    @property
     def running(self) -> int:
         """Requests being prefilled or decoded; BatchGenerator queues the rest."""
         return self._started
@@ -106,6 +127,36 @@ class Batch:
     def prefix_cache_bytes(self) -> int:
         return self._prefixes.nbytes if self._prefixes is not None else 0
 
+    @property
+    def active_memory(self) -> int:
+        return mx.get_active_memory()
+
+    @property
+    def peak_memory(self) -> int:
+        return mx.get_peak_memory()
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV cache bytes the batch holds now."""
+        return self._generator.prompt_cache_nbytes
+
+    def sequences(self) -> list[Sequence]:
+        """The admitted sequences, as the memory budget sees them."""
+        # A request put back after an error prefills what it had generated too.
+        return [
+            Sequence(
+                len(slot.request.spec.prompt) + len(slot.generated),
+                sequence(slot.request).total,
+                slot.prefilling,
+            )
+            for slot in self._slots.values()
+        ]
+
+    def shrink_prefix_cache(self, limit: int) -> None:
+        if self._prefixes is not None and self._prefixes.nbytes > limit:
+            self._prefixes.shrink(limit)
+            log.debug("prefix cache shrunk to %d bytes for running requests", limit)
+
     def _start_from(self, prompt: tuple[int, ...]) -> tuple[list | None, int]:
         """The cache to start `prompt` from (None: a fresh one) and the tokens it holds."""
         if self._prefixes is None:
@@ -115,34 +166,36 @@ class Batch:
             log.debug("prefix cache hit: %d of %d prompt tokens", cached, len(prompt))
         return cache, cached
 
+    def _options(self, request: Request) -> tuple:
+        spec = request.spec
+        return (
+            self._samplers.sampler(spec.sampling),
+            self._samplers.processors(spec.logits),
+            self._stops(spec.stop_token_ids),
+        )
+
     def admit(self, requests: list[Request]) -> list[Event]:
         """Insert new requests, each from its longest cached prefix; they start
         prefill at the next step. A request whose sampling setup fails ends with
         an error event instead of reaching the batch."""
-        accepted, options, failed = [], [], []
+        accepted, failed = [], []
         for request in requests:
-            spec = request.spec
+            resumed = self._resuming.pop(request.key, None)
             try:
-                options.append(
-                    (
-                        self._samplers.sampler(spec.sampling),
-                        self._samplers.processors(spec.logits),
-                        self._stops(spec.stop_token_ids),
-                    )
-                )
+                options = resumed.options if resumed else self._options(request)
             except Exception as exc:  # noqa: BLE001 - one request's fault, not the engine's
                 log.exception("request %r cannot start", request.request_id)
                 failed.append(Event(request.key, error=f"the request could not start: {exc!r}"))
                 continue
-            accepted.append(request)
+            accepted.append((request, options, resumed))
         if not accepted:
             return failed
-        prompts = [r.spec.prompt for r in accepted]
+        prompts = [request.spec.prompt for request, _, _ in accepted]
         starts = [self._start_from(prompt) for prompt in prompts]
-        samplers, processors, stops = zip(*options, strict=True)
+        samplers, processors, stops = zip(*(options for _, options, _ in accepted), strict=True)
         uids = self._generator.insert(
             [list(p[n:]) for p, (_, n) in zip(prompts, starts, strict=True)],
-            max_tokens=[r.spec.max_tokens for r in accepted],
+            max_tokens=[request.spec.max_tokens for request, _, _ in accepted],
             caches=[cache for cache, _ in starts],
             # The tokens already in each cache (a new list: mlx-lm appends to it).
             all_tokens=[list(p[:n]) for p, (_, n) in zip(prompts, starts, strict=True)],
@@ -150,8 +203,14 @@ class Batch:
             logits_processors=list(processors),
             stop_sequences=list(stops),
         )
-        for uid, request, (_, cached) in zip(uids, accepted, starts, strict=True):
-            self._slots[uid] = _Slot(request.key, request.spec.logprobs, cached)
+        for uid, (request, options, resumed), (_, cached) in zip(
+            uids, accepted, starts, strict=True
+        ):
+            slot = _Slot(request, options, cached)
+            if resumed is not None:  # as the client knows it: tokens sent, cache reuse
+                slot.request, slot.cached = resumed.request, resumed.cached
+                slot.fresh, slot.generated = resumed.fresh, resumed.generated
+            self._slots[uid] = slot
             self._uids[request.key] = uid
         return failed
 
@@ -160,12 +219,6 @@ class Batch:
         del self._uids[slot.key]
         self._started -= slot.started
         return slot
-
-    def _mark_started(self, uid: int) -> None:
-        slot = self._slots.get(uid)
-        if slot is not None and not slot.started:
-            slot.started = True
-            self._started += 1
 
     def remove(self, keys: Iterable[int]) -> list[Event]:
         """Drop the requests with these keys (unknown keys are ignored); an abort
@@ -184,15 +237,22 @@ class Batch:
             events.append(Event(slot.key, finish_reason="abort"))
         return events
 
-    def step(self) -> list[Event]:
-        """Advance the batch by one step and report each sequence's new token."""
+    def step(self, chunk: int) -> list[Event]:
+        """Advance the batch by one step, prefilling in chunks of at most `chunk`
+        tokens, and report each sequence's new token."""
+        self._generator.prefill_step_size = chunk
         prefilling, responses = self._generator.next()
         for r in prefilling:
-            self._mark_started(r.uid)
+            slot = self._slots.get(r.uid)
+            if slot is not None:
+                self._started += not slot.started
+                slot.started = True
+                slot.prefilling = not r.end_of_prompt
         logprobs = self._logprobs(responses)
         events = []
         for r, chosen in zip(responses, logprobs, strict=True):
             slot = self._slots[r.uid]
+            slot.generated.append(r.token)
             events.append(
                 Event(
                     slot.key,
@@ -212,13 +272,46 @@ class Batch:
                     self._prefixes.insert(r.all_tokens, r.prompt_cache)
         return events
 
+    def reset(self) -> list[Request]:
+        """After a step failed (out of memory), start over with an empty batch:
+        what the failed step left behind cannot be trusted. Returns the requests
+        that were in the batch, in admission order, each to continue from where
+        its client is: its prompt extended by the tokens sent, fewer to go."""
+        self._generator.close()
+        self._generator = None
+        mx.clear_cache()
+        self._generator = self._new_generator()
+        requests = []
+        for slot in self._slots.values():
+            spec = slot.request.spec
+            self._resuming[slot.key] = slot
+            requests.append(
+                replace(
+                    slot.request,
+                    spec=replace(
+                        spec,
+                        prompt=spec.prompt + tuple(slot.generated),
+                        max_tokens=spec.max_tokens - len(slot.generated),
+                    ),
+                )
+            )
+        self._slots.clear()
+        self._uids.clear()
+        self._started = 0
+        return requests
+
+    def forget_resumed(self, keys: Iterable[int]) -> None:
+        """Requests put back by `reset` that ended before being admitted again."""
+        for key in keys:
+            self._resuming.pop(key, None)
+
     def _logprobs(self, responses: list) -> list[TokenLogprobs | None]:
         """Each response's logprobs, if its request asked for them."""
         found: list[TokenLogprobs | None] = [None] * len(responses)
         rows, lazy = [], []
         # Build every row's top-n lazily, then evaluate them all at once.
         for i, r in enumerate(responses):
-            n = self._slots[r.uid].logprobs
+            n = self._slots[r.uid].request.spec.logprobs
             if n is None:
                 continue
             top = mx.array([], dtype=mx.uint32)
@@ -237,5 +330,6 @@ class Batch:
         """Release the generator and the model on this thread (see `EngineCore.run`)."""
         self._generator.close()
         self._generator = None
+        self.shrink_prefix_cache(0)  # its tree holds cycles: freed now, not at a collection
         self._prefixes = None
         self.model = None

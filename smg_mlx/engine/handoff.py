@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
-from smg_mlx.engine.types import Request, StepReport
+from smg_mlx.engine.types import Memory, Request, StepReport
 
 
 class Inbox:
@@ -88,8 +88,9 @@ class Inbox:
 class Sink(Protocol):
     """Where the engine reports. Every method is called on the engine thread."""
 
-    def started(self) -> None:
-        """The model is loaded and warmed up: requests can be served."""
+    def started(self, memory: Memory) -> None:
+        """The model is loaded and warmed up: requests can be served (of at most
+        `memory.longest_sequence` tokens each)."""
 
     def step(self, report: StepReport) -> None:
         """One loop turn's events and the batch's state after it."""

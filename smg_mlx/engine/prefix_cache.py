@@ -172,7 +172,11 @@ class PrefixCache:
                 if ancestor.entry is not None:
                     self._remove(ancestor.entry)
                 ancestor = parent
-        while self.nbytes > self.max_bytes:
+        self.shrink(self.max_bytes)
+
+    def shrink(self, limit: int) -> None:
+        """Drop the least recently used entries until at most `limit` bytes are held."""
+        while self.nbytes > limit:
             self._remove(next(iter(self._lru)))
 
     def _node_for(self, key: tuple[int, ...]) -> _Node:

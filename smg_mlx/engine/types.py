@@ -76,6 +76,7 @@ class Event:
     token: int | None = None  # None for aborts and requests that could not start
     finish_reason: str | None = None  # "stop", "length", "abort"
     error: str | None = None  # the request could not run; it has ended
+    out_of_memory: bool = False  # the error: it does not fit in memory (another worker may)
     logprobs: TokenLogprobs | None = None
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     first: bool = False  # the request's first token
@@ -83,6 +84,22 @@ class Event:
     @property
     def ends(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Where the memory budget stands (bytes, or tokens where named)."""
+
+    budget: int
+    weights: int
+    kv: int  # KV caches of the batch now
+    prefill: int  # the last prefill step's working set (estimated)
+    prefix_cache: int
+    active: int  # all MLX allocations now
+    peak: int  # the most MLX has had allocated since the engine started serving
+    longest_sequence: int  # tokens (prompt plus output) one request may have
+    queued: int  # requests waiting for memory
+    out_of_memory: int  # steps that ran out of memory since start (contained)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,5 +111,5 @@ class StepReport:
     batch_size: int  # sequences the step ran on, those that finished in it included
     running: int  # sequences being prefilled or decoded after the step
     waiting: int  # admitted sequences the batch has not started yet
-    prefix_cache_bytes: int
+    memory: Memory
     idle: bool  # nothing left to run: the engine sleeps until new work comes

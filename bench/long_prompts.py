@@ -1,0 +1,118 @@
+"""Long prompts sent at once (`--long-prompts 4,8,40`): does the worker survive them?
+
+For each count, a fresh worker with its default flags gets that many streaming
+requests of `--long-prompt-tokens` random tokens at the same moment. The
+report says how many completed, the errors, the time to first token and the
+total time, whether the worker kept reporting SERVING, and the most memory MLX
+had allocated (from the worker's metrics) against its budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.grpc_client import stream_one, token_request
+from bench.workers import WorkerProcess, free_port
+from bench.workload import Workload
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+
+
+def _metric(port: int, name: str) -> float | None:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    except OSError:
+        return None
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+async def _send_all(address: str, workload: Workload, count: int, tag: str) -> dict:
+    """`count` requests at once while health is polled; their outcomes."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        await channel.channel_ready()
+        stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        statuses: set[str] = set()
+        begin = time.perf_counter()
+        calls = asyncio.gather(
+            *(
+                stream_one(stub, token_request(workload.prompt(i), workload.gen_tokens,
+                                               f"{tag}-{i}"), workload.gen_tokens)
+                for i in range(count)
+            )
+        )  # fmt: skip
+        while not calls.done():
+            try:
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                statuses.add(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+            except grpc.aio.AioRpcError as exc:
+                statuses.add(exc.code().name)
+            await asyncio.wait([calls], timeout=0.5)
+        records = calls.result()
+        wall = time.perf_counter() - begin
+    ttfts = sorted(r.ttft for r in records if r.ttft is not None)
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error:
+            key = r.error.split(":")[0]
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "requests": count,
+        "completed": sum(r.error is None for r in records),
+        "errors": errors,
+        "first_error": next((r.error for r in records if r.error), None),
+        "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
+        "ttft_max_s": ttfts[-1] if ttfts else None,
+        "total_s": wall,
+        "health_seen": sorted(statuses),
+    }
+
+
+def run_long_prompts(
+    model_dir: Path, work_dir: Path, counts: list[int], workload: Workload, timeout_s: float
+) -> list[dict]:
+    """One fresh worker per count, default flags; the outcome of each."""
+    results = []
+    for count in counts:
+        port, metrics_port = free_port(), free_port()
+        command = [
+            sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
+            "--port", str(port), "--metrics-port", str(metrics_port),
+        ]  # fmt: skip
+        log = work_dir / "logs" / f"long-{count}-{time.strftime('%H%M%S')}.log"
+        with WorkerProcess("ours", command, port, log) as worker:
+            worker.wait_serving(timeout_s)
+            outcome = asyncio.run(_send_all(worker.address, workload, count, f"long{count}"))
+            outcome["alive_after"] = worker.process.poll() is None
+            outcome["peak_bytes"] = _metric(metrics_port, "smg_mlx_memory_peak_bytes")
+            outcome["budget_bytes"] = _metric(metrics_port, "smg_mlx_memory_budget_bytes")
+        outcome["exit_code"] = worker.process.returncode
+        outcome["log"] = str(log)
+        results.append(outcome)
+        print(format_row(outcome), file=sys.stderr, flush=True)
+    return results
+
+
+def format_row(r: dict) -> str:
+    def gib(n: float | None) -> str:
+        return "n/a" if n is None else f"{n / 2**30:.1f}"
+
+    def secs(s: float | None) -> str:
+        return "n/a" if s is None else f"{s:.1f}"
+
+    return (
+        f"{r['requests']:>4} at once: {r['completed']}/{r['requests']} completed, "
+        f"errors {r['errors'] or 'none'}, TTFT p50/max {secs(r['ttft_p50_s'])}/"
+        f"{secs(r['ttft_max_s'])} s, total {secs(r['total_s'])} s, health seen "
+        f"{'/'.join(r['health_seen'])}, alive after: {r['alive_after']}, "
+        f"peak {gib(r['peak_bytes'])} of budget {gib(r['budget_bytes'])} GiB"
+    )

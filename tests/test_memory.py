@@ -1,0 +1,236 @@
+"""The memory budget: requests wait for room instead of killing the worker, one that can
+never fit is refused at once, and a step that still runs out of memory is contained."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import SERVING, generate, prompt, request, wait_until
+from mlx_lm.generate import BatchGenerator
+
+from smg_mlx.engine.memory import MemoryModel, MemoryPlanner, Sequence, is_out_of_memory
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+MIB = 2**20
+
+# ---- the planner's arithmetic ----
+
+MODEL = MemoryModel(
+    weights=100 * MIB, kv_per_token=1024, prefill_per_token=4096, prefill_per_context=16
+)
+
+
+def planner(budget_mib: int, **options) -> MemoryPlanner:
+    options = {"max_chunk": 2048, "prefill_rows": 8, **options}
+    return MemoryPlanner(MODEL, budget_mib * MIB, **options)
+
+
+def test_the_batch_cache_costs_its_longest_row_for_every_row():
+    p = planner(1000)
+    long_and_short = p.kv_bytes([Sequence(10, 10_000, False), Sequence(10, 100, False)])
+    two_long = p.kv_bytes([Sequence(10, 10_000, False), Sequence(10, 10_000, False)])
+    assert long_and_short == two_long > 2 * p.kv_bytes([Sequence(10, 10_000, False)]) * 0.99
+
+
+def test_a_request_waits_when_the_batch_with_it_would_not_fit():
+    p = planner(180)
+    running = [Sequence(1000, 20_000, False)]
+    assert p.fits(running)
+    assert not p.fits([*running, Sequence(1000, 20_000, True)])
+    # A short one too: beside a long row it costs a long row.
+    assert not p.fits([*running, Sequence(100, 200, True)])
+    assert p.fits([Sequence(100, 200, False), Sequence(100, 200, True)])
+
+
+def test_long_prompts_prefill_in_smaller_chunks_and_alone():
+    p = planner(400)
+    long = Sequence(40_000, 40_100, True)
+    assert p.chunk([long], 0) < 2048
+    assert p.fits([long])
+    assert not p.fits([long, Sequence(40_000, 40_100, True)])  # two at once do not
+    assert p.chunk([Sequence(100, 200, True)], 0) == 2048
+
+
+def test_a_long_prompt_waits_for_the_one_prefilling_rather_than_shrink_its_chunks():
+    p = planner(600)
+    first = Sequence(40_000, 40_100, True)
+    assert p.joins([], first)
+    assert p.fits([first, Sequence(40_000, 40_100, True)])  # there is room for both...
+    assert not p.joins([first], Sequence(40_000, 40_100, True))  # ...at small chunks only
+    decoding = Sequence(40_000, 40_100, False)
+    assert p.joins([decoding], Sequence(40_000, 40_100, True))
+    assert planner(2000).joins([first], Sequence(40_000, 40_100, True))
+
+
+def test_the_prefix_cache_gives_way_before_work_waits():
+    p = planner(200)
+    running = [Sequence(1000, 20_000, False)]
+    allowance = p.prefix_allowance(running)
+    assert 0 < allowance < 100 * MIB
+    assert p.prefix_allowance([*running, Sequence(1000, 20_000, False)]) < allowance
+
+
+def test_the_longest_sequence_fits_alone_and_one_more_token_does_not():
+    p = planner(300)
+    longest = p.longest_sequence
+    assert p.fits([Sequence(longest, longest, True)])
+    assert not p.fits([Sequence(longest + 300, longest + 300, True)])
+
+
+def test_an_out_of_memory_error_raises_the_estimates():
+    p = planner(300)
+    before = p.longest_sequence
+    p.learn()
+    assert p.longest_sequence < before
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("cudaMallocAsync(&data, size, stream) failed: out of memory", True),
+        ("[METAL] Command buffer execution failed: Insufficient Memory", True),
+        ("[metal::malloc] Attempting to allocate 9 bytes which is greater than the max", True),
+        ("[malloc] Unable to allocate 1073741824 bytes.", True),
+        ("There is no Stream(gpu, 1) in current thread.", False),
+    ],
+)
+def test_out_of_memory_errors_are_told_apart(message, expected):
+    assert is_out_of_memory(RuntimeError(message)) is expected
+
+
+# ---- a worker under a small budget ----
+
+PROMPTS = [prompt(600, i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def unbounded_outputs(model_dir):
+    """Greedy outputs of the 600-token prompts from a worker with no budget to speak of."""
+    from conftest import RunningWorker, worker_config
+
+    w = RunningWorker(worker_config(model_dir))
+    try:
+        memory = w.worker.engine.memory
+        outputs = [generate(w.stub, p, max_tokens=200, ignore_eos=True).tokens for p in PROMPTS]
+    finally:
+        w.stop()
+    return memory, outputs
+
+
+def small_budget(unbounded_outputs, extra_mib: int = 5) -> int:
+    memory, _ = unbounded_outputs
+    return memory.weights + extra_mib * MIB
+
+
+def test_a_small_budget_queues_requests_and_changes_no_output(
+    start_worker, model_dir, unbounded_outputs
+):
+    budget = small_budget(unbounded_outputs)
+    w = start_worker(model_dir, memory_budget=budget)
+    engine = w.worker.engine
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append((engine.memory.queued, engine.memory.peak))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outputs = list(
+                pool.map(lambda p: generate(w.stub, p, max_tokens=200, ignore_eos=True), PROMPTS)
+            )
+    finally:
+        done.set()
+        watcher.join()
+    assert [r.tokens for r in outputs] == unbounded_outputs[1]
+    assert all(r.complete.finish_reason == "length" for r in outputs)  # nothing refused
+    assert max(queued for queued, _ in seen) > 0  # some had to wait for memory
+    assert max(peak for _, peak in seen) <= budget
+
+
+def test_a_prompt_that_can_never_fit_is_refused_at_once(start_worker, model_dir, unbounded_outputs):
+    w = start_worker(model_dir, memory_budget=small_budget(unbounded_outputs))
+    longest = w.worker.engine.longest_sequence
+    assert 100 < longest < 2000
+    with pytest.raises(grpc.RpcError) as err:
+        generate(w.stub, prompt(longest + 10), max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"holds at most {longest} tokens" in err.value.details()
+    # A prompt that fits, asking for more than fits: it stops where memory ends.
+    fitting = generate(w.stub, prompt(longest - 20), max_tokens=1000, ignore_eos=True)
+    assert len(fitting.tokens) == 20 and fitting.complete.finish_reason == "length"
+
+
+def test_a_budget_below_the_model_is_refused_at_start(spawn, model_dir):
+    p = spawn("--model", str(model_dir), "--memory-budget", "1KB")
+    assert p.proc.wait(60) == 1
+    assert "raise --memory-budget" in p.log.read_text()
+
+
+class OutOfMemoryOnce:
+    """Makes BatchGenerator.next raise an out-of-memory error once, `steps` calls
+    after `arm`."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.countdown = -1
+        step = BatchGenerator.next
+
+        def next_or_fail(generator):
+            self.countdown -= 1
+            if self.countdown == 0:
+                raise RuntimeError("[metal::malloc] Unable to allocate 8589934592 bytes")
+            return step(generator)
+
+        monkeypatch.setattr(BatchGenerator, "next", next_or_fail)
+
+    def arm(self, steps: int) -> None:
+        self.countdown = steps
+
+
+def test_an_out_of_memory_step_is_contained(
+    start_worker, model_dir, unbounded_outputs, monkeypatch
+):
+    failure = OutOfMemoryOnce(monkeypatch)
+    w = start_worker(model_dir)
+    health = health_pb2_grpc.HealthStub(w.channel)
+    streams = [
+        w.stub.Generate(request(p, max_tokens=200, ignore_eos=True), timeout=60)
+        for p in PROMPTS[:4]
+    ]
+    tokens = [list(next(s).chunk.token_ids) for s in streams]  # all four are streaming
+    failure.arm(5)
+    for i, s in enumerate(streams):
+        for message in s:
+            if message.HasField("chunk"):
+                tokens[i] += message.chunk.token_ids
+            else:
+                assert message.complete.finish_reason == "length"
+    # Every stream went on where it was, token for token as if nothing happened.
+    assert tokens == unbounded_outputs[1][:4]
+    assert health.Check(health_pb2.HealthCheckRequest()).status == SERVING
+    assert w.worker.engine.memory.out_of_memory == 1
+    assert len(generate(w.stub, prompt(5), max_tokens=3).tokens) == 3
+
+
+def test_a_request_alone_that_runs_out_of_memory_ends_and_the_worker_serves(
+    start_worker, model_dir, monkeypatch
+):
+    failure = OutOfMemoryOnce(monkeypatch)
+    w = start_worker(model_dir)
+    failure.arm(3)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(w.stub, prompt(50), max_tokens=100, ignore_eos=True)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "ran out of memory" in err.value.details()
+    assert w.stub.HealthCheck(pb.HealthCheckRequest()).healthy
+    assert wait_until(lambda: w.active_requests() == 0)
+    assert len(generate(w.stub, prompt(5), max_tokens=3).tokens) == 3
