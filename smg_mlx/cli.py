@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from smg_mlx import __version__, logs
+from smg_mlx import __version__, logs, mlx_backend, model_source
 from smg_mlx.config import EngineConfig, ServerConfig
 from smg_mlx.demo_model import ensure_demo_model
 
@@ -34,6 +34,16 @@ def byte_size(text: str) -> int:
     decimal = prefix and not binary and text.strip().lower().endswith("b")
     base = 1000 if decimal else 1024
     return int(float(number) * base ** _POWERS[prefix.lower()])
+
+
+def memory_budget(text: str) -> int | float:
+    """A size ("24GiB") or a share of the device's memory ("80%")."""
+    if text.strip().endswith("%"):
+        share = _number(float, 0, "a percentage such as 80%")(text.strip()[:-1]) / 100
+        if not 0 < share <= 1:
+            raise argparse.ArgumentTypeError(f"expected a percentage up to 100%, got {text!r}")
+        return share
+    return byte_size(text)
 
 
 def _number(kind: type, low: float, what: str) -> Callable[[str], int | float]:
@@ -68,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-path",
         dest="model",
         type=Path,
-        help="an mlx-lm model directory (e.g. an mlx-community download)",
+        help="an mlx-lm model directory, or a Hugging Face repo id such as "
+        "mlx-community/Qwen3-0.6B-4bit (from the local Hugging Face cache, downloaded if absent)",
     )
     model.add_argument(
         "--demo",
@@ -111,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory for KV caches of finished requests, reused by later requests that "
         "share a prompt prefix; least recently used go first; 0 disables; units such as "
         "4GiB or 512MB (default: 2GiB)",
+    )
+    serve.add_argument(
+        "--memory-budget",
+        type=memory_budget,
+        metavar="SIZE|PERCENT",
+        help="memory the worker may use, model included: a size such as 24GiB, or a share "
+        "of the device's memory such as 80%%; requests wait for room, long prompts prefill "
+        "in smaller chunks (default: 90%% of a GPU's memory, 75%% of the host's RAM on the CPU)",
     )
     serve.add_argument(
         "--stream-interval",
@@ -166,6 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="json: one JSON object per line, request lines with their fields as keys "
         "(%(default)s)",
     )
+    health = commands.add_parser(
+        "health",
+        help="exit 0 if the worker reports SERVING, else 1 with the reason on stderr "
+        "(an exec probe)",
+    )
+    health.add_argument("--host", default=server.host, help="worker address (%(default)s)")
+    health.add_argument("--port", type=int, default=server.port, help="gRPC port (%(default)s)")
+    health.add_argument(
+        "--timeout",
+        type=_non_negative,
+        default=5.0,
+        help="seconds to wait for the answer (%(default)s)",
+    )
+    health.add_argument(
+        "--tls-ca",
+        type=Path,
+        help="PEM certificate to trust, for a worker serving TLS (default: plaintext)",
+    )
     return parser
 
 
@@ -179,12 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_before_serving)
     args = build_parser().parse_args(argv)
+    if args.command == "health":
+        from smg_mlx import health_check  # grpc only, no model or logging set-up
+
+        return health_check.main(args.host, args.port, args.timeout, args.tls_ca)
+    # transformers' notice that PyTorch is absent (MLX needs none) is noise in a
+    # worker's log; it is read when transformers is imported, here or in a child.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logs.configure(args.log_level, args.log_format)
     log = logging.getLogger("smg_mlx")
     log.info("smg-mlx %s starting", __version__)
-    if args.model is not None and not (args.model / "config.json").is_file():
-        log.error("%s is not a model directory (no config.json); pass an mlx-lm model", args.model)
-        return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         log.error("TLS needs both --tls-cert and --tls-key")
         return 2
@@ -192,7 +233,23 @@ def main(argv: list[str] | None = None) -> int:
         if pem is not None and not pem.is_file():
             log.error("%s is not a readable file", pem)
             return 2
-    model_path = args.model
+    missing = mlx_backend.missing_backend()
+    if missing is not None:
+        log.error("%s", missing)
+        return 1
+    model_path, served_model_name = args.model, args.served_model_name
+    if args.model is not None:
+        try:
+            source = model_source.resolve(str(args.model))
+        except model_source.ModelNotFound as exc:
+            log.error("%s", exc)
+            return 2
+        except model_source.DownloadFailed as exc:
+            log.error("%s", exc)
+            return 1
+        except SystemExit as stop:  # a signal mid-download: do not wait for its threads
+            exit_process(stop.code)
+        model_path, served_model_name = source.path, served_model_name or source.served_name
     if args.demo:
         log.warning(
             "serving the built-in demo model: random weights, so its text is noise. "
@@ -207,10 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             prefill_step_size=args.prefill_step_size,
             prompt_cache_bytes=args.prompt_cache_bytes,
             burst_window_seconds=args.burst_window_ms / 1000,
+            memory_budget=args.memory_budget,
         ),
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
+        served_model_name=served_model_name,
         max_pending=args.max_pending,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         stream_interval=args.stream_interval,

@@ -98,8 +98,8 @@ def spawn(tmp_path: Path) -> Iterator:
     """Start `python -m smg_mlx serve` subprocesses; all are killed at the end."""
     procs = []
 
-    def start(*args: str) -> Process:
-        procs.append(Process(tmp_path, *args))
+    def start(*args: str, port: int | None = None) -> Process:
+        procs.append(Process(tmp_path, *args, port=port))
         return procs[-1]
 
     yield start

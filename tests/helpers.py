@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -80,9 +85,10 @@ def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
 class Process:
     """`python -m smg_mlx serve` as a real subprocess."""
 
-    def __init__(self, tmp_path, *args: str) -> None:
-        self.port = free_port()
-        self.log = tmp_path / f"worker-{self.port}.log"
+    def __init__(self, tmp_path, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        # Unique even for a worker restarted on the port of an earlier one.
+        self.log = tmp_path / f"worker-{self.port}-{time.monotonic_ns()}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "smg_mlx", "serve", "--port", str(self.port), *args],
             stdout=subprocess.DEVNULL,
@@ -108,3 +114,98 @@ class Process:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+
+
+class Router:
+    """`smg launch` in front of workers, as the README says to run it."""
+
+    def __init__(
+        self, worker_ports: Sequence[int], model_dir: Path, log: Path, *flags: str
+    ) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                SMG,
+                "launch",
+                "--worker-urls",
+                *(f"grpc://127.0.0.1:{port}" for port in worker_ports),
+                "--model-path",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--health-check-interval-secs",
+                "1",
+                "--health-failure-threshold",
+                "1",
+                "--health-success-threshold",
+                "1",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                # Tests stop it idle; its default grace makes that take about 5 s.
+                "--shutdown-grace-period-secs",
+                "0",
+                *flags,
+            ],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        assert wait_until(self._up, 60), log.read_text()[-3000:]
+
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, "the router exited"
+        try:
+            return urllib.request.urlopen(f"{self.base}/liveness", timeout=2).status == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    def health(self) -> dict[int, bool]:
+        """Each listed worker's health as the router sees it, by port."""
+        workers = self.get("/workers")["workers"]
+        return {int(w["url"].rsplit(":", 1)[1]): w["is_healthy"] for w in workers}
+
+    def worker_healthy(self) -> bool | None:
+        """Whether every worker is healthy; None while the router lists none yet."""
+        health = self.health()
+        return all(health.values()) if health else None
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"{self.base}{path}", timeout=30) as r:
+            return json.load(r)
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(
+            f"{self.base}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.load(r)
+
+    def stream(self, path: str, body: dict) -> list[dict]:
+        req = urllib.request.Request(
+            f"{self.base}{path}",
+            json.dumps(
+                {**body, "stream": True, "stream_options": {"include_usage": True}}
+            ).encode(),
+            {"content-type": "application/json"},
+        )
+        events = []
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+        return events
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

@@ -3,112 +3,24 @@
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from conftest import RunningWorker, worker_config
-from helpers import wait_until
+from helpers import SMG, Router, wait_until
 
 from bench.workers import free_port
 
-SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 pytestmark = pytest.mark.skipif(SMG is None, reason="the router (pip install smg) is not installed")
-
-
-class Router:
-    """`smg launch` in front of one worker, as the README says to run it."""
-
-    def __init__(self, worker_port: int, model_dir: Path, log: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [
-                SMG,
-                "launch",
-                "--worker-urls",
-                f"grpc://127.0.0.1:{worker_port}",
-                "--model-path",
-                str(model_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--health-check-interval-secs",
-                "1",
-                "--health-failure-threshold",
-                "1",
-                "--health-success-threshold",
-                "1",
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(free_port()),
-            ],
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-        )
-        assert wait_until(self._up, 60), log.read_text()[-3000:]
-
-    def _up(self) -> bool:
-        assert self.proc.poll() is None, "the router exited"
-        try:
-            return urllib.request.urlopen(f"{self.base}/liveness", timeout=2).status == 200
-        except (urllib.error.URLError, ConnectionError):
-            return False
-
-    def worker_healthy(self) -> bool | None:
-        """None while the router lists no worker yet."""
-        workers = self.get("/workers")["workers"]
-        return all(w["is_healthy"] for w in workers) if workers else None
-
-    def get(self, path: str) -> dict:
-        with urllib.request.urlopen(f"{self.base}{path}", timeout=30) as r:
-            return json.load(r)
-
-    def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(
-            f"{self.base}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.load(r)
-
-    def stream(self, path: str, body: dict) -> list[dict]:
-        req = urllib.request.Request(
-            f"{self.base}{path}",
-            json.dumps(
-                {**body, "stream": True, "stream_options": {"include_usage": True}}
-            ).encode(),
-            {"content-type": "application/json"},
-        )
-        events = []
-        with urllib.request.urlopen(req, timeout=60) as r:
-            for line in r:
-                line = line.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-        return events
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
     worker = RunningWorker(worker_config(model_dir))
-    router = Router(worker.worker.port, model_dir, tmp_path_factory.mktemp("router") / "smg.log")
+    router = Router([worker.worker.port], model_dir, tmp_path_factory.mktemp("router") / "smg.log")
     assert wait_until(router.worker_healthy, 30)
     yield worker, router
     router.stop()
@@ -288,7 +200,7 @@ def test_router_sees_the_worker_healthy_only_when_ready(model_dir, tmp_path, mon
         target=lambda: holder.update(w=RunningWorker(worker_config(model_dir, port=port)))
     )
     starting.start()
-    router = Router(port, model_dir, tmp_path / "smg.log")
+    router = Router([port], model_dir, tmp_path / "smg.log")
     try:
         # The worker listens and answers NOT_SERVING while it loads. smg 1.13.0
         # activates a new worker even when its first probe fails; its periodic

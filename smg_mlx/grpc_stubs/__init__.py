@@ -1,0 +1,1 @@
+"""Generated from proto/ by `make stubs` (proto/generate.py); do not edit."""

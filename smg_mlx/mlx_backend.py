@@ -1,0 +1,41 @@
+"""Whether MLX can run here, found without importing it (the asyncio side never does).
+
+On Linux the `mlx` wheel holds only the Python bindings; its library comes from a
+backend distribution (`mlx-cpu`, `mlx-cuda-13`, `mlx-cuda-12`) that installs
+`mlx/lib/libmlx.so`. Without one, importing MLX fails deep in model loading with
+`ImportError: libmlx.so: cannot open shared object file`.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from importlib.util import find_spec
+from pathlib import Path
+
+BACKEND_DISTRIBUTIONS = ("mlx-cpu", "mlx-cuda-13", "mlx-cuda-12")
+INSTALL_HINT = (
+    "install smg-mlx with a backend: pip install 'smg-mlx[cpu]' for the CPU, "
+    "or 'smg-mlx[cuda13]' for NVIDIA GPUs (CUDA 13)"
+)
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def missing_backend() -> str | None:
+    """What to install when MLX cannot load on this machine; None when it can.
+    macOS wheels always carry their Metal library."""
+    if sys.platform != "linux" or any(map(_installed, BACKEND_DISTRIBUTIONS)):
+        return None
+    spec = find_spec("mlx")  # finds the package without running it
+    # A source build carries its own library.
+    for location in (spec and spec.submodule_search_locations) or ():
+        if any((Path(location) / "lib").glob("libmlx.so*")):
+            return None
+    return f"MLX cannot run without a backend library (libmlx.so): {INSTALL_HINT}"

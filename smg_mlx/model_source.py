@@ -1,0 +1,154 @@
+"""What `--model` names: a local model directory, or a Hugging Face repo id.
+
+A repo id is served from the local Hugging Face cache when its snapshot is
+there, and downloaded into that cache otherwise (unless HF_HUB_OFFLINE is set).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+# owner/name, as the Hub spells repo ids; a bare name is taken for a mistyped path.
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+# What mlx-lm loads and the tokenizer reads; not other formats' weights or the README.
+MODEL_FILES = ["*.json", "model*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+EXAMPLE = "mlx-community/Qwen3-0.6B-4bit"
+PROGRESS_SECONDS = 10.0
+
+
+class ModelNotFound(ValueError):
+    """`--model` names nothing servable; the message says what to pass instead."""
+
+
+class DownloadFailed(RuntimeError):
+    """The Hub could not be reached or refused the download; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path  # a directory with config.json
+    served_name: str | None  # None: the directory's name
+
+
+def resolve(model: str) -> ModelSource:
+    """The model directory `model` names; a local path that exists always wins."""
+    local = Path(model).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ModelNotFound(
+                f"{model} is not a model directory (no config.json); pass an mlx-lm model "
+                f"directory or a Hugging Face repo id such as {EXAMPLE}"
+            )
+        return ModelSource(local, None)
+    if not REPO_ID.fullmatch(model):
+        raise ModelNotFound(
+            f"{model} is not a model directory (no such path), nor a Hugging Face repo id "
+            f"(owner/name, such as {EXAMPLE})"
+        )
+    snapshot = _snapshot(model)
+    if not (snapshot / "config.json").is_file():
+        raise ModelNotFound(f"{model} has no config.json: it is not an mlx-lm model")
+    log.info("%s is in %s (give the router that directory as --model-path)", model, snapshot)
+    return ModelSource(snapshot, model.split("/")[1])
+
+
+def _snapshot(repo_id: str) -> Path:
+    """The cached snapshot of `repo_id`, downloaded first when the cache lacks it."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass  # not cached, or only partly
+    cache = constants.HF_HUB_CACHE
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFound(
+            f"{repo_id} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+            f"download it with `hf download {repo_id}` where the Hub can be reached (same "
+            "HF_HOME), unset HF_HUB_OFFLINE, or pass a local model directory"
+        )
+    log.info("downloading %s from the Hugging Face Hub into %s", repo_id, cache)
+    # The Hub's HTTP client logs every request at INFO; the progress lines say enough.
+    for client in ("httpx", "httpx2"):
+        logging.getLogger(client).setLevel(logging.WARNING)
+    started = time.monotonic()
+    try:
+        path = _on_daemon_thread(
+            snapshot_download, repo_id, allow_patterns=MODEL_FILES, tqdm_class=_LoggedProgress
+        )
+    except GatedRepoError:
+        raise ModelNotFound(
+            f"{repo_id} is gated: accept its terms on its Hub page and set HF_TOKEN"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelNotFound(
+            f"{repo_id} is not on the Hugging Face Hub, or it is private: check the id, "
+            "or set HF_TOKEN to a token that may read it"
+        ) from None
+    except OSError as exc:  # the Hub's HTTP errors and connection failures are OSErrors
+        raise DownloadFailed(f"cannot download {repo_id}: {exc}") from None
+    log.info("downloaded %s in %.0fs", repo_id, time.monotonic() - started)
+    return Path(path)
+
+
+def _on_daemon_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)`, called on a daemon thread. The main thread waits
+    in join(), which a signal interrupts: the process can then exit at once, where
+    waiting in the download itself would first join its worker threads."""
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = function(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=call, name="model-download", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+class _LoggedProgress(tqdm):
+    """The Hub's progress bars (files, bytes) as log lines: the first update, then
+    one line every PROGRESS_SECONDS across all bars; the end is logged by `_snapshot`."""
+
+    logged_at = -math.inf  # shared by the bars of the one download a process makes
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("name", None)  # the Hub's own bar class takes a name; tqdm does not
+        kwargs["file"] = io.StringIO()  # never drawn: display() logs instead
+        super().__init__(*args, **kwargs)
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        now = time.monotonic()
+        closing = self.disable  # close() disables a bar, then shows it a last time
+        if closing or not (self.total and self.n) or now - self.logged_at < PROGRESS_SECONDS:
+            return True
+        _LoggedProgress.logged_at = now
+        if self.unit == "B":
+            done = f"{self.format_sizeof(self.n, 'B')} of {self.format_sizeof(self.total, 'B')}"
+        else:  # the bar that counts files
+            done = f"{self.n:.0f} of {self.total:.0f} files"
+        log.info("download progress: %s (%.0f%%)", done, 100 * self.n / self.total)
+        return True

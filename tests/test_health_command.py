@@ -1,0 +1,67 @@
+"""`smg-mlx health`, the exec probe: exit 0 only while the worker reports SERVING,
+else 1 with a one-line reason on stderr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+from helpers import wait_until
+from test_security import self_signed
+
+from bench.workers import free_port
+
+
+def health(port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "health", "--port", str(port), "--timeout", "5", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+# A worker whose start-up never ends: its tokenizer never loads. (A FIFO for the
+# weights would block MLX's read with the GIL held, freezing the whole process.)
+NEVER_READY = """
+import sys, threading
+import smg_mlx.server
+smg_mlx.server.load_tokenizer = lambda model_dir: threading.Event().wait()
+from smg_mlx.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_exit_zero_only_while_serving(spawn, model_dir):
+    port = free_port()
+    command = [sys.executable, "-c", NEVER_READY, "serve", "--model", str(model_dir)]
+    loading = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.DEVNULL)
+    try:
+        serving = spawn("--model", str(model_dir))
+        serving.wait_serving()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(60)
+        probe = health(port)
+    finally:
+        loading.kill()
+        loading.wait()
+    assert (probe.returncode, probe.stdout) == (1, "")
+    assert probe.stderr == f"127.0.0.1:{port} reports NOT_SERVING\n"
+
+    probe = health(serving.port)
+    assert (probe.returncode, probe.stdout, probe.stderr) == (0, "SERVING\n", "")
+
+    assert serving.stop() == 0
+    probe = health(serving.port)
+    assert probe.returncode == 1
+    assert probe.stderr.startswith(f"cannot check 127.0.0.1:{serving.port}: UNAVAILABLE")
+    assert probe.stderr.count("\n") == 1
+
+
+def test_tls(spawn, model_dir, tmp_path):
+    cert, key, _ = self_signed(tmp_path)
+    p = spawn("--model", str(model_dir), "--tls-cert", str(cert), "--tls-key", str(key))
+    assert wait_until(lambda: health(p.port, "--tls-ca", str(cert)).returncode == 0, 60)
+    plaintext = health(p.port)
+    assert plaintext.returncode == 1 and plaintext.stderr.count("\n") == 1

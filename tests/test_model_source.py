@@ -1,0 +1,204 @@
+"""`--model` takes a Hugging Face repo id: served from the local cache, or
+downloaded into it. No test reaches the network: the cache is built here, and
+downloads come from a stand-in for the Hub on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from helpers import generate, prompt, wait_until
+
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.model_source import ModelNotFound, resolve
+
+REPO_ID = "org/tiny-llama"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(hf_home: Path, repo_id: str, model_dir: Path) -> Path:
+    """Lay `model_dir` out as Hugging Face's cache does; returns the snapshot directory."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot, blobs = repo / "snapshots" / COMMIT, repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    for f in model_dir.iterdir():
+        blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(f"../../blobs/{blob.name}")
+    return snapshot
+
+
+@pytest.fixture
+def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face home, offline; workers spawned by the test inherit it."""
+    home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    return home
+
+
+class FakeHub:
+    """The few Hub routes a snapshot download uses, serving one repo's files;
+    with `stall`, the weights never finish arriving."""
+
+    def __init__(self, model_dir: Path, stall: bool = False) -> None:
+        files = {f.name: f.read_bytes() for f in model_dir.iterdir()}
+        release = self.release = threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def send(self, body: bytes, headers: dict[str, str], head: bool) -> None:
+                self.send_response(200)
+                for key, value in {**headers, "Content-Length": str(len(body))}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                if head:
+                    return
+                if stall and body == files["model.safetensors"]:
+                    self.wfile.write(body[:1000])
+                    self.wfile.flush()
+                    release.wait()
+                    return
+                self.wfile.write(body)
+
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+                self.do_GET(head=True)
+
+            def do_GET(self, head: bool = False) -> None:  # noqa: N802 - http.server's name
+                path = self.path.split("?")[0]
+                if path == f"/api/models/{REPO_ID}/revision/main":
+                    body = {
+                        "id": REPO_ID,
+                        "sha": COMMIT,
+                        "siblings": [{"rfilename": n} for n in files],
+                    }
+                elif path.startswith(f"/api/models/{REPO_ID}/tree/"):
+                    body = [
+                        {
+                            "type": "file",
+                            "path": n,
+                            "size": len(b),
+                            "oid": hashlib.sha1(b).hexdigest(),
+                        }
+                        for n, b in files.items()
+                    ]
+                elif path.startswith(f"/{REPO_ID}/resolve/{COMMIT}/"):
+                    data = files[path.rsplit("/", 1)[1]]
+                    etag = f'"{hashlib.sha1(data).hexdigest()}"'
+                    return self.send(data, {"ETag": etag, "X-Repo-Commit": COMMIT}, head)
+                else:
+                    self.send_error(404)
+                    return
+                return self.send(
+                    json.dumps(body).encode(), {"Content-Type": "application/json"}, head
+                )
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """Start a FakeHub and point spawned workers at it, online."""
+    hubs: list[FakeHub] = []
+
+    def start(model_dir: Path, stall: bool = False) -> FakeHub:
+        hubs.append(FakeHub(model_dir, stall))
+        monkeypatch.setenv("HF_ENDPOINT", hubs[-1].url)
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        return hubs[-1]
+
+    yield start
+    for hub in hubs:
+        hub.close()
+
+
+def test_a_cached_repo_id_is_served_offline(spawn, model_dir, hf_home):
+    snapshot = hub_cache(hf_home, REPO_ID, model_dir)
+    p = spawn("--model", REPO_ID)
+    p.wait_serving()
+    info = p.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.served_model_name, info.model_path) == ("tiny-llama", str(snapshot))
+    assert len(generate(p.stub, prompt(8), max_tokens=2).tokens) == 2
+    # The router's --model-path needs a directory: the log names it.
+    assert f"{REPO_ID} is in {snapshot}" in p.log.read_text()
+
+
+def test_an_absent_repo_id_offline_says_what_to_do(hf_home):
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", "--model", "org/absent", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "org/absent is not in the Hugging Face cache" in done.stderr
+    assert "HF_HUB_OFFLINE is set" in done.stderr and "hf download org/absent" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_absent_repo_id_is_downloaded_with_progress_in_the_log(spawn, model_dir, fake_hub):
+    fake_hub(model_dir)
+    p = spawn("--model", REPO_ID)
+    p.wait_serving()
+    assert p.stub.GetModelInfo(pb.GetModelInfoRequest()).served_model_name == "tiny-llama"
+    log = p.log.read_text()
+    assert f"downloading {REPO_ID} from the Hugging Face Hub" in log
+    assert "download progress: " in log and f"downloaded {REPO_ID}" in log
+    assert "HTTP Request" not in log  # the HTTP client's line per request
+    assert "Traceback" not in log
+
+
+def test_a_signal_during_a_download_exits_zero_at_once(spawn, model_dir, fake_hub):
+    fake_hub(model_dir, stall=True)
+    p = spawn("--model", REPO_ID)
+    assert wait_until(lambda: "download progress" in p.log.read_text(), 60), p.log.read_text()
+    # The download's threads are stuck reading: the process must not wait for them.
+    assert p.stop(signal.SIGTERM, timeout=10) == 0
+
+
+def test_a_local_path_wins_over_a_repo_id(model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "tiny-llama").symlink_to(model_dir)
+    source = resolve(REPO_ID)
+    assert (source.path, source.served_name) == (Path(REPO_ID), None)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("empty-dir", "empty-dir is not a model directory (no config.json)"),
+        ("no/such/dir", "not a model directory (no such path), nor a Hugging Face repo id"),
+        ("typo", "not a model directory (no such path), nor a Hugging Face repo id"),
+    ],
+)
+def test_what_is_neither_says_so(name, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty-dir").mkdir()
+    with pytest.raises(ModelNotFound, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(name)

@@ -1,0 +1,137 @@
+"""The package works outside this checkout: a wheel built from a clean copy of the
+tree, installed into a fresh virtualenv, serves; without an MLX backend it says
+what to install.
+
+The fresh virtualenv installs from the wheelhouse `make install` fills
+(.venv/wheelhouse: the runtime dependencies and the build backend), so pip
+resolves the wheel's own requirements for real, offline."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from importlib.machinery import ModuleSpec
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers import generate, prompt, wait_until
+
+from bench.workers import free_port
+from smg_mlx import __version__, mlx_backend
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+from smg_mlx.health_check import probe
+
+REPO = Path(__file__).resolve().parent.parent
+WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
+BACKEND_EXTRAS = {"mlx-cpu": "cpu", "mlx-cuda-13": "cuda13"}
+
+
+def backend_extra() -> str | None:
+    """The extra that gave this environment its MLX backend (None on macOS)."""
+    for name, extra in BACKEND_EXTRAS.items():
+        try:
+            distribution(name)
+        except PackageNotFoundError:
+            continue
+        return extra
+    return None
+
+
+def pip(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", *args, "--no-index", "--find-links", str(WHEELHOUSE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def clean_copy(out: Path) -> Path:
+    """The files a clone would have: tracked ones, and new ones git does not ignore."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (REPO / name).is_file():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, out / name)
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="only Linux wheels of MLX lack a backend")
+def test_without_a_backend_library_the_message_names_the_extras(tmp_path, monkeypatch):
+    # An mlx package as `pip install smg-mlx` leaves it on Linux: bindings, no library.
+    spec = ModuleSpec("mlx", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(mlx_backend, "find_spec", lambda name: spec)
+    monkeypatch.setattr(mlx_backend, "_installed", lambda distribution: False)
+    assert mlx_backend.INSTALL_HINT in mlx_backend.missing_backend()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libmlx.so").touch()  # a source build carries its own
+    assert mlx_backend.missing_backend() is None
+
+
+def test_this_environment_has_a_backend():
+    assert mlx_backend.missing_backend() is None
+
+
+def test_a_wheel_from_a_clean_tree_installs_and_serves(tmp_path):
+    if not WHEELHOUSE.is_dir():
+        pytest.fail(f"no wheelhouse at {WHEELHOUSE}: run `make install`")
+    source = clean_copy(tmp_path / "src")
+    built = pip("wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source))
+    # setuptools warns of deprecated metadata (a license table) through pip.
+    assert "deprecat" not in built.lower() and "BuildBackendWarning" not in built, built
+    (wheel,) = (tmp_path / "dist").glob("smg_mlx-*.whl")
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python, smg_mlx = venv / "bin" / "python", venv / "bin" / "smg-mlx"
+    pip("--python", str(python), "install", "--no-compile", str(wheel))
+    version = subprocess.run([smg_mlx, "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.strip() == f"smg-mlx {__version__}"
+    tools = subprocess.run([python, "-c", "import grpc_tools"], capture_output=True)
+    assert tools.returncode != 0, "grpcio-tools is a runtime dependency again"
+
+    # Only what the venv holds: no PYTHONPATH, not this checkout as the working directory.
+    isolated = {"cwd": tmp_path, "env": {"PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": str(tmp_path)}}
+    extra = backend_extra()
+    if sys.platform == "linux":
+        # The bare wheel has no MLX backend on Linux.
+        bare = subprocess.run(
+            [smg_mlx, "serve", "--demo", "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            **isolated,
+        )
+        assert bare.returncode == 1
+        assert mlx_backend.INSTALL_HINT in bare.stderr and "Traceback" not in bare.stderr
+        pip("--python", str(python), "install", "--no-compile", f"{wheel}[{extra}]")
+
+    port, log = free_port(), tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [smg_mlx, "serve", "--demo", "--port", str(port)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        **isolated,
+    )
+    try:
+        assert wait_until(lambda: probe("127.0.0.1", port, 1) is None, 120), log.read_text()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
+            assert len(generate(stub, prompt(8), max_tokens=4).tokens) == 4
+        worker.terminate()
+        assert worker.wait(30) == 0, log.read_text()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert "Traceback" not in log.read_text()
