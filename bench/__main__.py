@@ -14,7 +14,7 @@ from bench.multiturn import SHORT_MULTITURN, MultiTurn, format_multiturn, run_mu
 from bench.runner import Options, progress, run_all
 from bench.workload import SHORT, Workload, parse_levels
 
-SYSTEMS = ("engine", "ours", "peer")
+SYSTEMS = ("engine", "ours", "peer", "2ranks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fewer requests per level (max(16, 2 x concurrency)), one round, a smaller "
         "multi-turn workload: a quick check that everything runs",
     )
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="subset of engine,ours,peer")
+    p.add_argument(
+        "--systems",
+        default="engine,ours,peer",
+        help="subset of engine,ours,peer,2ranks (2ranks: ours with the model split over two "
+        "ranks on this host, mlx.launch over loopback)",
+    )
     p.add_argument("--concurrency", default="1,4,16,64", help="levels, comma-separated")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=64)

@@ -30,8 +30,10 @@ def ratios(results: list[LevelResult]) -> list[dict]:
     table = _by(results)
     out = []
     for c in sorted({r.concurrency for r in results}):
-        ours, engine, peer = (table.get((s, c)) for s in ("ours", "engine", "peer"))
+        ours, engine, peer, two = (table.get((s, c)) for s in ("ours", "engine", "peer", "2ranks"))
         row: dict = {"concurrency": c}
+        if ours and two:
+            row["2ranks/ours tok/s"] = _div(two.tok_s, ours.tok_s)
         if ours and engine:
             row["ours/engine tok/s"] = _div(ours.tok_s, engine.tok_s)
         if ours and peer:
@@ -77,7 +79,9 @@ def format_table(results: list[LevelResult]) -> str:
 
 
 def format_ratios(rows: list[dict], checked: list[dict]) -> str:
-    names = [n for n, *_ in TARGETS if any(n in row for row in rows)]
+    names = [
+        n for n in (*(t[0] for t in TARGETS), "2ranks/ours tok/s") if any(n in row for row in rows)
+    ]
     if not names:
         return ""
     lines = [f"{'conc':>4}  " + "  ".join(f"{n:>18}" for n in names)]

@@ -13,7 +13,7 @@ from pathlib import Path
 from bench import peer
 from bench.grpc_client import run_closed_loop
 from bench.stats import LevelResult, RequestRecord, summarize
-from bench.workers import WorkerProcess, free_port, ours_command
+from bench.workers import WorkerProcess, free_port, ours_command, two_ranks_command
 from bench.workload import Level, Workload
 
 
@@ -57,6 +57,9 @@ def _worker_process(name: str, opts: Options, log: Path) -> tuple[WorkerProcess,
     port = free_port()
     if name == "ours":
         command = ours_command(opts.model_dir, port, opts.workload)
+        env, info = None, {}
+    elif name == "2ranks":
+        command = two_ranks_command(opts.model_dir, port, opts.workload)
         env, info = None, {}
     else:
         python = opts.peer_python or peer.ensure_peer_python(opts.work_dir / "peer-venv")

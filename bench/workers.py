@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -32,6 +33,16 @@ def ours_command(model_dir: Path, port: int, workload: Workload) -> list[str]:
         "--prefill-batch-size", str(workload.prefill_batch_size),
         "--prefill-step-size", str(workload.prefill_step_size),
         "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def two_ranks_command(model_dir: Path, port: int, workload: Workload) -> list[str]:
+    """Our worker with the model split over two ranks on this host (mlx.launch,
+    ring backend over loopback), tensor parallel."""
+    launch = Path(sys.executable).parent / "mlx.launch"
+    return [
+        str(launch), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+        *ours_command(model_dir, port, workload),
     ]  # fmt: skip
 
 
@@ -76,14 +87,23 @@ class WorkerProcess:
         raise RuntimeError(f"{self.name} not SERVING after {timeout_s:.0f}s; see {self.log_path}")
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (graceful: nothing is in flight by now), SIGKILL if it hangs."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+        """SIGTERM to its whole process group (a launcher's ranks too; graceful:
+        nothing is in flight by now), SIGKILL if any of them hangs."""
+        group = self.process.pid  # its own session: the group's id is its pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.process.poll()
             try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        self.process.wait()
         self._log.close()
         return self.process.returncode
 

@@ -17,6 +17,7 @@ from typing import NoReturn
 from smg_mlx import __version__, logs, mlx_backend, model_source
 from smg_mlx.config import EngineConfig, ServerConfig
 from smg_mlx.demo_model import ensure_demo_model
+from smg_mlx.engine.ranks import launched_rank
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -132,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         "in smaller chunks (default: 90%% of a GPU's memory, 75%% of the host's RAM on the CPU)",
     )
     serve.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="when a distributed launcher (mlx.launch) starts several ranks: split the "
+        "model's layers among them instead of each layer's weights (tensor parallel)",
+    )
+    serve.add_argument(
         "--stream-interval",
         type=_positive,
         default=server.stream_interval,
@@ -223,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' notice that PyTorch is absent (MLX needs none) is noise in a
     # worker's log; it is read when transformers is imported, here or in a child.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    logs.configure(args.log_level, args.log_format)
+    rank = launched_rank()
+    logs.configure(args.log_level, args.log_format, rank)
     log = logging.getLogger("smg_mlx")
     log.info("smg-mlx %s starting", __version__)
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -265,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_cache_bytes=args.prompt_cache_bytes,
             burst_window_seconds=args.burst_window_ms / 1000,
             memory_budget=args.memory_budget,
+            pipeline=args.pipeline,
         ),
         host=args.host,
         port=args.port,
@@ -276,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         tls_key=args.tls_key,
         metrics_port=args.metrics_port,
     )
+    if rank:  # another rank serves the clients; this one follows it
+        from smg_mlx import follower
+
+        exit_process(follower.run(config.engine, rank))
     from smg_mlx.server import run  # after logging is set up; pulls in grpc
 
     exit_process(asyncio.run(run(config)))

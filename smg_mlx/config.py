@@ -27,6 +27,9 @@ class EngineConfig:
     # Bytes (an int), a share of the device's memory (a float), or None for the
     # default share (engine.memory_probe); see `engine.memory`.
     memory_budget: int | float | None = None
+    # With several ranks (a distributed launcher started this process): split
+    # the model's layers among them instead of each layer's weights.
+    pipeline: bool = False
 
 
 @dataclass(frozen=True)

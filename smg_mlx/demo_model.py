@@ -36,7 +36,7 @@ _CORPUS = (
 
 
 # Model families write_model can write: mlx-lm module name -> HF architecture.
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def default_demo_dir() -> Path:
@@ -93,7 +93,8 @@ def write_model(
 ) -> Path:
     """Write a random-weight model directory that `mlx_lm.load` reads (uses MLX).
 
-    `family` is "llama" or "qwen3" (benchmarks use a Qwen3-shaped model on GPUs).
+    `family` is one of FAMILIES (benchmarks use a Qwen3-shaped model on GPUs; qwen2
+    splits as a pipeline over several ranks).
     `model_vocab_size` lets the model's vocabulary exceed the small trained
     tokenizer's, so embedding and output shapes match a real model's.
     """

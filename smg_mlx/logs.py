@@ -24,8 +24,10 @@ def _escaped(text: str) -> str:
 class TextFormatter(logging.Formatter):
     """One line per message; a traceback, written by the worker itself, follows it."""
 
-    def __init__(self) -> None:
-        super().__init__(TEXT_FORMAT)
+    def __init__(self, rank: int | None = None) -> None:
+        # A model split over several ranks: each line says which one wrote it.
+        where = "" if rank is None else f"rank {rank} "
+        super().__init__(TEXT_FORMAT.replace("%(name)s", where + "%(name)s"))
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         record.message = _escaped(record.message)
@@ -35,12 +37,17 @@ class TextFormatter(logging.Formatter):
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; a request line carries its fields as keys."""
 
+    def __init__(self, rank: int | None = None) -> None:
+        super().__init__()
+        self._rank = {} if rank is None else {"rank": rank}
+
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "time": self.formatTime(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
+            **self._rank,
         }
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
@@ -48,8 +55,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)  # escapes every control and non-ASCII character
 
 
-def configure(level: str, format_name: str) -> None:
-    """Send the worker's logs to stderr in the chosen format."""
+def configure(level: str, format_name: str, rank: int | None = None) -> None:
+    """Send the worker's logs to stderr in the chosen format; `rank`: which of
+    several processes serving one model this one is."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if format_name == "json" else TextFormatter())
+    formatter = JsonFormatter if format_name == "json" else TextFormatter
+    handler.setFormatter(formatter(rank))
     logging.basicConfig(level=level.upper(), handlers=[handler])

@@ -150,14 +150,22 @@ class Worker:
         await self._set_health(SERVING)
         self.serving = True
         log.info(
-            "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs",
+            "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs%s",
             info.served_model_name,
             info.context_length,
             info.vocab_size,
             self.config.host,
             self.port,
             time.perf_counter() - started,
+            self._ranks(),
         )
+
+    def _ranks(self) -> str:
+        ranks = self.engine.ranks
+        if ranks == 1:
+            return ""
+        split = "pipeline" if self.config.engine.pipeline else "tensor parallel"
+        return f", the model split over {ranks} ranks ({split})"
 
     def request_stop(self) -> None:
         """Begin a graceful shutdown; a second request skips what is left of the
@@ -195,10 +203,13 @@ class Worker:
                 await asyncio.sleep(0.05)
         await self.server.stop(1.0)
         self.engine.stop()
-        if not await asyncio.to_thread(self.engine.join, 30):
-            log.error("the engine thread did not stop within 30s")
-            return 1
         failed = self.engine.state is EngineState.FAILED
+        # A failed engine's thread may be stuck waiting for a hung rank: the
+        # process exits without it (os._exit) rather than wait.
+        wait = 2 if failed else 30
+        if not await asyncio.to_thread(self.engine.join, wait):
+            log.error("the engine thread did not stop within %ds", wait)
+            return 1
         log.info("stopped%s", " (the engine had failed)" if failed else "")
         return 1 if failed else 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -85,7 +86,9 @@ def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
 class Process:
     """`python -m smg_mlx serve` as a real subprocess."""
 
-    def __init__(self, tmp_path, *args: str, port: int | None = None) -> None:
+    def __init__(
+        self, tmp_path, *args: str, port: int | None = None, env: dict | None = None
+    ) -> None:
         self.port = port or free_port()
         # Unique even for a worker restarted on the port of an earlier one.
         self.log = tmp_path / f"worker-{self.port}-{time.monotonic_ns()}.log"
@@ -93,6 +96,7 @@ class Process:
             [sys.executable, "-m", "smg_mlx", "serve", "--port", str(self.port), *args],
             stdout=subprocess.DEVNULL,
             stderr=self.log.open("w"),
+            env=None if env is None else {**os.environ, **env},
         )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = mlx_engine_pb2_grpc.MlxEngineStub(self.channel)

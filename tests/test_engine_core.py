@@ -32,7 +32,7 @@ class Recorder:
         self.reports: queue.Queue[StepReport] = queue.Queue()
         self.ending: queue.Queue[str] = queue.Queue()
 
-    def started(self, memory) -> None:
+    def started(self, memory, ranks) -> None:
         self.ready.set()
 
     def step(self, report: StepReport) -> None:

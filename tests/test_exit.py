@@ -49,7 +49,7 @@ ENGINE_THEN_EXIT = textwrap.dedent(
 
     class Sink:
         ready = threading.Event()
-        def started(self, memory): self.ready.set()
+        def started(self, memory, ranks): self.ready.set()
         def step(self, report): pass
         def stopped(self): pass
         def failed(self, message): sys.exit(message)

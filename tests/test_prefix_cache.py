@@ -130,19 +130,25 @@ def test_longer_trimmable_entries_replace_their_prefixes():
     assert len(store) == 4
 
 
+def keep(store: PrefixCache, key: list[int]) -> None:
+    """Insert, then apply the byte budget, as the engine does each turn."""
+    store.insert(key, kv(key))
+    store.shrink(store.max_bytes)
+
+
 def test_byte_bound_and_lru_order():
     size = sum(c.nbytes for c in kv([1]))
     store = PrefixCache(3 * size)
     keys = [[i, i + 1, i + 2] for i in range(0, 50, 10)]
     for key in keys[:3]:
-        store.insert(key, kv(key))
+        keep(store, key)
     assert store.nbytes == 3 * size and len(store) == 3
     store.lookup(keys[0] + [99])  # keys[0] is now the most recently used
-    store.insert(keys[3], kv(keys[3]))
+    keep(store, keys[3])
     assert store.nbytes <= 3 * size
     present = [store.lookup(k + [99])[1] == 3 for k in keys[:4]]
     assert present == [True, False, True, True]  # keys[1] was least recently used
-    store.insert(keys[4], kv(keys[4]))
+    keep(store, keys[4])
     # The lookups above touched 0, 2, 3 in that order: 0 goes next.
     assert [store.lookup(k + [99])[1] for k in keys] == [0, 0, 3, 3, 3]
     assert store.nbytes == 3 * size
@@ -152,20 +158,20 @@ def test_a_match_below_the_minimum_is_a_miss_and_no_use():
     size = sum(c.nbytes for c in kv([1]))
     store = PrefixCache(2 * size)
     old, new = [1, 2, 3], [5, 6, 7]
-    store.insert(old, kv(old))
-    store.insert(new, kv(new))
+    keep(store, old)
+    keep(store, new)
     assert store.lookup([1, 2, 9], minimum=3) == (None, 0)
     assert store.lookup([1, 2, 9], minimum=2)[1] == 2
     store.lookup([5, 6, 9])  # `new` is used last: `old` goes first
     store.lookup([1, 9], minimum=2)  # too short: must not refresh `old`
-    store.insert([8, 9, 10], kv([8, 9, 10]))
+    keep(store, [8, 9, 10])
     assert store.lookup([1, 2, 3, 4])[1] == 0 and store.lookup([5, 6, 7, 4])[1] == 3
 
 
 def test_an_entry_larger_than_the_budget_is_not_kept():
     size = sum(c.nbytes for c in kv([1]))
     store = PrefixCache(size - 1)
-    store.insert([1, 2, 3], kv([1, 2, 3]))
+    keep(store, [1, 2, 3])
     assert len(store) == 0 and store.nbytes == 0
     assert store.lookup([1, 2, 3, 4]) == (None, 0)
 
@@ -180,13 +186,33 @@ def test_many_entries_keep_the_tree_consistent():
     store = PrefixCache(6 * size)
     for _ in range(300):
         key = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
-        store.insert(key, kv(key))
+        keep(store, key)
         assert store.nbytes <= 6 * size
         probe = [rng.randrange(4) for _ in range(rng.randrange(1, 14))]
         cache, n = store.lookup(probe)
         assert n < len(probe)
         if cache is not None:
             assert held(cache) == probe[:n]
+
+
+def test_a_replica_given_the_same_inserts_and_drops_holds_the_same():
+    # A follower rank's store, whose caches differ in size (its shard), drops
+    # what rank 0's store says to drop and so holds the same prefixes.
+    size = sum(c.nbytes for c in kv([1]))
+    leader, follower = PrefixCache(3 * size), PrefixCache(1 << 30)
+    keys = [[i, i + 1, i + 2, i + 3] for i in range(0, 60, 10)]
+    for key in keys:
+        leader.insert(key, kv(key))
+        follower.insert(key, kv(key, layers=1))
+        leader.lookup(keys[0] + [99])
+        follower.lookup(keys[0] + [99])
+        ids = leader.over(leader.max_bytes)
+        leader.drop(ids)
+        follower.drop(ids)
+    assert [leader.lookup(k + [99])[1] for k in keys] == [
+        follower.lookup(k + [99])[1] for k in keys
+    ]
+    assert len(leader) == len(follower) == 3
 
 
 # ---- through a worker ----

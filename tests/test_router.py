@@ -189,9 +189,9 @@ def test_router_sees_the_worker_healthy_only_when_ready(model_dir, tmp_path, mon
     release = threading.Event()
     load = Batch.__init__
 
-    def slow_load(self, config):
+    def slow_load(self, *args):
         release.wait(60)  # hold the engine in its loading phase
-        load(self, config)
+        load(self, *args)
 
     monkeypatch.setattr(Batch, "__init__", slow_load)
     port = free_port()

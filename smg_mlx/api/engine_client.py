@@ -45,6 +45,7 @@ class EngineClient:
         self.running = 0
         self.waiting = 0
         self.memory: Memory | None = None
+        self.ranks = 1  # processes serving the model together
         self.chunk_tokens = stream_interval
         self._jobs: dict[int, Job] = {}
         self._inbox = Inbox()
@@ -95,8 +96,9 @@ class EngineClient:
         """The most tokens (prompt and output) one request may have in memory."""
         return self.memory.longest_sequence if self.memory else 0
 
-    def started(self, memory: Memory) -> None:
+    def started(self, memory: Memory, ranks: int) -> None:
         self.memory = memory
+        self.ranks = ranks
         self.state = EngineState.READY
         if not self._ready.done():
             self._ready.set_result(None)
@@ -127,11 +129,11 @@ class EngineClient:
         self.failure = message
         if not self._ready.done():
             self._ready.set_exception(EngineUnavailable(message))
-        self._end_all(error=message)
+        self._end_all(error=message, engine_failed=True)
         for listener in self._failure_listeners:
             listener(message)
 
-    def _end_all(self, **how: str) -> None:
+    def _end_all(self, **how: str | bool) -> None:
         for job in self._jobs.values():
             job.end(**how)
         self._jobs.clear()

@@ -25,6 +25,8 @@ class Job:
     finish_reason: str | None = None
     error: str | None = None
     out_of_memory: bool = False  # the error: it did not fit in memory
+    engine_failed: bool = False  # the error: the engine failed, not this request
+    streamed: int = 0  # tokens sent to the client so far
     cached_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # `changed` is set once this many tokens are here, or the job ends; the
@@ -64,6 +66,13 @@ class Job:
         if self.done or len(self.tokens) >= self.wake_at:
             self.changed.set()
 
-    def end(self, *, finish_reason: str | None = None, error: str | None = None) -> None:
+    def end(
+        self,
+        *,
+        finish_reason: str | None = None,
+        error: str | None = None,
+        engine_failed: bool = False,
+    ) -> None:
         """End the job without the engine (it stopped or failed)."""
+        self.engine_failed = engine_failed
         self.apply(Event(self.key, finish_reason=finish_reason, error=error), time.monotonic())

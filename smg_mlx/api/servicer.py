@@ -103,10 +103,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             async for message in streaming.messages(job, request.stream, self._chunk_tokens):
                 yield message
             if job.error:
-                code = grpc.StatusCode.INTERNAL
-                if job.out_of_memory:
-                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                await context.abort(code, job.error)
+                await context.abort(self._error_code(job), job.error)
         finally:
             del self._jobs[request_id]
             if not job.done:  # the client left or its deadline passed
@@ -117,6 +114,16 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         """Tokenize off the event loop: megabytes of text take seconds."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text)
+
+    @staticmethod
+    def _error_code(job: Job) -> grpc.StatusCode:
+        if job.out_of_memory:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+        if job.engine_failed and not job.streamed:
+            # Nothing reached the client: another worker can serve it (the
+            # router retries UNAVAILABLE before the first message).
+            return grpc.StatusCode.UNAVAILABLE
+        return grpc.StatusCode.INTERNAL
 
     def _chunk_tokens(self) -> int:
         return self._engine.chunk_tokens

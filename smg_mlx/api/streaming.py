@@ -52,7 +52,7 @@ def chunk_tokens(minimum: int, running: int, step_seconds: float) -> int:
 class Receiver(Protocol):
     """The event-loop side of the engine (`EngineClient`); called on the loop."""
 
-    def started(self, memory: Memory) -> None: ...
+    def started(self, memory: Memory, ranks: int) -> None: ...
 
     def deliver(self, events: list[Event], reports: list[StepReport], chunk: int) -> None: ...
 
@@ -83,8 +83,8 @@ class StreamPublisher:
             self._post(self._receiver.deliver, events, self._held, self._chunk)
             self._held = []
 
-    def started(self, memory: Memory) -> None:
-        self._post(self._receiver.started, memory)
+    def started(self, memory: Memory, ranks: int) -> None:
+        self._post(self._receiver.started, memory, ranks)
 
     def step(self, report: StepReport) -> None:
         self._held.append(report)
@@ -128,6 +128,7 @@ async def messages(
             end = sent + 1 if alone else len(job.tokens)
             message, sent = responses.chunk(job, sent, end), end
             yield message
+            job.streamed = sent
             continue
         if job.finish_reason:
             yield responses.complete(job, streamed=stream)

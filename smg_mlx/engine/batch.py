@@ -15,8 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.utils import load_model
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine import memory_probe
@@ -52,6 +54,36 @@ class _Slot:
         return self.request.key
 
 
+def _load(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:
+    """The model, or this rank's part of it when a group of ranks serves it."""
+    if group is None:
+        return load(str(config.model_path))[0]
+    model, model_config = load_model(config.model_path, lazy=True, strict=False)
+    family = model_config.get("model_type", "this model")
+    if config.pipeline:
+        if not hasattr(getattr(model, "model", None), "pipeline"):
+            raise ValueError(
+                f"{family} cannot be split as a pipeline (mlx-lm has no pipeline() for it); "
+                "leave out --pipeline to split it tensor parallel"
+            )
+        model.model.pipeline(group)
+    else:
+        if not hasattr(model, "shard"):
+            raise ValueError(
+                f"{family} cannot be split tensor parallel (mlx-lm has no shard() for it); "
+                "try --pipeline"
+            )
+        model.shard(group)
+    mx.eval(model.parameters())
+    log.info(
+        "rank %d of %d holds its %s part of the model",
+        group.rank(),
+        group.size(),
+        "pipeline" if config.pipeline else "tensor-parallel",
+    )
+    return model
+
+
 def _stop_sequences(ids: frozenset[int]) -> StopSequences:
     return StopSequences([[t] for t in sorted(ids)])
 
@@ -59,10 +91,10 @@ def _stop_sequences(ids: frozenset[int]) -> StopSequences:
 class Batch:
     """The model and its BatchGenerator; each request is a slot keyed by its uid."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: mx.distributed.Group | None = None) -> None:
         started = time.perf_counter()
         self._config = config
-        self.model, self.tokenizer = load(str(config.model_path))
+        self.model = _load(config, group)
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.
         self._stream = mx.new_stream(mx.default_device())
@@ -77,7 +109,11 @@ class Batch:
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         )
         self._warm_up()
-        self.memory = memory_probe.measure(self.model, self._stream, config.prefill_step_size)
+        self.memory, per_token = memory_probe.measure(
+            self.model, self._stream, config.prefill_step_size
+        )
+        # The longest a step should take: a full chunk of prefill.
+        self.slowest_step = per_token * config.prefill_step_size
         mx.reset_peak_memory()
         log.info(
             "model %s loaded and warmed up in %.2fs on %s",
@@ -140,8 +176,17 @@ class Batch:
         """KV cache bytes the batch holds now."""
         return self._generator.prompt_cache_nbytes
 
-    def sequences(self) -> list[Sequence]:
-        """The admitted sequences, as the memory budget sees them."""
+    @property
+    def stream(self) -> mx.Stream:
+        return self._stream
+
+    def holds(self, key: int) -> bool:
+        return key in self._uids
+
+    def sequences(self, excluding: Iterable[int] = ()) -> list[Sequence]:
+        """The admitted sequences (but those with the keys `excluding`), as the
+        memory budget sees them."""
+        leaving = set(excluding)
         # A request put back after an error prefills what it had generated too.
         return [
             Sequence(
@@ -150,12 +195,20 @@ class Batch:
                 slot.prefilling,
             )
             for slot in self._slots.values()
+            if slot.key not in leaving
         ]
 
-    def shrink_prefix_cache(self, limit: int) -> None:
-        if self._prefixes is not None and self._prefixes.nbytes > limit:
-            self._prefixes.shrink(limit)
-            log.debug("prefix cache shrunk to %d bytes for running requests", limit)
+    def cached_over(self, limit: int) -> tuple[list[int], int]:
+        """The prompt-cache entries to drop to hold at most `limit` bytes, and
+        the bytes it holds then."""
+        if self._prefixes is None:
+            return [], 0
+        ids = self._prefixes.over(limit)
+        return ids, self._prefixes.nbytes - self._prefixes.size_of(ids)
+
+    def drop_cached(self, ids: Iterable[int]) -> None:
+        if self._prefixes is not None:
+            self._prefixes.drop(list(ids))
 
     def _start_from(self, prompt: tuple[int, ...]) -> tuple[list | None, int]:
         """The cache to start `prompt` from (None: a fresh one) and the tokens it holds."""
@@ -330,6 +383,7 @@ class Batch:
         """Release the generator and the model on this thread (see `EngineCore.run`)."""
         self._generator.close()
         self._generator = None
-        self.shrink_prefix_cache(0)  # its tree holds cycles: freed now, not at a collection
+        if self._prefixes is not None:  # its tree holds cycles: freed now, not at a collection
+            self._prefixes.shrink(0)
         self._prefixes = None
         self.model = None

@@ -1,35 +1,46 @@
-"""The engine loop: drain the inbox, admit, step, report. One thread runs it and owns MLX.
+"""The engine loop: drain the inbox, decide, apply, report. One thread runs it and owns MLX.
 
 `EngineCore.run()` loads the model, warms it up, then turns the loop until
 the inbox says stop or a step fails. It knows nothing of gRPC or asyncio: the
 worker runs it behind its gRPC front door, and anything else (a test, a
 follower rank) can run it with an `Inbox` and a `Sink` of its own.
 
-Requests wait in the core's waiting room until the memory budget has room
-for them (`engine.memory`); a step that still runs out of memory puts the
-batch back in the room instead of failing the engine.
+Each turn is decided, then applied. Deciding (aborts, which waiting requests
+the memory budget admits, the prefill chunk, which prompt-cache entries go,
+whether to stop) is rank 0's alone; applying it to the batch is every rank's.
+With one rank the two simply follow each other; with several (a model split
+over machines, `engine.lockstep`) rank 0 shares each decided turn before all
+apply it, so no follower ever decides anything.
+
+Requests wait in the waiting room until the memory budget has room for them
+(`engine.memory`); with one rank, a step that still runs out of memory puts
+the batch back in the room instead of failing the engine.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from dataclasses import astuple
 from typing import TYPE_CHECKING
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.bursts import BurstGatherer
 from smg_mlx.engine.handoff import Inbox, Sink
 from smg_mlx.engine.memory import (
+    MemoryModel,
     MemoryPlanner,
     WaitingRoom,
     is_out_of_memory,
     sequence,
     size,
 )
-from smg_mlx.engine.types import Event, Memory, Request, StepReport
+from smg_mlx.engine.types import Event, Memory, Request, StepReport, Turn
 
 if TYPE_CHECKING:
     from smg_mlx.engine.batch import Batch
+    from smg_mlx.engine.lockstep import Channel
 
 log = logging.getLogger(__name__)
 
@@ -44,29 +55,34 @@ class EngineCore:
         self.inbox = inbox
         self.sink = sink
         self._out_of_memory = 0  # steps that ran out of memory, all told
+        self._prefill = 0.0  # the working set estimated for the last prefill step
 
     def run(self) -> None:
         """Serve until stopped or failed; returns once the batch is released."""
         try:
             # MLX is first imported here, on the thread that will own it.
-            from smg_mlx.engine import memory_probe
+            from smg_mlx.engine import lockstep, memory_probe
             from smg_mlx.engine.batch import Batch
 
-            batch = Batch(self.config)
-            planner = MemoryPlanner(
-                batch.memory,
-                memory_probe.budget(self.config.memory_budget),
-                max_chunk=self.config.prefill_step_size,
-                prefill_rows=self.config.prefill_batch_size,
-            )
+            group = lockstep.group()
+            batch = Batch(self.config, group)
+            channel = lockstep.Channel(group, batch.stream) if group is not None else None
+            budget = memory_probe.budget(self.config.memory_budget)
+            planner = self._planner(batch.memory, budget, channel)
             self._check_budget(planner)
+            if channel is not None:
+                lockstep.same_random_state(channel)
         except BaseException as exc:  # noqa: BLE001 - reported; the caller decides what to do
             log.exception("engine failed to start")
             self.sink.failed(f"model load failed: {exc!r}")
             return
-        self.sink.started(self._memory(batch, planner, WaitingRoom(), 0.0))
+        ranks = channel.size if channel is not None else 1
         try:
-            self._serve(batch, planner)
+            if channel is not None and channel.rank > 0:
+                self._follow(batch, channel)
+            else:
+                self.sink.started(self._memory(batch, planner, WaitingRoom(), 0.0), ranks)
+                self._lead(batch, planner, channel)
         except BaseException as exc:  # noqa: BLE001 - reported; every request learns of it
             log.exception("engine failed")
             self.sink.failed(f"engine failure: {exc!r}; the worker must be restarted")
@@ -75,6 +91,20 @@ class EngineCore:
         finally:
             # Released here: MLX objects outliving their thread can abort the process at exit.
             batch.close()
+
+    def _planner(self, model: MemoryModel, budget: int, channel: Channel | None) -> MemoryPlanner:
+        """The budget planner; with several ranks, for the most constrained of them."""
+        if channel is not None:
+            models, budgets = zip(*channel.gather((model, budget)), strict=True)
+            each = [astuple(m) for m in models]
+            model = MemoryModel(*(max(values) for values in zip(*each, strict=True)))
+            budget = min(budgets)
+        return MemoryPlanner(
+            model,
+            budget,
+            max_chunk=self.config.prefill_step_size,
+            prefill_rows=self.config.prefill_batch_size,
+        )
 
     @staticmethod
     def _check_budget(planner: MemoryPlanner) -> None:
@@ -91,69 +121,93 @@ class EngineCore:
             longest,
         )
 
-    def _serve(self, batch: Batch, planner: MemoryPlanner) -> None:
+    # ---- rank 0 (or the only rank) ----
+
+    def _lead(self, batch: Batch, planner: MemoryPlanner, channel: Channel | None) -> None:
         inbox, sink = self.inbox, self.sink
         bursts = BurstGatherer(self.config.burst_window_seconds, self.config.prefill_batch_size)
         room = WaitingRoom()
+        watchdog = None
+        if channel is not None:
+            from smg_mlx.engine import lockstep
+
+            watchdog = lockstep.Watchdog(self._peer_hung, batch.slowest_step)
+            heartbeat = lockstep.HEARTBEAT_SECONDS
         failures = 0  # out-of-memory errors since the last good step
-        while not inbox.stopping:
+        while True:
             requests, aborts = inbox.take()
-            events: list[Event] = []
-            room.add(requests)
-            if aborts:
-                gone = [r.key for r in room.remove(aborts)]
-                batch.forget_resumed(gone)
-                events += [Event(key, finish_reason="abort") for key in gone]
-                events += batch.remove(aborts)
-            events += self._admit(batch, planner, room)
-            seconds, size, prefill = None, 0, 0.0
-            if batch.has_work:
-                sequences = batch.sequences()
-                chunk = planner.chunk(sequences, batch.prefix_cache_bytes)
-                prefill = planner.prefill_bytes(sequences, chunk)
-                started = time.perf_counter()
-                try:
-                    stepped = batch.step(chunk)
-                except Exception as exc:
-                    if not is_out_of_memory(exc) or failures >= MAX_OUT_OF_MEMORY_IN_A_ROW:
-                        raise
-                    failures += 1
-                    self._out_of_memory += 1
-                    events += self._put_back(batch, planner, room, exc)
-                else:
-                    failures = 0
-                    seconds = time.perf_counter() - started
-                    # Finished sequences' caches went to the prefix cache.
-                    batch.shrink_prefix_cache(planner.prefix_allowance(batch.sequences()))
-                    finished = sum(e.finish_reason is not None for e in stepped)
-                    size = batch.running + finished
-                    if finished:
-                        bursts.ended(finished)
-                    events += stepped
+            turn, events = self._decide(batch, planner, room, requests, aborts)
+            if watchdog is not None:
+                watchdog.turn_started()
+                turn = channel.share(turn)
+            seconds = None
+            try:
+                applied, seconds, rows, finished = self._apply(batch, turn)
+            except Exception as exc:
+                if channel is not None or not is_out_of_memory(exc):
+                    raise
+                failures += 1
+                if failures > MAX_OUT_OF_MEMORY_IN_A_ROW:
+                    raise
+                self._out_of_memory += 1
+                applied, rows, finished = self._put_back(batch, planner, room, exc), 0, 0
+            else:
+                failures = 0 if seconds is not None else failures
+            if watchdog is not None:
+                watchdog.turn_ended()
+            if finished:
+                bursts.ended(finished)
+            events += applied
             idle = not batch.has_work and not room
             if events or seconds is not None:
                 sink.step(
                     StepReport(
                         events=tuple(events),
                         step_seconds=seconds,
-                        batch_size=size,
+                        batch_size=rows,
                         running=batch.running,
                         waiting=batch.waiting,
-                        memory=self._memory(batch, planner, room, prefill),
+                        memory=self._memory(batch, planner, room, self._prefill),
                         idle=idle,
                     )
                 )
+            if turn.stop:
+                return
             if idle:
-                inbox.wait()
+                # With followers, an idle rank 0 still sends a turn now and then,
+                # so that they can tell it from a dead one.
+                inbox.wait(heartbeat if watchdog is not None else None)
                 bursts.gather(inbox)
 
-    def _admit(self, batch: Batch, planner: MemoryPlanner, room: WaitingRoom) -> list[Event]:
-        """Move requests from the waiting room into the batch while the budget
-        holds them at their longest, shrinking the prefix cache first; a request
-        that cannot fit even alone ends with an error."""
-        admitted: list[Request] = []
+    def _peer_hung(self, limit: float) -> None:
+        """From the watchdog's thread: the engine thread is stuck in a collective."""
+        self.sink.failed(
+            f"a rank did not answer within {limit:.0f}s (hung or unreachable); the worker "
+            "must be restarted with all its ranks"
+        )
+
+    def _decide(
+        self,
+        batch: Batch,
+        planner: MemoryPlanner,
+        room: WaitingRoom,
+        requests: list[Request],
+        aborts: set[int],
+    ) -> tuple[Turn, list[Event]]:
+        """This turn's changes to the batch, and events for requests that end
+        without reaching it (aborted or too big while waiting)."""
         events: list[Event] = []
-        sequences = batch.sequences()
+        room.add(requests)
+        remove: tuple[int, ...] = ()
+        if aborts:
+            gone = [r.key for r in room.remove(aborts)]
+            batch.forget_resumed(gone)
+            events += [Event(key, finish_reason="abort") for key in gone]
+            remove = tuple(k for k in aborts if batch.holds(k))
+        if self.inbox.stopping:
+            return Turn(batch.size, remove, stop=True), events
+        sequences = batch.sequences(excluding=remove)
+        admitted: list[Request] = []
         while (request := room.peek()) is not None:
             if len(sequences) >= self.config.completion_batch_size:
                 break
@@ -164,10 +218,12 @@ class EngineCore:
                 batch.forget_resumed([request.key])
                 events.append(self._too_big(request, planner))
                 continue
-            sequences = [*sequences, sequence(request)]
+            sequences.append(sequence(request))
             admitted.append(room.pop())
-        batch.shrink_prefix_cache(planner.prefix_allowance(sequences))
-        return events + batch.admit(admitted)
+        drop, cached = batch.cached_over(planner.prefix_allowance(sequences))
+        chunk = planner.chunk(sequences, cached) if sequences else None
+        self._prefill = planner.prefill_bytes(sequences, chunk or 0)
+        return Turn(batch.size, remove, tuple(drop), tuple(admitted), chunk), events
 
     @staticmethod
     def _too_big(request: Request, planner: MemoryPlanner) -> Event:
@@ -225,3 +281,46 @@ class EngineCore:
             queued=len(room),
             out_of_memory=self._out_of_memory,
         )
+
+    # ---- every rank ----
+
+    @staticmethod
+    def _apply(batch: Batch, turn: Turn) -> tuple[list[Event], float | None, int, int]:
+        """Apply a turn: its events, the step's seconds (None: no step), the
+        sequences it ran on, and how many finished."""
+        if batch.size != turn.size:
+            raise RuntimeError(
+                f"this rank's batch holds {batch.size} requests and rank 0's {turn.size}"
+            )
+        events = batch.remove(turn.remove)
+        batch.drop_cached(turn.drop_cached)
+        events += batch.admit(list(turn.admit))
+        if turn.chunk is None:
+            return events, None, 0, 0
+        started = time.perf_counter()
+        stepped = batch.step(turn.chunk)
+        seconds = time.perf_counter() - started
+        finished = sum(e.finish_reason is not None for e in stepped)
+        return events + stepped, seconds, batch.running + finished, finished
+
+    # ---- the other ranks ----
+
+    def _follow(self, batch: Batch, channel: Channel) -> None:
+        """Apply rank 0's turns until it says stop."""
+        from smg_mlx.engine import lockstep
+
+        def rank_0_hung(limit: float) -> None:
+            log.error("rank 0 sent nothing for %.0fs: hung or unreachable; exiting", limit)
+            os._exit(1)  # the engine thread is stuck in a collective: nothing else ends it
+
+        watchdog = lockstep.Watchdog(rank_0_hung, batch.slowest_step)
+        try:
+            while True:
+                watchdog.turn_started()
+                turn = channel.share()
+                self._apply(batch, turn)
+                watchdog.turn_ended()
+                if turn.stop:
+                    return
+        finally:
+            watchdog.close()

@@ -88,9 +88,9 @@ class Inbox:
 class Sink(Protocol):
     """Where the engine reports. Every method is called on the engine thread."""
 
-    def started(self, memory: Memory) -> None:
-        """The model is loaded and warmed up: requests can be served (of at most
-        `memory.longest_sequence` tokens each)."""
+    def started(self, memory: Memory, ranks: int) -> None:
+        """The model is loaded and warmed up on `ranks` processes: requests can be
+        served (of at most `memory.longest_sequence` tokens each)."""
 
     def step(self, report: StepReport) -> None:
         """One loop turn's events and the batch's state after it."""
@@ -101,4 +101,6 @@ class Sink(Protocol):
 
     def failed(self, message: str) -> None:
         """Loading or a step failed; the engine thread ends and takes no more work.
-        Requests it held are the caller's to end."""
+        Requests it held are the caller's to end. (With several ranks, a
+        watchdog thread calls it when the engine thread is stuck waiting for
+        a hung rank.)"""

@@ -114,9 +114,7 @@ class MemoryPlanner:
         """Bytes the sequences need, prefix cache aside, prefilling at `chunk`
         tokens (the smallest chunk by default)."""
         chunk = self.min_chunk if chunk is None else chunk
-        return (
-            self.model.weights + self.kv_bytes(sequences) + self.prefill_bytes(sequences, chunk)
-        )
+        return self.model.weights + self.kv_bytes(sequences) + self.prefill_bytes(sequences, chunk)
 
     # ---- decisions ----
 
@@ -135,9 +133,7 @@ class MemoryPlanner:
     def chunk(self, sequences: list[Sequence], prefix_bytes: int) -> int:
         """The largest prefill chunk (halving from the configured one) that fits."""
         chunk = self.max_chunk
-        while chunk > self.min_chunk and (
-            self.need(sequences, chunk) + prefix_bytes > self.budget
-        ):
+        while chunk > self.min_chunk and (self.need(sequences, chunk) + prefix_bytes > self.budget):
             chunk = max(self.min_chunk, chunk // 2)
         return chunk
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -64,8 +65,9 @@ def _peak_of_one_prompt(model, stream: mx.Stream, length: int, chunk: int) -> in
     return peak
 
 
-def measure(model, stream: mx.Stream, max_chunk: int) -> MemoryModel:  # noqa: ANN001
-    """The model's weights, KV bytes per token and prefill working set."""
+def measure(model, stream: mx.Stream, max_chunk: int) -> tuple[MemoryModel, float]:  # noqa: ANN001
+    """The model's weights, KV bytes per token and prefill working set; and the
+    seconds one prompt token took to prefill."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     cache = make_prompt_cache(model)
     with mx.stream(stream):
@@ -76,16 +78,18 @@ def measure(model, stream: mx.Stream, max_chunk: int) -> MemoryModel:  # noqa: A
     chunk = min(PROBE_CHUNK, max_chunk)
     # The working set of the last chunk, the cache aside, at two contexts.
     short, long = chunk, max(PROBE_CONTEXT, 2 * chunk)
+    started = time.perf_counter()
     spent = {
         n: _peak_of_one_prompt(model, stream, n, chunk) - n * kv_per_token for n in (short, long)
     }
+    per_token = (time.perf_counter() - started) / (short + long)
     per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))
-    per_token = max(0.0, spent[short] / chunk - per_context * short)
+    per_chunk_token = max(0.0, spent[short] / chunk - per_context * short)
     mx.clear_cache()
-    found = MemoryModel(weights, kv_per_token, per_token, per_context)
+    found = MemoryModel(weights, kv_per_token, per_chunk_token, per_context)
     log.info(
         "memory: weights %s, KV %s per token, prefill %s per chunk token and %s more per "
         "token of context",
-        size(weights), size(kv_per_token), size(per_token), size(per_context),
+        size(weights), size(kv_per_token), size(per_chunk_token), size(per_context),
     )  # fmt: skip
-    return found
+    return found, per_token

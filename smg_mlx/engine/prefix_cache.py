@@ -49,9 +49,10 @@ def _detached(layer: LayerCache) -> LayerCache:
 
 
 class _Entry:
-    __slots__ = ("node", "cache", "nbytes", "trimmable")
+    __slots__ = ("id", "node", "cache", "nbytes", "trimmable")
 
-    def __init__(self, node: _Node, cache: list[LayerCache]) -> None:
+    def __init__(self, id: int, node: _Node, cache: list[LayerCache]) -> None:
+        self.id = id  # the number of inserts before it: the same on every rank
         self.node = node
         self.cache = cache
         self.nbytes = sum(c.nbytes for c in cache)
@@ -89,6 +90,8 @@ class PrefixCache:
         self.nbytes = 0
         self._root = _Node((), None)
         self._lru: OrderedDict[_Entry, None] = OrderedDict()  # oldest first
+        self._entries: dict[int, _Entry] = {}
+        self._inserted = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -143,14 +146,19 @@ class PrefixCache:
     # ---- insert ----
 
     def insert(self, tokens: Sequence[int], cache: list[LayerCache]) -> None:
-        """Keep `cache`, which holds the keys and values of exactly `tokens`."""
+        """Keep `cache`, which holds the keys and values of exactly `tokens`.
+
+        What is kept is decided by the tokens alone, so every rank of a model
+        split over several keeps the same; the byte budget is applied apart
+        (`over`, `drop`), by the rank that decides."""
         if not tokens or not cache:
             return
         node = self._node_for(tuple(tokens))
-        entry = _Entry(node, cache)
+        self._inserted += 1
+        entry = _Entry(self._inserted, node, cache)
         longer = node.trimmable_below - (node.entry is not None and node.entry.trimmable)
-        # Too big, or redundant: a longer trimmable entry serves its prompts.
-        if entry.nbytes > self.max_bytes or (entry.trimmable and longer > 0):
+        # Redundant: a longer trimmable entry serves its prompts.
+        if entry.trimmable and longer > 0:
             self._prune(node)
             return
         # Materialize the lazy slices (they would keep the whole batch's arrays
@@ -161,6 +169,7 @@ class PrefixCache:
             self._drop(node.entry)  # a newer cache of the same tokens
         node.entry = entry
         self._lru[entry] = None
+        self._entries[entry.id] = entry
         self.nbytes += entry.nbytes
         if entry.trimmable:
             self._count_trimmable(node, 1)
@@ -172,12 +181,33 @@ class PrefixCache:
                 if ancestor.entry is not None:
                     self._remove(ancestor.entry)
                 ancestor = parent
-        self.shrink(self.max_bytes)
+
+    # ---- the byte budget ----
+
+    def over(self, limit: int) -> list[int]:
+        """The entries to drop to hold at most `limit` bytes (and `max_bytes`):
+        any larger than `max_bytes` alone, then the least recently used."""
+        limit = min(limit, self.max_bytes)
+        dropped = [e for e in self._lru if e.nbytes > self.max_bytes]
+        held = self.nbytes - sum(e.nbytes for e in dropped)
+        for entry in self._lru:
+            if held <= limit:
+                break
+            if entry.nbytes <= self.max_bytes:
+                dropped.append(entry)
+                held -= entry.nbytes
+        return [e.id for e in dropped]
+
+    def size_of(self, ids: Sequence[int]) -> int:
+        return sum(self._entries[id].nbytes for id in ids)
+
+    def drop(self, ids: Sequence[int]) -> None:
+        for id in ids:
+            self._remove(self._entries[id])
 
     def shrink(self, limit: int) -> None:
-        """Drop the least recently used entries until at most `limit` bytes are held."""
-        while self.nbytes > limit:
-            self._remove(next(iter(self._lru)))
+        """Hold at most `limit` bytes (and `max_bytes`)."""
+        self.drop(self.over(limit))
 
     def _node_for(self, key: tuple[int, ...]) -> _Node:
         """The node spelling `key`, created (splitting an edge) if need be."""
@@ -209,6 +239,7 @@ class PrefixCache:
     def _drop(self, entry: _Entry) -> None:
         """Forget `entry`, leaving its node in the tree."""
         del self._lru[entry]
+        del self._entries[entry.id]
         self.nbytes -= entry.nbytes
         entry.node.entry = None
         if entry.trimmable:

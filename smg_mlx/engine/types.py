@@ -113,3 +113,16 @@ class StepReport:
     waiting: int  # admitted sequences the batch has not started yet
     memory: Memory
     idle: bool  # nothing left to run: the engine sleeps until new work comes
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """What changes the batch in one turn of the engine loop, decided by rank 0
+    (the only rank, unless the model is split over several) and applied by all."""
+
+    size: int  # requests in the batch before the turn (a check that ranks agree)
+    remove: tuple[int, ...] = ()  # keys that leave the batch (aborted)
+    drop_cached: tuple[int, ...] = ()  # prompt-cache entries dropped for memory
+    admit: tuple[Request, ...] = ()  # requests that join the batch, in order
+    chunk: int | None = None  # prefill chunk of this turn's step; None: no step
+    stop: bool = False

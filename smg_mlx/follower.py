@@ -1,0 +1,54 @@
+"""A follower rank: the engine core alone, applying rank 0's turns, no gRPC server.
+
+When several ranks serve one model, rank 0 is the worker the router sees;
+every other rank runs this. It ends when rank 0 tells it to stop (exit 0), or
+when rank 0 dies or hangs (exit 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from smg_mlx.config import EngineConfig
+from smg_mlx.engine.core import EngineCore
+from smg_mlx.engine.handoff import Inbox
+from smg_mlx.engine.types import Memory, StepReport
+
+log = logging.getLogger(__name__)
+
+
+class _Outcome:
+    """A sink that only remembers how the engine ended."""
+
+    exit_code = 1
+
+    def started(self, memory: Memory, ranks: int) -> None:  # rank 0 only
+        pass
+
+    def step(self, report: StepReport) -> None:  # rank 0 only
+        pass
+
+    def stopped(self) -> None:
+        log.info("rank 0 stopped the worker")
+        self.exit_code = 0
+
+    def failed(self, message: str) -> None:
+        log.error("%s", message)
+        self.exit_code = 1
+
+
+def run(config: EngineConfig, rank: int) -> int:
+    """Follow rank 0 until it stops; returns the exit code."""
+
+    def ignore(signum: int, frame: object) -> None:
+        # Stopping a follower alone would fail every rank; rank 0 stops them all.
+        log.warning("signal %d ignored: stop rank 0, and it stops every rank", signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, ignore)
+    log.info("rank %d: serving %s with rank 0, which answers the clients", rank, config.model_path)
+    outcome = _Outcome()
+    # On this thread, which then owns MLX: nothing else here touches it.
+    EngineCore(config, Inbox(), outcome).run()
+    return outcome.exit_code

@@ -1,0 +1,275 @@
+"""One model served by two ranks over mx.distributed (ring backend, loopback, CPU):
+rank 0 answers gRPC, rank 1 follows it in lockstep; outputs equal one process's,
+and every fault ends in bounded time with the documented exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers import (
+    NOT_SERVING,
+    Process,
+    Router,
+    collect,
+    generate,
+    prompt,
+    request,
+    wait_until,
+)
+from test_metrics import scrape
+
+from bench.workers import free_port
+from smg_mlx.demo_model import build_model
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+RANKS = 2
+PROMPTS = [prompt(9 + 3 * i, i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parallel-models")
+    return {
+        family: build_model(root / family, ["--family", family])
+        for family in ("llama", "qwen3", "qwen2")
+    }
+
+
+class Ranks:
+    """Two `smg-mlx serve` processes started as mlx.launch starts them (MLX_RANK,
+    MLX_HOSTFILE), but each in our hands, to kill or stop one alone."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(RANKS)]))
+        port = free_port()
+        self.ranks = [
+            Process(
+                tmp_path, *args, port=port, env={"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}
+            )
+            for r in range(RANKS)
+        ]
+        self.leader = self.ranks[0]
+        self.stub = self.leader.stub
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
+@pytest.fixture
+def start_ranks(tmp_path):
+    started: list[Ranks] = []
+
+    def start(*args: str, serving: bool = True) -> Ranks:
+        started.append(Ranks(tmp_path, *args))
+        if serving:
+            started[-1].leader.wait_serving(120)
+        return started[-1]
+
+    yield start
+    for ranks in started:
+        ranks.close()
+
+
+def outputs(stub, **sampling) -> list[list[int]]:
+    """The eight prompts at once, greedy unless told otherwise."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(
+            pool.map(
+                lambda p: generate(stub, p, max_tokens=24, ignore_eos=True, **sampling).tokens,
+                PROMPTS,
+            )
+        )
+
+
+def one_process_outputs(start_worker, model: Path, **sampling) -> list[list[int]]:
+    worker = start_worker(model)
+    try:
+        return outputs(worker.stub, **sampling)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize(
+    ("family", "flags"),
+    [("llama", ()), ("qwen3", ()), ("qwen2", ("--pipeline",))],
+    ids=["llama tensor parallel", "qwen3 tensor parallel", "qwen2 pipeline"],
+)
+def test_two_ranks_give_one_process_output(start_ranks, start_worker, models, family, flags):
+    expected = one_process_outputs(start_worker, models[family])
+    # Random weights drawn too small repeat one token: equality would prove nothing.
+    assert all(len(set(tokens)) > 1 for tokens in expected)
+    assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS)
+    ranks = start_ranks("--model", str(models[family]), *flags)
+    assert outputs(ranks.stub) == expected
+    split = "pipeline" if flags else "tensor parallel"
+    assert f"the model split over 2 ranks ({split})" in ranks.leader.log.read_text()
+    assert "rank 1 " in ranks.ranks[1].log.read_text()
+
+
+def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process(
+    start_ranks, start_worker, models
+):
+    model = models["llama"]
+    seeded = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
+    single = start_worker(model)
+    expected_seeded = generate(single.stub, PROMPTS[0], max_tokens=24, **seeded).tokens
+    long_prompt = prompt(40, 3)
+    generate(single.stub, long_prompt, max_tokens=4)
+    expected_hit = generate(single.stub, long_prompt + [7, 8], max_tokens=12)
+    single.stop()
+
+    ranks = start_ranks("--model", str(model), "--metrics-port", str(metrics := free_port()))
+    stub = ranks.stub
+    # An abort mid-stream and a client that leaves, beside requests that go on.
+    aborted = stub.Generate(request(PROMPTS[1], request_id="ab", max_tokens=1500), timeout=60)
+    next(aborted)
+    cancelled = stub.Generate(request(PROMPTS[2], max_tokens=1500), timeout=60)
+    next(cancelled)
+    stub.Abort(pb.AbortRequest(request_ids=["ab"]))
+    cancelled.cancel()
+    assert collect(aborted).complete.finish_reason == "abort"
+    with pytest.raises(grpc.RpcError):
+        collect(cancelled)
+    # A seeded sampled request gives one process's tokens.
+    assert generate(stub, PROMPTS[0], max_tokens=24, **seeded).tokens == expected_seeded
+    # A prefix-cache hit, decided by rank 0, applied by both.
+    generate(stub, long_prompt, max_tokens=4)
+    hit = generate(stub, long_prompt + [7, 8], max_tokens=12)
+    assert hit.complete.cached_tokens == expected_hit.complete.cached_tokens > 0
+    assert hit.tokens == expected_hit.tokens
+    # A request that fails validation never reaches the ranks.
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, [5, 99999], max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def running() -> float:
+        return scrape(metrics)[("smg_mlx_running_requests", ())]
+
+    assert wait_until(lambda: running() == 0, 10)
+    # The batches agree: rank 1 checks its size against rank 0's every turn.
+    assert outputs(stub)[:1] and ranks.ranks[1].proc.poll() is None
+
+
+def test_a_model_that_cannot_be_split_so_is_refused_on_every_rank(start_ranks, models):
+    ranks = start_ranks("--model", str(models["llama"]), "--pipeline", serving=False)
+    assert [r.proc.wait(60) for r in ranks.ranks] == [1, 1]
+    for rank in ranks.ranks:
+        assert "llama cannot be split as a pipeline" in rank.log.read_text()
+
+
+def test_sigterm_to_rank_0_drains_then_stops_every_rank(start_ranks, models):
+    ranks = start_ranks("--model", str(models["llama"]), "--shutdown-grace-seconds", "30")
+    call = ranks.stub.Generate(request(PROMPTS[0], max_tokens=40, ignore_eos=True), timeout=60)
+    next(call)
+    ranks.leader.proc.send_signal(signal.SIGTERM)
+    assert collect(call).complete.finish_reason == "length"  # drained, not cut
+    assert [r.proc.wait(30) for r in ranks.ranks] == [0, 0]
+
+
+def test_kill_9_of_the_follower(start_ranks, models):
+    ranks = start_ranks("--model", str(models["llama"]), "--completion-batch-size", "1")
+    streaming = ranks.stub.Generate(
+        request(PROMPTS[0], max_tokens=1900, ignore_eos=True), timeout=60
+    )
+    next(streaming)
+    # Not streaming yet: waits for the one slot.
+    waiting = ranks.stub.Generate(request(PROMPTS[1], max_tokens=10), timeout=60)
+    outcome = {}
+    threading.Thread(target=lambda: outcome.update(w=_code(waiting)), daemon=True).start()
+    time.sleep(0.3)
+    killed_at = time.monotonic()
+    ranks.ranks[1].proc.kill()
+    assert _code(streaming) == grpc.StatusCode.INTERNAL
+    assert wait_until(lambda: "w" in outcome, 10)
+    assert outcome["w"] == grpc.StatusCode.UNAVAILABLE  # the router retries it elsewhere
+    assert ranks.leader.proc.wait(10) == 1
+    assert time.monotonic() - killed_at < 10
+
+
+def test_a_hung_follower(start_ranks, models):
+    ranks = start_ranks("--model", str(models["llama"]))
+    streaming = ranks.stub.Generate(
+        request(PROMPTS[0], max_tokens=1900, ignore_eos=True), timeout=60
+    )
+    next(streaming)
+    stopped_at = time.monotonic()
+    ranks.ranks[1].proc.send_signal(signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: ranks.leader.check() == NOT_SERVING, 10)
+        assert _code(streaming) == grpc.StatusCode.INTERNAL
+        assert ranks.leader.proc.wait(10) == 1
+        assert time.monotonic() - stopped_at < 10
+    finally:
+        ranks.ranks[1].proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"], ids=["kill -9", "SIGSTOP"])
+def test_rank_0_gone_ends_the_follower(start_ranks, models, how):
+    ranks = start_ranks("--model", str(models["llama"]))
+    gone_at = time.monotonic()
+    if how == "kill":
+        ranks.leader.proc.kill()
+    else:
+        ranks.leader.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert ranks.ranks[1].proc.wait(10) == 1
+        assert time.monotonic() - gone_at < 10
+    finally:
+        ranks.leader.proc.kill()
+
+
+def _code(call) -> grpc.StatusCode:
+    try:
+        collect(call)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+MLX_LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.skipif(MLX_LAUNCH is None, reason="mlx.launch comes with mlx")
+def test_mlx_launch_and_the_router_in_front(models, tmp_path):
+    """The README's command: mlx.launch -n 2 --backend ring -- smg-mlx serve ..."""
+    model = models["llama"]
+    port = free_port()
+    log = tmp_path / "launch.log"
+    launch = subprocess.Popen(
+        [MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()),
+         "--", str(Path(sys.executable).parent / "smg-mlx"), "serve", "--model", str(model),
+         "--port", str(port)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    router = None
+    try:
+        assert wait_until(lambda: "SERVING" in log.read_text(), 120), log.read_text()
+        router = Router([port], model, tmp_path / "router.log")
+        assert wait_until(lambda: router.worker_healthy() is True, 30)
+        reply = router.post(
+            "/v1/chat/completions",
+            {"model": model.name, "messages": [{"role": "user", "content": "Hi"}],
+             "max_tokens": 8, "temperature": 0},
+        )  # fmt: skip
+        assert reply["choices"][0]["finish_reason"] == "length"
+        assert reply["usage"]["completion_tokens"] == 8
+    finally:
+        if router is not None:
+            router.stop()
+        launch.send_signal(signal.SIGINT)
+        try:
+            launch.wait(30)
+        except subprocess.TimeoutExpired:
+            launch.kill()
