@@ -8,7 +8,9 @@ other threads in exactly two places, both here:
 - out, through a `Sink`: the engine thread calls it with immutable values
   (`StepReport`s of `Event`s) and state changes. What a sink does with them
   is its own business; the gRPC worker's sink forwards them to the event loop
-  (`api.streaming.StreamPublisher`), a test's may just keep them.
+  (`api.streaming.StreamPublisher`), a test's may just keep them. (One
+  exception: with a model split over several ranks, a watchdog thread reports
+  `failed` when the engine thread is stuck waiting for a hung rank.)
 
 Nothing else is shared: no MLX array, cache or model object ever leaves the
 engine thread.
