@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import NoReturn
 
 from smg_mlx import __version__, logs, mlx_backend, model_source
+from smg_mlx.api.streaming import MAX_CHUNK_SECONDS
 from smg_mlx.config import EngineConfig, ServerConfig
 from smg_mlx.demo_model import ensure_demo_model
 from smg_mlx.engine.ranks import launched_rank
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?", re.IGNORECASE)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
@@ -32,19 +33,21 @@ def byte_size(text: str) -> int:
             f"expected a size such as 4GiB, 512MB or a number of bytes, got {text!r}"
         )
     number, prefix, binary = match.groups()
+    prefix = (prefix or "").lower()
     decimal = prefix and not binary and text.strip().lower().endswith("b")
     base = 1000 if decimal else 1024
-    return int(float(number) * base ** _POWERS[prefix.lower()])
+    return int(float(number) * base ** _POWERS[prefix])
 
 
-def memory_budget(text: str) -> int | float:
-    """A size ("24GiB") or a share of the device's memory ("80%")."""
+def memory_budget(text: str) -> tuple[int | None, float | None]:
+    """(bytes, None) for a size ("24GiB"), (None, share) for a share of the
+    device's memory ("80%")."""
     if text.strip().endswith("%"):
         share = _number(float, 0, "a percentage such as 80%")(text.strip()[:-1]) / 100
         if not 0 < share <= 1:
             raise argparse.ArgumentTypeError(f"expected a percentage up to 100%, got {text!r}")
-        return share
-    return byte_size(text)
+        return None, share
+    return byte_size(text), None
 
 
 def _number(kind: type, low: float, what: str) -> Callable[[str], int | float]:
@@ -122,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="memory for KV caches of finished requests, reused by later requests that "
         "share a prompt prefix; least recently used go first; 0 disables; units such as "
-        "4GiB or 512MB (default: 2GiB)",
+        f"4GiB or 512MB (default: {engine.prompt_cache_bytes >> 30}GiB)",
     )
     serve.add_argument(
         "--memory-budget",
@@ -143,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=server.stream_interval,
         help="tokens per stream message at light load; chunks grow under load, never "
-        "holding a token more than ~100 ms; the first token and the end go at once; "
-        "1 sends every token alone (%(default)s)",
+        f"holding a token more than ~{MAX_CHUNK_SECONDS * 1000:.0f} ms; the first token and the "
+        "end go at once; 1 sends every token alone (%(default)s)",
     )
     serve.add_argument(
         "--burst-window-ms",
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s", exc)
             return 1
         except SystemExit as stop:  # a signal mid-download: do not wait for its threads
-            exit_process(stop.code)
+            exit_process(stop.code if isinstance(stop.code, int) else 1)
         model_path, served_model_name = source.path, served_model_name or source.served_name
     if args.demo:
         log.warning(
@@ -264,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             "Serve a real model with: smg-mlx serve --model /path/to/mlx-model"
         )
         model_path = ensure_demo_model()
+    budget_bytes, budget_share = args.memory_budget or (None, None)
     config = ServerConfig(
         engine=EngineConfig(
             model_path=model_path,
@@ -272,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             prefill_step_size=args.prefill_step_size,
             prompt_cache_bytes=args.prompt_cache_bytes,
             burst_window_seconds=args.burst_window_ms / 1000,
-            memory_budget=args.memory_budget,
+            memory_budget_bytes=budget_bytes,
+            memory_budget_share=budget_share,
             pipeline=args.pipeline,
         ),
         host=args.host,

@@ -24,9 +24,10 @@ class EngineConfig:
     # An idle engine waits this long after each new request for more, to start
     # a burst as one group (0: never waits); see `engine.bursts`.
     burst_window_seconds: float = 0.005
-    # Bytes (an int), a share of the device's memory (a float), or None for the
-    # default share (engine.memory_probe); see `engine.memory`.
-    memory_budget: int | float | None = None
+    # The memory budget (see `engine.memory`): bytes, or else a share of the
+    # device's memory; neither set: the default share (engine.memory_probe).
+    memory_budget_bytes: int | None = None
+    memory_budget_share: float | None = None
     # With several ranks (a distributed launcher started this process): split
     # the model's layers among them instead of each layer's weights.
     pipeline: bool = False

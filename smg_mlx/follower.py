@@ -23,8 +23,11 @@ class _Outcome:
 
     exit_code = 1
 
-    def started(self, memory: Memory, ranks: int) -> None:  # rank 0 only
-        pass
+    def started(self, memory: Memory, ranks: int) -> None:
+        # Once following, stopping this rank alone would fail every rank: rank 0
+        # stops them all. (Until then a signal ends it, as a stuck start-up may need.)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _ignore)
 
     def step(self, report: StepReport) -> None:  # rank 0 only
         pass
@@ -38,15 +41,12 @@ class _Outcome:
         self.exit_code = 1
 
 
+def _ignore(signum: int, frame: object) -> None:
+    log.warning("signal %d ignored: stop rank 0, and it stops every rank", signum)
+
+
 def run(config: EngineConfig, rank: int) -> int:
     """Follow rank 0 until it stops; returns the exit code."""
-
-    def ignore(signum: int, frame: object) -> None:
-        # Stopping a follower alone would fail every rank; rank 0 stops them all.
-        log.warning("signal %d ignored: stop rank 0, and it stops every rank", signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, ignore)
     log.info("rank %d: serving %s with rank 0, which answers the clients", rank, config.model_path)
     outcome = _Outcome()
     # On this thread, which then owns MLX: nothing else here touches it.

@@ -74,6 +74,24 @@ def prompt(length: int, offset: int = 0) -> list[int]:
     return [10 + (offset * 7 + i * 13) % 300 for i in range(length)]
 
 
+def rss_mb(pid: int | None = None) -> float:
+    """A process's resident memory in MiB (this one's by default)."""
+    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid or os.getpid())], capture_output=True)
+    return int(out.stdout) / 1024
+
+
+def model_copy(model_dir: Path, out: Path, *, leave_out: str = "", **config) -> Path:
+    """`model_dir` linked file by file into `out`, with `config` merged into its
+    config.json and the file named `leave_out` left for the caller to add."""
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name not in (leave_out, "config.json"):
+            (out / f.name).symlink_to(f)
+    merged = {**json.loads((model_dir / "config.json").read_text()), **config}
+    (out / "config.json").write_text(json.dumps(merged))
+    return out
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

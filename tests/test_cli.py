@@ -89,13 +89,15 @@ def test_help_says_each_default_once(capsys):
 )  # fmt: skip
 def test_sizes_take_units(text, expected):
     assert byte_size(text) == expected
-    assert build_parser().parse_args(["serve", "--demo", "--prompt-cache-bytes", text])
+    args = build_parser().parse_args(["serve", "--demo", "--prompt-cache-bytes", text])
+    assert args.prompt_cache_bytes == expected
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--prompt-cache-bytes", "lots"], "expected a size such as 4GiB"),
+        (["--prompt-cache-bytes", "4i"], "expected a size such as 4GiB"),
         (["--max-pending", "-1"], "expected a whole number, 0 or more, got '-1'"),
         (["--completion-batch-size", "x"], "expected a whole number of at least 1, got 'x'"),
     ],

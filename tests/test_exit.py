@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import NOT_SERVING, generate, prompt, wait_until
+from helpers import NOT_SERVING, generate, model_copy, prompt, wait_until
 
 from bench.workers import free_port
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -85,11 +85,7 @@ def test_the_engine_thread_never_spoils_the_exit_code(model_dir):
 def loading_model(model_dir, tmp_path):
     """A model that never finishes loading: reading its tokenizer config blocks
     (a FIFO no one writes), in a thread that lets the event loop run."""
-    stuck = tmp_path / "stuck-model"
-    stuck.mkdir()
-    for f in model_dir.iterdir():
-        if f.name != "tokenizer_config.json":
-            (stuck / f.name).symlink_to(f)
+    stuck = model_copy(model_dir, tmp_path / "stuck-model", leave_out="tokenizer_config.json")
     os.mkfifo(stuck / "tokenizer_config.json")
     return stuck
 

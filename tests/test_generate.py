@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import generate, prompt, request
 
-from smg_mlx.api.streaming import chunk_tokens
+from smg_mlx.api.streaming import tokens_per_message
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 
@@ -195,10 +195,10 @@ def test_chunks_grow_under_load_unless_every_token_was_asked_for(start_worker, m
 
 
 def test_chunk_size_keeps_to_a_message_budget_but_tokens_wait_at_most_100_ms():
-    assert chunk_tokens(2, running=1, step_seconds=0.01) == 2  # 100 messages/s
-    assert chunk_tokens(2, running=1, step_seconds=0.001) == 4  # 250 messages/s
-    assert chunk_tokens(2, running=16, step_seconds=0.003) == 18  # 296 messages/s
-    assert chunk_tokens(2, running=64, step_seconds=0.015) == 6  # 15 would be 225 ms
-    assert chunk_tokens(2, running=64, step_seconds=0.04) == 2  # 3 steps would be 120 ms
-    assert chunk_tokens(3, running=64, step_seconds=0.5) == 3  # never below the flag
-    assert chunk_tokens(1, running=64, step_seconds=0.001) == 1
+    assert tokens_per_message(2, running=1, step_seconds=0.01) == 2  # 100 messages/s
+    assert tokens_per_message(2, running=1, step_seconds=0.001) == 4  # 250 messages/s
+    assert tokens_per_message(2, running=16, step_seconds=0.003) == 18  # 296 messages/s
+    assert tokens_per_message(2, running=64, step_seconds=0.015) == 6  # 15 would be 225 ms
+    assert tokens_per_message(2, running=64, step_seconds=0.04) == 2  # 3 steps would be 120 ms
+    assert tokens_per_message(3, running=64, step_seconds=0.5) == 3  # never below the flag
+    assert tokens_per_message(1, running=64, step_seconds=0.001) == 1

@@ -14,7 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import NOT_SERVING, SERVING, collect, generate, prompt, request, wait_until
+from helpers import (
+    NOT_SERVING,
+    SERVING,
+    collect,
+    generate,
+    model_copy,
+    prompt,
+    request,
+    wait_until,
+)
 
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -196,13 +205,7 @@ def test_tokenizer_zip_with_checksum(worker, model_dir):
 def test_a_model_config_that_cannot_be_served_is_refused_at_start(
     spawn, model_dir, tmp_path, changes, message
 ):
-    broken = tmp_path / "absurd-model"
-    broken.mkdir()
-    for f in model_dir.iterdir():
-        (broken / f.name).symlink_to(f)
-    (broken / "config.json").unlink()
-    config = json.loads((model_dir / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**config, **changes}))
+    broken = model_copy(model_dir, tmp_path / "absurd-model", **changes)
     p = spawn("--model", str(broken))
     assert p.proc.wait(60) == 1
     assert message in p.log.read_text()
@@ -211,14 +214,13 @@ def test_a_model_config_that_cannot_be_served_is_refused_at_start(
 def test_a_huge_context_or_odd_token_ids_are_reported_within_range(
     start_worker, model_dir, tmp_path
 ):
-    odd = tmp_path / "odd-model"
-    odd.mkdir()
-    for f in model_dir.iterdir():
-        (odd / f.name).symlink_to(f)
-    (odd / "config.json").unlink()
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(max_position_embeddings=2**40, pad_token_id=-1, eos_token_id=[2, 10**12])
-    (odd / "config.json").write_text(json.dumps(config))
+    odd = model_copy(
+        model_dir,
+        tmp_path / "odd-model",
+        max_position_embeddings=2**40,
+        pad_token_id=-1,
+        eos_token_id=[2, 10**12],
+    )
     w = start_worker(odd)
     info = w.stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.max_context_length == 2**32 - 1 and info.pad_token_id == 0

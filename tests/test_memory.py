@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import SERVING, generate, prompt, request, wait_until
 from mlx_lm.generate import BatchGenerator
 
-from smg_mlx.engine.memory import MemoryModel, MemoryPlanner, Sequence, is_out_of_memory
+from smg_mlx.engine.memory import Cost, MemoryModel, MemoryPlanner, is_out_of_memory
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 MIB = 2**20
@@ -32,54 +32,54 @@ def planner(budget_mib: int, **options) -> MemoryPlanner:
 
 def test_the_batch_cache_costs_its_longest_row_for_every_row():
     p = planner(1000)
-    long_and_short = p.kv_bytes([Sequence(10, 10_000, False), Sequence(10, 100, False)])
-    two_long = p.kv_bytes([Sequence(10, 10_000, False), Sequence(10, 10_000, False)])
-    assert long_and_short == two_long > 2 * p.kv_bytes([Sequence(10, 10_000, False)]) * 0.99
+    long_and_short = p.kv_bytes([Cost(10, 10_000, False), Cost(10, 100, False)])
+    two_long = p.kv_bytes([Cost(10, 10_000, False), Cost(10, 10_000, False)])
+    assert long_and_short == two_long > 2 * p.kv_bytes([Cost(10, 10_000, False)]) * 0.99
 
 
 def test_a_request_waits_when_the_batch_with_it_would_not_fit():
     p = planner(180)
-    running = [Sequence(1000, 20_000, False)]
+    running = [Cost(1000, 20_000, False)]
     assert p.fits(running)
-    assert not p.fits([*running, Sequence(1000, 20_000, True)])
+    assert not p.fits([*running, Cost(1000, 20_000, True)])
     # A short one too: beside a long row it costs a long row.
-    assert not p.fits([*running, Sequence(100, 200, True)])
-    assert p.fits([Sequence(100, 200, False), Sequence(100, 200, True)])
+    assert not p.fits([*running, Cost(100, 200, True)])
+    assert p.fits([Cost(100, 200, False), Cost(100, 200, True)])
 
 
 def test_long_prompts_prefill_in_smaller_chunks_and_alone():
     p = planner(400)
-    long = Sequence(40_000, 40_100, True)
+    long = Cost(40_000, 40_100, True)
     assert p.chunk([long], 0) < 2048
     assert p.fits([long])
-    assert not p.fits([long, Sequence(40_000, 40_100, True)])  # two at once do not
-    assert p.chunk([Sequence(100, 200, True)], 0) == 2048
+    assert not p.fits([long, Cost(40_000, 40_100, True)])  # two at once do not
+    assert p.chunk([Cost(100, 200, True)], 0) == 2048
 
 
 def test_a_long_prompt_waits_for_the_one_prefilling_rather_than_shrink_its_chunks():
     p = planner(600)
-    first = Sequence(40_000, 40_100, True)
+    first = Cost(40_000, 40_100, True)
     assert p.joins([], first)
-    assert p.fits([first, Sequence(40_000, 40_100, True)])  # there is room for both...
-    assert not p.joins([first], Sequence(40_000, 40_100, True))  # ...at small chunks only
-    decoding = Sequence(40_000, 40_100, False)
-    assert p.joins([decoding], Sequence(40_000, 40_100, True))
-    assert planner(2000).joins([first], Sequence(40_000, 40_100, True))
+    assert p.fits([first, Cost(40_000, 40_100, True)])  # there is room for both...
+    assert not p.joins([first], Cost(40_000, 40_100, True))  # ...at small chunks only
+    decoding = Cost(40_000, 40_100, False)
+    assert p.joins([decoding], Cost(40_000, 40_100, True))
+    assert planner(2000).joins([first], Cost(40_000, 40_100, True))
 
 
 def test_the_prefix_cache_gives_way_before_work_waits():
     p = planner(200)
-    running = [Sequence(1000, 20_000, False)]
+    running = [Cost(1000, 20_000, False)]
     allowance = p.prefix_allowance(running)
     assert 0 < allowance < 100 * MIB
-    assert p.prefix_allowance([*running, Sequence(1000, 20_000, False)]) < allowance
+    assert p.prefix_allowance([*running, Cost(1000, 20_000, False)]) < allowance
 
 
-def test_the_longest_sequence_fits_alone_and_one_more_token_does_not():
+def test_the_longest_sequence_fits_alone_and_a_little_more_does_not():
     p = planner(300)
     longest = p.longest_sequence
-    assert p.fits([Sequence(longest, longest, True)])
-    assert not p.fits([Sequence(longest + 300, longest + 300, True)])
+    assert p.fits([Cost(longest, longest, True)])
+    assert not p.fits([Cost(longest + 300, longest + 300, True)])
 
 
 def test_an_out_of_memory_error_raises_the_estimates():
@@ -131,14 +131,14 @@ def test_a_small_budget_queues_requests_and_changes_no_output(
     start_worker, model_dir, unbounded_outputs
 ):
     budget = small_budget(unbounded_outputs)
-    w = start_worker(model_dir, memory_budget=budget)
+    w = start_worker(model_dir, memory_budget_bytes=budget)
     engine = w.worker.engine
     seen: list[tuple[int, int]] = []
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            seen.append((engine.memory.queued, engine.memory.peak))
+            seen.append((engine.memory.waiting_for_memory, engine.memory.peak))
             time.sleep(0.002)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -158,7 +158,7 @@ def test_a_small_budget_queues_requests_and_changes_no_output(
 
 
 def test_a_prompt_that_can_never_fit_is_refused_at_once(start_worker, model_dir, unbounded_outputs):
-    w = start_worker(model_dir, memory_budget=small_budget(unbounded_outputs))
+    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_outputs))
     longest = w.worker.engine.longest_sequence
     assert 100 < longest < 2000
     with pytest.raises(grpc.RpcError) as err:
@@ -217,7 +217,7 @@ def test_an_out_of_memory_step_is_contained(
     # Every stream went on where it was, token for token as if nothing happened.
     assert tokens == unbounded_outputs[1][:4]
     assert health.Check(health_pb2.HealthCheckRequest()).status == SERVING
-    assert w.worker.engine.memory.out_of_memory == 1
+    assert w.worker.engine.memory.out_of_memory_steps == 1
     assert len(generate(w.stub, prompt(5), max_tokens=3).tokens) == 3
 
 

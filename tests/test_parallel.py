@@ -125,6 +125,7 @@ def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process(
     seeded = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
     single = start_worker(model)
     expected_seeded = generate(single.stub, PROMPTS[0], max_tokens=24, **seeded).tokens
+    expected_plain = generate(single.stub, PROMPTS[3], max_tokens=24, ignore_eos=True).tokens
     long_prompt = prompt(40, 3)
     generate(single.stub, long_prompt, max_tokens=4)
     expected_hit = generate(single.stub, long_prompt + [7, 8], max_tokens=12)
@@ -158,8 +159,10 @@ def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process(
         return scrape(metrics)[("smg_mlx_running_requests", ())]
 
     assert wait_until(lambda: running() == 0, 10)
-    # The batches agree: rank 1 checks its size against rank 0's every turn.
-    assert outputs(stub)[:1] and ranks.ranks[1].proc.poll() is None
+    # The batches agree (rank 1 checks its size against rank 0's every turn), and
+    # the ranks still give one process's output.
+    assert generate(stub, PROMPTS[3], max_tokens=24, ignore_eos=True).tokens == expected_plain
+    assert ranks.ranks[1].proc.poll() is None
 
 
 def test_a_model_that_cannot_be_split_so_is_refused_on_every_rank(start_ranks, models):

@@ -6,26 +6,14 @@ from __future__ import annotations
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import pytest
-from helpers import generate, prompt
+from helpers import generate, prompt, rss_mb
 
 # More with SOAK_SETTINGS_REQUESTS (make soak runs 5000).
 REQUESTS = int(os.environ.get("SOAK_SETTINGS_REQUESTS", "300"))
 # Enough to fill every bounded cache of settings before the first reading.
 WARM_UP = 300
 ALLOWED_GROWTH_MB = 10
-
-pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
 
 def distinct_settings(i: int) -> dict:
     """Settings no other request shares: every value drawn anew."""

@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import subprocess
 import time
 
 import grpc
 import pytest
-from helpers import generate, prompt, request, wait_until
+from helpers import generate, prompt, request, rss_mb, wait_until
 
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
@@ -23,12 +22,6 @@ CANCEL_SHARE = 0.2
 # The prefix cache keeps finished requests' KV caches up to this bound: memory
 # that grows by design, so the leak check allows for it.
 PROMPT_CACHE_BYTES = 128 * 1024 * 1024
-
-
-def rss_mb() -> float:
-    """This process's resident memory (worker and client live in it)."""
-    out = subprocess.run(["ps", "-o", "rss=", "-p", str(os.getpid())], capture_output=True)
-    return int(out.stdout) / 1024
 
 
 async def soak(port: int, rss_after_warmup: list[float]) -> dict[str, int]:

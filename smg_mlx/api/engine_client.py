@@ -13,7 +13,7 @@ from smg_mlx.api.streaming import StreamPublisher
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.types import Event, Memory, StepReport
+from smg_mlx.engine.types import Memory, StepReport
 
 
 class EngineState(enum.Enum):
@@ -46,7 +46,7 @@ class EngineClient:
         self.waiting = 0
         self.memory: Memory | None = None
         self.ranks = 1  # processes serving the model together
-        self.chunk_tokens = stream_interval
+        self.tokens_per_message = stream_interval
         self._jobs: dict[int, Job] = {}
         self._inbox = Inbox()
         self._stopping = False
@@ -103,9 +103,16 @@ class EngineClient:
         if not self._ready.done():
             self._ready.set_result(None)
 
-    def deliver(self, events: list[Event], reports: list[StepReport], chunk: int) -> None:
+    @property
+    def _ended(self) -> bool:
+        # A watchdog's failure can come before the engine thread's last reports.
+        return self.state in (EngineState.FAILED, EngineState.STOPPED)
+
+    def deliver(self, reports: list[StepReport], per_message: int) -> None:
+        if self._ended:
+            return
         now = time.monotonic()
-        for event in events:
+        for event in (event for report in reports for event in report.events):
             job = self._jobs.get(event.key)
             if job is not None:
                 job.apply(event, now)
@@ -118,13 +125,17 @@ class EngineClient:
         self.running = reports[-1].running
         self.waiting = reports[-1].waiting
         self.memory = reports[-1].memory
-        self.chunk_tokens = chunk
+        self.tokens_per_message = per_message
 
     def stopped(self) -> None:
+        if self._ended:
+            return
         self.state = EngineState.STOPPED
         self._end_all(finish_reason="abort")
 
     def failed(self, message: str) -> None:
+        if self._ended:
+            return
         self.state = EngineState.FAILED
         self.failure = message
         if not self._ready.done():

@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
+from smg_mlx.engine.types import Event, Failure, GenerationSpec, Request, TokenLogprobs
 
 _keys = itertools.count(1)
 
@@ -24,7 +24,7 @@ class Job:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    out_of_memory: bool = False  # the error: it did not fit in memory
+    failure: Failure | None = None  # why it ended with an error (from the engine)
     engine_failed: bool = False  # the error: the engine failed, not this request
     streamed: int = 0  # tokens sent to the client so far
     cached_tokens: int = 0
@@ -62,7 +62,7 @@ class Job:
                 self.logprobs.append(event.logprobs)
         self.finish_reason = event.finish_reason
         self.error = event.error
-        self.out_of_memory = event.out_of_memory
+        self.failure = event.failure if event.error else None
         if self.done or len(self.tokens) >= self.wake_at:
             self.changed.set()
 

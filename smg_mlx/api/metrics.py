@@ -39,7 +39,7 @@ class Metrics:
             Counter,
             "requests",
             "Generate requests that ended, by finish reason "
-            "(stop, length, abort; cancelled: the client left; error: the engine failed)",
+            "(stop, length, abort; cancelled: the client left; error: it could not run)",
             labelnames=["finish_reason"],
         )
         self.rpcs = metric(
@@ -81,11 +81,13 @@ class Metrics:
         )
         memory_gauge("memory_active_bytes", "All memory MLX has allocated now", "active")
         memory_gauge("memory_peak_bytes", "The most MLX has had allocated while serving", "peak")
-        memory_gauge("queued_for_memory_requests", "Requests waiting for memory", "queued")
+        memory_gauge(
+            "queued_for_memory_requests", "Requests waiting for memory", "waiting_for_memory"
+        )
         memory_gauge(
             "out_of_memory_steps",
             "Steps that ran out of memory since start (their requests were put back)",
-            "out_of_memory",
+            "out_of_memory_steps",
         )
         self.ttft = metric(
             Histogram,

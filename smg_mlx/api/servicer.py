@@ -23,6 +23,7 @@ from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.api.tokenizer_files import chunks, tokenizer_zip
 from smg_mlx.api.translation import InvalidRequest, generation_spec, prompt_text
+from smg_mlx.engine.types import Failure
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self._jobs[request_id] = job
         try:
-            async for message in streaming.messages(job, request.stream, self._chunk_tokens):
+            async for message in streaming.messages(job, request.stream, self._tokens_per_message):
                 yield message
             if job.error:
                 await context.abort(self._error_code(job), job.error)
@@ -117,7 +118,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     @staticmethod
     def _error_code(job: Job) -> grpc.StatusCode:
-        if job.out_of_memory:
+        if job.failure is Failure.TOO_BIG:
+            return grpc.StatusCode.INVALID_ARGUMENT
+        if job.failure is Failure.OUT_OF_MEMORY:
             return grpc.StatusCode.RESOURCE_EXHAUSTED
         if job.engine_failed and not job.streamed:
             # Nothing reached the client: another worker can serve it (the
@@ -125,8 +128,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             return grpc.StatusCode.UNAVAILABLE
         return grpc.StatusCode.INTERNAL
 
-    def _chunk_tokens(self) -> int:
-        return self._engine.chunk_tokens
+    def _tokens_per_message(self) -> int:
+        return self._engine.tokens_per_message
 
     def _request_ended(self, job: Job) -> None:
         job.ended_at = time.monotonic()

@@ -5,7 +5,7 @@ GIL) time the engine thread then waits for, and costs the client as much
 again. So tokens travel in chunks:
 
 - a request's first token, and its end, go at once;
-- otherwise a chunk carries `chunk_tokens` tokens: --stream-interval at light
+- otherwise a chunk carries `tokens_per_message` tokens: --stream-interval at light
   load, growing with the load so that all streams together send about
   MESSAGES_PER_SECOND messages, but never holding a token more than about
   MAX_CHUNK_SECONDS;
@@ -15,10 +15,10 @@ Two halves apply these rules, on two threads:
 
 - `StreamPublisher` is the engine's `Sink`, on the engine thread. It hands
   step reports to the event loop at once when they carry a first token, an
-  end or an abort, else every `chunk_tokens` steps (each hand-off is an
+  end or an abort, else every `tokens_per_message` steps (each hand-off is an
   event-loop wake-up). Its only way to the loop is `call_soon_threadsafe`.
 - `messages()` runs on the event loop, one per stream: it waits until
-  `chunk_tokens` new tokens are there and sends them as one chunk.
+  `tokens_per_message` new tokens are there and sends them as one chunk.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from typing import Protocol
 
 from smg_mlx.api import responses
 from smg_mlx.api.jobs import Job
-from smg_mlx.engine.types import Event, Memory, StepReport
+from smg_mlx.engine.types import Memory, StepReport
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 MESSAGES_PER_SECOND = 300
 MAX_CHUNK_SECONDS = 0.1
 
 
-def chunk_tokens(minimum: int, running: int, step_seconds: float) -> int:
+def tokens_per_message(minimum: int, running: int, step_seconds: float) -> int:
     """Tokens per stream message: `minimum` at light load, growing so that
     `running` streams send about MESSAGES_PER_SECOND messages in all, capped at
     MAX_CHUNK_SECONDS of steps. A minimum of 1 asks for every token alone."""
@@ -54,7 +54,7 @@ class Receiver(Protocol):
 
     def started(self, memory: Memory, ranks: int) -> None: ...
 
-    def deliver(self, events: list[Event], reports: list[StepReport], chunk: int) -> None: ...
+    def deliver(self, reports: list[StepReport], per_message: int) -> None: ...
 
     def stopped(self) -> None: ...
 
@@ -68,7 +68,7 @@ class StreamPublisher:
         self._loop = loop
         self._receiver = receiver
         self._minimum = minimum
-        self._chunk = minimum  # tokens per message now
+        self._per_message = minimum  # tokens per message now
         self._held: list[StepReport] = []
 
     def _post(self, callback: Callable[..., None], *args: object) -> None:
@@ -79,8 +79,7 @@ class StreamPublisher:
 
     def _flush(self) -> None:
         if self._held:
-            events = [event for report in self._held for event in report.events]
-            self._post(self._receiver.deliver, events, self._held, self._chunk)
+            self._post(self._receiver.deliver, self._held, self._per_message)
             self._held = []
 
     def started(self, memory: Memory, ranks: int) -> None:
@@ -89,10 +88,12 @@ class StreamPublisher:
     def step(self, report: StepReport) -> None:
         self._held.append(report)
         if report.step_seconds is not None:
-            self._chunk = chunk_tokens(self._minimum, report.running, report.step_seconds)
+            self._per_message = tokens_per_message(
+                self._minimum, report.running, report.step_seconds
+            )
         steps = sum(r.step_seconds is not None for r in self._held)
         urgent = any(e.first or e.ends for e in report.events)
-        if urgent or report.idle or steps >= self._chunk:
+        if urgent or report.idle or steps >= self._per_message:
             self._flush()
 
     def stopped(self) -> None:
@@ -100,18 +101,19 @@ class StreamPublisher:
         self._post(self._receiver.stopped)
 
     def failed(self, message: str) -> None:
-        self._flush()
+        # Tokens still held are not sent: every request ends with the failure,
+        # and this may run on the lockstep watchdog's thread (handoff.Sink).
         self._post(self._receiver.failed, message)
 
 
 async def messages(
-    job: Job, stream: bool, chunk: Callable[[], int]
+    job: Job, stream: bool, per_message: Callable[[], int]
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The messages of one Generate call, until the job ends; returns without a
-    final message if it failed. `chunk()` gives the tokens per message now."""
-    # The engine hands tokens over more often than every `chunk` steps (any
-    # step where some stream starts or ends is handed over at once), so each
-    # stream still waits for its own `chunk` tokens.
+    final message if it failed. `per_message()` gives the tokens per message now."""
+    # The engine hands tokens over more often than every `per_message()` steps
+    # (any step where some stream starts or ends is handed over at once), so
+    # each stream still waits for its own `per_message()` tokens.
     sent = 0
     while True:
         job.changed.clear()
@@ -121,7 +123,7 @@ async def messages(
         # token and, under --stream-interval 1, every token: those go alone even
         # when a handler woken late finds several. More may land while a chunk
         # is sent, so look again before finishing.
-        size = chunk()  # one reading for both uses
+        size = per_message()  # one reading for both uses
         due = 1 if sent == 0 or job.finish_reason else size
         if stream and len(job.tokens) - sent >= due:
             alone = sent == 0 or size == 1

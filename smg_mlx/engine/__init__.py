@@ -1,6 +1,7 @@
 """The engine: one thread that owns MLX and runs mlx-lm's BatchGenerator.
 
 `types` (the values handed in and out) and `handoff` (the thread boundary)
-are all a front door needs; `core` is the loop. Only `batch`,
-`prefix_cache` and `sampling` import MLX, and only the engine thread runs them.
+are all a front door needs; `core` is the loop. Only `batch`, `prefix_cache`,
+`sampling`, `memory_probe` and `lockstep` import MLX, and only the engine
+thread runs them.
 """

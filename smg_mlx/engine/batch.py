@@ -22,7 +22,7 @@ from mlx_lm.utils import load_model
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine import memory_probe
-from smg_mlx.engine.memory import Sequence, sequence
+from smg_mlx.engine.memory import Cost, cost
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache
 from smg_mlx.engine.types import Event, Request, TokenLogprobs
@@ -112,7 +112,8 @@ class Batch:
         self.memory, per_token = memory_probe.measure(
             self.model, self._stream, config.prefill_step_size
         )
-        # The longest a step should take: a full chunk of prefill.
+        self._seconds_per_token = per_token
+        # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = per_token * config.prefill_step_size
         mx.reset_peak_memory()
         log.info(
@@ -139,10 +140,6 @@ class Batch:
             _, done = self._generator.next()
             if any(r.uid == uid and r.finish_reason for r in done):
                 return
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._slots)
 
     @property
     def size(self) -> int:
@@ -176,6 +173,15 @@ class Batch:
         """KV cache bytes the batch holds now."""
         return self._generator.prompt_cache_nbytes
 
+    def step_seconds(self, chunk: int | None, context: int) -> float:
+        """About how long a step prefilling `chunk` tokens at `context` tokens of
+        context may take (0 for decoding only), from the start-up probe;
+        attention makes it grow with the context."""
+        if not chunk or not context:
+            return 0.0
+        scale = max(1.0, context / memory_probe.PROBE_CONTEXT)
+        return self._seconds_per_token * min(chunk, context) * scale
+
     @property
     def stream(self) -> mx.Stream:
         return self._stream
@@ -183,15 +189,15 @@ class Batch:
     def holds(self, key: int) -> bool:
         return key in self._uids
 
-    def sequences(self, excluding: Iterable[int] = ()) -> list[Sequence]:
+    def costs(self, excluding: Iterable[int] = ()) -> list[Cost]:
         """The admitted sequences (but those with the keys `excluding`), as the
         memory budget sees them."""
         leaving = set(excluding)
         # A request put back after an error prefills what it had generated too.
         return [
-            Sequence(
+            Cost(
                 len(slot.request.spec.prompt) + len(slot.generated),
-                sequence(slot.request).total,
+                cost(slot.request).total,
                 slot.prefilling,
             )
             for slot in self._slots.values()
@@ -381,7 +387,8 @@ class Batch:
 
     def close(self) -> None:
         """Release the generator and the model on this thread (see `EngineCore.run`)."""
-        self._generator.close()
+        if self._generator is not None:
+            self._generator.close()
         self._generator = None
         if self._prefixes is not None:  # its tree holds cycles: freed now, not at a collection
             self._prefixes.shrink(0)

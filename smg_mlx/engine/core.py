@@ -26,17 +26,17 @@ from dataclasses import astuple
 from typing import TYPE_CHECKING
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.bursts import BurstGatherer
+from smg_mlx.engine.bursts import WINDOWS_AT_MOST, BurstGatherer
 from smg_mlx.engine.handoff import Inbox, Sink
 from smg_mlx.engine.memory import (
     MemoryModel,
     MemoryPlanner,
     WaitingRoom,
+    cost,
+    format_bytes,
     is_out_of_memory,
-    sequence,
-    size,
 )
-from smg_mlx.engine.types import Event, Memory, Request, StepReport, Turn
+from smg_mlx.engine.types import Event, Failure, Memory, Request, StepReport, Turn
 
 if TYPE_CHECKING:
     from smg_mlx.engine.batch import Batch
@@ -54,8 +54,8 @@ class EngineCore:
         self.config = config
         self.inbox = inbox
         self.sink = sink
-        self._out_of_memory = 0  # steps that ran out of memory, all told
-        self._prefill = 0.0  # the working set estimated for the last prefill step
+        self._out_of_memory_steps = 0  # steps that ran out of memory, all told
+        self._prefill_bytes = 0.0  # the working set estimated for the last prefill step
 
     def run(self) -> None:
         """Serve until stopped or failed; returns once the batch is released."""
@@ -67,7 +67,9 @@ class EngineCore:
             group = lockstep.group()
             batch = Batch(self.config, group)
             channel = lockstep.Channel(group, batch.stream) if group is not None else None
-            budget = memory_probe.budget(self.config.memory_budget)
+            budget = memory_probe.budget(
+                self.config.memory_budget_bytes, self.config.memory_budget_share
+            )
             planner = self._planner(batch.memory, budget, channel)
             self._check_budget(planner)
             if channel is not None:
@@ -78,10 +80,10 @@ class EngineCore:
             return
         ranks = channel.size if channel is not None else 1
         try:
+            self.sink.started(self._memory(batch, planner, WaitingRoom()), ranks)
             if channel is not None and channel.rank > 0:
                 self._follow(batch, channel)
             else:
-                self.sink.started(self._memory(batch, planner, WaitingRoom(), 0.0), ranks)
                 self._lead(batch, planner, channel)
         except BaseException as exc:  # noqa: BLE001 - reported; every request learns of it
             log.exception("engine failed")
@@ -111,13 +113,14 @@ class EngineCore:
         longest = planner.longest_sequence
         if longest < 2:
             raise RuntimeError(
-                f"the memory budget ({size(planner.budget)}) does not hold the model "
-                f"({size(planner.model.weights)}) and one short request: raise --memory-budget"
+                f"the memory budget ({format_bytes(planner.budget)}) does not hold the "
+                f"model ({format_bytes(planner.model.weights)}) and one short request: raise "
+                "--memory-budget"
             )
         log.info(
             "memory budget %s: the model takes %s; one request may have up to %d tokens",
-            size(planner.budget),
-            size(planner.model.weights),
+            format_bytes(planner.budget),
+            format_bytes(planner.model.weights),
             longest,
         )
 
@@ -125,59 +128,68 @@ class EngineCore:
 
     def _lead(self, batch: Batch, planner: MemoryPlanner, channel: Channel | None) -> None:
         inbox, sink = self.inbox, self.sink
-        bursts = BurstGatherer(self.config.burst_window_seconds, self.config.prefill_batch_size)
-        room = WaitingRoom()
+        window = self.config.burst_window_seconds
         watchdog = None
         if channel is not None:
             from smg_mlx.engine import lockstep
 
             watchdog = lockstep.Watchdog(self._peer_hung, batch.slowest_step)
-            heartbeat = lockstep.HEARTBEAT_SECONDS
+            # Followers must hear from an idle rank 0 well before they give it up.
+            window = min(window, lockstep.HEARTBEAT_SECONDS / WINDOWS_AT_MOST)
+        bursts = BurstGatherer(window, self.config.prefill_batch_size)
+        room = WaitingRoom()
         failures = 0  # out-of-memory errors since the last good step
-        while True:
-            requests, aborts = inbox.take()
-            turn, events = self._decide(batch, planner, room, requests, aborts)
-            if watchdog is not None:
-                watchdog.turn_started()
-                turn = channel.share(turn)
-            seconds = None
-            try:
-                applied, seconds, rows, finished = self._apply(batch, turn)
-            except Exception as exc:
-                if channel is not None or not is_out_of_memory(exc):
-                    raise
-                failures += 1
-                if failures > MAX_OUT_OF_MEMORY_IN_A_ROW:
-                    raise
-                self._out_of_memory += 1
-                applied, rows, finished = self._put_back(batch, planner, room, exc), 0, 0
-            else:
-                failures = 0 if seconds is not None else failures
-            if watchdog is not None:
-                watchdog.turn_ended()
-            if finished:
-                bursts.ended(finished)
-            events += applied
-            idle = not batch.has_work and not room
-            if events or seconds is not None:
-                sink.step(
-                    StepReport(
-                        events=tuple(events),
-                        step_seconds=seconds,
-                        batch_size=rows,
-                        running=batch.running,
-                        waiting=batch.waiting,
-                        memory=self._memory(batch, planner, room, self._prefill),
-                        idle=idle,
+        try:
+            while True:
+                requests, aborts = inbox.take()
+                turn, events = self._decide(batch, planner, room, requests, aborts)
+                if watchdog is not None:
+                    watchdog.turn_started(turn.expected_seconds)
+                    turn = channel.share(turn)
+                events += self._change(batch, turn)
+                seconds = None
+                try:
+                    stepped, seconds, rows, finished = self._step(batch, turn)
+                except Exception as exc:
+                    failures += 1
+                    if (
+                        channel is not None
+                        or not is_out_of_memory(exc)
+                        or failures >= MAX_OUT_OF_MEMORY_IN_A_ROW
+                    ):
+                        raise
+                    self._out_of_memory_steps += 1
+                    stepped, rows, finished = self._put_back(batch, planner, room, exc), 0, 0
+                else:
+                    failures = 0 if seconds is not None else failures
+                if watchdog is not None:
+                    watchdog.turn_ended()
+                if finished:
+                    bursts.ended(finished)
+                events += stepped
+                idle = not batch.size and not room
+                if events or seconds is not None:
+                    sink.step(
+                        StepReport(
+                            events=tuple(events),
+                            step_seconds=seconds,
+                            batch_size=rows,
+                            running=batch.running,
+                            waiting=batch.waiting,
+                            memory=self._memory(batch, planner, room),
+                            idle=idle,
+                        )
                     )
-                )
-            if turn.stop:
-                return
-            if idle:
-                # With followers, an idle rank 0 still sends a turn now and then,
-                # so that they can tell it from a dead one.
-                inbox.wait(heartbeat if watchdog is not None else None)
-                bursts.gather(inbox)
+                if turn.stop:
+                    return
+                if idle:
+                    # With followers, an idle rank 0 still sends a turn now and
+                    # then, so that they can tell it from a dead one.
+                    inbox.wait(lockstep.HEARTBEAT_SECONDS if watchdog is not None else None)
+                    bursts.gather(inbox)
+        finally:
+            if watchdog is not None:
+                watchdog.close()
 
     def _peer_hung(self, limit: float) -> None:
         """From the watchdog's thread: the engine thread is stuck in a collective."""
@@ -206,24 +218,27 @@ class EngineCore:
             remove = tuple(k for k in aborts if batch.holds(k))
         if self.inbox.stopping:
             return Turn(batch.size, remove, stop=True), events
-        sequences = batch.sequences(excluding=remove)
+        costs = batch.costs(excluding=remove)
         admitted: list[Request] = []
         while (request := room.peek()) is not None:
-            if len(sequences) >= self.config.completion_batch_size:
+            if len(costs) >= self.config.completion_batch_size:
                 break
-            if not planner.joins(sequences, sequence(request)):
-                if sequences:
+            if not planner.joins(costs, cost(request)):
+                if costs:
                     break  # it waits for memory
                 room.pop()
                 batch.forget_resumed([request.key])
                 events.append(self._too_big(request, planner))
                 continue
-            sequences.append(sequence(request))
+            costs.append(cost(request))
             admitted.append(room.pop())
-        drop, cached = batch.cached_over(planner.prefix_allowance(sequences))
-        chunk = planner.chunk(sequences, cached) if sequences else None
-        self._prefill = planner.prefill_bytes(sequences, chunk or 0)
-        return Turn(batch.size, remove, tuple(drop), tuple(admitted), chunk), events
+        drop, cached = batch.cached_over(planner.prefix_allowance(costs))
+        chunk = planner.chunk(costs, cached) if costs else None
+        self._prefill_bytes = planner.prefill_bytes(costs, chunk or 0)
+        context = max((c.prompt for c in costs if c.prefilling), default=0)
+        expected = batch.step_seconds(chunk, context)
+        turn = Turn(batch.size, remove, tuple(drop), tuple(admitted), chunk, expected)
+        return turn, events
 
     @staticmethod
     def _too_big(request: Request, planner: MemoryPlanner) -> Event:
@@ -233,7 +248,7 @@ class EngineCore:
             error=f"the request needs room for {len(spec.prompt) + spec.max_tokens} tokens; "
             f"this worker's memory holds at most {planner.longest_sequence} for one "
             "request: send a shorter prompt or fewer max_tokens",
-            out_of_memory=True,
+            failure=Failure.TOO_BIG,
         )
 
     def _put_back(
@@ -261,47 +276,51 @@ class EngineCore:
                 r.key,
                 error=f"the worker ran out of memory running this request alone ({exc}): "
                 "send a shorter prompt or fewer max_tokens, or retry on a larger worker",
-                out_of_memory=True,
+                failure=Failure.OUT_OF_MEMORY,
             )
             for r in requests
         ]
 
-    def _memory(
-        self, batch: Batch, planner: MemoryPlanner, room: WaitingRoom, prefill: float
-    ) -> Memory:
+    def _memory(self, batch: Batch, planner: MemoryPlanner, room: WaitingRoom) -> Memory:
         return Memory(
             budget=planner.budget,
             weights=planner.model.weights,
             kv=batch.kv_bytes,
-            prefill=int(prefill),
+            prefill=int(self._prefill_bytes),
             prefix_cache=batch.prefix_cache_bytes,
             active=batch.active_memory,
             peak=batch.peak_memory,
             longest_sequence=planner.longest_sequence,
-            queued=len(room),
-            out_of_memory=self._out_of_memory,
+            waiting_for_memory=len(room),
+            out_of_memory_steps=self._out_of_memory_steps,
         )
 
     # ---- every rank ----
 
     @staticmethod
-    def _apply(batch: Batch, turn: Turn) -> tuple[list[Event], float | None, int, int]:
-        """Apply a turn: its events, the step's seconds (None: no step), the
-        sequences it ran on, and how many finished."""
+    def _change(batch: Batch, turn: Turn) -> list[Event]:
+        """Apply a turn's changes to the batch (before its step): abort events
+        and requests that could not start."""
         if batch.size != turn.size:
             raise RuntimeError(
                 f"this rank's batch holds {batch.size} requests and rank 0's {turn.size}"
             )
-        events = batch.remove(turn.remove)
+        # Drops first: they name entries as they were when rank 0 decided.
         batch.drop_cached(turn.drop_cached)
-        events += batch.admit(list(turn.admit))
+        events = batch.remove(turn.remove)
+        return events + batch.admit(list(turn.admit))
+
+    @staticmethod
+    def _step(batch: Batch, turn: Turn) -> tuple[list[Event], float | None, int, int]:
+        """Run a turn's step: its events, its seconds (None: no step), the
+        sequences it ran on, and how many finished."""
         if turn.chunk is None:
-            return events, None, 0, 0
+            return [], None, 0, 0
         started = time.perf_counter()
         stepped = batch.step(turn.chunk)
         seconds = time.perf_counter() - started
         finished = sum(e.finish_reason is not None for e in stepped)
-        return events + stepped, seconds, batch.running + finished, finished
+        return stepped, seconds, batch.running + finished, finished
 
     # ---- the other ranks ----
 
@@ -318,7 +337,9 @@ class EngineCore:
             while True:
                 watchdog.turn_started()
                 turn = channel.share()
-                self._apply(batch, turn)
+                watchdog.turn_started(turn.expected_seconds)  # now that it is known
+                self._change(batch, turn)
+                self._step(batch, turn)
                 watchdog.turn_ended()
                 if turn.stop:
                     return

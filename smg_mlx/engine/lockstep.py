@@ -86,9 +86,15 @@ class Channel:
 
 def group() -> mx.distributed.Group | None:
     """The group of ranks a launcher started, or None for a worker on its own."""
-    if launched_rank() is None:
+    rank = launched_rank()
+    if rank is None:
         return None
     found = mx.distributed.init()
+    if found.size() == 1 and rank > 0:
+        raise RuntimeError(
+            f"this process was started as rank {rank}, but mx.distributed found no other "
+            "rank: check the launcher's backend (mlx.launch --backend ring, jaccl or mpi)"
+        )
     return found if found.size() > 1 else None
 
 
@@ -107,12 +113,16 @@ class Watchdog:
     def __init__(self, on_hang: Callable[[float], None], expected_seconds: float) -> None:
         self._on_hang = on_hang
         self._since: float | None = None
+        self._expected = 0.0
         self._slowest = expected_seconds
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="lockstep-watchdog", daemon=True).start()
 
-    def turn_started(self) -> None:
-        self._since = time.monotonic()
+    def turn_started(self, expected_seconds: float = 0.0) -> None:
+        """A turn begins (or its length is now known): it may take three times
+        `expected_seconds` too."""
+        self._since = self._since or time.monotonic()
+        self._expected = expected_seconds
 
     def turn_ended(self) -> None:
         if self._since is not None:
@@ -125,7 +135,7 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(0.25):
             since = self._since
-            limit = max(HANG_SECONDS, 3 * self._slowest)
+            limit = max(HANG_SECONDS, 3 * max(self._slowest, self._expected))
             if since is not None and time.monotonic() - since > limit:
                 self._on_hang(limit)
                 return

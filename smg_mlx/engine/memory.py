@@ -7,7 +7,7 @@ What a state of the batch costs, in bytes:
 
 - the weights, and the prefix cache (which shrinks before work is refused);
 - the KV caches. mlx-lm keeps one rectangular cache for the whole batch, as
-  long as its longest row, so a batch of R sequences that may grow to T tokens
+  long as its longest row, so a batch of R costs that may grow to T tokens
   each reserves R x T x (KV per token), and merging or filtering the batch
   copies it once more (KV_COPIES);
 - the prefill working set: B prompts prefilled together in chunks of C tokens
@@ -40,11 +40,12 @@ JOIN_CHUNK = 512
 # Estimates are multiplied by this, and by LEARN_FACTOR after each out-of-memory error.
 SAFETY = 1.1
 LEARN_FACTOR = 1.25
+MAX_SAFETY = 2.0  # however many errors: past that, estimates are not what is wrong
 # What MLX's backends say when an allocation fails.
 _OUT_OF_MEMORY = ("out of memory", "insufficient memory", "unable to allocate", "malloc")
 
 
-def size(n: float) -> str:
+def format_bytes(n: float) -> str:
     """Bytes for a log line: "1.50 GiB", "12.0 MiB"."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
@@ -68,7 +69,7 @@ class MemoryModel:
 
 
 @dataclass(frozen=True)
-class Sequence:
+class Cost:
     """An admitted sequence as the budget sees it."""
 
     prompt: int  # prompt tokens
@@ -92,17 +93,17 @@ class MemoryPlanner:
 
     # ---- estimates ----
 
-    def kv_bytes(self, sequences: Iterable[Sequence]) -> float:
+    def kv_bytes(self, costs: Iterable[Cost]) -> float:
         """The batch cache at its largest, copies included."""
-        totals = [s.total for s in sequences]
+        totals = [s.total for s in costs]
         if not totals:
             return 0.0
         longest = math.ceil(max(totals) / KV_BLOCK) * KV_BLOCK
         return KV_COPIES * len(totals) * longest * self.model.kv_per_token * self.safety
 
-    def prefill_bytes(self, sequences: Iterable[Sequence], chunk: int) -> float:
-        """The working set of one prefill step of the sequences still prefilling."""
-        prompts = [s.prompt for s in sequences if s.prefilling]
+    def prefill_bytes(self, costs: Iterable[Cost], chunk: int) -> float:
+        """The working set of one prefill step of the costs still prefilling."""
+        prompts = [s.prompt for s in costs if s.prefilling]
         if not prompts:
             return 0.0
         rows = min(len(prompts), self.prefill_rows)
@@ -110,68 +111,68 @@ class MemoryPlanner:
         per_token = self.model.prefill_per_token + self.model.prefill_per_context * max(prompts)
         return rows * chunk * per_token * self.safety
 
-    def need(self, sequences: list[Sequence], chunk: int | None = None) -> float:
-        """Bytes the sequences need, prefix cache aside, prefilling at `chunk`
+    def need(self, costs: list[Cost], chunk: int | None = None) -> float:
+        """Bytes the costs need, prefix cache aside, prefilling at `chunk`
         tokens (the smallest chunk by default)."""
         chunk = self.min_chunk if chunk is None else chunk
-        return self.model.weights + self.kv_bytes(sequences) + self.prefill_bytes(sequences, chunk)
+        return self.model.weights + self.kv_bytes(costs) + self.prefill_bytes(costs, chunk)
 
     # ---- decisions ----
 
-    def prefix_allowance(self, sequences: list[Sequence]) -> int:
-        """What the prefix cache may hold beside these sequences, prefilling in
+    def prefix_allowance(self, costs: list[Cost]) -> int:
+        """What the prefix cache may hold beside these costs, prefilling in
         chunks of JOIN_CHUNK, and keeping room for the cache of the longest to
         be copied in when it ends."""
-        longest = max((s.total for s in sequences), default=0)
+        longest = max((s.total for s in costs), default=0)
         copy = longest * self.model.kv_per_token * self.safety
-        need = self.need(sequences, min(JOIN_CHUNK, self.max_chunk))
+        need = self.need(costs, min(JOIN_CHUNK, self.max_chunk))
         return max(0, int(self.budget - need - copy))
 
-    def fits(self, sequences: list[Sequence]) -> bool:
-        return self.need(sequences) <= self.budget
+    def fits(self, costs: list[Cost]) -> bool:
+        return self.need(costs) <= self.budget
 
-    def chunk(self, sequences: list[Sequence], prefix_bytes: int) -> int:
+    def chunk(self, costs: list[Cost], prefix_bytes: int) -> int:
         """The largest prefill chunk (halving from the configured one) that fits."""
         chunk = self.max_chunk
-        while chunk > self.min_chunk and (self.need(sequences, chunk) + prefix_bytes > self.budget):
+        while chunk > self.min_chunk and (self.need(costs, chunk) + prefix_bytes > self.budget):
             chunk = max(self.min_chunk, chunk // 2)
         return chunk
 
     def _longest_sequence(self) -> int:
         """The most tokens (prompt plus output) one sequence may have, alone."""
         low, high = 0, 1
-        while self.fits([Sequence(high, high, True)]):
+        while self.fits([Cost(high, high, True)]):
             low, high = high, high * 2
             if high > 2**40:
                 return high
         while high - low > 1:
             middle = (low + high) // 2
-            if self.fits([Sequence(middle, middle, True)]):
+            if self.fits([Cost(middle, middle, True)]):
                 low = middle
             else:
                 high = middle
         return low
 
-    def joins(self, sequences: list[Sequence], new: Sequence) -> bool:
-        """Whether `new` may start beside `sequences` now (they fit together;
+    def joins(self, costs: list[Cost], new: Cost) -> bool:
+        """Whether `new` may start beside `costs` now (they fit together;
         the prefix cache gives way)."""
-        together = [*sequences, new]
+        together = [*costs, new]
         if not self.fits(together):
             return False
-        if not any(s.prefilling for s in sequences):
+        if not any(s.prefilling for s in costs):
             return True
         return self.chunk(together, 0) >= min(JOIN_CHUNK, self.max_chunk)
 
     def learn(self) -> None:
         """An out-of-memory error: the estimates were short; raise them."""
-        self.safety *= LEARN_FACTOR
+        self.safety = min(self.safety * LEARN_FACTOR, MAX_SAFETY)
         self.longest_sequence = self._longest_sequence()
 
 
-def sequence(request: Request) -> Sequence:
+def cost(request: Request) -> Cost:
     """A request as the budget sees it when admitted."""
     prompt = len(request.spec.prompt)
-    return Sequence(prompt=prompt, total=prompt + request.spec.max_tokens, prefilling=True)
+    return Cost(prompt=prompt, total=prompt + request.spec.max_tokens, prefilling=True)
 
 
 class WaitingRoom:

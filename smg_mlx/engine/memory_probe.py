@@ -13,11 +13,12 @@ import os
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from smg_mlx.engine.memory import MemoryModel, size
+from smg_mlx.engine.memory import MemoryModel, format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +39,16 @@ def device_memory() -> tuple[int, float]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), HOST_SHARE
 
 
-def budget(setting: int | float | None) -> int:
-    """Bytes to budget: a number of bytes, a share of the device's memory, or
-    (None) the default share."""
-    if isinstance(setting, int):
-        return setting
-    memory, share = device_memory()
-    return int(memory * (share if setting is None else setting))
+def budget(size: int | None, share: float | None) -> int:
+    """Bytes to budget: `size`, or else `share` of the device's memory, or else
+    the default share."""
+    if size is not None:
+        return size
+    memory, default = device_memory()
+    return int(memory * (default if share is None else share))
 
 
-def _peak_of_one_prompt(model, stream: mx.Stream, length: int, chunk: int) -> int:  # noqa: ANN001
+def _peak_of_one_prompt(model: nn.Module, stream: mx.Stream, length: int, chunk: int) -> int:
     """Peak bytes above what was allocated before, for one prompt of `length`
     tokens prefilled in chunks of `chunk` and one generated token."""
     generator = BatchGenerator(
@@ -65,7 +66,7 @@ def _peak_of_one_prompt(model, stream: mx.Stream, length: int, chunk: int) -> in
     return peak
 
 
-def measure(model, stream: mx.Stream, max_chunk: int) -> tuple[MemoryModel, float]:  # noqa: ANN001
+def measure(model: nn.Module, stream: mx.Stream, max_chunk: int) -> tuple[MemoryModel, float]:
     """The model's weights, KV bytes per token and prefill working set; and the
     seconds one prompt token took to prefill."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -90,6 +91,7 @@ def measure(model, stream: mx.Stream, max_chunk: int) -> tuple[MemoryModel, floa
     log.info(
         "memory: weights %s, KV %s per token, prefill %s per chunk token and %s more per "
         "token of context",
-        size(weights), size(kv_per_token), size(per_chunk_token), size(per_context),
+        format_bytes(weights), format_bytes(kv_per_token), format_bytes(per_chunk_token),
+        format_bytes(per_context),
     )  # fmt: skip
     return found, per_token

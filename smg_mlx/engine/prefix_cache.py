@@ -52,7 +52,7 @@ class _Entry:
     __slots__ = ("id", "node", "cache", "nbytes", "trimmable")
 
     def __init__(self, id: int, node: _Node, cache: list[LayerCache]) -> None:
-        self.id = id  # the number of inserts before it: the same on every rank
+        self.id = id  # how many inserts there have been, it included: the same on every rank
         self.node = node
         self.cache = cache
         self.nbytes = sum(c.nbytes for c in cache)
@@ -91,6 +91,7 @@ class PrefixCache:
         self._root = _Node((), None)
         self._lru: OrderedDict[_Entry, None] = OrderedDict()  # oldest first
         self._entries: dict[int, _Entry] = {}
+        self._oversized: set[int] = set()  # entries larger than max_bytes alone
         self._inserted = 0
 
     def __len__(self) -> int:
@@ -170,6 +171,8 @@ class PrefixCache:
         node.entry = entry
         self._lru[entry] = None
         self._entries[entry.id] = entry
+        if entry.nbytes > self.max_bytes:
+            self._oversized.add(entry.id)
         self.nbytes += entry.nbytes
         if entry.trimmable:
             self._count_trimmable(node, 1)
@@ -186,24 +189,28 @@ class PrefixCache:
 
     def over(self, limit: int) -> list[int]:
         """The entries to drop to hold at most `limit` bytes (and `max_bytes`):
-        any larger than `max_bytes` alone, then the least recently used."""
+        any larger than `max_bytes` alone, then the least recently used. Asked
+        every engine step, so it looks no further than it must."""
         limit = min(limit, self.max_bytes)
-        dropped = [e for e in self._lru if e.nbytes > self.max_bytes]
-        held = self.nbytes - sum(e.nbytes for e in dropped)
+        dropped = list(self._oversized)
+        held = self.nbytes - sum(self._entries[id].nbytes for id in dropped)
         for entry in self._lru:
             if held <= limit:
                 break
-            if entry.nbytes <= self.max_bytes:
-                dropped.append(entry)
+            if entry.id not in self._oversized:
+                dropped.append(entry.id)
                 held -= entry.nbytes
-        return [e.id for e in dropped]
+        return dropped
 
     def size_of(self, ids: Sequence[int]) -> int:
         return sum(self._entries[id].nbytes for id in ids)
 
     def drop(self, ids: Sequence[int]) -> None:
+        """Drop these entries; ones already gone (a later insert made them
+        redundant) are skipped."""
         for id in ids:
-            self._remove(self._entries[id])
+            if id in self._entries:
+                self._remove(self._entries[id])
 
     def shrink(self, limit: int) -> None:
         """Hold at most `limit` bytes (and `max_bytes`)."""
@@ -240,6 +247,7 @@ class PrefixCache:
         """Forget `entry`, leaving its node in the tree."""
         del self._lru[entry]
         del self._entries[entry.id]
+        self._oversized.discard(entry.id)
         self.nbytes -= entry.nbytes
         entry.node.entry = None
         if entry.trimmable:

@@ -6,6 +6,7 @@ No MLX and no asyncio here: a request goes in as a `Request` (its
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -59,6 +60,14 @@ class Request:
     request_id: str = ""  # the client's id, for the engine's logs only
 
 
+class Failure(enum.Enum):
+    """Why a request ended with an error."""
+
+    REQUEST = "request"  # it could not be set up (its sampling settings)
+    TOO_BIG = "too_big"  # it can never fit in this worker's memory
+    OUT_OF_MEMORY = "out_of_memory"  # memory ran out while it ran
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """The chosen token's logprob and the top alternatives at one step."""
@@ -76,7 +85,7 @@ class Event:
     token: int | None = None  # None for aborts and requests that could not start
     finish_reason: str | None = None  # "stop", "length", "abort"
     error: str | None = None  # the request could not run; it has ended
-    out_of_memory: bool = False  # the error: it does not fit in memory (another worker may)
+    failure: Failure = Failure.REQUEST  # why, with an error
     logprobs: TokenLogprobs | None = None
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     first: bool = False  # the request's first token
@@ -98,8 +107,8 @@ class Memory:
     active: int  # all MLX allocations now
     peak: int  # the most MLX has had allocated since the engine started serving
     longest_sequence: int  # tokens (prompt plus output) one request may have
-    queued: int  # requests waiting for memory
-    out_of_memory: int  # steps that ran out of memory since start (contained)
+    waiting_for_memory: int  # requests
+    out_of_memory_steps: int  # steps that ran out of memory since start (contained)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,4 +134,5 @@ class Turn:
     drop_cached: tuple[int, ...] = ()  # prompt-cache entries dropped for memory
     admit: tuple[Request, ...] = ()  # requests that join the batch, in order
     chunk: int | None = None  # prefill chunk of this turn's step; None: no step
+    expected_seconds: float = 0.0  # how long its step may take (the watchdog's measure)
     stop: bool = False
