@@ -19,7 +19,7 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 # More with SOAK_EXIT_CYCLES (make soak runs 200).
-CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "8"))
+CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "5"))
 
 
 def test_start_stop_cycles_always_exit_zero(spawn, model_dir):
@@ -36,49 +36,39 @@ def test_start_stop_cycles_always_exit_zero(spawn, model_dir):
     assert codes == [0] * CYCLES
 
 
-# The engine thread, then a normal exit, in a fresh interpreter: MLX's per-thread
-# teardown races interpreter finalization and aborts about one run in eight.
-ENGINE_THEN_EXIT = textwrap.dedent(
+# A thread that ran MLX (as the engine thread does: its own stream, compiled
+# functions), then the exit the worker uses, in a fresh interpreter. With a
+# plain exit instead, MLX's per-thread teardown races interpreter finalization
+# and aborts the process (exit -6) in a good share of runs.
+MLX_THREAD_THEN_EXIT = textwrap.dedent(
     """
-    import sys, threading
-    from pathlib import Path
+    import threading
+    import mlx.core as mx
     from smg_mlx.cli import exit_process
-    from smg_mlx.config import EngineConfig
-    from smg_mlx.engine.core import EngineCore
-    from smg_mlx.engine.handoff import Inbox
 
-    class Sink:
-        ready = threading.Event()
-        def started(self, memory, ranks): self.ready.set()
-        def step(self, report): pass
-        def stopped(self): pass
-        def failed(self, message): sys.exit(message)
+    def work():
+        with mx.stream(mx.new_stream(mx.default_device())):
+            square = mx.compile(lambda x: x @ x + 1)
+            mx.eval(square(mx.random.normal((64, 64))))
 
-    inbox = Inbox()
-    thread = threading.Thread(
-        target=EngineCore(EngineConfig(model_path=Path(sys.argv[1])), inbox, Sink()).run
-    )
+    thread = threading.Thread(target=work)
     thread.start()
-    Sink.ready.wait(60)
-    inbox.stop()
     thread.join()
     exit_process(0)
     """
 )
 
 
-def test_the_engine_thread_never_spoils_the_exit_code(model_dir):
+def test_a_thread_that_ran_mlx_never_spoils_the_exit_code():
     def run(_: int) -> int:
         done = subprocess.run(
-            [sys.executable, "-c", ENGINE_THEN_EXIT, str(model_dir)],
-            capture_output=True,
-            timeout=120,
+            [sys.executable, "-c", MLX_THREAD_THEN_EXIT], capture_output=True, timeout=60
         )
         return done.returncode
 
     with ThreadPoolExecutor(2) as pool:
-        codes = list(pool.map(run, range(24)))
-    assert codes == [0] * 24
+        codes = list(pool.map(run, range(40)))
+    assert codes == [0] * 40
 
 
 @pytest.fixture

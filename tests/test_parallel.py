@@ -4,7 +4,9 @@ and every fault ends in bounded time with the documented exit codes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -271,8 +273,21 @@ def test_mlx_launch_and_the_router_in_front(models, tmp_path):
     finally:
         if router is not None:
             router.stop()
-        launch.send_signal(signal.SIGINT)
+        # As Ctrl-C in its terminal: the whole group (mlx.launch does not pass a
+        # signal of its own on to the ranks). Rank 0 then stops every rank.
+        os.killpg(launch.pid, signal.SIGINT)
         try:
-            launch.wait(30)
-        except subprocess.TimeoutExpired:
-            launch.kill()
+            # Every rank gone (their exit codes: test_sigterm_to_rank_0_...).
+            assert wait_until(lambda: launch.poll() is not None and _group_gone(launch.pid), 30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launch.pid, signal.SIGKILL)
+
+
+def _group_gone(group: int) -> bool:
+    """No process of the group is left (reap the group's leader first: a zombie counts)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return True
+    return False
