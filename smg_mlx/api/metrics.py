@@ -8,6 +8,7 @@ only times its step, so metrics cost it nothing measurable.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -32,7 +33,8 @@ class Metrics:
     ) -> None:
         self.registry = registry = CollectorRegistry()
 
-        def metric(kind, name, doc, **options):  # every name gets the smg_mlx_ prefix
+        def metric(kind: type, name: str, doc: str, **options: object) -> Any:
+            # Every name gets the smg_mlx_ prefix.
             return kind("smg_mlx_" + name, doc, registry=registry, **options)
 
         self.requests = metric(
