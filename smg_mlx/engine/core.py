@@ -59,6 +59,7 @@ class EngineCore:
 
     def run(self) -> None:
         """Serve until stopped or failed; returns once the batch is released."""
+        batch = None
         try:
             # MLX is first imported here, on the thread that will own it.
             from smg_mlx.engine import lockstep, memory_probe
@@ -76,6 +77,8 @@ class EngineCore:
                 lockstep.same_random_state(channel)
         except BaseException as exc:  # noqa: BLE001 - reported; the caller decides what to do
             log.exception("engine failed to start")
+            if batch is not None:  # loaded, then refused (budget, ranks): released here too
+                batch.close()
             self.sink.failed(f"model load failed: {exc!r}")
             return
         ranks = channel.size if channel is not None else 1
@@ -223,14 +226,15 @@ class EngineCore:
         while (request := room.peek()) is not None:
             if len(costs) >= self.config.completion_batch_size:
                 break
-            if not planner.joins(costs, cost(request)):
+            new = cost(request)
+            if not planner.joins(costs, new):
                 if costs:
                     break  # it waits for memory
                 room.pop()
                 batch.forget_resumed([request.key])
                 events.append(self._too_big(request, planner))
                 continue
-            costs.append(cost(request))
+            costs.append(new)
             admitted.append(room.pop())
         drop, cached = batch.cached_over(planner.prefix_allowance(costs))
         chunk = planner.chunk(costs, cached) if costs else None
