@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from bench import machine, model, report
 from bench.long_prompts import run_long_prompts
+from bench.mixed import Mixed, format_mixed, run_mixed
 from bench.multiturn import SHORT_MULTITURN, MultiTurn, format_multiturn, run_multiturn
 from bench.runner import Options, progress, run_all
 from bench.workload import SHORT, Workload, parse_levels
@@ -94,6 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompt-tokens", type=int, default=24_000)
     p.add_argument("--long-gen-tokens", type=int, default=16)
     p.add_argument(
+        "--mixed",
+        type=int,
+        metavar="COUNT",
+        help="instead of the table: the mixed workload on our worker with its default flags "
+        "(COUNT long prompts alone, then again with a stream running and a chat arriving "
+        "every --chat-interval seconds; see bench/mixed.py)",
+    )
+    p.add_argument("--chat-tokens", type=int, default=64, help="a chat's prompt (--mixed)")
+    p.add_argument("--chat-gen-tokens", type=int, default=32, help="a chat's answer (--mixed)")
+    p.add_argument("--chat-interval", type=float, default=1.0, help="seconds (--mixed)")
+    p.add_argument(
+        "--worker-args",
+        default="",
+        help="more flags for our worker in --mixed and --long-prompts runs, e.g. "
+        "'--step-budget-ms 200'",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=600.0,
@@ -133,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = model.ensure_model(args.shape, args.work_dir / "models")
     if args.long_prompts:
         return _long_prompts(args, model_dir, argv)
+    if args.mixed:
+        return _mixed(args, model_dir, argv)
     opts = Options(
         systems=systems,
         levels=levels,
@@ -196,7 +217,7 @@ def _long_prompts(args: argparse.Namespace, model_dir: Path, argv: list[str] | N
     out = args.out or report.default_out(machine.slug(info))
     results = run_long_prompts(
         model_dir.resolve(), args.work_dir.resolve(), parse_levels(args.long_prompts),
-        workload, args.start_timeout,
+        workload, shlex.split(args.worker_args), args.start_timeout,
     )  # fmt: skip
     report.write_json(
         out,
@@ -210,6 +231,36 @@ def _long_prompts(args: argparse.Namespace, model_dir: Path, argv: list[str] | N
     )
     progress(f"results in {out}")
     return 0 if all(r["completed"] == r["requests"] for r in results) else 1
+
+
+def _mixed(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
+    mixed = Mixed(
+        longs=args.mixed,
+        long_tokens=args.long_prompt_tokens,
+        long_gen_tokens=args.long_gen_tokens,
+        chat_tokens=args.chat_tokens,
+        chat_gen_tokens=args.chat_gen_tokens,
+        chat_interval_s=args.chat_interval,
+    )
+    info = machine.describe()
+    out = args.out or report.default_out(machine.slug(info))
+    result = run_mixed(
+        model_dir.resolve(), args.work_dir.resolve(), mixed, shlex.split(args.worker_args),
+        args.start_timeout,
+    )  # fmt: skip
+    report.write_json(
+        out,
+        {
+            "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
+            "machine": info,
+            "model": model.describe(model_dir),
+            "mixed": result,
+        },
+    )
+    print(format_mixed(result))
+    progress(f"results in {out}")
+    chats_failed = result["mixed"]["chats_failed"] + result["idle"]["chats_failed"]
+    return 1 if result["long_errors"] or chats_failed else 0
 
 
 if __name__ == "__main__":

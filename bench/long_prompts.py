@@ -24,7 +24,8 @@ from bench.workload import Workload
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 
-def _metric(port: int, name: str) -> float | None:
+def metric(port: int, name: str) -> float | None:
+    """A value from the worker's /metrics (None if it cannot be read)."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     except OSError:
@@ -35,30 +36,35 @@ def _metric(port: int, name: str) -> float | None:
     return None
 
 
+async def watch_health(channel: grpc.aio.Channel, statuses: set[str]) -> None:
+    """Polls grpc.health.v1 twice a second until cancelled; adds what it sees."""
+    health = health_pb2_grpc.HealthStub(channel)
+    while True:
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+            statuses.add(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        except grpc.aio.AioRpcError as exc:
+            statuses.add(exc.code().name)
+        await asyncio.sleep(0.5)
+
+
 async def _send_all(address: str, workload: Workload, count: int, tag: str) -> dict:
     """`count` requests at once while health is polled; their outcomes."""
     async with grpc.aio.insecure_channel(address) as channel:
         await channel.channel_ready()
         stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
-        health = health_pb2_grpc.HealthStub(channel)
         statuses: set[str] = set()
+        watcher = asyncio.ensure_future(watch_health(channel, statuses))
         begin = time.perf_counter()
-        calls = asyncio.gather(
+        records = await asyncio.gather(
             *(
                 stream_one(stub, token_request(workload.prompt(i), workload.gen_tokens,
                                                f"{tag}-{i}"), workload.gen_tokens)
                 for i in range(count)
             )
         )  # fmt: skip
-        while not calls.done():
-            try:
-                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                statuses.add(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-            except grpc.aio.AioRpcError as exc:
-                statuses.add(exc.code().name)
-            await asyncio.wait([calls], timeout=0.5)
-        records = calls.result()
         wall = time.perf_counter() - begin
+        watcher.cancel()
     ttfts = sorted(r.ttft for r in records if r.ttft is not None)
     errors: dict[str, int] = {}
     for r in records:
@@ -78,23 +84,24 @@ async def _send_all(address: str, workload: Workload, count: int, tag: str) -> d
 
 
 def run_long_prompts(
-    model_dir: Path, work_dir: Path, counts: list[int], workload: Workload, timeout_s: float
+    model_dir: Path, work_dir: Path, counts: list[int], workload: Workload, extra: list[str],
+    timeout_s: float,
 ) -> list[dict]:
-    """One fresh worker per count, default flags; the outcome of each."""
+    """One fresh worker per count, its default flags and `extra`; the outcome of each."""
     results = []
     for count in counts:
         port, metrics_port = free_port(), free_port()
         command = [
             sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-            "--port", str(port), "--metrics-port", str(metrics_port),
+            "--port", str(port), "--metrics-port", str(metrics_port), *extra,
         ]  # fmt: skip
         log = work_dir / "logs" / f"long-{count}-{time.strftime('%H%M%S')}.log"
         with WorkerProcess("ours", command, port, log) as worker:
             worker.wait_serving(timeout_s)
             outcome = asyncio.run(_send_all(worker.address, workload, count, f"long{count}"))
             outcome["alive_after"] = worker.process.poll() is None
-            outcome["peak_bytes"] = _metric(metrics_port, "smg_mlx_memory_peak_bytes")
-            outcome["budget_bytes"] = _metric(metrics_port, "smg_mlx_memory_budget_bytes")
+            outcome["peak_bytes"] = metric(metrics_port, "smg_mlx_memory_peak_bytes")
+            outcome["budget_bytes"] = metric(metrics_port, "smg_mlx_memory_budget_bytes")
         outcome["exit_code"] = worker.process.returncode
         outcome["log"] = str(log)
         results.append(outcome)

@@ -66,6 +66,7 @@ def _number(kind: type, low: float, what: str) -> Callable[[str], int | float]:
 _positive = _number(int, 1, "a whole number of at least 1")
 _count = _number(int, 0, "a whole number, 0 or more")
 _non_negative = _number(float, 0, "a number, 0 or more")
+_positive_float = _number(float, 1, "a number, 1 or more")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-step-size",
         type=_positive,
         default=engine.prefill_step_size,
-        help="prompt tokens per prefill step; long prompts take several (%(default)s)",
+        help="most prompt tokens one prompt prefills per step; long prompts take several "
+        "(%(default)s)",
+    )
+    serve.add_argument(
+        "--step-budget-ms",
+        type=_positive_float,
+        default=engine.step_budget_seconds * 1000,
+        help="how long an engine step may take while it prefills: prompts are prefilled in "
+        "chunks that fit, so running streams pause about this long between tokens at most; "
+        "larger makes long prompts finish sooner, smaller makes streams smoother (%(default)s)",
     )
     serve.add_argument(
         "--prompt-cache-bytes",
@@ -274,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             completion_batch_size=args.completion_batch_size,
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
+            step_budget_seconds=args.step_budget_ms / 1000,
             prompt_cache_bytes=args.prompt_cache_bytes,
             burst_window_seconds=args.burst_window_ms / 1000,
             memory_budget_bytes=budget_bytes,

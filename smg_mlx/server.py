@@ -59,6 +59,7 @@ class Worker:
         self.metrics = Metrics(
             active=lambda: self.servicer.active_requests,
             running=lambda: self.engine.running,
+            prefilling=lambda: self.engine.prefilling,
             memory=lambda: self.engine.memory,
         )
         self.engine.on_step(self.metrics.step)

@@ -73,9 +73,9 @@ def spec(ids: list[int], max_tokens: int, **sampling) -> GenerationSpec:
     )
 
 
-def start_core(model_dir, inbox: Inbox) -> tuple[Recorder, threading.Thread]:
+def start_core(model_dir, inbox: Inbox, **config) -> tuple[Recorder, threading.Thread]:
     sink = Recorder()
-    core = EngineCore(EngineConfig(model_path=model_dir), inbox, sink)
+    core = EngineCore(EngineConfig(model_path=model_dir, **config), inbox, sink)
     thread = threading.Thread(target=core.run, daemon=True)
     thread.start()
     assert sink.ready.wait(TIMEOUT)
@@ -160,3 +160,56 @@ def test_a_model_that_cannot_load_is_reported(tmp_path):
     EngineCore(EngineConfig(model_path=tmp_path), Inbox(), sink).run()  # returns at once
     assert sink.ending.get(timeout=1).startswith("failed: model load failed")
     assert not sink.ready.is_set()
+
+
+# ---- the scheduler at work (engine.scheduler): counted in steps, not seconds ----
+
+
+@pytest.fixture
+def chunked_core(model_dir):
+    """A core whose step budget no step can meet: every step prefills the
+    scheduler's minimum, so a long prompt takes many steps on any machine."""
+    inbox = Inbox()
+    sink, thread = start_core(model_dir, inbox, step_budget_seconds=1e-6)
+    yield inbox, sink
+    inbox.stop()
+    thread.join(TIMEOUT)
+
+
+def run_until_ended(sink: Recorder, keys: set[int]) -> list[StepReport]:
+    """Every report until all these requests have ended."""
+    reports, left = [], set(keys)
+    while left:
+        report = sink.next_report()
+        reports.append(report)
+        left -= {e.key for e in report.events if e.ends}
+    return reports
+
+
+def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(chunked_core):
+    inbox, sink = chunked_core
+    inbox.submit(Request(1, spec(prompt(8), max_tokens=400)))
+    assert sink.events_of(1, count=1)[0].first
+    inbox.submit(Request(2, spec(prompt(1500, 2), max_tokens=2)))
+    reports = run_until_ended(sink, {2})
+    start = next(i for i, r in enumerate(reports) if 2 in r.admitted)
+    first = next(i for i, r in enumerate(reports) if any(e.key == 2 for e in r.events))
+    prefill_steps = [r for r in reports[start:first] if r.step_seconds is not None]
+    assert len(prefill_steps) > 5  # it was prefilled in chunks...
+    for report in prefill_steps:  # ...and the stream moved on at every one of them
+        assert [e.key for e in report.events if e.token is not None] == [1]
+
+
+def test_a_short_request_overtakes_queued_long_ones_and_the_long_ones_finish(chunked_core):
+    inbox, sink = chunked_core
+    for key in (1, 2):
+        inbox.submit(Request(key, spec(prompt(1500, key), max_tokens=4)))
+    assert sink.next_report().admitted == (1,)  # one long prompt prefills at a time
+    inbox.submit(Request(3, spec(prompt(20, 3), max_tokens=4)))
+    reports = run_until_ended(sink, {1, 2, 3})
+    admitted = [k for r in reports for k in r.admitted]
+    firsts = [e.key for r in reports for e in r.events if e.first]
+    assert admitted == [3, 2]  # the short one started while the first long one prefilled
+    assert firsts == [3, 1, 2]
+    ends = {e.key: e.finish_reason for r in reports for e in r.events if e.ends}
+    assert ends == {1: "length", 2: "length", 3: "length"}

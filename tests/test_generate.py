@@ -200,5 +200,7 @@ def test_chunk_size_keeps_to_a_message_budget_but_tokens_wait_at_most_100_ms():
     assert tokens_per_message(2, running=16, step_seconds=0.003) == 18  # 296 messages/s
     assert tokens_per_message(2, running=64, step_seconds=0.015) == 6  # 15 would be 225 ms
     assert tokens_per_message(2, running=64, step_seconds=0.04) == 2  # 3 steps would be 120 ms
-    assert tokens_per_message(3, running=64, step_seconds=0.5) == 3  # never below the flag
+    assert tokens_per_message(3, running=1, step_seconds=0.02) == 3  # the flag, at light load
+    assert tokens_per_message(3, running=64, step_seconds=0.04) == 2  # 3 would hold 120 ms
+    assert tokens_per_message(3, running=64, step_seconds=0.5) == 1  # a slow step: each alone
     assert tokens_per_message(1, running=64, step_seconds=0.001) == 1

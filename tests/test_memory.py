@@ -56,17 +56,6 @@ def test_long_prompts_prefill_in_smaller_chunks_and_alone():
     assert p.chunk([Cost(100, 200, True)], 0) == 2048
 
 
-def test_a_long_prompt_waits_for_the_one_prefilling_rather_than_shrink_its_chunks():
-    p = planner(600)
-    first = Cost(40_000, 40_100, True)
-    assert p.joins([], first)
-    assert p.fits([first, Cost(40_000, 40_100, True)])  # there is room for both...
-    assert not p.joins([first], Cost(40_000, 40_100, True))  # ...at small chunks only
-    decoding = Cost(40_000, 40_100, False)
-    assert p.joins([decoding], Cost(40_000, 40_100, True))
-    assert planner(2000).joins([first], Cost(40_000, 40_100, True))
-
-
 def test_the_prefix_cache_gives_way_before_work_waits():
     p = planner(200)
     running = [Cost(1000, 20_000, False)]

@@ -40,9 +40,11 @@ class EngineClient:
     ) -> None:
         self.state = EngineState.STARTING
         self.failure: str | None = None
-        # As of the last report: sequences being prefilled or decoded, admitted
-        # but not started, the memory budget's state, and tokens per stream message.
+        # As of the last report: sequences being prefilled or decoded, of those
+        # being prefilled, requests not started, the memory budget's state, and
+        # tokens per stream message.
         self.running = 0
+        self.prefilling = 0
         self.waiting = 0
         self.memory: Memory | None = None
         self.ranks = 1  # processes serving the model together
@@ -112,6 +114,10 @@ class EngineClient:
         if self._ended:
             return
         now = time.monotonic()
+        for key in (key for report in reports for key in report.admitted):
+            job = self._jobs.get(key)
+            if job is not None:
+                job.started_at = now
         for event in (event for report in reports for event in report.events):
             job = self._jobs.get(event.key)
             if job is not None:
@@ -123,6 +129,7 @@ class EngineClient:
                 for listener in self._step_listeners:
                     listener(report.step_seconds, report.batch_size)
         self.running = reports[-1].running
+        self.prefilling = reports[-1].prefilling
         self.waiting = reports[-1].waiting
         self.memory = reports[-1].memory
         self.tokens_per_message = per_message

@@ -32,8 +32,9 @@ class Job:
     # `changed` is set once this many tokens are here, or the job ends; the
     # stream's pacing (api.streaming) moves it.
     wake_at: int = 1
-    # Event-loop clock readings, for TTFT, inter-token latency and duration.
+    # Event-loop clock readings, for the wait, TTFT, inter-token latency and duration.
     arrived_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # it joined the batch
     first_token_at: float | None = None
     last_token_at: float = 0.0
     token_gaps: list[float] = field(default_factory=list)

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from smg_mlx.api.jobs import Job
 from smg_mlx.engine.types import Memory
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -29,6 +29,7 @@ class Metrics:
         *,
         active: Callable[[], int],
         running: Callable[[], int],
+        prefilling: Callable[[], int],
         memory: Callable[[], Memory | None],
     ) -> None:
         self.registry = registry = CollectorRegistry()
@@ -56,6 +57,9 @@ class Metrics:
         metric(Gauge, "queued_requests", "Requests accepted but not yet in the batch").set_function(
             lambda: max(active() - running(), 0)
         )
+        metric(
+            Gauge, "prefilling_requests", "Requests in the batch whose prompt is being prefilled"
+        ).set_function(prefilling)
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of ended requests")
         self.generated_tokens = metric(Counter, "generation_tokens", "Tokens generated")
         self.cached_tokens = metric(
@@ -90,6 +94,12 @@ class Metrics:
             "out_of_memory_steps",
             "Steps that ran out of memory since start (their requests were put back)",
             "out_of_memory_steps",
+        )
+        self.wait = metric(
+            Histogram,
+            "queue_wait_seconds",
+            "From request arrival to its start in the batch (its turn, memory or a free slot)",
+            buckets=TTFT_BUCKETS,
         )
         self.ttft = metric(
             Histogram,
@@ -143,6 +153,8 @@ class Metrics:
         if job.cached_tokens:
             self.cache_hits.inc()
             self.cached_tokens.inc(job.cached_tokens)
+        if job.started_at is not None:
+            self.wait.observe(job.started_at - job.arrived_at)
         if job.first_token_at is not None:
             self.ttft.observe(job.first_token_at - job.arrived_at)
         for gap in job.token_gaps:

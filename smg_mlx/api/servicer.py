@@ -184,6 +184,16 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def GetServerInfo(
         self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.GetServerInfoResponse:
+        # The message has no fields for the scheduler's state, and the router
+        # shares its definition: its headers carry it instead.
+        running = self._engine.running
+        await context.send_initial_metadata(
+            (
+                ("waiting-requests", str(max(len(self._jobs) - running, 0))),
+                ("prefilling-requests", str(self._engine.prefilling)),
+                ("running-requests", str(running)),
+            )
+        )
         return mlx_engine_pb2.GetServerInfoResponse(
             server_type=SERVER_TYPE,
             active_requests=len(self._jobs),

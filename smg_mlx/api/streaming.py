@@ -8,7 +8,7 @@ again. So tokens travel in chunks:
 - otherwise a chunk carries `tokens_per_message` tokens: --stream-interval at light
   load, growing with the load so that all streams together send about
   MESSAGES_PER_SECOND messages, but never holding a token more than about
-  MAX_CHUNK_SECONDS;
+  MAX_CHUNK_SECONDS (when steps are that slow, every token goes alone);
 - --stream-interval 1 sends every token alone, at any load.
 
 Two halves apply these rules, on two threads:
@@ -40,13 +40,14 @@ MAX_CHUNK_SECONDS = 0.1
 
 def tokens_per_message(minimum: int, running: int, step_seconds: float) -> int:
     """Tokens per stream message: `minimum` at light load, growing so that
-    `running` streams send about MESSAGES_PER_SECOND messages in all, capped at
-    MAX_CHUNK_SECONDS of steps. A minimum of 1 asks for every token alone."""
+    `running` streams send about MESSAGES_PER_SECOND messages in all, but at
+    most MAX_CHUNK_SECONDS of steps' worth (at least 1). A minimum of 1 asks
+    for every token alone."""
     if minimum == 1 or step_seconds <= 0:
         return minimum
     by_budget = math.ceil(running / (MESSAGES_PER_SECOND * step_seconds))
     by_time = int(MAX_CHUNK_SECONDS / step_seconds)
-    return max(minimum, min(by_budget, by_time))
+    return max(1, min(max(minimum, by_budget), by_time))
 
 
 class Receiver(Protocol):

@@ -25,6 +25,8 @@ from smg_mlx.engine import memory_probe
 from smg_mlx.engine.memory import Cost, cost
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache
+from smg_mlx.engine.scheduler import Running
+from smg_mlx.engine.step_clock import StepClock
 from smg_mlx.engine.types import Event, Request, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,10 @@ class _Slot:
 
     request: Request
     options: tuple  # its sampler, logits processors and stop sequences
-    cached: int  # prompt tokens reused from the prefix cache
+    cached: int  # prompt tokens reused from the prefix cache (as its client is told)
+    start: int  # tokens in its cache when it was inserted
+    remaining: int  # prompt tokens still to prefill, the last one aside
+    context: int  # tokens in its cache
     started: bool = False  # BatchGenerator has begun its prefill
     prefilling: bool = True  # its prompt is not all processed yet
     fresh: bool = True  # no token yet
@@ -109,12 +114,13 @@ class Batch:
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         )
         self._warm_up()
-        self.memory, per_token = memory_probe.measure(
+        self.memory, self.speed = memory_probe.measure(
             self.model, self._stream, config.prefill_step_size
         )
-        self._seconds_per_token = per_token
         # The longest a step should take at the probe's context: a full chunk.
-        self.slowest_step = per_token * config.prefill_step_size
+        self.slowest_step = StepClock(self.speed).seconds(
+            config.prefill_step_size, memory_probe.PROBE_CONTEXT
+        )
         mx.reset_peak_memory()
         log.info(
             "model %s loaded and warmed up in %.2fs on %s",
@@ -152,6 +158,11 @@ class Batch:
         return self._started
 
     @property
+    def prefilling(self) -> int:
+        """Requests BatchGenerator has started whose prompt is not all processed."""
+        return sum(slot.started and slot.prefilling for slot in self._slots.values())
+
+    @property
     def waiting(self) -> int:
         """Requests admitted that BatchGenerator has not started yet."""
         return len(self._slots) - self._started
@@ -173,15 +184,6 @@ class Batch:
         """KV cache bytes the batch holds now."""
         return self._generator.prompt_cache_nbytes
 
-    def step_seconds(self, chunk: int | None, context: int) -> float:
-        """About how long a step prefilling `chunk` tokens at `context` tokens of
-        context may take (0 for decoding only), from the start-up probe;
-        attention makes it grow with the context."""
-        if not chunk or not context:
-            return 0.0
-        scale = max(1.0, context / memory_probe.PROBE_CONTEXT)
-        return self._seconds_per_token * min(chunk, context) * scale
-
     @property
     def stream(self) -> mx.Stream:
         return self._stream
@@ -189,20 +191,28 @@ class Batch:
     def holds(self, key: int) -> bool:
         return key in self._uids
 
-    def costs(self, excluding: Iterable[int] = ()) -> list[Cost]:
+    def sequences(self, excluding: Iterable[int] = ()) -> list[Running]:
         """The admitted sequences (but those with the keys `excluding`), as the
-        memory budget sees them."""
+        scheduler sees them."""
         leaving = set(excluding)
         # A request put back after an error prefills what it had generated too.
         return [
-            Cost(
-                len(slot.request.spec.prompt) + len(slot.generated),
-                cost(slot.request).total,
-                slot.prefilling,
+            Running(
+                Cost(
+                    len(slot.request.spec.prompt) + len(slot.generated),
+                    cost(slot.request).total,
+                    slot.prefilling,
+                ),
+                slot.remaining,
+                slot.context,
             )
             for slot in self._slots.values()
             if slot.key not in leaving
         ]
+
+    def cached_prefix(self, prompt: tuple[int, ...]) -> int:
+        """Prompt tokens the prefix cache would spare now."""
+        return self._prefixes.reusable(prompt, MIN_REUSED_TOKENS) if self._prefixes else 0
 
     def cached_over(self, limit: int) -> tuple[list[int], int]:
         """The prompt-cache entries to drop to hold at most `limit` bytes, and
@@ -265,7 +275,8 @@ class Batch:
         for uid, (request, options, resumed), (_, cached) in zip(
             uids, accepted, starts, strict=True
         ):
-            slot = _Slot(request, options, cached)
+            remaining = len(request.spec.prompt) - cached - 1
+            slot = _Slot(request, options, cached, cached, remaining, cached)
             if resumed is not None:  # as the client knows it: tokens sent, cache reuse
                 slot.request, slot.cached = resumed.request, resumed.cached
                 slot.fresh, slot.generated = resumed.fresh, resumed.generated
@@ -307,6 +318,9 @@ class Batch:
                 self._started += not slot.started
                 slot.started = True
                 slot.prefilling = not r.end_of_prompt
+                processed, total = r.progress  # of the tokens inserted, the last included
+                slot.context = slot.start + processed
+                slot.remaining = 0 if r.end_of_prompt else total - 1 - processed
         logprobs = self._logprobs(responses)
         events = []
         for r, chosen in zip(responses, logprobs, strict=True):

@@ -5,16 +5,16 @@ the inbox says stop or a step fails. It knows nothing of gRPC or asyncio: the
 worker runs it behind its gRPC front door, and anything else (a test, a
 follower rank) can run it with an `Inbox` and a `Sink` of its own.
 
-Each turn is decided, then applied. Deciding (aborts, which waiting requests
-the memory budget admits, the prefill chunk, which prompt-cache entries go,
-whether to stop) is rank 0's alone; applying it to the batch is every rank's.
-With one rank the two simply follow each other; with several (a model split
-over machines, `engine.lockstep`) rank 0 shares each decided turn before all
-apply it, so no follower ever decides anything.
+Each turn reads: take what arrived, ask the policy, step, report. Deciding
+(aborts, which waiting requests start, the prefill chunk, which prompt-cache
+entries go, whether to stop) is rank 0's alone, and the policy itself lives
+in `engine.scheduler`; applying a turn to the batch is every rank's. With one
+rank the two simply follow each other; with several (a model split over
+machines, `engine.lockstep`) rank 0 shares each decided turn before all apply
+it, so no follower ever decides anything.
 
-Requests wait in the waiting room until the memory budget has room for them
-(`engine.memory`); with one rank, a step that still runs out of memory puts
-the batch back in the room instead of failing the engine.
+With one rank, a step that runs out of memory despite the budget puts the
+batch back in the waiting room instead of failing the engine.
 """
 
 from __future__ import annotations
@@ -28,14 +28,9 @@ from typing import TYPE_CHECKING
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.bursts import WINDOWS_AT_MOST, BurstGatherer
 from smg_mlx.engine.handoff import Inbox, Sink
-from smg_mlx.engine.memory import (
-    MemoryModel,
-    MemoryPlanner,
-    WaitingRoom,
-    cost,
-    format_bytes,
-    is_out_of_memory,
-)
+from smg_mlx.engine.memory import MemoryModel, MemoryPlanner, format_bytes, is_out_of_memory
+from smg_mlx.engine.scheduler import Plan, Scheduler
+from smg_mlx.engine.step_clock import StepClock
 from smg_mlx.engine.types import Event, Failure, Memory, Request, StepReport, Turn
 
 if TYPE_CHECKING:
@@ -55,7 +50,7 @@ class EngineCore:
         self.inbox = inbox
         self.sink = sink
         self._out_of_memory_steps = 0  # steps that ran out of memory, all told
-        self._prefill_bytes = 0.0  # the working set estimated for the last prefill step
+        self._plan = Plan()  # the last turn's
 
     def run(self) -> None:
         """Serve until stopped or failed; returns once the batch is released."""
@@ -75,6 +70,14 @@ class EngineCore:
             self._check_budget(planner)
             if channel is not None:
                 lockstep.same_random_state(channel)
+            scheduler = Scheduler(
+                planner,
+                StepClock(batch.speed),
+                batch_size=self.config.completion_batch_size,
+                prefill_rows=self.config.prefill_batch_size,
+                step_seconds=self.config.step_budget_seconds,
+                cached_prefix=batch.cached_prefix,
+            )
         except BaseException as exc:  # noqa: BLE001 - reported; the caller decides what to do
             log.exception("engine failed to start")
             if batch is not None:  # loaded, then refused (budget, ranks): released here too
@@ -83,11 +86,11 @@ class EngineCore:
             return
         ranks = channel.size if channel is not None else 1
         try:
-            self.sink.started(self._memory(batch, planner, WaitingRoom()), ranks)
+            self.sink.started(self._memory(batch, scheduler), ranks)
             if channel is not None and channel.rank > 0:
                 self._follow(batch, channel)
             else:
-                self._lead(batch, planner, channel)
+                self._lead(batch, scheduler, channel)
         except BaseException as exc:  # noqa: BLE001 - reported; every request learns of it
             log.exception("engine failed")
             self.sink.failed(f"engine failure: {exc!r}; the worker must be restarted")
@@ -129,7 +132,7 @@ class EngineCore:
 
     # ---- rank 0 (or the only rank) ----
 
-    def _lead(self, batch: Batch, planner: MemoryPlanner, channel: Channel | None) -> None:
+    def _lead(self, batch: Batch, scheduler: Scheduler, channel: Channel | None) -> None:
         inbox, sink = self.inbox, self.sink
         window = self.config.burst_window_seconds
         watchdog = None
@@ -140,12 +143,11 @@ class EngineCore:
             # Followers must hear from an idle rank 0 well before they give it up.
             window = min(window, lockstep.HEARTBEAT_SECONDS / WINDOWS_AT_MOST)
         bursts = BurstGatherer(window, self.config.prefill_batch_size)
-        room = WaitingRoom()
         failures = 0  # out-of-memory errors since the last good step
         try:
             while True:
                 requests, aborts = inbox.take()
-                turn, events = self._decide(batch, planner, room, requests, aborts)
+                turn, events = self._decide(batch, scheduler, requests, aborts)
                 if watchdog is not None:
                     watchdog.turn_started(turn.expected_seconds)
                     turn = channel.share(turn)
@@ -162,24 +164,28 @@ class EngineCore:
                     ):
                         raise
                     self._out_of_memory_steps += 1
-                    stepped, rows, finished = self._put_back(batch, planner, room, exc), 0, 0
+                    stepped, rows, finished = self._put_back(batch, scheduler, exc), 0, 0
                 else:
-                    failures = 0 if seconds is not None else failures
+                    if seconds is not None:
+                        failures = 0
+                        scheduler.observe(seconds)
                 if watchdog is not None:
                     watchdog.turn_ended()
                 if finished:
                     bursts.ended(finished)
                 events += stepped
-                idle = not batch.size and not room
-                if events or seconds is not None:
+                idle = not batch.size and not scheduler
+                if events or seconds is not None or turn.admit:
                     sink.step(
                         StepReport(
                             events=tuple(events),
                             step_seconds=seconds,
                             batch_size=rows,
                             running=batch.running,
-                            waiting=batch.waiting,
-                            memory=self._memory(batch, planner, room),
+                            prefilling=batch.prefilling,
+                            waiting=batch.waiting + len(scheduler),
+                            admitted=tuple(r.key for r in turn.admit),
+                            memory=self._memory(batch, scheduler),
                             idle=idle,
                         )
                     )
@@ -202,46 +208,29 @@ class EngineCore:
         )
 
     def _decide(
-        self,
-        batch: Batch,
-        planner: MemoryPlanner,
-        room: WaitingRoom,
-        requests: list[Request],
-        aborts: set[int],
+        self, batch: Batch, scheduler: Scheduler, requests: list[Request], aborts: set[int]
     ) -> tuple[Turn, list[Event]]:
         """This turn's changes to the batch, and events for requests that end
         without reaching it (aborted or too big while waiting)."""
         events: list[Event] = []
-        room.add(requests)
+        scheduler.add(requests)
         remove: tuple[int, ...] = ()
         if aborts:
-            gone = [r.key for r in room.remove(aborts)]
+            gone = [r.key for r in scheduler.remove(aborts)]
             batch.forget_resumed(gone)
             events += [Event(key, finish_reason="abort") for key in gone]
             remove = tuple(k for k in aborts if batch.holds(k))
         if self.inbox.stopping:
             return Turn(batch.size, remove, stop=True), events
-        costs = batch.costs(excluding=remove)
-        admitted: list[Request] = []
-        while (request := room.peek()) is not None:
-            if len(costs) >= self.config.completion_batch_size:
-                break
-            new = cost(request)
-            if not planner.joins(costs, new):
-                if costs:
-                    break  # it waits for memory
-                room.pop()
-                batch.forget_resumed([request.key])
-                events.append(self._too_big(request, planner))
-                continue
-            costs.append(new)
-            admitted.append(room.pop())
-        drop, cached = batch.cached_over(planner.prefix_allowance(costs))
-        chunk = planner.chunk(costs, cached) if costs else None
-        self._prefill_bytes = planner.prefill_bytes(costs, chunk or 0)
-        context = max((c.prompt for c in costs if c.prefilling), default=0)
-        expected = batch.step_seconds(chunk, context)
-        turn = Turn(batch.size, remove, tuple(drop), tuple(admitted), chunk, expected)
+        plan = self._plan = scheduler.schedule(
+            batch.sequences(excluding=remove), batch.prefix_cache_bytes
+        )
+        batch.forget_resumed([r.key for r in plan.refuse])
+        events += [self._too_big(r, scheduler.planner) for r in plan.refuse]
+        drop, _ = batch.cached_over(plan.prefix_allowance)
+        turn = Turn(
+            batch.size, remove, tuple(drop), plan.admit, plan.chunk, plan.expected_seconds
+        )
         return turn, events
 
     @staticmethod
@@ -255,24 +244,22 @@ class EngineCore:
             failure=Failure.TOO_BIG,
         )
 
-    def _put_back(
-        self, batch: Batch, planner: MemoryPlanner, room: WaitingRoom, exc: Exception
-    ) -> list[Event]:
+    def _put_back(self, batch: Batch, scheduler: Scheduler, exc: Exception) -> list[Event]:
         """A step ran out of memory despite the budget: the estimates were short.
         Raise them, and put the batch back in the waiting room in admission order
         (the most recent last: they wait if fewer fit now). A request alone in
         the batch does not fit at all: it ends."""
-        planner.learn()
+        scheduler.planner.learn()
         requests = batch.reset()
         log.warning(
             "out of memory in a step (%s); %d request(s) put back to wait for memory; "
             "estimates now x%.2f",
             exc,
             len(requests),
-            planner.safety,
+            scheduler.planner.safety,
         )
         if len(requests) > 1:
-            room.put_back(requests)
+            scheduler.put_back(requests)
             return []
         batch.forget_resumed([r.key for r in requests])
         return [
@@ -285,17 +272,18 @@ class EngineCore:
             for r in requests
         ]
 
-    def _memory(self, batch: Batch, planner: MemoryPlanner, room: WaitingRoom) -> Memory:
+    def _memory(self, batch: Batch, scheduler: Scheduler) -> Memory:
+        planner = scheduler.planner
         return Memory(
             budget=planner.budget,
             weights=planner.model.weights,
             kv=batch.kv_bytes,
-            prefill=int(self._prefill_bytes),
+            prefill=int(self._plan.prefill_bytes),
             prefix_cache=batch.prefix_cache_bytes,
             active=batch.active_memory,
             peak=batch.peak_memory,
             longest_sequence=planner.longest_sequence,
-            waiting_for_memory=len(room),
+            waiting_for_memory=self._plan.waiting_for_memory,
             out_of_memory_steps=self._out_of_memory_steps,
         )
 

@@ -1,7 +1,8 @@
 """The memory budget: what the model costs, and what may run within the budget.
 
 Pure arithmetic, no MLX: the numbers come from a probe at warm-up
-(`engine.memory_probe`), and the engine asks before every admission and step.
+(`engine.memory_probe`), and the scheduler (`engine.scheduler`) asks before
+every admission and step.
 
 What a state of the batch costs, in bytes:
 
@@ -15,13 +16,12 @@ What a state of the batch costs, in bytes:
   chunk token, attention scores per chunk token and context token).
 
 A request is admitted only when the batch with it, at its longest, fits; a
-prompt prefills in the largest chunk that fits, long prompts alone.
+prompt prefills in chunks no larger than what fits.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -31,12 +31,10 @@ from smg_mlx.engine.types import Request
 KV_COPIES = 2
 # The cache grows in blocks of this many tokens.
 KV_BLOCK = 256
-# Chunks are halved down to this many tokens at the most...
+# Chunks are halved down to this many tokens at the most.
 MIN_CHUNK = 128
-# ...but a prompt joins others being prefilled only if chunks stay this long:
-# many long prompts in small chunks all wait long for their first token, and
-# small chunks use the accelerator poorly. Otherwise it prefills after them.
-JOIN_CHUNK = 512
+# The prefix cache keeps room for the batch prefilling in chunks this long.
+ALLOWANCE_CHUNK = 512
 # Estimates are multiplied by this, and by LEARN_FACTOR after each out-of-memory error.
 SAFETY = 1.1
 LEARN_FACTOR = 1.25
@@ -121,11 +119,11 @@ class MemoryPlanner:
 
     def prefix_allowance(self, costs: list[Cost]) -> int:
         """What the prefix cache may hold beside these costs, prefilling in
-        chunks of JOIN_CHUNK, and keeping room for the cache of the longest to
-        be copied in when it ends."""
+        chunks of ALLOWANCE_CHUNK, and keeping room for the cache of the longest
+        to be copied in when it ends."""
         longest = max((s.total for s in costs), default=0)
         copy = longest * self.model.kv_per_token * self.safety
-        need = self.need(costs, min(JOIN_CHUNK, self.max_chunk))
+        need = self.need(costs, min(ALLOWANCE_CHUNK, self.max_chunk))
         return max(0, int(self.budget - need - copy))
 
     def fits(self, costs: list[Cost]) -> bool:
@@ -153,16 +151,6 @@ class MemoryPlanner:
                 high = middle
         return low
 
-    def joins(self, costs: list[Cost], new: Cost) -> bool:
-        """Whether `new` may start beside `costs` now (they fit together;
-        the prefix cache gives way)."""
-        together = [*costs, new]
-        if not self.fits(together):
-            return False
-        if not any(s.prefilling for s in costs):
-            return True
-        return self.chunk(together, 0) >= min(JOIN_CHUNK, self.max_chunk)
-
     def learn(self) -> None:
         """An out-of-memory error: the estimates were short; raise them."""
         self.safety = min(self.safety * LEARN_FACTOR, MAX_SAFETY)
@@ -173,34 +161,3 @@ def cost(request: Request) -> Cost:
     """A request as the budget sees it when admitted."""
     prompt = len(request.spec.prompt)
     return Cost(prompt=prompt, total=prompt + request.spec.max_tokens, prefilling=True)
-
-
-class WaitingRoom:
-    """Requests waiting for memory, first come first served."""
-
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def add(self, requests: Iterable[Request]) -> None:
-        self._queue.extend(requests)
-
-    def put_back(self, requests: list[Request]) -> None:
-        """Requests that were running come first again, in their order."""
-        self._queue.extendleft(reversed(requests))
-
-    def remove(self, keys: set[int]) -> list[Request]:
-        kept: deque[Request] = deque()
-        gone = []
-        for request in self._queue:
-            (gone if request.key in keys else kept).append(request)
-        self._queue = kept
-        return gone
-
-    def peek(self) -> Request | None:
-        return self._queue[0] if self._queue else None
-
-    def pop(self) -> Request:
-        return self._queue.popleft()

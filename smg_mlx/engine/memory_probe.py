@@ -1,9 +1,10 @@
-"""Measures what a model costs in memory, at warm-up, on the engine thread (uses MLX).
+"""Measures what a model costs, at warm-up, on the engine thread (uses MLX).
 
 A formula drifts across backends and kernels (whether attention scores are
 materialized, how logits are kept), so the prefill working set is measured:
 one prompt at two lengths through mlx-lm's own BatchGenerator, peak memory
-each time.
+each time. The longer one's chunks are timed too, each at a longer context:
+what a prompt token costs to prefill, and how that grows with the context.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from smg_mlx.engine.memory import MemoryModel, format_bytes
+from smg_mlx.engine.step_clock import PrefillSpeed
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,12 @@ def budget(size: int | None, share: float | None) -> int:
     return int(memory * (default if share is None else share))
 
 
-def _peak_of_one_prompt(model: nn.Module, stream: mx.Stream, length: int, chunk: int) -> int:
+def _one_prompt(
+    model: nn.Module, stream: mx.Stream, length: int, chunk: int
+) -> tuple[int, list[tuple[int, float]]]:
     """Peak bytes above what was allocated before, for one prompt of `length`
-    tokens prefilled in chunks of `chunk` and one generated token."""
+    tokens prefilled in chunks of `chunk` and one generated token; and each
+    full chunk's (context before it, seconds)."""
     generator = BatchGenerator(
         model, completion_batch_size=1, prefill_batch_size=1, prefill_step_size=chunk,
         stream=stream,
@@ -59,16 +64,37 @@ def _peak_of_one_prompt(model: nn.Module, stream: mx.Stream, length: int, chunk:
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     generator.insert([[i % 100 + 1 for i in range(length)]], max_tokens=[1])
-    while not any(r.finish_reason for r in generator.next()[1]):
-        pass
+    chunks, done = [], 0
+    while True:
+        started = time.perf_counter()
+        prompts, finished = generator.next()
+        seconds = time.perf_counter() - started
+        processed = next((r.progress[0] for r in prompts if not r.end_of_prompt), done)
+        if processed - done == chunk:
+            chunks.append((done, seconds))
+        done = processed
+        if any(r.finish_reason for r in finished):
+            break
     peak = mx.get_peak_memory() - before
     generator.close()
-    return peak
+    return peak, chunks
 
 
-def measure(model: nn.Module, stream: mx.Stream, max_chunk: int) -> tuple[MemoryModel, float]:
-    """The model's weights, KV bytes per token and prefill working set; and the
-    seconds one prompt token took to prefill."""
+def _speed(chunks: list[tuple[int, float]], chunk: int) -> PrefillSpeed:
+    """Seconds per prompt token, and more per token of context, from chunks
+    timed at growing contexts (the fastest at the shortest, the slowest at
+    the longest: noise there only makes the estimate err long)."""
+    (first, fast), (last, slow) = chunks[0], chunks[-1]
+    per_token = min(seconds for _, seconds in chunks) / chunk
+    per_context = max(0.0, (slow - fast) / (chunk * (last - first))) if last > first else 0.0
+    return PrefillSpeed(per_token, per_context)
+
+
+def measure(
+    model: nn.Module, stream: mx.Stream, max_chunk: int
+) -> tuple[MemoryModel, PrefillSpeed]:
+    """The model's weights, KV bytes per token and prefill working set; and
+    what prefilling costs in time."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     cache = make_prompt_cache(model)
     with mx.stream(stream):
@@ -77,21 +103,27 @@ def measure(model: nn.Module, stream: mx.Stream, max_chunk: int) -> tuple[Memory
     kv_per_token = sum(c.nbytes for c in cache) / PROBE_CHUNK
     del cache
     chunk = min(PROBE_CHUNK, max_chunk)
-    # The working set of the last chunk, the cache aside, at two contexts.
-    short, long = chunk, max(PROBE_CONTEXT, 2 * chunk)
-    started = time.perf_counter()
-    spent = {
-        n: _peak_of_one_prompt(model, stream, n, chunk) - n * kv_per_token for n in (short, long)
-    }
-    per_token = (time.perf_counter() - started) / (short + long)
+    # The working set of the last chunk, the cache aside, at two contexts. The
+    # short prompt (one full chunk and its last token) also prepares the
+    # chunk's kernels before the long one is timed.
+    short, long = chunk + 1, max(PROBE_CONTEXT, 2 * chunk) + 1
+    spent, timed = {}, []
+    for n in (short, long):
+        peak, timed = _one_prompt(model, stream, n, chunk)
+        spent[n] = peak - n * kv_per_token
+    speed = _speed(timed, chunk)
     per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))
     per_chunk_token = max(0.0, spent[short] / chunk - per_context * short)
     mx.clear_cache()
     found = MemoryModel(weights, kv_per_token, per_chunk_token, per_context)
+    log.info(
+        "prefill: %.3f ms per prompt token, and %.3f us more per token of context",
+        speed.per_token * 1e3, speed.per_context * 1e6,
+    )  # fmt: skip
     log.info(
         "memory: weights %s, KV %s per token, prefill %s per chunk token and %s more per "
         "token of context",
         format_bytes(weights), format_bytes(kv_per_token), format_bytes(per_chunk_token),
         format_bytes(per_context),
     )  # fmt: skip
-    return found, per_token
+    return found, speed

@@ -108,6 +108,24 @@ class PrefixCache:
         (and does not count as a use of its entry). The cache is the caller's
         to mutate.
         """
+        found = self._longest(prompt, minimum)
+        if found is None:
+            return None, 0
+        n, entry = found
+        self._lru.move_to_end(entry)
+        cache = [_detached(c) for c in entry.cache]
+        if n < entry.node.depth:
+            for layer in cache:
+                layer.trim(entry.node.depth - n)
+        return cache, n
+
+    def reusable(self, prompt: Sequence[int], minimum: int = 1) -> int:
+        """How many prompt tokens `lookup` would reuse now; uses nothing."""
+        found = self._longest(prompt, minimum)
+        return found[0] if found else 0
+
+    def _longest(self, prompt: Sequence[int], minimum: int) -> tuple[int, _Entry] | None:
+        """The entry sharing the longest usable prefix with the prompt, and its length."""
         limit = len(prompt) - 1
         best: tuple[int, _Entry] | None = None
         node, depth = self._root, 0
@@ -129,14 +147,8 @@ class PrefixCache:
         if below.trimmable_below and reach > (best[0] if best else 0):
             best = (reach, self._trimmable_under(below))
         if best is None or best[0] < minimum:
-            return None, 0
-        n, entry = best
-        self._lru.move_to_end(entry)
-        cache = [_detached(c) for c in entry.cache]
-        if n < entry.node.depth:
-            for layer in cache:
-                layer.trim(entry.node.depth - n)
-        return cache, n
+            return None
+        return best
 
     @staticmethod
     def _trimmable_under(node: _Node) -> _Entry:

@@ -119,7 +119,9 @@ class StepReport:
     step_seconds: float | None  # None when no model step ran (aborts only)
     batch_size: int  # sequences the step ran on, those that finished in it included
     running: int  # sequences being prefilled or decoded after the step
-    waiting: int  # admitted sequences the batch has not started yet
+    prefilling: int  # of those, sequences whose prompt is not all processed yet
+    waiting: int  # requests not started yet
+    admitted: tuple[int, ...]  # keys of the requests that joined the batch this turn
     memory: Memory
     idle: bool  # nothing left to run: the engine sleeps until new work comes
 

@@ -1,0 +1,243 @@
+"""The scheduling policy: which waiting requests start, and how much each step prefills.
+
+Pure policy, no MLX: the engine loop hands it what arrived and what runs,
+asks `Scheduler.schedule` once per turn, and applies the `Plan` (on every
+rank, when the model is split over several). The rules:
+
+- **A step budget.** A step decodes every running stream once and prefills a
+  chunk of each prompt being prefilled. The chunk is sized (by the
+  `StepClock`) so that the step takes about `--step-budget-ms`: a running
+  stream's pause between two tokens stays about that long, whatever arrives.
+  mlx-lm pads every prompt row to one chunk length, so R rows at chunk c
+  cost R x c tokens: the budget is split evenly over the rows. A step
+  prefills at least MIN_STEP_TOKENS in all, even past the budget: smaller
+  steps would waste the accelerator more than they save anyone's time.
+- **Short before long.** A prompt is long when its prefill needs more than
+  LONG_PROMPT_STEPS steps' budget (at no context). At most
+  LONG_PREFILLS_AT_ONCE long prompts prefill at a time, in arrival order:
+  several at once finish no sooner in all, and the first of them much later.
+  Shorter prompts start at the next step beside them, in arrival order, while
+  prompt rows are free, and share each step's budget with them.
+- **Memory.** A request starts only when the batch with it fits the memory
+  budget (`MemoryPlanner`). One that does not fit waits without holding back
+  smaller ones behind it; one that can never fit is refused.
+- **No starvation.** A request that has waited AGING_SECONDS goes ahead of
+  every younger one; if it still cannot start for memory or for a free slot,
+  nothing younger starts before it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from smg_mlx.engine.memory import Cost, MemoryPlanner, cost
+from smg_mlx.engine.step_clock import StepClock
+from smg_mlx.engine.types import Request
+
+LONG_PREFILLS_AT_ONCE = 1
+LONG_PROMPT_STEPS = 4
+MIN_STEP_TOKENS = 128
+AGING_SECONDS = 10.0
+# The smallest chunk a prompt row gets; chunks are taken from a short ladder of
+# sizes (see `chunk_sizes`), since every new shape costs the backend a kernel
+# build on first use.
+SMALLEST_CHUNK = 16
+
+
+def chunk_sizes(largest: int) -> list[int]:
+    """Chunk sizes from SMALLEST_CHUNK to `largest`: powers of two and the
+    halfway steps between them (16, 24, 32, 48, ...), then `largest`."""
+    sizes = {largest}
+    n = SMALLEST_CHUNK
+    while n < largest:
+        sizes.update((n, min(n * 3 // 2, largest)))
+        n *= 2
+    return sorted(sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A sequence in the batch, as the policy sees it."""
+
+    cost: Cost
+    remaining: int = 0  # prompt tokens still to prefill (0: decoding, or about to)
+    context: int = 0  # tokens in its cache
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A request in the waiting room."""
+
+    request: Request
+    order: int  # arrival order (requests put back after an error go first)
+    arrived: float  # time.monotonic()
+    prefill: int  # prompt tokens to prefill, after the prefix cache's share
+    cached: int  # prompt tokens the prefix cache holds
+    cost: Cost = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cost = cost(self.request)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One turn's decisions."""
+
+    admit: tuple[Request, ...] = ()  # start now, in this order
+    refuse: tuple[Request, ...] = ()  # can never fit in memory
+    chunk: int | None = None  # prefill chunk per prompt row; None: no step
+    prefix_allowance: int = 0  # bytes the prefix cache may keep
+    expected_seconds: float = 0.0  # how long the step should take
+    prefill_bytes: float = 0.0  # the step's prefill working set (estimated)
+    waiting_for_memory: int = 0  # requests seen waiting for memory alone
+
+
+class Scheduler:
+    """Holds the waiting room and decides each turn. Runs on rank 0's engine thread."""
+
+    def __init__(
+        self,
+        planner: MemoryPlanner,
+        clock: StepClock,
+        *,
+        batch_size: int,
+        prefill_rows: int,
+        step_seconds: float,
+        cached_prefix: Callable[[Sequence[int]], int] = lambda prompt: 0,
+    ) -> None:
+        self.planner = planner
+        self.clock = clock
+        self.batch_size = batch_size
+        self.prefill_rows = prefill_rows
+        self.step_seconds = step_seconds
+        self._cached_prefix = cached_prefix
+        self._sizes = chunk_sizes(planner.max_chunk)
+        self._room: dict[int, Waiting] = {}  # by request key
+        self._order = itertools.count()
+        self._put_back = itertools.count(-(2**62))  # ahead of every arrival
+        self._measured: tuple[int, int] = (0, 0)  # the planned step's tokens and context
+
+    # ---- the waiting room ----
+
+    def __len__(self) -> int:
+        return len(self._room)
+
+    def add(self, requests: Iterable[Request], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for request in requests:
+            self._enter(request, next(self._order), now)
+
+    def put_back(self, requests: Sequence[Request]) -> None:
+        """Requests that were running, back after an error: they go first, in order."""
+        for request in requests:
+            self._enter(request, next(self._put_back), -math.inf)
+
+    def _enter(self, request: Request, order: int, arrived: float) -> None:
+        prompt = request.spec.prompt
+        cached = self._cached_prefix(prompt)
+        self._room[request.key] = Waiting(request, order, arrived, len(prompt) - cached, cached)
+
+    def remove(self, keys: Iterable[int]) -> list[Request]:
+        """Take these requests out of the room (aborted); those that were there."""
+        return [w.request for k in keys if (w := self._room.pop(k, None)) is not None]
+
+    # ---- the decisions ----
+
+    def row_chunk(self, rows: int, context: int) -> int:
+        """The largest chunk each of `rows` prompt rows may prefill in one step
+        within the budget, at `context` tokens of context."""
+        floor = next(s for s in self._sizes if s * rows >= MIN_STEP_TOKENS or s == self._sizes[-1])
+        for size in reversed(self._sizes):
+            if size <= floor:
+                return floor
+            if self.clock.seconds(rows * size, context + size // 2) <= self.step_seconds:
+                return size
+        return floor
+
+    def schedule(
+        self, running: Sequence[Running], prefix_bytes: int, now: float | None = None
+    ) -> Plan:
+        """Which waiting requests start beside `running`, and the step's chunk."""
+        now = time.monotonic() if now is None else now
+        prefilling = [r for r in running if r.cost.prefilling]
+        long = LONG_PROMPT_STEPS * self.row_chunk(1, 0)  # prompt tokens past which it is long
+        admitted, refused, for_memory = self._admit(running, prefilling, long, now)
+        costs = [r.cost for r in running] + [w.cost for w in admitted]
+        allowance = self.planner.prefix_allowance(costs)
+        if not costs:
+            self._measured = (0, 0)
+            return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
+        needs = [r.remaining for r in prefilling if r.remaining] + [
+            w.prefill - 1 for w in admitted if w.prefill > 1
+        ]
+        context = max([r.context for r in prefilling] + [w.cached for w in admitted], default=0)
+        chunk = self.planner.chunk(costs, min(prefix_bytes, allowance))
+        tokens = 0
+        if needs:
+            chunk = min(chunk, self.row_chunk(len(needs), context), self._size_at_least(max(needs)))
+            tokens = len(needs) * min(chunk, max(needs))
+        self._measured = (tokens, context + chunk // 2 if tokens else 0)
+        return Plan(
+            admit=tuple(w.request for w in admitted),
+            refuse=refused,
+            chunk=chunk,
+            prefix_allowance=allowance,
+            expected_seconds=self.clock.seconds(*self._measured),
+            prefill_bytes=self.planner.prefill_bytes(costs, chunk),
+            waiting_for_memory=for_memory,
+        )
+
+    def observe(self, seconds: float) -> None:
+        """The planned step ran in `seconds`."""
+        self.clock.observe(*self._measured, seconds)
+
+    def _size_at_least(self, tokens: int) -> int:
+        return next((s for s in self._sizes if s >= tokens), self._sizes[-1])
+
+    def _admit(
+        self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float
+    ) -> tuple[list[Waiting], tuple[Request, ...], int]:
+        costs = [r.cost for r in running]
+        slots = min(self.batch_size - len(costs), self.prefill_rows - len(prefilling))
+        longs = sum(r.remaining > long_tokens for r in prefilling)
+        admitted: list[Waiting] = []
+        refused: list[Request] = []
+        too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
+        for_memory = 0
+        ranked = sorted(self._room.values(), key=lambda w: self._rank(w, long_tokens, now))
+        for waiting in ranked if slots > 0 else ():
+            if slots <= 0:
+                break
+            long = waiting.prefill > long_tokens
+            if long and longs >= LONG_PREFILLS_AT_ONCE:
+                continue  # its turn comes when the long prompt prefilling is done
+            new = waiting.cost
+            if not self.planner.fits([new]):
+                refused.append(self._room.pop(waiting.request.key).request)
+                continue
+            if any(_at_least(new, c) for c in too_big) or not self.planner.fits([*costs, new]):
+                for_memory += 1
+                too_big.append(new)
+                if now - waiting.arrived >= AGING_SECONDS:
+                    break  # it holds its place: nothing younger starts before it
+                continue
+            costs.append(new)
+            admitted.append(self._room.pop(waiting.request.key))
+            slots -= 1
+            longs += long
+        return admitted, tuple(refused), for_memory
+
+    @staticmethod
+    def _rank(waiting: Waiting, long_tokens: int, now: float) -> tuple[int, int]:
+        if now - waiting.arrived >= AGING_SECONDS:
+            return 0, waiting.order
+        return (1 if waiting.prefill <= long_tokens else 2), waiting.order
+
+
+def _at_least(a: Cost, b: Cost) -> bool:
+    """Whether `a` costs the budget at least what `b` does, beside any batch."""
+    return a.total >= b.total and a.prompt >= b.prompt

@@ -1,0 +1,184 @@
+"""The scheduling policy on its own: no model, no gRPC, no clock but the one it is given."""
+
+from __future__ import annotations
+
+from helpers import prompt
+
+from smg_mlx.engine.memory import Cost, MemoryModel, MemoryPlanner
+from smg_mlx.engine.scheduler import (
+    AGING_SECONDS,
+    LONG_PROMPT_STEPS,
+    MIN_STEP_TOKENS,
+    Running,
+    Scheduler,
+    chunk_sizes,
+)
+from smg_mlx.engine.step_clock import PrefillSpeed, StepClock
+from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
+
+MIB = 2**20
+MODEL = MemoryModel(weights=100 * MIB, kv_per_token=1024, prefill_per_token=4096,
+                    prefill_per_context=16)  # fmt: skip
+# 40 ms per 1000 prompt tokens, and as much again per 10k tokens of context: a
+# 100 ms budget prefills 2048 tokens at no context, and less further in.
+SPEED = PrefillSpeed(per_token=4e-5, per_context=4e-9)
+
+
+def make(budget_mib: int = 10_000, *, step_ms: float = 100, rows: int = 8, batch: int = 32,
+         speed: PrefillSpeed = SPEED) -> Scheduler:  # fmt: skip
+    planner = MemoryPlanner(MODEL, budget_mib * MIB, max_chunk=2048, prefill_rows=rows)
+    return Scheduler(planner, StepClock(speed), batch_size=batch, prefill_rows=rows,
+                     step_seconds=step_ms / 1000)  # fmt: skip
+
+
+def req(key: int, length: int, max_tokens: int = 16) -> Request:
+    spec = GenerationSpec(tuple(prompt(length, key)), max_tokens, frozenset(),
+                          SamplingSettings(), LogitsSettings(), None)  # fmt: skip
+    return Request(key, spec)
+
+
+def prefilling(length: int, done: int = 0, max_tokens: int = 16) -> Running:
+    """A prompt of `length` tokens with `done` of them prefilled."""
+    return Running(Cost(length, length + max_tokens, True), length - 1 - done, done)
+
+
+def decoding(length: int = 64, max_tokens: int = 64) -> Running:
+    return Running(Cost(length, length + max_tokens, False), 0, length)
+
+
+def keys(requests) -> list[int]:
+    return [r.key for r in requests]
+
+
+def test_chunks_come_from_a_short_ladder_of_sizes():
+    assert chunk_sizes(2048) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+                                 1536, 2048]  # fmt: skip
+    assert chunk_sizes(100) == [16, 24, 32, 48, 64, 96, 100]
+
+
+def test_a_short_request_starts_ahead_of_queued_long_ones():
+    s = make()
+    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    s.add([req(1, 2 * long_tokens), req(2, 2 * long_tokens)], now=0)
+    first = s.schedule([], 0, now=0)
+    assert keys(first.admit) == [1]  # one long prompt prefills at a time
+    s.add([req(3, 40)], now=1)
+    plan = s.schedule([prefilling(2 * long_tokens, done=2048)], 0, now=1)
+    assert keys(plan.admit) == [3]
+    assert len(s) == 1  # the second long one still waits
+
+
+def test_the_next_long_prompt_starts_when_the_one_before_is_nearly_prefilled():
+    s = make()
+    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    s.add([req(1, 3 * long_tokens), req(2, 3 * long_tokens)], now=0)
+    assert keys(s.schedule([], 0, now=0).admit) == [1]
+    assert keys(s.schedule([prefilling(3 * long_tokens, done=long_tokens)], 0).admit) == []
+    # Within its last steps the first is no longer long: the next may start.
+    tail = prefilling(3 * long_tokens, done=3 * long_tokens - long_tokens // 2)
+    assert keys(s.schedule([tail], 0).admit) == [2]
+
+
+def test_the_step_budget_is_shared_by_the_rows_and_shrinks_as_the_context_grows():
+    s = make()
+    alone = s.schedule([prefilling(100_000, done=0)], 0).chunk
+    deep = s.schedule([prefilling(100_000, done=60_000)], 0).chunk
+    assert alone == 2048 and deep < alone
+    s.add([req(1, 1000)], now=0)
+    shared = s.schedule([prefilling(100_000, done=0)], 0, now=0)
+    assert keys(shared.admit) == [1]
+    assert shared.chunk <= alone // 2  # two rows, padded to one chunk, share the budget
+    assert shared.expected_seconds <= s.step_seconds
+
+
+def test_a_step_prefills_no_more_than_the_longest_prompt_needs():
+    s = make()
+    s.add([req(1, 40), req(2, 30)], now=0)
+    plan = s.schedule([], 0, now=0)
+    assert keys(plan.admit) == [1, 2]
+    assert plan.chunk == 48  # 39 tokens before the last, rounded up the ladder
+
+
+def test_a_tiny_budget_still_prefills_a_minimum_per_step():
+    s = make(step_ms=0.001)
+    plan = s.schedule([prefilling(10_000)], 0)
+    assert plan.chunk == MIN_STEP_TOKENS
+    s.add([req(1, 100)], now=0)
+    both = s.schedule([prefilling(10_000)], 0, now=0)
+    assert keys(both.admit) == [1] and 2 * both.chunk == MIN_STEP_TOKENS
+
+
+def test_slower_steps_than_expected_shrink_the_chunk():
+    s = make()
+    before = s.schedule([prefilling(100_000, done=8000)], 0).chunk
+    for _ in range(3):
+        s.observe(0.5)  # five times the budget
+    after = s.schedule([prefilling(100_000, done=8000)], 0).chunk
+    assert after < before
+    assert s.clock.seconds(after, 8000 + after // 2) <= s.step_seconds
+
+
+def test_one_slow_step_does_not_shrink_every_chunk_after_it():
+    s = make()
+    plan = s.schedule([prefilling(100_000, done=8000)], 0)
+    for seconds in (plan.expected_seconds, 3.0, plan.expected_seconds):  # a kernel build
+        s.observe(seconds)
+    assert s.schedule([prefilling(100_000, done=8000)], 0).chunk == plan.chunk
+
+
+# Three streams of up to 8000 tokens each, in a budget where a 22k-token request
+# fits alone but not beside them.
+STREAMS = [decoding(4000, max_tokens=4000)] * 3
+
+
+def test_a_request_that_does_not_fit_lets_smaller_ones_pass():
+    s = make(budget_mib=250)
+    s.add([req(1, 20_000, max_tokens=2000), req(2, 200)], now=0)
+    plan = s.schedule(STREAMS, 0, now=0)
+    assert keys(plan.admit) == [2]
+    assert plan.waiting_for_memory == 1 and len(s) == 1
+
+
+def test_an_aged_request_that_does_not_fit_holds_back_younger_ones():
+    s = make(budget_mib=250)
+    s.add([req(1, 20_000, max_tokens=2000)], now=0)
+    s.add([req(2, 200)], now=AGING_SECONDS)
+    plan = s.schedule(STREAMS, 0, now=AGING_SECONDS + 0.1)
+    assert keys(plan.admit) == []
+    assert len(s) == 2
+    # Once the batch has room, the aged one goes first.
+    assert keys(s.schedule([], 0, now=AGING_SECONDS + 1).admit)[0] == 1
+
+
+def test_a_request_that_can_never_fit_is_refused():
+    s = make(budget_mib=250)
+    s.add([req(1, 100_000), req(2, 100)], now=0)
+    plan = s.schedule([], 0, now=0)
+    assert keys(plan.refuse) == [1] and keys(plan.admit) == [2]
+
+
+def test_a_full_batch_admits_nobody_and_counts_its_slots():
+    s = make(batch=2, rows=8)
+    s.add([req(1, 10)], now=0)
+    assert keys(s.schedule([decoding(), decoding()], 0, now=0).admit) == []
+    rows = make(rows=1)
+    rows.add([req(1, 10)], now=0)
+    assert keys(rows.schedule([prefilling(100)], 0, now=0).admit) == []
+
+
+def test_requests_put_back_after_an_error_go_first():
+    s = make()
+    s.add([req(1, 10)], now=0)
+    s.put_back([req(7, 10), req(8, 10)])
+    assert keys(s.schedule([], 0, now=0).admit) == [7, 8, 1]
+
+
+def test_removed_requests_leave_the_room():
+    s = make()
+    s.add([req(1, 10), req(2, 10)], now=0)
+    assert keys(s.remove([2, 99])) == [2]
+    assert keys(s.schedule([], 0, now=0).admit) == [1]
+
+
+def test_an_idle_batch_plans_no_step():
+    assert make().schedule([], 0).chunk is None
