@@ -90,11 +90,13 @@ async def _stream(stub: mlx_engine_pb2_grpc.MlxEngineStub, tokens: int, gen: int
 
 
 def _gaps(arrivals: list[tuple[float, int]], begin: float, end: float) -> dict:
-    """The stream's pauses between messages, and its inter-token latency, within [begin, end]."""
+    """The stream's pauses between messages within [begin, end] (its wait for the
+    first one in it, and after the last, included), and its inter-token latency."""
     inside = [(t, n) for t, n in arrivals if begin <= t <= end]
-    gaps = [b[0] - a[0] for a, b in zip(inside, inside[1:], strict=False)]
+    times = [begin, *(t for t, _ in inside), end]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     # A message of n tokens after a pause of g: n tokens of g / n each (bench.stats).
-    itl = sorted(g / n for g, (_, n) in zip(gaps, inside[1:], strict=True) for _ in range(n))
+    itl = sorted(g / n for g, (_, n) in zip(gaps, inside, strict=False) for _ in range(n))
     return {
         "stream_messages": len(inside),
         "stream_longest_gap_s": max(gaps, default=None),

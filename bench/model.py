@@ -11,6 +11,12 @@ from smg_mlx.demo_model import build_model
 SHAPES: dict[str, list[str]] = {
     # The CPU workload: demo_model's defaults (hidden 64, 2 layers, float32).
     "tiny": [],
+    # A small llama for CPU runs where prefill must take time (the mixed workload):
+    # 2,000 prompt tokens take seconds on two cores.
+    "small": [
+        "--hidden-size", "192", "--layers", "4", "--heads", "4", "--kv-heads", "2",
+        "--intermediate-size", "512", "--context-length", "8192",
+    ],
     # Qwen3-0.6B's shapes, random bf16 weights: the GPU workload.
     "qwen3-0.6b": [
         "--family", "qwen3", "--hidden-size", "1024", "--layers", "28", "--heads", "16",

@@ -50,10 +50,17 @@ def keys(requests) -> list[int]:
     return [r.key for r in requests]
 
 
-def test_chunks_come_from_a_short_ladder_of_sizes():
-    assert chunk_sizes(2048) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
-                                 1536, 2048]  # fmt: skip
-    assert chunk_sizes(100) == [16, 24, 32, 48, 64, 96, 100]
+def test_chunks_are_powers_of_two_that_end_on_a_multiple_of_themselves():
+    assert chunk_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert chunk_sizes(3000)[-2:] == [2048, 3000]
+    s = make()
+    assert s.schedule([prefilling(100_000, done=0)], 0).chunk == 2048
+    # A prompt whose first 1000 tokens came from the prefix cache first catches up
+    # with the grid, then keeps to it: the same attention shapes every time.
+    assert s.schedule([prefilling(100_000, done=1000)], 0).chunk == 1048
+    catch_up = s.schedule([prefilling(100_000, done=30_000)], 0).chunk
+    deep = s.schedule([prefilling(100_000, done=30_000 + catch_up)], 0).chunk
+    assert deep < 2048 and (30_000 + catch_up) % deep == 0
 
 
 def test_a_short_request_starts_ahead_of_queued_long_ones():
@@ -91,14 +98,6 @@ def test_the_step_budget_is_shared_by_the_rows_and_shrinks_as_the_context_grows(
     assert shared.expected_seconds <= s.step_seconds
 
 
-def test_a_step_prefills_no_more_than_the_longest_prompt_needs():
-    s = make()
-    s.add([req(1, 40), req(2, 30)], now=0)
-    plan = s.schedule([], 0, now=0)
-    assert keys(plan.admit) == [1, 2]
-    assert plan.chunk == 48  # 39 tokens before the last, rounded up the ladder
-
-
 def test_a_tiny_budget_still_prefills_a_minimum_per_step():
     s = make(step_ms=0.001)
     plan = s.schedule([prefilling(10_000)], 0)
@@ -110,20 +109,20 @@ def test_a_tiny_budget_still_prefills_a_minimum_per_step():
 
 def test_slower_steps_than_expected_shrink_the_chunk():
     s = make()
-    before = s.schedule([prefilling(100_000, done=8000)], 0).chunk
+    before = s.schedule([prefilling(100_000, done=8192)], 0).chunk
     for _ in range(3):
         s.observe(0.5)  # five times the budget
-    after = s.schedule([prefilling(100_000, done=8000)], 0).chunk
+    after = s.schedule([prefilling(100_000, done=8192)], 0).chunk
     assert after < before
-    assert s.clock.seconds(after, 8000 + after // 2) <= s.step_seconds
+    assert s.clock.seconds(after, 8192 + after // 2) <= s.step_seconds
 
 
 def test_one_slow_step_does_not_shrink_every_chunk_after_it():
     s = make()
-    plan = s.schedule([prefilling(100_000, done=8000)], 0)
+    plan = s.schedule([prefilling(100_000, done=8192)], 0)
     for seconds in (plan.expected_seconds, 3.0, plan.expected_seconds):  # a kernel build
         s.observe(seconds)
-    assert s.schedule([prefilling(100_000, done=8000)], 0).chunk == plan.chunk
+    assert s.schedule([prefilling(100_000, done=8192)], 0).chunk == plan.chunk
 
 
 # Three streams of up to 8000 tokens each, in a budget where a 22k-token request

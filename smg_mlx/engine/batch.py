@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -59,6 +60,14 @@ class _Slot:
         return self.request.key
 
 
+# mlx's CUDA backend keeps per-shape caches (cuDNN attention graphs, CUDA
+# graphs) and, past twice a cache's size in misses over the process's life,
+# raises on every new shape: a worker that sees many prompt lengths would fail
+# after hours of healthy serving. A missed shape costs one build, not an error.
+# Read when each cache is first used; a value set by the operator wins.
+CUDA_CACHE_SETTINGS = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_SDPA_CACHE_SIZE": "1024"}
+
+
 def _load(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:
     """The model, or this rank's part of it when a group of ranks serves it."""
     if group is None:
@@ -99,6 +108,8 @@ class Batch:
     def __init__(self, config: EngineConfig, group: mx.distributed.Group | None = None) -> None:
         started = time.perf_counter()
         self._config = config
+        for name, value in CUDA_CACHE_SETTINGS.items():
+            os.environ.setdefault(name, value)
         self.model = _load(config, group)
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.

@@ -3,8 +3,9 @@
 A formula drifts across backends and kernels (whether attention scores are
 materialized, how logits are kept), so the prefill working set is measured:
 one prompt at two lengths through mlx-lm's own BatchGenerator, peak memory
-each time. The longer one's chunks are timed too, each at a longer context:
-what a prompt token costs to prefill, and how that grows with the context.
+each time. The longer one's chunks are timed on a second run, each at a
+longer context: what a prompt token costs to prefill, and how that grows
+with the context.
 """
 
 from __future__ import annotations
@@ -103,15 +104,15 @@ def measure(
     kv_per_token = sum(c.nbytes for c in cache) / PROBE_CHUNK
     del cache
     chunk = min(PROBE_CHUNK, max_chunk)
-    # The working set of the last chunk, the cache aside, at two contexts. The
-    # short prompt (one full chunk and its last token) also prepares the
-    # chunk's kernels before the long one is timed.
+    # The working set of the last chunk, the cache aside, at two contexts; then
+    # the long one again, timed: a backend's first run of a shape includes
+    # building its kernels (cuDNN graphs on CUDA), which no later run pays.
     short, long = chunk + 1, max(PROBE_CONTEXT, 2 * chunk) + 1
-    spent, timed = {}, []
+    spent = {}
     for n in (short, long):
-        peak, timed = _one_prompt(model, stream, n, chunk)
+        peak, _ = _one_prompt(model, stream, n, chunk)
         spent[n] = peak - n * kv_per_token
-    speed = _speed(timed, chunk)
+    speed = _speed(_one_prompt(model, stream, long, chunk)[1], chunk)
     per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))
     per_chunk_token = max(0.0, spent[short] / chunk - per_context * short)
     mx.clear_cache()

@@ -12,6 +12,10 @@ rank, when the model is split over several). The rules:
   cost R x c tokens: the budget is split evenly over the rows. A step
   prefills at least MIN_STEP_TOKENS in all, even past the budget: smaller
   steps would waste the accelerator more than they save anyone's time.
+- **Few shapes.** Chunks are powers of two, and each ends where the batch's
+  cache length is a multiple of it: the same attention shapes come back
+  step after step and prompt after prompt. (mlx's CUDA backend builds a
+  cuDNN graph for every new one, which costs more than a small chunk's work.)
 - **Short before long.** A prompt is long when its prefill needs more than
   LONG_PROMPT_STEPS steps' budget (at no context). At most
   LONG_PREFILLS_AT_ONCE long prompts prefill at a time, in arrival order:
@@ -29,6 +33,7 @@ rank, when the model is split over several). The rules:
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -38,25 +43,26 @@ from smg_mlx.engine.memory import Cost, MemoryPlanner, cost
 from smg_mlx.engine.step_clock import StepClock
 from smg_mlx.engine.types import Request
 
+log = logging.getLogger(__name__)
+
 LONG_PREFILLS_AT_ONCE = 1
 LONG_PROMPT_STEPS = 4
 MIN_STEP_TOKENS = 128
 AGING_SECONDS = 10.0
-# The smallest chunk a prompt row gets; chunks are taken from a short ladder of
-# sizes (see `chunk_sizes`), since every new shape costs the backend a kernel
-# build on first use.
 SMALLEST_CHUNK = 16
 
 
 def chunk_sizes(largest: int) -> list[int]:
-    """Chunk sizes from SMALLEST_CHUNK to `largest`: powers of two and the
-    halfway steps between them (16, 24, 32, 48, ...), then `largest`."""
-    sizes = {largest}
-    n = SMALLEST_CHUNK
-    while n < largest:
-        sizes.update((n, min(n * 3 // 2, largest)))
-        n *= 2
-    return sorted(sizes)
+    """Chunk sizes: the powers of two from SMALLEST_CHUNK below `largest`, and it."""
+    sizes = [largest]
+    while sizes[0] // 2 >= SMALLEST_CHUNK:
+        sizes.insert(0, 1 << ((sizes[0] - 1).bit_length() - 1))
+    return sizes
+
+
+def aligned(chunk: int, length: int) -> int:
+    """The chunk that takes a cache of `length` tokens to the next multiple of `chunk`."""
+    return chunk - length % chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +184,7 @@ class Scheduler:
         chunk = self.planner.chunk(costs, min(prefix_bytes, allowance))
         tokens = 0
         if needs:
-            chunk = min(chunk, self.row_chunk(len(needs), context), self._size_at_least(max(needs)))
+            chunk = aligned(min(chunk, self.row_chunk(len(needs), context)), context)
             tokens = len(needs) * min(chunk, max(needs))
         self._measured = (tokens, context + chunk // 2 if tokens else 0)
         return Plan(
@@ -193,10 +199,13 @@ class Scheduler:
 
     def observe(self, seconds: float) -> None:
         """The planned step ran in `seconds`."""
-        self.clock.observe(*self._measured, seconds)
-
-    def _size_at_least(self, tokens: int) -> int:
-        return next((s for s in self._sizes if s >= tokens), self._sizes[-1])
+        tokens, context = self._measured
+        if tokens:
+            log.debug(
+                "step %.1f ms (expected %.1f): %d prompt tokens at context %d",
+                seconds * 1e3, self.clock.seconds(tokens, context) * 1e3, tokens, context,
+            )  # fmt: skip
+        self.clock.observe(tokens, context, seconds)
 
     def _admit(
         self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float
@@ -229,6 +238,13 @@ class Scheduler:
             admitted.append(self._room.pop(waiting.request.key))
             slots -= 1
             longs += long
+            if long:
+                log.info(
+                    "request %r: a long prompt starts (%d tokens to prefill) after %.1fs; "
+                    "%d request(s) wait",
+                    waiting.request.request_id, waiting.prefill, now - waiting.arrived,
+                    len(self._room),
+                )  # fmt: skip
         return admitted, tuple(refused), for_memory
 
     @staticmethod

@@ -20,8 +20,12 @@ from dataclasses import dataclass
 # chunks after it, and a context that keeps growing is followed within a step
 # or two.
 RECENT_STEPS = 3
-# A step's correction is taken within these bounds of the probe's estimate.
+# A step's correction is taken within these bounds of the probe's estimate...
 CORRECTION_RANGE = (0.1, 10.0)
+# ...and at most this many times the correction before it: a run of steps that
+# build kernels for new shapes (on CUDA, each costs more than a small chunk's
+# work) must not teach the clock that every token costs that much.
+MOST_GROWTH = 2.0
 # Weight of each new decode-only step in the decode time's moving average.
 DECODE_WEIGHT = 0.2
 
@@ -69,4 +73,5 @@ class StepClock:
             return
         low, high = CORRECTION_RANGE
         measured = max(seconds - self.decode_seconds, 0.0) / predicted
+        high = min(high, MOST_GROWTH * self.correction)
         self._corrections.append(min(max(measured, low), high))
