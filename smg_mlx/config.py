@@ -20,7 +20,7 @@ class EngineConfig:
     prefill_step_size: int = 2048  # prompt tokens per prefill step, at most
     # How long an engine step may take while it prefills (see `engine.scheduler`):
     # a running stream's pause between tokens, against how fast long prompts go.
-    step_budget_seconds: float = 0.1
+    step_budget_seconds: float = 0.15
     # KV caches of finished sequences kept for reuse; 0: no prefix cache. A
     # fixed size, since the model's own footprint is unknown when flags are read.
     prompt_cache_bytes: int = 2 << 30

@@ -213,3 +213,28 @@ def test_a_short_request_overtakes_queued_long_ones_and_the_long_ones_finish(chu
     assert firsts == [3, 1, 2]
     ends = {e.key: e.finish_reason for r in reports for e in r.events if e.ends}
     assert ends == {1: "length", 2: "length", 3: "length"}
+
+
+def test_a_long_prompt_set_aside_for_short_ones_gives_its_solo_output(model_dir):
+    inbox = Inbox()
+    # No prefix cache: the second run must compute everything again.
+    sink, thread = start_core(model_dir, inbox, step_budget_seconds=1e-6, prompt_cache_bytes=0)
+    try:
+        long = spec(prompt(1500, 5), max_tokens=12)
+        inbox.submit(Request(1, long))
+        solo = [e.token for e in sink.events_of(1)]
+        assert len(set(solo)) > 3
+        inbox.submit(Request(2, long))
+        reports, chats, left = [], [3, 4, 5], {2, 3, 4, 5}
+        while left:
+            reports.append(sink.next_report())
+            left -= {e.key for e in reports[-1].events if e.ends}
+            if chats and len(reports) % 2:  # chats arriving while it prefills
+                key = chats.pop(0)
+                inbox.submit(Request(key, spec(prompt(20, key), max_tokens=2)))
+        assert [e.token for r in reports for e in r.events if e.key == 2] == solo
+        firsts = [e.key for r in reports for e in r.events if e.first]
+        assert firsts.index(3) < firsts.index(2)  # the chats did not wait for it
+    finally:
+        inbox.stop()
+        thread.join(TIMEOUT)

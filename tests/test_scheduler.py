@@ -42,8 +42,8 @@ def prefilling(length: int, done: int = 0, max_tokens: int = 16) -> Running:
     return Running(Cost(length, length + max_tokens, True), length - 1 - done, done)
 
 
-def decoding(length: int = 64, max_tokens: int = 64) -> Running:
-    return Running(Cost(length, length + max_tokens, False), 0, length)
+def decoding(length: int = 64, max_tokens: int = 64, fresh: bool = False) -> Running:
+    return Running(Cost(length, length + max_tokens, False), 0, length, fresh=fresh)
 
 
 def keys(requests) -> list[int]:
@@ -75,36 +75,61 @@ def test_a_short_request_starts_ahead_of_queued_long_ones():
     assert len(s) == 1  # the second long one still waits
 
 
-def test_the_next_long_prompt_starts_when_the_one_before_is_nearly_prefilled():
+def test_the_next_long_prompt_starts_once_the_one_before_is_prefilled():
     s = make()
     long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
     s.add([req(1, 3 * long_tokens), req(2, 3 * long_tokens)], now=0)
     assert keys(s.schedule([], 0, now=0).admit) == [1]
-    assert keys(s.schedule([prefilling(3 * long_tokens, done=long_tokens)], 0).admit) == []
-    # Within its last steps the first is no longer long: the next may start.
-    tail = prefilling(3 * long_tokens, done=3 * long_tokens - long_tokens // 2)
-    assert keys(s.schedule([tail], 0).admit) == [2]
+    tail = prefilling(3 * long_tokens, done=3 * long_tokens - 10)
+    assert keys(s.schedule([tail], 0).admit) == []
+    assert keys(s.schedule([decoding(3 * long_tokens)], 0).admit) == [2]
 
 
 def test_the_step_budget_is_shared_by_the_rows_and_shrinks_as_the_context_grows():
     s = make()
     alone = s.schedule([prefilling(100_000, done=0)], 0).chunk
-    deep = s.schedule([prefilling(100_000, done=60_000)], 0).chunk
+    deep = s.schedule([prefilling(100_000, done=65_536)], 0).chunk
     assert alone == 2048 and deep < alone
-    s.add([req(1, 1000)], now=0)
-    shared = s.schedule([prefilling(100_000, done=0)], 0, now=0)
-    assert keys(shared.admit) == [1]
+    s.add([req(1, 4000), req(2, 4000)], now=0)
+    shared = s.schedule([], 0, now=0)
+    assert keys(shared.admit) == [1, 2]
     assert shared.chunk <= alone // 2  # two rows, padded to one chunk, share the budget
     assert shared.expected_seconds <= s.step_seconds
+
+
+def test_a_long_prompt_steps_aside_while_a_short_one_prefills_then_comes_back():
+    s = make()
+    long = Running(Cost(100_000, 100_016, True), 90_000, 10_000, key=9)
+    s.add([req(1, 40)], now=0)
+    plan = s.schedule([long], 0, now=0)
+    assert keys(plan.admit) == [1] and plan.set_aside == (9,)
+    assert plan.chunk == 2048 and plan.expected_seconds < s.clock.seconds(2048, 0)
+    # Until the short one has its first token, the long one stays aside (the
+    # steps stay short); then it comes back, and a newcomer waits a step.
+    aside = Running(long.cost, long.remaining, long.context, key=9, aside=True)
+    for short in (prefilling(40, done=39), decoding(40, fresh=True)):
+        assert s.schedule([aside, short], 0, now=0).resume == ()
+    s.add([req(2, 40)], now=0)
+    back = s.schedule([aside, decoding(40)], 0, now=0)
+    assert back.resume == (9,) and back.admit == ()
+    again = s.schedule([long, decoding()], 0, now=0)
+    assert keys(again.admit) == [2] and again.set_aside == (9,)
+
+
+def test_a_long_prompt_stays_aside_until_the_short_ones_are_prefilled():
+    s = make()
+    aside = Running(Cost(100_000, 100_016, True), 90_000, 10_000, key=9, aside=True)
+    plan = s.schedule([aside, prefilling(3000, done=2048)], 0, now=0)
+    assert plan.resume == () and plan.chunk >= 951
 
 
 def test_a_tiny_budget_still_prefills_a_minimum_per_step():
     s = make(step_ms=0.001)
     plan = s.schedule([prefilling(10_000)], 0)
     assert plan.chunk == MIN_STEP_TOKENS
-    s.add([req(1, 100)], now=0)
-    both = s.schedule([prefilling(10_000)], 0, now=0)
-    assert keys(both.admit) == [1] and 2 * both.chunk == MIN_STEP_TOKENS
+    s.add([req(1, 400), req(2, 400)], now=0)
+    both = s.schedule([], 0, now=0)
+    assert keys(both.admit) == [1, 2] and 2 * both.chunk == MIN_STEP_TOKENS
 
 
 def test_slower_steps_than_expected_shrink_the_chunk():
@@ -125,14 +150,14 @@ def test_one_slow_step_does_not_shrink_every_chunk_after_it():
     assert s.schedule([prefilling(100_000, done=8192)], 0).chunk == plan.chunk
 
 
-# Three streams of up to 8000 tokens each, in a budget where a 22k-token request
-# fits alone but not beside them.
+# Three streams of up to 8000 tokens each, in a budget where a request that may
+# grow to 22k tokens fits alone but not beside them.
 STREAMS = [decoding(4000, max_tokens=4000)] * 3
 
 
 def test_a_request_that_does_not_fit_lets_smaller_ones_pass():
     s = make(budget_mib=250)
-    s.add([req(1, 20_000, max_tokens=2000), req(2, 200)], now=0)
+    s.add([req(1, 5000, max_tokens=17_000), req(2, 200)], now=0)
     plan = s.schedule(STREAMS, 0, now=0)
     assert keys(plan.admit) == [2]
     assert plan.waiting_for_memory == 1 and len(s) == 1
@@ -181,3 +206,12 @@ def test_removed_requests_leave_the_room():
 
 def test_an_idle_batch_plans_no_step():
     assert make().schedule([], 0).chunk is None
+
+
+def test_a_long_prompt_does_not_start_beside_short_ones_without_their_first_token():
+    s = make()
+    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    s.add([req(1, 2 * long_tokens), req(2, 40)], now=0)
+    assert keys(s.schedule([], 0, now=0).admit) == [2]
+    assert keys(s.schedule([decoding(40, fresh=True)], 0, now=0).admit) == []
+    assert keys(s.schedule([decoding(40)], 0, now=0).admit) == [1]

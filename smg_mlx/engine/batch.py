@@ -28,7 +28,7 @@ from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache
 from smg_mlx.engine.scheduler import Running
 from smg_mlx.engine.step_clock import StepClock
-from smg_mlx.engine.types import Event, Request, TokenLogprobs
+from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class _Slot:
     """One request's place in the batch."""
 
     request: Request
+    inserted: GenerationSpec  # what BatchGenerator runs (after an error: the rest of it)
     options: tuple  # its sampler, logits processors and stop sequences
     cached: int  # prompt tokens reused from the prefix cache (as its client is told)
     start: int  # tokens in its cache when it was inserted
@@ -54,6 +55,7 @@ class _Slot:
     prefilling: bool = True  # its prompt is not all processed yet
     fresh: bool = True  # no token yet
     generated: list[int] = field(default_factory=list)
+    kept: tuple | None = None  # set aside: its cache and the tokens in it
 
     @property
     def key(self) -> int:
@@ -121,6 +123,7 @@ class Batch:
         self._uids: dict[int, int] = {}  # request key -> uid
         self._started = 0  # slots BatchGenerator is prefilling or decoding
         self._resuming: dict[int, _Slot] = {}  # key -> slot of a request put back (see reset)
+        self._aside: dict[int, _Slot] = {}  # key -> slot set aside mid-prefill (see set_aside)
         self._prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         )
@@ -161,7 +164,7 @@ class Batch:
     @property
     def size(self) -> int:
         """Requests admitted to the batch."""
-        return len(self._slots)
+        return len(self._slots) + len(self._aside)
 
     @property
     def running(self) -> int:
@@ -170,8 +173,9 @@ class Batch:
 
     @property
     def prefilling(self) -> int:
-        """Requests BatchGenerator has started whose prompt is not all processed."""
-        return sum(slot.started and slot.prefilling for slot in self._slots.values())
+        """Requests whose prompt is not all processed (those set aside included)."""
+        started = sum(slot.started and slot.prefilling for slot in self._slots.values())
+        return started + len(self._aside)
 
     @property
     def waiting(self) -> int:
@@ -196,11 +200,16 @@ class Batch:
         return self._generator.prompt_cache_nbytes
 
     @property
+    def shape_builds(self) -> bool:
+        """Whether each new attention shape costs a kernel build (mlx's CUDA backend)."""
+        return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+    @property
     def stream(self) -> mx.Stream:
         return self._stream
 
     def holds(self, key: int) -> bool:
-        return key in self._uids
+        return key in self._uids or key in self._aside
 
     def sequences(self, excluding: Iterable[int] = ()) -> list[Running]:
         """The admitted sequences (but those with the keys `excluding`), as the
@@ -216,8 +225,11 @@ class Batch:
                 ),
                 slot.remaining,
                 slot.context,
+                slot.key,
+                slot.kept is not None,
+                slot.fresh,
             )
-            for slot in self._slots.values()
+            for slot in [*self._slots.values(), *self._aside.values()]
             if slot.key not in leaving
         ]
 
@@ -287,7 +299,7 @@ class Batch:
             uids, accepted, starts, strict=True
         ):
             remaining = len(request.spec.prompt) - cached - 1
-            slot = _Slot(request, options, cached, cached, remaining, cached)
+            slot = _Slot(request, request.spec, options, cached, cached, remaining, cached)
             if resumed is not None:  # as the client knows it: tokens sent, cache reuse
                 slot.request, slot.cached = resumed.request, resumed.cached
                 slot.fresh, slot.generated = resumed.fresh, resumed.generated
@@ -304,19 +316,54 @@ class Batch:
     def remove(self, keys: Iterable[int]) -> list[Event]:
         """Drop the requests with these keys (unknown keys are ignored); an abort
         event for each one dropped."""
+        keys = list(keys)
         uids = [self._uids[k] for k in keys if k in self._uids]
-        if not uids:
-            return []
-        # What an aborted sequence computed is as good as a finished one's.
-        kept = self._generator.remove(uids, return_prompt_caches=self._prefixes is not None)
+        kept = {}
+        if uids:
+            kept = self._generator.remove(uids, return_prompt_caches=self._prefixes is not None)
+        gone = [(self._forget(uid), kept.get(uid)) for uid in uids]
+        gone += [(slot, slot.kept) for k in keys if (slot := self._aside.pop(k, None))]
         events = []
-        for uid in uids:
-            slot = self._forget(uid)
-            cache, tokens = kept.get(uid, (None, ()))
-            if cache is not None and len(tokens) > slot.cached:  # else nothing new was computed
+        for slot, computed in gone:
+            cache, tokens = computed or (None, ())
+            # What an aborted sequence computed is as good as a finished one's.
+            if self._prefixes is not None and cache is not None and len(tokens) > slot.cached:
                 self._prefixes.insert(tokens, cache)
             events.append(Event(slot.key, finish_reason="abort"))
         return events
+
+    def set_aside(self, keys: Iterable[int]) -> None:
+        """Take these prompts out of BatchGenerator mid-prefill, keeping their
+        caches, until `resume`: short prompts then prefill without them."""
+        uids = [self._uids[k] for k in keys]
+        if not uids:
+            return
+        kept = self._generator.remove(uids, return_prompt_caches=True)
+        for uid in uids:
+            slot = self._forget(uid)
+            slot.kept = kept[uid]
+            self._aside[slot.key] = slot
+
+    def resume(self, keys: Iterable[int]) -> None:
+        """Put prompts set aside back, each to go on from its cache."""
+        for key in keys:
+            slot = self._aside.pop(key)
+            (cache, tokens), slot.kept = slot.kept, None
+            sampler, processors, stops = slot.options
+            uid = self._generator.insert(
+                [list(slot.inserted.prompt[len(tokens) :])],
+                max_tokens=[slot.inserted.max_tokens],
+                caches=[cache],
+                all_tokens=[list(tokens)],
+                samplers=[sampler],
+                logits_processors=[processors],
+                stop_sequences=[stops],
+            )[0]
+            slot.start = slot.context = len(tokens)
+            slot.remaining = len(slot.inserted.prompt) - len(tokens) - 1
+            slot.started = False
+            self._slots[uid] = slot
+            self._uids[key] = uid
 
     def step(self, chunk: int) -> list[Event]:
         """Advance the batch by one step, prefilling in chunks of at most `chunk`
@@ -366,8 +413,9 @@ class Batch:
         mx.clear_cache()
         self._generator = self._new_generator()
         requests = []
-        for slot in self._slots.values():
+        for slot in [*self._slots.values(), *self._aside.values()]:
             spec = slot.request.spec
+            slot.kept = None
             self._resuming[slot.key] = slot
             requests.append(
                 replace(
@@ -380,6 +428,7 @@ class Batch:
                 )
             )
         self._slots.clear()
+        self._aside.clear()
         self._uids.clear()
         self._started = 0
         return requests

@@ -76,6 +76,7 @@ class EngineCore:
                 batch_size=self.config.completion_batch_size,
                 prefill_rows=self.config.prefill_batch_size,
                 step_seconds=self.config.step_budget_seconds,
+                shape_builds=batch.shape_builds,
                 cached_prefix=batch.cached_prefix,
             )
         except BaseException as exc:  # noqa: BLE001 - reported; the caller decides what to do
@@ -229,7 +230,14 @@ class EngineCore:
         events += [self._too_big(r, scheduler.planner) for r in plan.refuse]
         drop, _ = batch.cached_over(plan.prefix_allowance)
         turn = Turn(
-            batch.size, remove, tuple(drop), plan.admit, plan.chunk, plan.expected_seconds
+            batch.size,
+            remove,
+            tuple(drop),
+            plan.admit,
+            plan.set_aside,
+            plan.resume,
+            plan.chunk,
+            plan.expected_seconds,
         )
         return turn, events
 
@@ -300,7 +308,10 @@ class EngineCore:
         # Drops first: they name entries as they were when rank 0 decided.
         batch.drop_cached(turn.drop_cached)
         events = batch.remove(turn.remove)
-        return events + batch.admit(list(turn.admit))
+        batch.set_aside(turn.set_aside)
+        events += batch.admit(list(turn.admit))
+        batch.resume(turn.resume)
+        return events
 
     @staticmethod
     def _step(batch: Batch, turn: Turn) -> tuple[list[Event], float | None, int, int]:

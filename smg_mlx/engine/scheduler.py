@@ -10,18 +10,24 @@ rank, when the model is split over several). The rules:
   stream's pause between two tokens stays about that long, whatever arrives.
   mlx-lm pads every prompt row to one chunk length, so R rows at chunk c
   cost R x c tokens: the budget is split evenly over the rows. A step
-  prefills at least MIN_STEP_TOKENS in all, even past the budget: smaller
-  steps would waste the accelerator more than they save anyone's time.
+  prefills at least MIN_STEP_TOKENS in all (SHAPE_BUILD_STEP_TOKENS where a
+  new shape costs a kernel build), even past the budget: smaller steps would
+  waste the accelerator more than they save anyone's time.
 - **Few shapes.** Chunks are powers of two, and each ends where the batch's
   cache length is a multiple of it: the same attention shapes come back
   step after step and prompt after prompt. (mlx's CUDA backend builds a
   cuDNN graph for every new one, which costs more than a small chunk's work.)
 - **Short before long.** A prompt is long when its prefill needs more than
   LONG_PROMPT_STEPS steps' budget (at no context). At most
-  LONG_PREFILLS_AT_ONCE long prompts prefill at a time, in arrival order:
-  several at once finish no sooner in all, and the first of them much later.
-  Shorter prompts start at the next step beside them, in arrival order, while
-  prompt rows are free, and share each step's budget with them.
+  LONG_PREFILLS_AT_ONCE long prompts prefill at a time, in arrival order
+  (the next starts once the last is prefilled): several at once finish no
+  sooner in all, the first of them much later, and mlx-lm pads the newer
+  one's cache to the older one's length. Shorter prompts start at the next
+  step, in arrival order, while prompt rows are free; a long prompt being
+  prefilled steps aside (its cache kept) until they have their first token,
+  then comes back for at least one step before it steps aside again. The
+  short prompts' first steps are then short, and the long one's attention
+  shapes stay those of a batch of one, which repeat.
 - **Memory.** A request starts only when the batch with it fits the memory
   budget (`MemoryPlanner`). One that does not fit waits without holding back
   smaller ones behind it; one that can never fit is refused.
@@ -48,6 +54,9 @@ log = logging.getLogger(__name__)
 LONG_PREFILLS_AT_ONCE = 1
 LONG_PROMPT_STEPS = 4
 MIN_STEP_TOKENS = 128
+# mlx's CUDA backend builds a cuDNN graph for each new attention shape, which
+# costs as much as prefilling hundreds of tokens: fewer, larger steps there.
+SHAPE_BUILD_STEP_TOKENS = 512
 AGING_SECONDS = 10.0
 SMALLEST_CHUNK = 16
 
@@ -72,6 +81,9 @@ class Running:
     cost: Cost
     remaining: int = 0  # prompt tokens still to prefill (0: decoding, or about to)
     context: int = 0  # tokens in its cache
+    key: int = 0
+    aside: bool = False  # a long prompt set aside while short ones prefill
+    fresh: bool = True  # no token yet
 
 
 @dataclass(slots=True)
@@ -94,6 +106,8 @@ class Plan:
     """One turn's decisions."""
 
     admit: tuple[Request, ...] = ()  # start now, in this order
+    set_aside: tuple[int, ...] = ()  # keys of long prompts that make way for the admitted
+    resume: tuple[int, ...] = ()  # keys of long prompts set aside, back in the batch
     refuse: tuple[Request, ...] = ()  # can never fit in memory
     chunk: int | None = None  # prefill chunk per prompt row; None: no step
     prefix_allowance: int = 0  # bytes the prefix cache may keep
@@ -113,6 +127,7 @@ class Scheduler:
         batch_size: int,
         prefill_rows: int,
         step_seconds: float,
+        shape_builds: bool = False,
         cached_prefix: Callable[[Sequence[int]], int] = lambda prompt: 0,
     ) -> None:
         self.planner = planner
@@ -120,6 +135,7 @@ class Scheduler:
         self.batch_size = batch_size
         self.prefill_rows = prefill_rows
         self.step_seconds = step_seconds
+        self.min_step_tokens = SHAPE_BUILD_STEP_TOKENS if shape_builds else MIN_STEP_TOKENS
         self._cached_prefix = cached_prefix
         self._sizes = chunk_sizes(planner.max_chunk)
         self._room: dict[int, Waiting] = {}  # by request key
@@ -156,7 +172,9 @@ class Scheduler:
     def row_chunk(self, rows: int, context: int) -> int:
         """The largest chunk each of `rows` prompt rows may prefill in one step
         within the budget, at `context` tokens of context."""
-        floor = next(s for s in self._sizes if s * rows >= MIN_STEP_TOKENS or s == self._sizes[-1])
+        floor = next(
+            s for s in self._sizes if s * rows >= self.min_step_tokens or s == self._sizes[-1]
+        )
         for size in reversed(self._sizes):
             if size <= floor:
                 return floor
@@ -171,16 +189,30 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         prefilling = [r for r in running if r.cost.prefilling]
         long = LONG_PROMPT_STEPS * self.row_chunk(1, 0)  # prompt tokens past which it is long
-        admitted, refused, for_memory = self._admit(running, prefilling, long, now)
+        aside = [r for r in prefilling if r.aside]
+        shorts = any(r.fresh and r.cost.prompt <= long and not r.aside for r in running)
+        # Long prompts set aside come back once the short ones have their first
+        # token; nothing starts beside them in that step.
+        resume = aside if not shorts else []
+        admitted, refused, for_memory = ([], (), 0) if resume else self._admit(
+            running, prefilling, long, shorts, now
+        )
+        set_aside = []
+        if any(w.prefill <= long for w in admitted):
+            set_aside = [
+                r for r in prefilling if r.remaining and r.cost.prompt > long and not r.aside
+            ]
         costs = [r.cost for r in running] + [w.cost for w in admitted]
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
             self._measured = (0, 0)
             return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
-        needs = [r.remaining for r in prefilling if r.remaining] + [
+        away = {id(r) for r in aside + set_aside} - {id(r) for r in resume}
+        rows = [r for r in prefilling if id(r) not in away]
+        needs = [r.remaining for r in rows if r.remaining] + [
             w.prefill - 1 for w in admitted if w.prefill > 1
         ]
-        context = max([r.context for r in prefilling] + [w.cached for w in admitted], default=0)
+        context = max([r.context for r in rows] + [w.cached for w in admitted], default=0)
         chunk = self.planner.chunk(costs, min(prefix_bytes, allowance))
         tokens = 0
         if needs:
@@ -189,6 +221,8 @@ class Scheduler:
         self._measured = (tokens, context + chunk // 2 if tokens else 0)
         return Plan(
             admit=tuple(w.request for w in admitted),
+            set_aside=tuple(r.key for r in set_aside),
+            resume=tuple(r.key for r in resume),
             refuse=refused,
             chunk=chunk,
             prefix_allowance=allowance,
@@ -208,11 +242,18 @@ class Scheduler:
         self.clock.observe(tokens, context, seconds)
 
     def _admit(
-        self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float
+        self,
+        running: Sequence[Running],
+        prefilling: list[Running],
+        long_tokens: int,
+        shorts: bool,
+        now: float,
     ) -> tuple[list[Waiting], tuple[Request, ...], int]:
+        """Who starts now (`shorts`: short prompts have no first token yet, and a
+        long prompt does not start beside them)."""
         costs = [r.cost for r in running]
         slots = min(self.batch_size - len(costs), self.prefill_rows - len(prefilling))
-        longs = sum(r.remaining > long_tokens for r in prefilling)
+        longs = sum(r.cost.prompt > long_tokens for r in prefilling)
         admitted: list[Waiting] = []
         refused: list[Request] = []
         too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
@@ -221,13 +262,13 @@ class Scheduler:
         for waiting in ranked if slots > 0 else ():
             if slots <= 0:
                 break
-            long = waiting.prefill > long_tokens
-            if long and longs >= LONG_PREFILLS_AT_ONCE:
-                continue  # its turn comes when the long prompt prefilling is done
             new = waiting.cost
             if not self.planner.fits([new]):
                 refused.append(self._room.pop(waiting.request.key).request)
                 continue
+            long = waiting.prefill > long_tokens
+            if long and (longs >= LONG_PREFILLS_AT_ONCE or shorts):
+                continue  # its turn comes when the long prompt prefilling is done
             if any(_at_least(new, c) for c in too_big) or not self.planner.fits([*costs, new]):
                 for_memory += 1
                 too_big.append(new)
@@ -238,6 +279,7 @@ class Scheduler:
             admitted.append(self._room.pop(waiting.request.key))
             slots -= 1
             longs += long
+            shorts = shorts or not long
             if long:
                 log.info(
                     "request %r: a long prompt starts (%d tokens to prefill) after %.1fs; "

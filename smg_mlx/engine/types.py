@@ -135,6 +135,8 @@ class Turn:
     remove: tuple[int, ...] = ()  # keys that leave the batch (aborted)
     drop_cached: tuple[int, ...] = ()  # prompt-cache entries dropped for memory
     admit: tuple[Request, ...] = ()  # requests that join the batch, in order
+    set_aside: tuple[int, ...] = ()  # keys of prompts whose prefill pauses (cache kept)
+    resume: tuple[int, ...] = ()  # keys of prompts set aside that continue
     chunk: int | None = None  # prefill chunk of this turn's step; None: no step
     expected_seconds: float = 0.0  # how long its step may take (the watchdog's measure)
     stop: bool = False
