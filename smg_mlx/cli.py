@@ -16,12 +16,14 @@ from typing import NoReturn
 
 from smg_mlx import __version__, logs, mlx_backend, model_source
 from smg_mlx.api.streaming import MAX_CHUNK_SECONDS
-from smg_mlx.config import EngineConfig, ServerConfig
+from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig
 from smg_mlx.demo_model import ensure_demo_model
 from smg_mlx.engine.ranks import launched_rank
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+# Smaller message limits would refuse ordinary requests and responses.
+MIN_MESSAGE_BYTES = 64 << 10
 
 
 def byte_size(text: str) -> int:
@@ -63,6 +65,15 @@ def _number(kind: type, low: float, what: str) -> Callable[[str], int | float]:
     return parse
 
 
+def _message_size(text: str) -> int:
+    size = byte_size(text)
+    if size < MIN_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"expected a size of at least {MIN_MESSAGE_BYTES >> 10}KiB, got {text!r}"
+        )
+    return size
+
+
 _positive = _number(int, 1, "a whole number of at least 1")
 _count = _number(int, 0, "a whole number, 0 or more")
 _non_negative = _number(float, 0, "a number, 0 or more")
@@ -76,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"smg-mlx {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the MlxEngine gRPC service")
-    engine, server = EngineConfig, ServerConfig  # the defaults
+    engine, server, limits = EngineConfig, ServerConfig, RequestLimits  # the defaults
     model = serve.add_mutually_exclusive_group(required=True)
     model.add_argument(
         "--model",
@@ -174,6 +185,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait beyond a full batch; more get RESOURCE_EXHAUSTED "
         "(%(default)s)",
     )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=_message_size,
+        default=limits.max_request_bytes,
+        metavar="SIZE",
+        help="largest request message; larger ones get RESOURCE_EXHAUSTED "
+        f"(default: {limits.max_request_bytes >> 20}MiB)",
+    )
+    serve.add_argument(
+        "--max-response-bytes",
+        type=_message_size,
+        default=limits.max_response_bytes,
+        metavar="SIZE",
+        help="largest response message: no more than the clients accept (the router and "
+        "gRPC clients take 4MiB unless set otherwise); a non-streamed request whose response "
+        "could be larger gets INVALID_ARGUMENT before it runs "
+        f"(default: {limits.max_response_bytes >> 20}MiB)",
+    )
+    for flag, field, default in (
+        ("--max-stop-token-ids", "stop_token_ids", limits.max_stop_token_ids),
+        ("--max-logit-bias", "logit_bias", limits.max_logit_bias),
+    ):
+        serve.add_argument(
+            flag,
+            type=_count,
+            default=default,
+            help=f"most entries in a request's {field} (%(default)s)",
+        )
     serve.add_argument(
         "--shutdown-grace-seconds",
         type=_non_negative,
@@ -300,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         metrics_port=args.metrics_port,
+        limits=RequestLimits(
+            max_request_bytes=args.max_request_bytes,
+            max_response_bytes=args.max_response_bytes,
+            max_stop_token_ids=args.max_stop_token_ids,
+            max_logit_bias=args.max_logit_bias,
+        ),
     )
     if rank:  # another rank serves the clients; this one follows it
         from smg_mlx import follower

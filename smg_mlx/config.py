@@ -37,6 +37,23 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """How large one request and its response may be (README, "Limits"). Each
+    is a trade-off: more room for unusual clients, more memory and CPU that one
+    client can take from the others."""
+
+    # A request message; gRPC refuses larger ones with RESOURCE_EXHAUSTED. Room
+    # for very long prompts: a 1M-token prompt is about 3-5 MB of ids.
+    max_request_bytes: int = 16 << 20
+    # One response message: what the router and gRPC clients accept by default.
+    max_response_bytes: int = 4 << 20
+    # Entries of stop_token_ids and of logit_bias: they bound the memory each
+    # request's settings take, and the engine's cache of recent logit biases.
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
@@ -49,3 +66,4 @@ class ServerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     metrics_port: int | None = None  # None: no /metrics endpoint
+    limits: RequestLimits = RequestLimits()

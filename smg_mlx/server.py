@@ -27,9 +27,6 @@ ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_na
 HEALTH_NAMES = ("", ENGINE_SERVICE)  # "" is the whole server, as Kubernetes probes ask
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Room for very long prompts (a 1M-token prompt is about 5 MB of ids); larger
-# requests get RESOURCE_EXHAUSTED from gRPC itself.
-MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 class StartupError(RuntimeError):
@@ -67,12 +64,14 @@ class Worker:
             self.engine,
             capacity=config.engine.completion_batch_size + config.max_pending,
             metrics=self.metrics,
+            limits=config.limits,
         )
         self.health = health.aio.HealthServicer()
         self.engine.on_failure(self._on_engine_failure)
         self.server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                # Larger requests get RESOURCE_EXHAUSTED from gRPC itself.
+                ("grpc.max_receive_message_length", config.limits.max_request_bytes),
                 # gRPC shares ports by default: a second worker on the same
                 # port would silently take half the connections.
                 ("grpc.so_reuseport", 0),

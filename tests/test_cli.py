@@ -10,7 +10,7 @@ import pytest
 
 from smg_mlx import __version__
 from smg_mlx.cli import build_parser, byte_size
-from smg_mlx.config import EngineConfig, ServerConfig
+from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -52,7 +52,7 @@ def test_readme_defaults_match_the_code():
         action = flags.get(flag)
         if action is None or action.default in (None, False, argparse.SUPPRESS):
             continue
-        if flag == "--prompt-cache-bytes":
+        if flag.endswith("-bytes"):
             value = byte_size(cell)
         elif isinstance(action.default, (int, float)):
             value = float(cell)
@@ -72,6 +72,15 @@ def test_defaults_come_from_the_config():
     assert args.burst_window_ms == engine.burst_window_seconds * 1000
     assert args.max_pending == ServerConfig.max_pending
     assert args.stream_interval == ServerConfig.stream_interval
+    limits = RequestLimits()
+    assert (args.max_request_bytes, args.max_response_bytes) == (
+        limits.max_request_bytes,
+        limits.max_response_bytes,
+    )
+    assert (args.max_stop_token_ids, args.max_logit_bias) == (
+        limits.max_stop_token_ids,
+        limits.max_logit_bias,
+    )
 
 
 def test_help_says_each_default_once(capsys):
@@ -98,6 +107,7 @@ def test_sizes_take_units(text, expected):
     [
         (["--prompt-cache-bytes", "lots"], "expected a size such as 4GiB"),
         (["--prompt-cache-bytes", "4i"], "expected a size such as 4GiB"),
+        (["--max-response-bytes", "1KiB"], "expected a size of at least 64KiB, got '1KiB'"),
         (["--max-pending", "-1"], "expected a whole number, 0 or more, got '-1'"),
         (["--completion-batch-size", "x"], "expected a whole number of at least 1, got 'x'"),
     ],

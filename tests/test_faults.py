@@ -7,6 +7,7 @@ worker still serves a normal request afterwards (see also test_validation).
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 import pytest
@@ -90,21 +91,31 @@ def test_huge_repeated_fields_under_the_limit_are_refused_by_validation(worker):
         {"temperature": 0.8, "top_k": 4_000_000_000},  # beyond the vocabulary: no filter
         {"temperature": 0.8, "seed": -7},  # int32 seeds may be negative
         {"temperature": 0.8, "top_k": 1, "top_p": 0.01, "min_p": 1.0},
-        {"logit_bias": {k: 1e30 for k in range(0, 300, 7)}},
-        {"repetition_penalty": 1e-30, "frequency_penalty": -1e30},
+        {"temperature": 100.0, "top_p": 1e-45, "min_p": 1e-45},
+        {"logit_bias": {k: 100.0 if k % 2 else -100.0 for k in range(0, 300, 7)}},
+        {"repetition_penalty": 0.01, "frequency_penalty": -2.0, "presence_penalty": -2.0},
+        {"repetition_penalty": 100.0, "frequency_penalty": 2.0, "presence_penalty": 2.0},
     ],
     ids=[
         "top_k above vocab",
         "negative seed",
         "strictest filters",
-        "huge bias",
-        "extreme penalties",
+        "hottest and tiny filters",
+        "largest biases",
+        "penalties at their lows",
+        "penalties at their highs",
     ],
 )
 def test_edge_settings_never_reach_the_engine_as_faults(worker, settings):
-    r = generate(worker.stub, prompt(5), max_tokens=4, ignore_eos=True, **settings)
-    assert len(r.tokens) == 4
+    r = generate(
+        worker.stub, prompt(5, 1) * 4, max_tokens=24, ignore_eos=True, logprobs=20, **settings
+    )
+    assert len(r.tokens) == 24
     assert r.complete.finish_reason == "length"
+    # Penalties apply to repeated tokens: the prompt repeats itself.
+    values = [v for c in r.chunks for v in c.output_logprobs.token_logprobs]
+    values += [v for c in r.chunks for top in c.output_logprobs.top_logprobs for v in top.values]
+    assert len(values) == 24 * 21 and all(math.isfinite(v) for v in values)
     assert_still_serving(worker)
 
 

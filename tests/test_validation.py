@@ -6,7 +6,7 @@ import threading
 
 import grpc
 import pytest
-from helpers import generate, prompt, request, wait_until
+from helpers import collect, generate, prompt, request, wait_until
 
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
@@ -26,7 +26,17 @@ BAD_REQUESTS = [
     ("negative logprobs", request([5, 6], logprobs=-1), "logprobs"),
     ("logit_bias outside vocabulary", request([5, 6], logit_bias={100000: 1.0}), "logit_bias"),
     ("stop token outside vocabulary", request([5, 6], stop_token_ids=[100000]), "stop_token_ids"),
-]
+    # Values that made logprobs NaN: each refused with its allowed range.
+    ("tiny repetition penalty", request([5, 6], repetition_penalty=1e-45),
+     "repetition_penalty must be 0 (off) or in [0.01, 100], got 1.4013e-45"),
+    ("huge frequency penalty", request([5, 6], frequency_penalty=-3e38),
+     "frequency_penalty must be 0 (off) or in [-2, 2]"),
+    ("huge presence penalty", request([5, 6], presence_penalty=1e30),
+     "presence_penalty must be 0 (off) or in [-2, 2]"),
+    ("huge logit bias", request([5, 6], logit_bias={7: 1e30}),
+     "logit_bias must be in [-100, 100]"),
+    ("huge temperature", request([5, 6], temperature=1e38), "temperature must be in [0, 100]"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -166,3 +176,41 @@ def test_a_tiny_temperature_is_greedy(worker, temperature):
     greedy = generate(worker.stub, prompt(9), max_tokens=12, ignore_eos=True)
     tiny = generate(worker.stub, prompt(9), max_tokens=12, ignore_eos=True, temperature=temperature)
     assert tiny.tokens == greedy.tokens
+
+
+def test_text_beyond_capacity_is_refused_at_once_not_after_tokenizing(
+    start_worker, model_dir, monkeypatch
+):
+    w = start_worker(model_dir, completion_batch_size=1, prefill_batch_size=1, max_pending=1)
+    tokenizer = w.worker.servicer.tokenizer
+    # Texts the tokenizer takes but the context does not: refused after
+    # tokenizing, each gives its place back.
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(w.stub, text="lorem ipsum " * 3000, max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    encode, release = tokenizer.encode, threading.Event()
+
+    def slow_encode(text):
+        release.wait(30)  # a long text, taking its time
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    # The batch (1) and --max-pending (1) are taken by two texts being tokenized.
+    calls = [
+        w.stub.Generate(request(text=f"Hello {i}", max_tokens=2), timeout=60) for i in range(2)
+    ]
+    replies = [threading.Thread(target=lambda c=c: list(c), daemon=True) for c in calls]
+    for t in replies:
+        t.start()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            collect(w.stub.Generate(request(text="Hello", max_tokens=2), timeout=5))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "full (2 requests in flight)" in err.value.details()
+    finally:
+        release.set()
+    for t in replies:
+        t.join(30)
+    assert all(c.code() == grpc.StatusCode.OK for c in calls)
+    assert len(generate(w.stub, text="Hello", max_tokens=2).tokens) == 2

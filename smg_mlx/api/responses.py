@@ -1,12 +1,18 @@
-"""Protobuf messages of the Generate stream, built from a Job's progress."""
+"""Protobuf messages of the Generate stream, built from a Job's progress, and
+how large they can grow."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from smg_mlx.api.jobs import Job
 from smg_mlx.engine.types import TokenLogprobs
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+# Room in a message for everything but its tokens: counts, finish_reason,
+# field tags and length prefixes (well under this).
+RESERVED_BYTES = 1024
 
 
 def output_logprobs(tokens: Sequence[int], entries: Sequence[TokenLogprobs]) -> pb.OutputLogProbs:
@@ -46,3 +52,27 @@ def complete(job: Job, *, streamed: bool) -> pb.GenerateResponse:
     if job.finish_reason == "stop" and job.tokens:
         message.matched_stop_token_id = job.tokens[-1]
     return pb.GenerateResponse(complete=message)
+
+
+@functools.lru_cache(maxsize=64)
+def bytes_per_token(vocab_size: int, logprobs: int | None) -> int:
+    """The most bytes one output token adds to a message (a chunk or a
+    non-streamed final message): its id and, if asked, its logprobs, all ids
+    the largest (their varints are the longest). Measured on the messages
+    themselves, so it follows the proto."""
+
+    def size(n: int) -> int:
+        ids = [vocab_size - 1] * n
+        message = pb.GenerateComplete(output_ids=ids)
+        if logprobs is not None:
+            top = TokenLogprobs(0.0, (vocab_size - 1,) * logprobs, (0.0,) * logprobs)
+            message.output_logprobs.CopyFrom(output_logprobs(ids, [top] * n))
+        return message.ByteSize()
+
+    return size(2) - size(1)
+
+
+def tokens_within(limit: int, vocab_size: int, logprobs: int | None) -> int:
+    """The most tokens one message of at most `limit` bytes can carry (at least
+    one: a message carries one token whatever its size)."""
+    return max(1, (limit - RESERVED_BYTES) // bytes_per_token(vocab_size, logprobs))

@@ -3,7 +3,8 @@
 grpcio's generated registration parses requests before the handler runs and
 answers a malformed one with UNKNOWN and a Python exception name. Here each
 method receives raw bytes and parses them itself, so a client sending the wrong
-message (or garbage) is told what is wrong with the status that says so.
+message (or garbage) is told what is wrong with the status that says so; a
+large message is parsed off the event loop (api.payload).
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ from typing import Any
 import grpc
 from google.protobuf import message, message_factory
 
+from smg_mlx.api.payload import PayloadWork
 from smg_mlx.grpc_stubs import mlx_engine_pb2
 
 SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"]
 
 
-async def _parse(raw: bytes, cls: type[message.Message], context: grpc.aio.ServicerContext):
+async def _parse(
+    raw: bytes,
+    context: grpc.aio.ServicerContext,
+    cls: type[message.Message],
+    payload: PayloadWork,
+):
     try:
-        return cls.FromString(raw)
+        return await payload.run(len(raw), cls.FromString, raw)
     except message.DecodeError as exc:
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -44,10 +51,10 @@ def _ended_code(context: grpc.aio.ServicerContext, exc: BaseException | None) ->
     return "OK" if exc is None else "UNKNOWN"
 
 
-def _unary(impl: Callable, cls: type[message.Message], ended: Callable[[str], None]) -> Callable:
+def _unary(impl: Callable, parse: Callable, ended: Callable[[str], None]) -> Callable:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            reply = await impl(await _parse(raw, cls, context), context)
+            reply = await impl(await parse(raw, context), context)
         except BaseException as exc:
             ended(_ended_code(context, exc))
             raise
@@ -57,12 +64,10 @@ def _unary(impl: Callable, cls: type[message.Message], ended: Callable[[str], No
     return handle
 
 
-def _streaming(
-    impl: Callable, cls: type[message.Message], ended: Callable[[str], None]
-) -> Callable:
+def _streaming(impl: Callable, parse: Callable, ended: Callable[[str], None]) -> Callable:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for reply in impl(await _parse(raw, cls, context), context):
+            async for reply in impl(await parse(raw, context), context):
                 yield reply
         except BaseException as exc:
             ended(_ended_code(context, exc))
@@ -73,24 +78,27 @@ def _streaming(
 
 
 def engine_handler(servicer: Any, rpc_ended: Callable[[str, str], None]) -> grpc.GenericRpcHandler:
-    """The MlxEngine service's handlers, calling the servicer's methods by name;
-    `rpc_ended(method, status code name)` hears how each call ended."""
+    """The MlxEngine service's handlers, calling the servicer's methods by name
+    and parsing with its `payload` worker; `rpc_ended(method, status code name)`
+    hears how each call ended."""
     handlers = {}
     for method in SERVICE.methods:
         cls = message_factory.GetMessageClass(method.input_type)
+        parse = functools.partial(_parse, cls=cls, payload=servicer.payload)
         impl = getattr(servicer, method.name)
         ended = functools.partial(rpc_ended, method.name)
         if method.server_streaming:
             handler = grpc.unary_stream_rpc_method_handler(
-                _streaming(impl, cls, ended), response_serializer=_serialize
+                _streaming(impl, parse, ended), response_serializer=_serialize
             )
         else:
             handler = grpc.unary_unary_rpc_method_handler(
-                _unary(impl, cls, ended), response_serializer=_serialize
+                _unary(impl, parse, ended), response_serializer=_serialize
             )
         handlers[method.name] = handler
     return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
-def _serialize(reply: message.Message) -> bytes:
-    return reply.SerializeToString()
+def _serialize(reply: message.Message | bytes) -> bytes:
+    # A large reply comes serialized already: that work was done off the loop.
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()

@@ -16,14 +16,16 @@ from typing import Any
 
 import grpc
 
-from smg_mlx.api import request_log, streaming
+from smg_mlx.api import request_log, responses, streaming, translation
 from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
 from smg_mlx.api.jobs import Job
 from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo
+from smg_mlx.api.payload import PayloadWork
 from smg_mlx.api.tokenizer_files import chunks, tokenizer_zip
-from smg_mlx.api.translation import InvalidRequest, generation_spec, prompt_text
-from smg_mlx.engine.types import Failure
+from smg_mlx.api.translation import InvalidRequest
+from smg_mlx.config import RequestLimits
+from smg_mlx.engine.types import Failure, GenerationSpec
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,11 +35,21 @@ MODEL_INFO_WAIT_SECONDS = 60.0
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
-    def __init__(self, engine: EngineClient, *, capacity: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        capacity: int,
+        metrics: Metrics,
+        limits: RequestLimits,
+    ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._capacity = capacity  # running batch plus --max-pending waiting
+        self._limits = limits
         self._jobs: dict[str, Job] = {}
+        self._preparing = 0  # requests taken in, not yet jobs (tokenizing, checking)
+        self.payload = PayloadWork()
         self._started = time.monotonic()
         self.draining = False
         # Set by `set_model()` once the model directory has been read.
@@ -55,7 +67,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     @property
     def active_requests(self) -> int:
-        return len(self._jobs)
+        """Requests taken in: running, waiting, or still being prepared."""
+        return len(self._jobs) + self._preparing
 
     @property
     def jobs(self) -> list[Job]:
@@ -73,26 +86,16 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     async def Generate(
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
+    ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse | bytes]:
         reason = self.unavailable_reason()
         if reason:
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-        try:
-            text = prompt_text(request, self.info)
-            ids = request.tokenized.input_ids if text is None else await self._encode(text)
-            spec = generation_spec(request, self.info, ids, self._engine.longest_sequence)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        spec = await self._prepare(request, context)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._jobs:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {request_id!r} is already in flight; use a unique id",
-            )
-        if len(self._jobs) >= self._capacity:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker is full ({len(self._jobs)} requests in flight); retry elsewhere",
             )
         job = Job(request_id, spec)
         try:
@@ -101,20 +104,68 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self._jobs[request_id] = job
         try:
-            async for message in streaming.messages(job, request.stream, self._tokens_per_message):
-                yield message
+            most = responses.tokens_within(
+                self._limits.max_response_bytes, self.info.vocab_size, spec.logprobs
+            )
+            async for chunk in streaming.chunks(
+                job, request.stream, self._tokens_per_message, most
+            ):
+                yield chunk
             if job.error:
                 await context.abort(self._error_code(job), job.error)
+            yield await self._complete(job, request.stream)
         finally:
             del self._jobs[request_id]
             if not job.done:  # the client left or its deadline passed
                 self._engine.abort([job])
             self._request_ended(job)
 
+    async def _prepare(
+        self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> GenerationSpec:
+        """The request checked and translated, or the call ended with the status
+        that says why. Lengths are checked first and the worker's capacity next,
+        before any work that grows with the request (tokenizing, checking ids)."""
+        try:
+            text = translation.prompt_text(request, self.info)
+            translation.check_sizes(request, self._limits)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.active_requests >= self._capacity:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the worker is full ({self.active_requests} requests in flight); retry elsewhere",
+            )
+        self._preparing += 1
+        try:
+            ids = request.tokenized.input_ids if text is None else await self._encode(text)
+            return await self.payload.run(
+                translation.payload_size(request, ids),
+                translation.generation_spec,
+                request,
+                self.info,
+                ids,
+                self._engine.longest_sequence,
+                self._limits,
+            )
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self._preparing -= 1
+
     async def _encode(self, text: str) -> list[int]:
         """Tokenize off the event loop: megabytes of text take seconds."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text)
+
+    async def _complete(self, job: Job, streamed: bool) -> bytes:
+        """The final message, serialized: a non-streamed one carries every token
+        (megabytes with logprobs), so a large one is built off the loop."""
+        size = 0
+        if not streamed:
+            per_token = responses.bytes_per_token(self.info.vocab_size, job.spec.logprobs)
+            size = len(job.tokens) * per_token
+        return await self.payload.run(size, _serialized_complete, job, streamed)
 
     @staticmethod
     def _error_code(job: Job) -> grpc.StatusCode:
@@ -140,7 +191,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def Abort(
         self, request: mlx_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.AbortResponse:
-        jobs = [self._jobs[r] for r in request.request_ids if r in self._jobs]
+        ids = await self.payload.run(
+            translation.BYTES_PER_ITEM * len(request.request_ids), frozenset, request.request_ids
+        )
+        jobs = [job for request_id, job in self._jobs.items() if request_id in ids]
         if jobs:
             self._engine.abort(jobs)
             log.info("abort requested for %d request(s)", len(jobs))
@@ -196,7 +250,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         )
         return mlx_engine_pb2.GetServerInfoResponse(
             server_type=SERVER_TYPE,
-            active_requests=len(self._jobs),
+            active_requests=self.active_requests,
             uptime_seconds=time.monotonic() - self._started,
         )
 
@@ -208,3 +262,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             self._tokenizer_zip = await asyncio.to_thread(tokenizer_zip, self.model_dir)
         for data, sha256 in chunks(*self._tokenizer_zip):
             yield common_pb2.GetTokenizerChunk(data=data, sha256=sha256)
+
+
+def _serialized_complete(job: Job, streamed: bool) -> bytes:
+    return responses.complete(job, streamed=streamed).SerializeToString()

@@ -9,7 +9,9 @@ again. So tokens travel in chunks:
   load, growing with the load so that all streams together send about
   MESSAGES_PER_SECOND messages, but never holding a token more than about
   MAX_CHUNK_SECONDS (when steps are that slow, every token goes alone);
-- --stream-interval 1 sends every token alone, at any load.
+- --stream-interval 1 sends every token alone, at any load;
+- no chunk carries more tokens than one message may hold (--max-response-bytes):
+  a stream whose reader fell behind catches up in several.
 
 Two halves apply these rules, on two threads:
 
@@ -17,7 +19,7 @@ Two halves apply these rules, on two threads:
   step reports to the event loop at once when they carry a first token, an
   end or an abort, else every `tokens_per_message` steps (each hand-off is an
   event-loop wake-up). Its only way to the loop is `call_soon_threadsafe`.
-- `messages()` runs on the event loop, one per stream: it waits until
+- `chunks()` runs on the event loop, one per stream: it waits until
   `tokens_per_message` new tokens are there and sends them as one chunk.
 """
 
@@ -107,11 +109,12 @@ class StreamPublisher:
         self._post(self._receiver.failed, message)
 
 
-async def messages(
-    job: Job, stream: bool, per_message: Callable[[], int]
+async def chunks(
+    job: Job, stream: bool, per_message: Callable[[], int], most: int
 ) -> AsyncIterator[pb.GenerateResponse]:
-    """The messages of one Generate call, until the job ends; returns without a
-    final message if it failed. `per_message()` gives the tokens per message now."""
+    """The chunks of one Generate call (none unless `stream`), until the job
+    ends; the final message is the caller's. `per_message()` gives the tokens
+    per message now; `most` is the most one message may carry."""
     # The engine hands tokens over more often than every `per_message()` steps
     # (any step where some stream starts or ends is handed over at once), so
     # each stream still waits for its own `per_message()` tokens.
@@ -128,13 +131,12 @@ async def messages(
         due = 1 if sent == 0 or job.finish_reason else size
         if stream and len(job.tokens) - sent >= due:
             alone = sent == 0 or size == 1
-            end = sent + 1 if alone else len(job.tokens)
+            end = sent + 1 if alone else min(len(job.tokens), sent + most)
             message, sent = responses.chunk(job, sent, end), end
             yield message
             job.streamed = sent
             continue
         if job.finish_reason:
-            yield responses.complete(job, streamed=stream)
             return
         # Non-streaming requests need waking only at the end.
         job.wake_at = sent + due if stream else sys.maxsize

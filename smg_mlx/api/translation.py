@@ -1,16 +1,21 @@
 """Turn a GenerateRequest into the engine's GenerationSpec, or say what is wrong.
 
 Everything a request could get wrong is caught here, on the asyncio side, so
-nothing invalid ever reaches the engine thread.
+nothing invalid ever reaches the engine thread. `prompt_text` and
+`check_sizes` read only lengths and come first, before any work on the
+payload; `generation_spec` walks it (a large one off the loop: api.payload).
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
+from smg_mlx.api import responses
 from smg_mlx.api.model_info import ModelInfo
+from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, SamplingSettings
 
 MAX_LOGPROBS = 20  # top alternatives per token, as in the OpenAI API
@@ -20,6 +25,18 @@ MAX_TEXT_CHARS_PER_TOKEN = 64
 # Temperatures below this are greedy: 1/temperature would overflow float32
 # and sample at random, and far above it sampling is greedy in all but name.
 GREEDY_BELOW = 1e-5
+# Above this every token is about as likely as any other; far above it,
+# 1/temperature underflows to 0 and filtered tokens' logits become NaN.
+MAX_TEMPERATURE = 100.0
+# Ranges that keep a model's logits, and so every logprob, finite (float16's
+# largest is 65504): OpenAI's for the additive penalties and biases, and a
+# repetition penalty that scales a logit by at most 100 either way.
+REPETITION_PENALTY = (0.01, 100.0)
+ADDITIVE_PENALTY = (-2.0, 2.0)
+LOGIT_BIAS = (-100.0, 100.0)
+# About how many bytes of a message each id or value takes: how much work
+# checking a request's lists is, in api.payload's measure.
+BYTES_PER_ITEM = 4
 
 
 class InvalidRequest(ValueError):
@@ -31,9 +48,27 @@ def _check(condition: bool, message: str) -> None:
         raise InvalidRequest(message)
 
 
-def _finite(name: str, value: float) -> float:
-    _check(math.isfinite(value), f"sampling_params.{name} must be a finite number, got {value}")
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _in_range(name: str, value: float, low: float, high: float, allowed: str = "") -> float:
+    """`value` if finite and in [low, high]; `allowed` words the range otherwise."""
+    allowed = allowed or f"in [{low:g}, {high:g}]"
+    # The fields are float32: a client's 0.01 arrives as 0.00999999977...
+    _check(
+        math.isfinite(value) and _float32(low) <= value <= _float32(high),
+        f"sampling_params.{name} must be {allowed}, got {value:g}",
+    )
     return float(value)
+
+
+def _penalty(params: Any, name: str, low: float, high: float, off: float) -> float:
+    """A penalty: 0 (proto3's unset) is `off`; any other value in [low, high]."""
+    value = getattr(params, name)
+    if value == 0:
+        return off
+    return _in_range(name, value, low, high, f"0 (off) or in [{low:g}, {high:g}]")
 
 
 def prompt_text(request: Any, info: ModelInfo) -> str | None:
@@ -53,6 +88,26 @@ def prompt_text(request: Any, info: ModelInfo) -> str | None:
         f"({MAX_TEXT_CHARS_PER_TOKEN} per token): send a shorter prompt",
     )
     return request.text
+
+
+def check_sizes(request: Any, limits: RequestLimits) -> None:
+    """The sampling lists' lengths, within this worker's limits."""
+    params = request.sampling_params
+    for field, count, limit, flag in (
+        ("stop_token_ids", len(params.stop_token_ids), limits.max_stop_token_ids, "stop-token-ids"),
+        ("logit_bias", len(params.logit_bias), limits.max_logit_bias, "logit-bias"),
+    ):
+        _check(
+            count <= limit,
+            f"sampling_params.{field} has {count} entries; this worker takes at most "
+            f"{limit} (its --max-{flag} flag)",
+        )
+
+
+def payload_size(request: Any, prompt: Sequence[int]) -> int:
+    """About how many bytes of lists `generation_spec` walks for this request."""
+    params = request.sampling_params
+    return BYTES_PER_ITEM * (len(prompt) + len(params.stop_token_ids) + len(params.logit_bias))
 
 
 def prompt_ids(ids: Sequence[int], info: ModelInfo) -> tuple[int, ...]:
@@ -76,13 +131,10 @@ def prompt_ids(ids: Sequence[int], info: ModelInfo) -> tuple[int, ...]:
 def sampling_settings(params: Any, vocab_size: int) -> SamplingSettings:
     temperature = 1.0
     if params.HasField("temperature"):
-        temperature = _finite("temperature", params.temperature)
-        _check(temperature >= 0, f"sampling_params.temperature must be >= 0, got {temperature}")
+        temperature = _in_range("temperature", params.temperature, 0.0, MAX_TEMPERATURE)
     # proto3 cannot tell an unset float from 0, so 0 means "off" here.
-    top_p = _finite("top_p", params.top_p)
-    _check(0 <= top_p <= 1, f"sampling_params.top_p must be in (0, 1], got {top_p}")
-    min_p = _finite("min_p", params.min_p)
-    _check(0 <= min_p <= 1, f"sampling_params.min_p must be in [0, 1], got {min_p}")
+    top_p = _in_range("top_p", params.top_p, 0.0, 1.0, "in (0, 1] (0: off)")
+    min_p = _in_range("min_p", params.min_p, 0.0, 1.0)
     return SamplingSettings(
         temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
         top_p=top_p or 1.0,
@@ -95,12 +147,11 @@ def sampling_settings(params: Any, vocab_size: int) -> SamplingSettings:
 
 
 def logits_settings(params: Any, vocab_size: int) -> LogitsSettings:
-    repetition = _finite("repetition_penalty", params.repetition_penalty)
-    _check(
-        repetition >= 0,
-        f"sampling_params.repetition_penalty must be > 0 (1 is off), got {repetition}",
+    bias = tuple(
+        sorted(
+            (int(k), _in_range("logit_bias", v, *LOGIT_BIAS)) for k, v in params.logit_bias.items()
+        )
     )
-    bias = tuple(sorted((int(k), _finite("logit_bias", v)) for k, v in params.logit_bias.items()))
     bad = [k for k, _ in bias if not 0 <= k < vocab_size]
     _check(
         not bad,
@@ -108,15 +159,53 @@ def logits_settings(params: Any, vocab_size: int) -> LogitsSettings:
         f"(ids must be in [0, {vocab_size}))",
     )
     return LogitsSettings(
-        repetition_penalty=repetition or 1.0,
-        frequency_penalty=_finite("frequency_penalty", params.frequency_penalty),
-        presence_penalty=_finite("presence_penalty", params.presence_penalty),
+        repetition_penalty=_penalty(params, "repetition_penalty", *REPETITION_PENALTY, off=1.0),
+        frequency_penalty=_penalty(params, "frequency_penalty", *ADDITIVE_PENALTY, off=0.0),
+        presence_penalty=_penalty(params, "presence_penalty", *ADDITIVE_PENALTY, off=0.0),
         logit_bias=bias,
     )
 
 
+def _logprobs(params: Any) -> int | None:
+    if not params.HasField("logprobs"):
+        return None
+    logprobs = params.logprobs
+    _check(
+        0 <= logprobs <= MAX_LOGPROBS,
+        f"sampling_params.logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}",
+    )
+    return logprobs
+
+
+def _max_tokens(request: Any, room: int, logprobs: int | None, vocab_size: int, limit: int) -> int:
+    """The most tokens to generate: what the request asks, within `room`; a
+    non-streamed response must also fit one message of `limit` bytes."""
+    params = request.sampling_params
+    most = room
+    if params.HasField("max_tokens"):
+        _check(params.max_tokens > 0, "sampling_params.max_tokens must be at least 1")
+        most = min(params.max_tokens, room)
+    if request.stream:
+        return most
+    fits = responses.tokens_within(limit, vocab_size, logprobs)
+    # Refused now, not after generating a response no client could receive.
+    _check(
+        not params.HasField("max_tokens") or most <= fits,
+        f"a non-streamed response of {most} tokens"
+        + ("" if logprobs is None else f" with {logprobs} logprobs each")
+        + f" may exceed {limit} bytes, the most one response message may carry "
+        f"(--max-response-bytes): stream it (stream: true), ask for fewer logprobs, "
+        f"or set max_tokens to at most {fits}",
+    )
+    return min(most, fits)
+
+
 def generation_spec(
-    request: Any, info: ModelInfo, prompt: Sequence[int], memory_tokens: int
+    request: Any,
+    info: ModelInfo,
+    prompt: Sequence[int],
+    memory_tokens: int,
+    limits: RequestLimits,
 ) -> GenerationSpec:
     """Validate a GenerateRequest whose prompt is `prompt` (its token ids, or its
     text tokenized) and translate it; raises InvalidRequest. `memory_tokens`:
@@ -130,20 +219,11 @@ def generation_spec(
         "or use a worker with more memory",
     )
     params = request.sampling_params
+    logprobs = _logprobs(params)
     # Past the context end, or what memory holds, generation stops with
     # finish_reason "length".
     room = min(info.context_length, memory_tokens) - len(prompt)
-    max_tokens = room
-    if params.HasField("max_tokens"):
-        _check(params.max_tokens > 0, "sampling_params.max_tokens must be at least 1")
-        max_tokens = min(params.max_tokens, room)
-    logprobs = None
-    if params.HasField("logprobs"):
-        logprobs = params.logprobs
-        _check(
-            0 <= logprobs <= MAX_LOGPROBS,
-            f"sampling_params.logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}",
-        )
+    max_tokens = _max_tokens(request, room, logprobs, info.vocab_size, limits.max_response_bytes)
     stops = set(params.stop_token_ids)
     bad = [t for t in stops if t >= info.vocab_size]
     _check(not bad, f"stop_token_ids has {bad[0] if bad else 0}, outside the vocabulary")

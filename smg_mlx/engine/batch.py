@@ -8,7 +8,6 @@ what BatchGenerator returns, rather than from BatchGenerator's internals.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -18,14 +17,14 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load_model
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine import memory_probe
 from smg_mlx.engine.memory import Cost, cost
 from smg_mlx.engine.prefix_cache import PrefixCache
-from smg_mlx.engine.sampling import SamplerCache
+from smg_mlx.engine.sampling import SamplerCache, StopTokens
 from smg_mlx.engine.scheduler import Running
 from smg_mlx.engine.step_clock import StepClock
 from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
@@ -36,8 +35,6 @@ log = logging.getLogger(__name__)
 # or two, which saves nothing, and every odd prefill length is one more shape
 # for the backend to prepare kernels for.
 MIN_REUSED_TOKENS = 16
-# Distinct stop-token sets kept built; most requests share the model's EOS set.
-STOP_SETS_KEPT = 64
 
 
 @dataclass(slots=True)
@@ -100,10 +97,6 @@ def _load(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module
     return model
 
 
-def _stop_sequences(ids: frozenset[int]) -> StopSequences:
-    return StopSequences([[t] for t in sorted(ids)])
-
-
 class Batch:
     """The model and its BatchGenerator; each request is a slot keyed by its uid."""
 
@@ -118,7 +111,6 @@ class Batch:
         self._stream = mx.new_stream(mx.default_device())
         self._generator = self._new_generator()
         self._samplers = SamplerCache()
-        self._stops = functools.lru_cache(maxsize=STOP_SETS_KEPT)(_stop_sequences)
         self._slots: dict[int, _Slot] = {}  # BatchGenerator uid -> slot, in admission order
         self._uids: dict[int, int] = {}  # request key -> uid
         self._started = 0  # slots BatchGenerator is prefilling or decoding
@@ -263,7 +255,7 @@ class Batch:
         return (
             self._samplers.sampler(spec.sampling),
             self._samplers.processors(spec.logits),
-            self._stops(spec.stop_token_ids),
+            StopTokens(spec.stop_token_ids),
         )
 
     def admit(self, requests: list[Request]) -> list[Event]:

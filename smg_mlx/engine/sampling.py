@@ -1,4 +1,4 @@
-"""Samplers and logits processors for the engine thread (uses MLX).
+"""Samplers, logits processors and stop tokens for the engine thread (uses MLX).
 
 mlx-lm samples a whole step in one call only when every row shares the same
 sampler object, so unseeded requests with equal settings share one. A seeded
@@ -9,6 +9,10 @@ The top-p and min-p filters are our own: mlx-lm compiles its filters with
 the value as a constant, so every new value from a client would compile
 anew, on the engine thread, while every stream waits, and stay in MLX's
 compile cache for good. Ours take the value as an array: compiled once.
+
+Stop tokens are a set lookup (`StopTokens`), not mlx-lm's `StopSequences`
+automaton: every stop sequence here is one token, and building that automaton
+for a large set took the engine thread long enough to pause every stream.
 """
 
 from __future__ import annotations
@@ -83,6 +87,24 @@ def make_processors(settings: LogitsSettings) -> list:
         frequency_penalty=settings.frequency_penalty or None,
         presence_penalty=settings.presence_penalty or None,
     )
+
+
+class StopTokens:
+    """A request's stop tokens, in the role of mlx-lm's `StopSequences`: its
+    BatchGenerator takes a `matcher()` per sequence and asks `advance(token)`
+    whether to stop there. One-token sequences need no state, so the matcher
+    is this object itself, built from the request's own set at no cost."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, ids: frozenset[int]) -> None:
+        self._ids = ids
+
+    def matcher(self) -> StopTokens:
+        return self
+
+    def advance(self, token: int) -> bool:
+        return token in self._ids
 
 
 class SamplerCache:

@@ -1,0 +1,99 @@
+"""Large requests: the lists a request may carry are bounded (each with its flag),
+and however large its payload, the worker keeps answering everyone else."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers import generate, prompt, request
+
+from smg_mlx.demo_model import build_model
+from smg_mlx.engine.sampling import StopTokens
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc as pb_grpc
+
+QWEN_VOCAB = 151_936
+GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen-sized vocabulary: room for lists of 150,000 token ids."""
+    return build_model(
+        tmp_path_factory.mktemp("models") / "tiny-vocab152k", ["--vocab-size", str(QWEN_VOCAB)]
+    )
+
+
+def test_vocabulary_sized_stop_sets_and_biases_are_refused_naming_the_flag(
+    start_worker, wide_model_dir
+):
+    w = start_worker(wide_model_dir)
+    ids = list(range(QWEN_VOCAB))
+    random.Random(0).shuffle(ids)
+    for settings, field, flag in (
+        ({"stop_token_ids": ids[:150_000]}, "stop_token_ids has 150000 entries", "stop-token"),
+        ({"logit_bias": dict.fromkeys(ids, 0.5)}, "logit_bias has 151936 entries", "logit-bias"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(w.stub, prompt(4), max_tokens=2, **settings)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+        assert f"at most 1024 (its --max-{flag}" in err.value.details()
+    # The largest lists allowed are served, and the stop set still stops.
+    free = generate(w.stub, prompt(9), max_tokens=6, ignore_eos=True).tokens
+    stop = free[3]
+    stops = [stop, *[t for t in ids if t not in free][:1023]]
+    biases = dict.fromkeys(ids[:1024], 0.0)  # no change, but the largest map
+    r = generate(w.stub, prompt(9), max_tokens=6, stop_token_ids=stops, logit_bias=biases)
+    assert r.tokens == free[: free.index(stop) + 1]
+    assert r.complete.finish_reason == "stop" and r.complete.matched_stop_token_id == stop
+
+
+def test_stop_tokens_answer_as_mlx_lms_automaton_does():
+    from mlx_lm.generate import StopSequences
+
+    ids = frozenset({3, 17, 250})
+    ours, theirs = StopTokens(ids).matcher(), StopSequences([[t] for t in ids]).matcher()
+    for token in [1, 3, 5, 17, 17, 250, 0, 249, 3]:
+        assert ours.advance(token) == theirs.advance(token) == (token in ids)
+
+
+def test_health_answers_at_once_while_large_requests_arrive(spawn, model_dir):
+    p = spawn("--model", str(model_dir))
+    p.wait_serving()
+    # About 11 MiB each: parsed and refused (too many stop ids) off the event
+    # loop. Parsed and walked on it, ten of these held health for seconds.
+    big = request([5], max_tokens=2)
+    big.sampling_params.stop_token_ids.extend([7] * 5_500_000)
+    payload = big.SerializeToString()
+    send = p.channel.unary_stream(GENERATE)
+    codes: list[str] = []
+
+    def one() -> None:
+        try:
+            list(send(payload, timeout=120))
+        except grpc.RpcError as err:
+            codes.append(f"{err.code().name}: {err.details()}")
+
+    # A probe has a connection of its own, as Kubernetes' does.
+    probe = pb_grpc.MlxEngineStub(grpc.insecure_channel(f"127.0.0.1:{p.port}"))
+    assert probe.HealthCheck(pb.HealthCheckRequest(), timeout=30).healthy
+    senders = [threading.Thread(target=one) for _ in range(10)]
+    waits = []
+    for t in senders:
+        t.start()
+    while any(t.is_alive() for t in senders):
+        started = time.perf_counter()
+        assert probe.HealthCheck(pb.HealthCheckRequest(), timeout=30).healthy
+        waits.append(time.perf_counter() - started)
+    print(f"health: {len(waits)} checks, slowest {max(waits) * 1000:.0f} ms")
+    # Idle, a health check takes about a millisecond; the margin is for a
+    # loaded machine.
+    assert max(waits) < 0.5, waits
+    assert len(waits) >= 3
+    assert len(codes) == 10 and all("--max-stop-token-ids" in c for c in codes), codes
