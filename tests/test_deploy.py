@@ -154,18 +154,30 @@ def option(command: str, flag: str) -> str:
     return words[words.index(flag) + 1]
 
 
+def installed_by(heading: str) -> Path:
+    """The program that a recipe's `deploy/install.sh PREFIX` step installs."""
+    (block,) = code_blocks(section(DEPLOY_README, heading))
+    (install,) = (c for c in commands(block) if c.startswith("deploy/install.sh"))
+    return Path(shlex.split(install)[1]) / "bin" / "smg-mlx"
+
+
+def test_the_launchd_steps_install_what_the_plist_runs():
+    program = installed_by("## launchd (Mac)")
+    # launchd expands no ~: the plist spells the home out, with YOU to edit.
+    assert launchd()["ProgramArguments"][0] == str(program).replace("~", "/Users/YOU", 1)
+
+
 def test_the_systemd_steps_create_what_the_units_use():
     (block,) = code_blocks(section(DEPLOY_README, "## systemd (Linux)"))
     steps = commands(block)
     (useradd,) = (c for c in steps if c.startswith("sudo useradd"))
-    (install,) = (c for c in steps if c.startswith("deploy/install.sh"))
     account, home = shlex.split(useradd)[-1], option(useradd, "--home-dir")
     assert "--create-home" in useradd
-    prefix = shlex.split(install)[1]
+    program = installed_by("## systemd (Linux)")
     # The install directory exists, owned by whoever runs install.sh, before it runs.
-    assert f"sudo install -d -o \"$USER\" {prefix}" in steps
+    assert f"sudo install -d -o \"$USER\" {program.parent.parent}" in steps
     unit = systemd("smg-mlx.service")
-    assert Path(shlex.split(unit["ExecStart"])[0]) == Path(prefix) / "bin" / "smg-mlx"
+    assert Path(shlex.split(unit["ExecStart"])[0]) == program
     assert unit["User"] == account and unit["WorkingDirectory"] == home
     # The Hugging Face cache in the account's home: written by the account, kept across restarts.
     variable, value = unit["Environment"].split("=", 1)
