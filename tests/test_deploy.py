@@ -175,7 +175,7 @@ def test_the_systemd_steps_create_what_the_units_use():
     assert "--create-home" in useradd
     program = installed_by("## systemd (Linux)")
     # The install directory exists, owned by whoever runs install.sh, before it runs.
-    assert f"sudo install -d -o \"$USER\" {program.parent.parent}" in steps
+    assert f'sudo install -d -o "$USER" {program.parent.parent}' in steps
     unit = systemd("smg-mlx.service")
     assert Path(shlex.split(unit["ExecStart"])[0]) == program
     assert unit["User"] == account and unit["WorkingDirectory"] == home

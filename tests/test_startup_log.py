@@ -44,7 +44,8 @@ def test_the_demo_worker_listens_while_it_builds_and_logs_only_its_own_lines(tmp
     assert any("building the demo model" in line for line in lines)
     # It listens before the build: a probe sees a worker starting, not a closed port.
     assert any(
-        "building the demo" in log and "loading" not in log
+        "building the demo" in log
+        and "loading" not in log
         and why == f"127.0.0.1:{port} reports NOT_SERVING"
         for log, why in answers
     ), answers
