@@ -11,13 +11,14 @@ import re
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
 from smg_mlx import __version__, logs, mlx_backend, model_source
 from smg_mlx.api.streaming import MAX_CHUNK_SECONDS
 from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig
-from smg_mlx.demo_model import ensure_demo_model
+from smg_mlx.demo_model import default_demo_dir
 from smg_mlx.engine.ranks import launched_rank
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
@@ -80,13 +81,23 @@ _non_negative = _number(float, 0, "a number, 0 or more")
 _positive_float = _number(float, 1, "a number, 1 or more")
 
 
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"smg-mlx {__version__}",
+        help="print the version and exit",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="smg-mlx", description="MLX inference worker for the SMG model gateway."
     )
-    parser.add_argument("--version", action="version", version=f"smg-mlx {__version__}")
+    _add_version(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the MlxEngine gRPC service")
+    _add_version(serve)  # where the flag table lists it too
     engine, server, limits = EngineConfig, ServerConfig, RequestLimits  # the defaults
     model = serve.add_mutually_exclusive_group(required=True)
     model.add_argument(
@@ -297,29 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     if missing is not None:
         log.error("%s", missing)
         return 1
-    model_path, served_model_name = args.model, args.served_model_name
-    if args.model is not None:
-        try:
-            source = model_source.resolve(str(args.model))
-        except model_source.ModelNotFound as exc:
-            log.error("%s", exc)
-            return 2
-        except model_source.DownloadFailed as exc:
-            log.error("%s", exc)
-            return 1
-        except SystemExit as stop:  # a signal mid-download: do not wait for its threads
-            exit_process(stop.code if isinstance(stop.code, int) else 1)
-        model_path, served_model_name = source.path, served_model_name or source.served_name
     if args.demo:
         log.warning(
             "serving the built-in demo model: random weights, so its text is noise. "
             "Serve a real model with: smg-mlx serve --model /path/to/mlx-model"
         )
-        model_path = ensure_demo_model()
     budget_bytes, budget_share = args.memory_budget or (None, None)
     config = ServerConfig(
         engine=EngineConfig(
-            model_path=model_path,
+            model_path=default_demo_dir() if args.demo else args.model,
             completion_batch_size=args.completion_batch_size,
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
@@ -330,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             memory_budget_share=budget_share,
             pipeline=args.pipeline,
         ),
+        demo=args.demo,
         host=args.host,
         port=args.port,
-        served_model_name=served_model_name,
+        served_model_name=args.served_model_name,
         max_pending=args.max_pending,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         stream_interval=args.stream_interval,
@@ -347,12 +345,27 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     if rank:  # another rank serves the clients; this one follows it
-        from smg_mlx import follower
-
-        exit_process(follower.run(config.engine, rank))
+        exit_process(_follow(config, rank))
     from smg_mlx.server import run  # after logging is set up; pulls in grpc
 
-    exit_process(asyncio.run(run(config)))
+    # Not asyncio.run: its clean-up joins the default executor's threads, and a stop
+    # during start-up can leave one stuck in a download; exit_process does not wait.
+    exit_process(asyncio.new_event_loop().run_until_complete(run(config)))
+
+
+def _follow(config: ServerConfig, rank: int) -> int:
+    """Serve as rank `rank` (not 0) of several; returns the exit code."""
+    from smg_mlx import follower
+
+    log = logging.getLogger("smg_mlx")
+    try:
+        source = model_source.locate(config.engine.model_path, config.demo)
+    except model_source.ModelUnavailable as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    except SystemExit as stop:  # a signal mid-download: do not wait for its threads
+        return stop.code if isinstance(stop.code, int) else 1
+    return follower.run(replace(config.engine, model_path=source.path), rank)
 
 
 def exit_process(code: int) -> NoReturn:

@@ -55,7 +55,11 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    # engine.model_path is what --model names (a directory or a Hugging Face repo
+    # id), or with demo the demo model's directory: the worker finds the model it
+    # names once it listens (model_source.locate).
     engine: EngineConfig
+    demo: bool = False
     host: str = "127.0.0.1"
     port: int = 50051
     served_model_name: str | None = None

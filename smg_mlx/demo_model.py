@@ -1,6 +1,8 @@
 """Build small random-weight mlx-lm models on disk, offline.
 
-`make serve` serves one (its text is noise); the tests and the bench build
+`smg-mlx serve --demo` (and so `make serve`) serves one (its text is noise);
+`python -m smg_mlx.demo_model OUT` writes one for a user to try things with
+(README: "Small models to try things with"); the tests and the bench build
 their own. The weights are random but fixed by a seed, so greedy output is
 deterministic. Building runs MLX, so callers use `build_model`, which runs
 `write_model` in a child process: in the worker only the engine thread touches
@@ -184,7 +186,12 @@ def ensure_demo_model() -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write a random-weight model directory.")
+    parser = argparse.ArgumentParser(
+        prog="python -m smg_mlx.demo_model",
+        description="Write a random-weight mlx-lm model directory OUT, offline. Its text is "
+        "noise, but it serves as a real model of its family does: serve it with "
+        "`smg-mlx serve --model OUT`.",
+    )
     parser.add_argument("out", type=Path)
     parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     parser.add_argument("--hidden-size", type=int, default=64)

@@ -8,16 +8,15 @@ backend distribution (`mlx-cpu`, `mlx-cuda-13`, `mlx-cuda-12`) that installs
 
 from __future__ import annotations
 
+import shlex
 import sys
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 
 BACKEND_DISTRIBUTIONS = ("mlx-cpu", "mlx-cuda-13", "mlx-cuda-12")
-INSTALL_HINT = (
-    "install smg-mlx with a backend: pip install 'smg-mlx[cpu]' for the CPU, "
-    "or 'smg-mlx[cuda13]' for NVIDIA GPUs (CUDA 13)"
-)
+# MLX's own extras, each of which installs one backend distribution.
+BACKEND_EXTRAS = {"cpu": "the CPU", "cuda13": "NVIDIA GPUs (CUDA 13)"}
 
 
 def _installed(distribution: str) -> bool:
@@ -26,6 +25,16 @@ def _installed(distribution: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def install_command(extra: str) -> str:
+    """The command that adds MLX's backend `extra` to this environment, pinned to
+    the installed MLX so that pip changes nothing else."""
+    try:
+        pin = f"=={metadata.version('mlx')}"
+    except metadata.PackageNotFoundError:
+        pin = ""
+    return f"{shlex.quote(sys.executable)} -m pip install 'mlx[{extra}]{pin}'"
 
 
 def missing_backend() -> str | None:
@@ -38,4 +47,5 @@ def missing_backend() -> str | None:
     for location in (spec and spec.submodule_search_locations) or ():
         if any((Path(location) / "lib").glob("libmlx.so*")):
             return None
-    return f"MLX cannot run without a backend library (libmlx.so): {INSTALL_HINT}"
+    choices = "; or ".join(f"{install_command(x)} for {what}" for x, what in BACKEND_EXTRAS.items())
+    return f"MLX has no backend library (libmlx.so) in this environment: install one with {choices}"

@@ -1,7 +1,10 @@
-"""What `--model` names: a local model directory, or a Hugging Face repo id.
+"""What `--model` names: a local model directory, or a Hugging Face repo id; or
+the demo model (`--demo`).
 
 A repo id is served from the local Hugging Face cache when its snapshot is
 there, and downloaded into that cache otherwise (unless HF_HUB_OFFLINE is set).
+The worker finds its model after it starts listening (a download or the demo
+build can take a while), so none of this imports MLX.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from smg_mlx.demo_model import ensure_demo_model
+
 log = logging.getLogger(__name__)
 
 # owner/name, as the Hub spells repo ids; a bare name is taken for a mistyped path.
@@ -27,13 +32,23 @@ REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 MODEL_FILES = ["*.json", "model*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 EXAMPLE = "mlx-community/Qwen3-0.6B-4bit"
 PROGRESS_SECONDS = 10.0
+# The demo model's name for the router: its directory's name carries the version.
+DEMO_NAME = "smg-mlx-demo"
 
 
-class ModelNotFound(ValueError):
+class ModelUnavailable(Exception):
+    """No model to serve; the message says why, `exit_code` is the worker's."""
+
+    exit_code = 1  # a restart may cure it
+
+
+class ModelNotFound(ModelUnavailable, ValueError):
     """`--model` names nothing servable; the message says what to pass instead."""
 
+    exit_code = 2  # the flag is to be fixed
 
-class DownloadFailed(RuntimeError):
+
+class DownloadFailed(ModelUnavailable):
     """The Hub could not be reached or refused the download; the message says why."""
 
 
@@ -41,6 +56,17 @@ class DownloadFailed(RuntimeError):
 class ModelSource:
     path: Path  # a directory with config.json
     served_name: str | None  # None: the directory's name
+
+
+def locate(model: Path, demo: bool) -> ModelSource:
+    """The model to serve: the demo model (built on first use), or what `model` names.
+    Raises ModelUnavailable."""
+    if not demo:
+        return resolve(str(model))
+    try:
+        return ModelSource(ensure_demo_model(), DEMO_NAME)
+    except RuntimeError as exc:  # the build's child process failed
+        raise ModelUnavailable(str(exc)) from None
 
 
 def resolve(model: str) -> ModelSource:
@@ -61,7 +87,7 @@ def resolve(model: str) -> ModelSource:
     snapshot = _snapshot(model)
     if not (snapshot / "config.json").is_file():
         raise ModelNotFound(f"{model} has no config.json: it is not an mlx-lm model")
-    log.info("%s is in %s (give the router that directory as --model-path)", model, snapshot)
+    log.info("%s is in %s", model, snapshot)
     return ModelSource(snapshot, model.split("/")[1])
 
 
@@ -104,7 +130,12 @@ def _snapshot(repo_id: str) -> Path:
             "or set HF_TOKEN to a token that may read it"
         ) from None
     except OSError as exc:  # the Hub's HTTP errors and connection failures are OSErrors
-        raise DownloadFailed(f"cannot download {repo_id}: {exc}") from None
+        reason = " ".join(str(exc).split())  # the Hub's messages span lines; a log line does not
+        raise DownloadFailed(
+            f"cannot download {repo_id} from {constants.ENDPOINT} ({reason}): check the network "
+            f"and any HTTPS_PROXY, or download it with `hf download {repo_id}` where the Hub "
+            "can be reached (same HF_HOME) and start the worker again"
+        ) from None
     log.info("downloaded %s in %.0fs", repo_id, time.monotonic() - started)
     return Path(path)
 

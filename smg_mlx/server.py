@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from smg_mlx import model_source
 from smg_mlx.api.engine_client import EngineClient, EngineState
 from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import load_model_info
@@ -30,7 +32,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class StartupError(RuntimeError):
-    """The worker could not start; the message names the cause."""
+    """The worker could not start; the message names the cause, `exit_code` is
+    the process's."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -50,9 +57,7 @@ class Worker:
         self._stop_requested = asyncio.Event()
         self._hurry = False  # a second stop request: no more grace
         self.serving = False  # started and reported SERVING
-        self.engine = EngineClient(
-            config.engine, asyncio.get_running_loop(), config.stream_interval
-        )
+        self.engine = EngineClient(asyncio.get_running_loop(), config.stream_interval)
         self.metrics = Metrics(
             active=lambda: self.servicer.active_requests,
             running=lambda: self.engine.running,
@@ -104,7 +109,10 @@ class Worker:
             self.request_stop()
 
     async def start(self) -> None:
-        """Bind, load the model on the engine thread, and report SERVING once it is warm."""
+        """Listen, find the model (which may mean a download or building the demo
+        model), load it on the engine thread, and report SERVING once it is warm.
+        Until then the port is open and health says NOT_SERVING: probes and the
+        router see a worker starting, not a dead host."""
         await self._set_health(NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
         try:
@@ -126,13 +134,14 @@ class Worker:
                 ) from exc
             log.info("metrics on http://%s:%d/metrics", self.config.host, self.config.metrics_port)
         log.info(
-            "listening on %s:%d (%s); loading %s",
+            "listening on %s:%d (%s)",
             self.config.host,
             self.port,
             "TLS" if credentials else "plaintext",
-            self.model_dir,
         )
         started = time.perf_counter()
+        await self._locate_model()
+        log.info("loading %s", self.model_dir)
         try:
             # Model facts need no weights: GetModelInfo answers while the
             # engine thread loads them, so a router that probes early
@@ -141,7 +150,7 @@ class Worker:
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
             info = load_model_info(self.model_dir, tokenizer, self.config.served_model_name)
             self.servicer.set_model(self.model_dir, info, tokenizer)
-            self.engine.start()
+            self.engine.start(self.config.engine)
             await self.engine.wait_ready()
         except Exception as exc:
             await self.server.stop(None)
@@ -158,6 +167,24 @@ class Worker:
             self.port,
             time.perf_counter() - started,
             self._ranks(),
+        )
+
+    async def _locate_model(self) -> None:
+        """Point the settings at the model directory to serve (off the loop: a
+        download takes minutes)."""
+        config = self.config
+        try:
+            source = await asyncio.to_thread(
+                model_source.locate, config.engine.model_path, config.demo
+            )
+        except model_source.ModelUnavailable as exc:
+            await self.server.stop(None)
+            raise StartupError(str(exc), exc.exit_code) from None
+        self.model_dir = source.path
+        self.config = replace(
+            config,
+            engine=replace(config.engine, model_path=source.path),
+            served_model_name=config.served_model_name or source.served_name,
         )
 
     def _ranks(self) -> str:
@@ -238,6 +265,6 @@ async def run(config: ServerConfig) -> int:
     except StartupError as exc:
         log.error("%s", exc)
         worker.engine.stop()
-        return 1
+        return exc.exit_code
     await stop
     return await worker.shutdown()

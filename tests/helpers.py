@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.workers import free_port
+from smg_mlx import __version__
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
@@ -231,3 +232,12 @@ class Router:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def demo_model_cache(cache: Path, model_dir: Path) -> Path:
+    """`cache` (for XDG_CACHE_HOME) holding the demo model already, so that `--demo` skips
+    the build: `model_dir`, which conftest builds with the demo's settings."""
+    demo = cache / "smg-mlx" / f"demo-llama-{__version__}"
+    demo.parent.mkdir(parents=True)
+    demo.symlink_to(model_dir)
+    return cache

@@ -124,8 +124,10 @@ def test_log_level_in_any_case_and_model_path_alias():
     assert (args.model, args.log_level) == (Path("m"), "info")
 
 
-def test_version(capsys):
+@pytest.mark.parametrize("args", [["--version"], ["serve", "--version"]])
+def test_version(args, capsys):
+    # `serve --version` too: the flag table lists it among serve's flags.
     with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(["--version"])
+        build_parser().parse_args(args)
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"smg-mlx {__version__}"

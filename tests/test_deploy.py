@@ -1,8 +1,10 @@
 """The recipes in deploy/: their command lines are ones `smg-mlx serve` accepts and that serve,
-and their supervisors restart on failure, wait out the shutdown grace and probe health."""
+their supervisors restart on failure, wait out the shutdown grace and probe health, and
+what their install steps and the image create is what they run."""
 
 from __future__ import annotations
 
+import json
 import plistlib
 import re
 import shlex
@@ -15,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO
-from helpers import SERVING
+from docs import DEPLOY_README, code_blocks, commands, section
+from helpers import SERVING, Process, demo_model_cache
 
 from bench.workers import free_port
 from smg_mlx.cli import build_parser
@@ -75,15 +78,18 @@ def test_the_command_serves(recipe, spawn, model_dir):
     assert serve == "serve"
     port, metrics = free_port(), free_port()
     values = {"--model": str(model_dir), "--port": str(port), "--metrics-port": str(metrics)}
-    # Each value that follows a flag of `values` is replaced; the rest run as written.
-    previous = ["", *args[:-1]]
-    args = [values.get(flag, value) for flag, value in zip(previous, args, strict=True)]
-    worker = spawn(*args, port=port)
+    worker = spawn(*swapped(args, values), port=port)
     worker.wait_serving()
     for name in HEALTH_NAMES:
         assert worker.check(name) == SERVING
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
         assert b"smg_mlx_requests_total" in r.read()
+
+
+def swapped(args: list[str], values: dict[str, str]) -> list[str]:
+    """`args` with the value that follows each flag of `values` replaced; the rest as written."""
+    previous = ["", *args[:-1]]
+    return [values.get(flag, value) for flag, value in zip(previous, args, strict=True)]
 
 
 def test_launchd_restarts_on_failure_and_waits_out_the_grace():
@@ -115,7 +121,7 @@ def test_systemd_units_verify(tmp_path):
     # verify insists that the program exists: point the units at this venv's.
     installed = str(Path(sys.executable).with_name("smg-mlx"))
     for unit in (DEPLOY / "systemd").iterdir():
-        text = unit.read_text().replace("/opt/smg-mlx/.venv/bin/smg-mlx", installed)
+        text = unit.read_text().replace("/opt/smg-mlx/bin/smg-mlx", installed)
         (tmp_path / unit.name).write_text(text)
     units = sorted(str(p) for p in tmp_path.iterdir())
     out = subprocess.run(
@@ -140,3 +146,124 @@ def test_kubernetes_probes_are_native_grpc_health_checks():
     assert deployment["spec"]["selector"]["matchLabels"] == pod["metadata"]["labels"]
     assert service["spec"]["selector"] == pod["metadata"]["labels"]
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
+
+
+def option(command: str, flag: str) -> str:
+    """The value that follows `flag` in a shell command."""
+    words = shlex.split(command)
+    return words[words.index(flag) + 1]
+
+
+def installed_by(heading: str) -> Path:
+    """The program that a recipe's `deploy/install.sh PREFIX` step installs."""
+    (block,) = code_blocks(section(DEPLOY_README, heading))
+    (install,) = (c for c in commands(block) if c.startswith("deploy/install.sh"))
+    return Path(shlex.split(install)[1]) / "bin" / "smg-mlx"
+
+
+def test_the_launchd_steps_install_what_the_plist_runs():
+    program = installed_by("## launchd (Mac)")
+    # launchd expands no ~: the plist spells the home out, with YOU to edit.
+    assert launchd()["ProgramArguments"][0] == str(program).replace("~", "/Users/YOU", 1)
+
+
+def test_the_systemd_steps_create_what_the_units_use():
+    (block,) = code_blocks(section(DEPLOY_README, "## systemd (Linux)"))
+    steps = commands(block)
+    (useradd,) = (c for c in steps if c.startswith("sudo useradd"))
+    account, home = shlex.split(useradd)[-1], option(useradd, "--home-dir")
+    assert "--create-home" in useradd
+    program = installed_by("## systemd (Linux)")
+    # The install directory exists, owned by whoever runs install.sh, before it runs.
+    assert f'sudo install -d -o "$USER" {program.parent.parent}' in steps
+    unit = systemd("smg-mlx.service")
+    assert Path(shlex.split(unit["ExecStart"])[0]) == program
+    assert unit["User"] == account and unit["WorkingDirectory"] == home
+    # The Hugging Face cache in the account's home: written by the account, kept across restarts.
+    variable, value = unit["Environment"].split("=", 1)
+    assert variable == "HF_HOME" and Path(home) in Path(value).parents
+
+
+DOCKERFILE = REPO / "Dockerfile"
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) of each instruction, continuation lines joined."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    lines = (line.strip() for line in text.splitlines())
+    return [tuple(line.split(None, 1)) for line in lines if line and not line.startswith("#")]
+
+
+def image() -> dict[str, list[str]]:
+    """The final stage's instructions by name, each one's arguments in order."""
+    steps = dockerfile()
+    final = max(i for i, (name, _) in enumerate(steps) if name == "FROM")
+    found: dict[str, list[str]] = {}
+    for name, args in steps[final:]:
+        found.setdefault(name, []).append(args)
+    return found
+
+
+def image_env() -> dict[str, str]:
+    """The final stage's ENV settings."""
+    return dict(word.split("=", 1) for env in image()["ENV"] for word in shlex.split(env))
+
+
+def test_the_image_installs_as_the_systemd_recipe_does():
+    runs = [args for name, args in dockerfile() if name == "RUN"]
+    (install,) = (run for run in runs if "deploy/install.sh" in run)
+    words = shlex.split(install)
+    prefix = words[words.index("/src/deploy/install.sh") + 1]
+    assert words[-1] == "$MLX_EXTRA"
+    assert ("ARG", "MLX_EXTRA=cpu") in dockerfile()  # CPU unless the build says cuda13
+    final = image()
+    assert final["COPY"] == [f"--from=build {prefix} {prefix}"]
+    assert image_env()["PATH"].startswith(f"{prefix}/bin:")
+
+
+def test_the_manifest_runs_the_image_as_its_non_root_user_with_the_cache_volume():
+    final, (deployment, _) = image(), kubernetes()
+    pod = deployment["spec"]["template"]["spec"]
+    (user,) = final["USER"]
+    assert int(user) != 0 and f"--uid {user}" in final["RUN"][0]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "fsGroup": int(user)}
+    env = image_env()
+    assert final["VOLUME"] == [env["HF_HOME"]]
+    mounts = {m["mountPath"]: m["name"] for m in container()["volumeMounts"]}
+    assert env["HF_HOME"] in mounts
+    assert mounts[env["HF_HOME"]] in {v["name"] for v in pod["volumes"]}
+
+
+def test_the_manifest_names_the_image_the_readme_builds():
+    blocks = code_blocks(section(DEPLOY_README, "## Kubernetes"))
+    (build,) = (c for block in blocks for c in commands(block) if c.startswith("docker build"))
+    assert option(build, "--build-arg") == "MLX_EXTRA=cuda13"  # the manifest asks for a GPU
+    assert option(build, "-t") == container()["image"]
+    assert shlex.split(build)[-1] == "."  # the context: the repository, with its Dockerfile
+    assert "nvidia.com/gpu" in container()["resources"]["limits"]
+
+
+def test_the_images_health_check_asks_the_port_the_manifest_probes():
+    final = image()
+    entrypoint = json.loads(final["ENTRYPOINT"][0])
+    serve = build_parser().parse_args(json.loads(final["CMD"][0]))
+    (check,) = final["HEALTHCHECK"]
+    program, *health = json.loads(check.split("CMD", 1)[1])
+    assert [program] == entrypoint
+    probe_port = container()["startupProbe"]["grpc"]["port"]
+    assert build_parser().parse_args(health).port == serve.port == probe_port
+    assert str(serve.port) in final["EXPOSE"][0].split()
+
+
+def test_the_images_default_command_serves(tmp_path, model_dir):
+    """ENTRYPOINT and CMD as the image runs them (the demo model is there already)."""
+    final = image()
+    _, serve, *args = json.loads(final["ENTRYPOINT"][0]) + json.loads(final["CMD"][0])
+    assert serve == "serve"
+    port = free_port()
+    env = {"XDG_CACHE_HOME": str(demo_model_cache(tmp_path / "cache", model_dir))}
+    worker = Process(tmp_path, *swapped(args, {"--port": str(port)}), port=port, env=env)
+    try:
+        worker.wait_serving()
+    finally:
+        worker.close()

@@ -16,8 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers import generate, prompt, wait_until
+from helpers import NOT_SERVING, generate, prompt, wait_until
 
+from bench.workers import free_port
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.model_source import ModelNotFound, resolve
 
@@ -148,13 +149,18 @@ def test_a_cached_repo_id_is_served_offline(spawn, model_dir, hf_home):
     assert f"{REPO_ID} is in {snapshot}" in p.log.read_text()
 
 
-def test_an_absent_repo_id_offline_says_what_to_do(hf_home):
-    done = subprocess.run(
+def serve_absent_repo() -> subprocess.CompletedProcess:
+    """A worker asked for a repo that the cache lacks, run to its end."""
+    return subprocess.run(
         [sys.executable, "-m", "smg_mlx", "serve", "--model", "org/absent", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_an_absent_repo_id_offline_says_what_to_do(hf_home):
+    done = serve_absent_repo()
     assert done.returncode == 2
     assert "org/absent is not in the Hugging Face cache" in done.stderr
     assert "HF_HUB_OFFLINE is set" in done.stderr and "hf download org/absent" in done.stderr
@@ -173,12 +179,30 @@ def test_an_absent_repo_id_is_downloaded_with_progress_in_the_log(spawn, model_d
     assert "Traceback" not in log
 
 
-def test_a_signal_during_a_download_exits_zero_at_once(spawn, model_dir, fake_hub):
+def test_a_downloading_worker_answers_not_serving_and_a_signal_ends_it_at_once(
+    spawn, model_dir, fake_hub
+):
     fake_hub(model_dir, stall=True)
     p = spawn("--model", REPO_ID)
     assert wait_until(lambda: "download progress" in p.log.read_text(), 60), p.log.read_text()
+    # Probes and the router see a worker starting, not a closed port.
+    assert p.check() == NOT_SERVING
+    reply = p.stub.HealthCheck(pb.HealthCheckRequest())
+    assert not reply.healthy and "still loading" in reply.message
     # The download's threads are stuck reading: the process must not wait for them.
     assert p.stop(signal.SIGTERM, timeout=10) == 0
+
+
+def test_an_unreachable_hub_exits_one_with_the_reason_on_one_line(hf_home, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    done = serve_absent_repo()
+    assert done.returncode == 1
+    (error,) = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert "cannot download org/absent from http://127.0.0.1:" in error
+    assert "hf download org/absent" in error
+    assert "\\n" not in error  # the Hub's message spans lines; the log line must not show it
+    assert "Traceback" not in done.stderr
 
 
 def test_a_local_path_wins_over_a_repo_id(model_dir, tmp_path, monkeypatch):

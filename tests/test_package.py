@@ -1,6 +1,6 @@
-"""The package works outside this checkout: a wheel built from a clean copy of the
-tree, installed into a fresh virtualenv, serves; without an MLX backend it says
-what to install.
+"""The package works outside this checkout: deploy/install.sh run from a clean copy
+of the tree gives a fresh virtualenv that serves; without an MLX backend the worker
+names the command that installs one, and that command works.
 
 The fresh virtualenv installs from the wheelhouse `make install` fills
 (.venv/wheelhouse: the runtime dependencies and the build backend), so pip
@@ -8,11 +8,12 @@ resolves the wheel's own requirements for real, offline."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 from importlib.machinery import ModuleSpec
-from importlib.metadata import PackageNotFoundError, distribution
+from importlib.metadata import distribution
 from pathlib import Path
 
 import grpc
@@ -26,18 +27,6 @@ from smg_mlx.health_check import probe
 
 REPO = Path(__file__).resolve().parent.parent
 WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
-BACKEND_EXTRAS = {"mlx-cpu": "cpu", "mlx-cuda-13": "cuda13"}
-
-
-def backend_extra() -> str | None:
-    """The extra that gave this environment its MLX backend (None on macOS)."""
-    for name, extra in BACKEND_EXTRAS.items():
-        try:
-            distribution(name)
-        except PackageNotFoundError:
-            continue
-        return extra
-    return None
 
 
 def pip(*args: str) -> str:
@@ -67,13 +56,17 @@ def clean_copy(out: Path) -> Path:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="only Linux wheels of MLX lack a backend")
-def test_without_a_backend_library_the_message_names_the_extras(tmp_path, monkeypatch):
+def test_without_a_backend_library_the_message_names_the_commands(tmp_path, monkeypatch):
     # An mlx package as `pip install smg-mlx` leaves it on Linux: bindings, no library.
     spec = ModuleSpec("mlx", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]
     monkeypatch.setattr(mlx_backend, "find_spec", lambda name: spec)
     monkeypatch.setattr(mlx_backend, "_installed", lambda distribution: False)
-    assert mlx_backend.INSTALL_HINT in mlx_backend.missing_backend()
+    message = mlx_backend.missing_backend()
+    # This environment's pip, MLX's own extras, the MLX installed (test_install_sh_... runs one).
+    for extra in ("cpu", "cuda13"):
+        command = f"{sys.executable} -m pip install 'mlx[{extra}]=={distribution('mlx').version}'"
+        assert command in message
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libmlx.so").touch()  # a source build carries its own
     assert mlx_backend.missing_backend() is None
@@ -83,29 +76,36 @@ def test_this_environment_has_a_backend():
     assert mlx_backend.missing_backend() is None
 
 
-def test_a_wheel_from_a_clean_tree_installs_and_serves(tmp_path):
+def test_install_sh_from_a_clean_tree_installs_and_serves(tmp_path):
+    """deploy/install.sh, the install of the systemd recipe and of the image; on Linux
+    first without a backend, whose message names the command that adds one."""
     if not WHEELHOUSE.is_dir():
         pytest.fail(f"no wheelhouse at {WHEELHOUSE}: run `make install`")
     source = clean_copy(tmp_path / "src")
     built = pip("wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(source))
     # setuptools warns of deprecated metadata (a license table) through pip.
     assert "deprecat" not in built.lower() and "BuildBackendWarning" not in built, built
-    (wheel,) = (tmp_path / "dist").glob("smg_mlx-*.whl")
 
+    # Offline: pip takes everything from the wheelhouse.
+    offline = {"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(WHEELHOUSE)}
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    installed = subprocess.run(
+        [source / "deploy" / "install.sh", venv],
+        env={**offline, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert installed.stdout.strip() == f"smg-mlx {__version__}"
     python, smg_mlx = venv / "bin" / "python", venv / "bin" / "smg-mlx"
-    pip("--python", str(python), "install", "--no-compile", str(wheel))
-    version = subprocess.run([smg_mlx, "--version"], capture_output=True, text=True, check=True)
-    assert version.stdout.strip() == f"smg-mlx {__version__}"
     tools = subprocess.run([python, "-c", "import grpc_tools"], capture_output=True)
     assert tools.returncode != 0, "grpcio-tools is a runtime dependency again"
 
     # Only what the venv holds: no PYTHONPATH, not this checkout as the working directory.
     isolated = {"cwd": tmp_path, "env": {"PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": str(tmp_path)}}
-    extra = backend_extra()
     if sys.platform == "linux":
-        # The bare wheel has no MLX backend on Linux.
+        # Installed without a backend extra, as `pip install` of the bare package is.
         bare = subprocess.run(
             [smg_mlx, "serve", "--demo", "--port", "0"],
             capture_output=True,
@@ -114,8 +114,13 @@ def test_a_wheel_from_a_clean_tree_installs_and_serves(tmp_path):
             **isolated,
         )
         assert bare.returncode == 1
-        assert mlx_backend.INSTALL_HINT in bare.stderr and "Traceback" not in bare.stderr
-        pip("--python", str(python), "install", "--no-compile", f"{wheel}[{extra}]")
+        assert "Traceback" not in bare.stderr
+        command = re.search(r"install one with (.+?) for the CPU", bare.stderr)
+        assert command is not None, bare.stderr
+        added = subprocess.run(
+            ["bash", "-c", command[1]], env=offline, capture_output=True, text=True, timeout=300
+        )
+        assert added.returncode == 0, added.stdout + added.stderr
 
     port, log = free_port(), tmp_path / "worker.log"
     worker = subprocess.Popen(

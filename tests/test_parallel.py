@@ -4,13 +4,8 @@ and every fault ends in bounded time with the documented exit codes."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +16,6 @@ import pytest
 from helpers import (
     NOT_SERVING,
     Process,
-    Router,
     collect,
     generate,
     prompt,
@@ -241,53 +235,3 @@ def _code(call) -> grpc.StatusCode:
     except grpc.RpcError as err:
         return err.code()
     return grpc.StatusCode.OK
-
-
-MLX_LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent))
-
-
-@pytest.mark.skipif(MLX_LAUNCH is None, reason="mlx.launch comes with mlx")
-def test_mlx_launch_and_the_router_in_front(models, tmp_path):
-    """The README's command: mlx.launch -n 2 --backend ring -- smg-mlx serve ..."""
-    model = models["llama"]
-    port = free_port()
-    log = tmp_path / "launch.log"
-    launch = subprocess.Popen(
-        [MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()),
-         "--", str(Path(sys.executable).parent / "smg-mlx"), "serve", "--model", str(model),
-         "--port", str(port)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    router = None
-    try:
-        assert wait_until(lambda: "SERVING" in log.read_text(), 120), log.read_text()
-        router = Router([port], model, tmp_path / "router.log")
-        assert wait_until(lambda: router.worker_healthy() is True, 30)
-        reply = router.post(
-            "/v1/chat/completions",
-            {"model": model.name, "messages": [{"role": "user", "content": "Hi"}],
-             "max_tokens": 8, "temperature": 0},
-        )  # fmt: skip
-        assert reply["choices"][0]["finish_reason"] == "length"
-        assert reply["usage"]["completion_tokens"] == 8
-    finally:
-        if router is not None:
-            router.stop()
-        # As Ctrl-C in its terminal: the whole group (mlx.launch does not pass a
-        # signal of its own on to the ranks). Rank 0 then stops every rank.
-        os.killpg(launch.pid, signal.SIGINT)
-        try:
-            # Every rank gone (their exit codes: test_sigterm_to_rank_0_...).
-            assert wait_until(lambda: launch.poll() is not None and _group_gone(launch.pid), 30)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launch.pid, signal.SIGKILL)
-
-
-def _group_gone(group: int) -> bool:
-    """No process of the group is left (reap the group's leader first: a zombie counts)."""
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return True
-    return False

@@ -35,9 +35,7 @@ class EngineClient:
     through the loop (`api.streaming.StreamPublisher`), never directly.
     """
 
-    def __init__(
-        self, config: EngineConfig, loop: asyncio.AbstractEventLoop, stream_interval: int
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream_interval: int) -> None:
         self.state = EngineState.STARTING
         self.failure: str | None = None
         # As of the last report: sequences being prefilled or decoded, of those
@@ -55,10 +53,14 @@ class EngineClient:
         self._ready: asyncio.Future[None] = loop.create_future()
         self._failure_listeners: list[Callable[[str], None]] = []
         self._step_listeners: list[Callable[[float, int], None]] = []
-        core = EngineCore(config, self._inbox, StreamPublisher(loop, self, stream_interval))
-        self._thread = threading.Thread(target=core.run, name="mlx-engine", daemon=True)
+        self._publisher = StreamPublisher(loop, self, stream_interval)
+        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, config: EngineConfig) -> None:
+        """Load `config`'s model on a new engine thread, which then serves. (The
+        model is known only once the worker is listening: it may be downloaded.)"""
+        core = EngineCore(config, self._inbox, self._publisher)
+        self._thread = threading.Thread(target=core.run, name="mlx-engine", daemon=True)
         self._thread.start()
 
     async def wait_ready(self) -> None:
@@ -88,6 +90,8 @@ class EngineClient:
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the engine thread to end (call off the loop); True if it has."""
+        if self._thread is None:  # never started
+            return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
