@@ -219,18 +219,16 @@ def _long_prompts(args: argparse.Namespace, model_dir: Path, argv: list[str] | N
         model_dir.resolve(), args.work_dir.resolve(), parse_levels(args.long_prompts),
         workload, shlex.split(args.worker_args), args.start_timeout,
     )  # fmt: skip
-    report.write_json(
-        out,
-        {
-            "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
-            "machine": info,
-            "model": model.describe(model_dir),
-            "workload": workload.to_dict(),
-            "long_prompts": results,
-        },
-    )
-    progress(f"results in {out}")
+    _write(out, argv, info, model_dir, workload=workload.to_dict(), long_prompts=results)
     return 0 if all(r["completed"] == r["requests"] for r in results) else 1
+
+
+def _write(out: Path, argv: list[str] | None, info: dict, model_dir: Path, **results) -> None:
+    """A single-worker run's JSON: the command, the machine, the model and `results`."""
+    command = " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])])
+    payload = {"command": command, "machine": info, "model": model.describe(model_dir)}
+    report.write_json(out, {**payload, **results})
+    progress(f"results in {out}")
 
 
 def _mixed(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
@@ -248,17 +246,8 @@ def _mixed(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) ->
         model_dir.resolve(), args.work_dir.resolve(), mixed, shlex.split(args.worker_args),
         args.start_timeout,
     )  # fmt: skip
-    report.write_json(
-        out,
-        {
-            "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
-            "machine": info,
-            "model": model.describe(model_dir),
-            "mixed": result,
-        },
-    )
     print(format_mixed(result))
-    progress(f"results in {out}")
+    _write(out, argv, info, model_dir, mixed=result)
     chats_failed = result["mixed"]["chats_failed"] + result["idle"]["chats_failed"]
     return 1 if result["long_errors"] or chats_failed else 0
 

@@ -10,9 +10,11 @@ had allocated (from the worker's metrics) against its budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -34,6 +36,29 @@ def metric(port: int, name: str) -> float | None:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return None
+
+
+@contextlib.contextmanager
+def default_worker(model_dir: Path, work_dir: Path, extra: list[str], tag: str,
+                   timeout_s: float) -> Iterator[tuple[WorkerProcess, int]]:  # fmt: skip
+    """Our worker with its default flags and `extra`, SERVING, and its metrics port."""
+    port, metrics_port = free_port(), free_port()
+    command = [
+        sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
+        "--port", str(port), "--metrics-port", str(metrics_port), *extra,
+    ]  # fmt: skip
+    log = work_dir / "logs" / f"{tag}-{time.strftime('%H%M%S')}.log"
+    with WorkerProcess("ours", command, port, log) as worker:
+        worker.wait_serving(timeout_s)
+        yield worker, metrics_port
+
+
+def memory_figures(metrics_port: int) -> dict:
+    """The most MLX had allocated, and the budget (bytes; None if unread)."""
+    return {
+        "peak_bytes": metric(metrics_port, "smg_mlx_memory_peak_bytes"),
+        "budget_bytes": metric(metrics_port, "smg_mlx_memory_budget_bytes"),
+    }
 
 
 async def watch_health(channel: grpc.aio.Channel, statuses: set[str]) -> None:
@@ -90,20 +115,15 @@ def run_long_prompts(
     """One fresh worker per count, its default flags and `extra`; the outcome of each."""
     results = []
     for count in counts:
-        port, metrics_port = free_port(), free_port()
-        command = [
-            sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-            "--port", str(port), "--metrics-port", str(metrics_port), *extra,
-        ]  # fmt: skip
-        log = work_dir / "logs" / f"long-{count}-{time.strftime('%H%M%S')}.log"
-        with WorkerProcess("ours", command, port, log) as worker:
-            worker.wait_serving(timeout_s)
+        with default_worker(model_dir, work_dir, extra, f"long-{count}", timeout_s) as (
+            worker,
+            metrics_port,
+        ):
             outcome = asyncio.run(_send_all(worker.address, workload, count, f"long{count}"))
             outcome["alive_after"] = worker.process.poll() is None
-            outcome["peak_bytes"] = metric(metrics_port, "smg_mlx_memory_peak_bytes")
-            outcome["budget_bytes"] = metric(metrics_port, "smg_mlx_memory_budget_bytes")
+            outcome.update(memory_figures(metrics_port))
         outcome["exit_code"] = worker.process.returncode
-        outcome["log"] = str(log)
+        outcome["log"] = str(worker.log_path)
         results.append(outcome)
         print(format_row(outcome), file=sys.stderr, flush=True)
     return results

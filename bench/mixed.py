@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,8 +25,7 @@ from pathlib import Path
 import grpc
 
 from bench.grpc_client import stream_one, token_request
-from bench.long_prompts import metric, watch_health
-from bench.workers import WorkerProcess, free_port
+from bench.long_prompts import default_worker, memory_figures, watch_health
 from bench.workload import PROMPT_ID_RANGE, Workload
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
@@ -156,18 +154,10 @@ async def _run(address: str, mixed: Mixed) -> dict:
 def run_mixed(model_dir: Path, work_dir: Path, mixed: Mixed, extra: list[str],
               timeout_s: float) -> dict:  # fmt: skip
     """One fresh worker, its default flags and `extra`; the three phases' outcome."""
-    port, metrics_port = free_port(), free_port()
-    command = [
-        sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-        "--port", str(port), "--metrics-port", str(metrics_port), *extra,
-    ]  # fmt: skip
-    log = work_dir / "logs" / f"mixed-{time.strftime('%H%M%S')}.log"
-    with WorkerProcess("ours", command, port, log) as worker:
-        worker.wait_serving(timeout_s)
+    with default_worker(model_dir, work_dir, extra, "mixed", timeout_s) as (worker, metrics):
         outcome = asyncio.run(_run(worker.address, mixed))
-        outcome["peak_bytes"] = metric(metrics_port, "smg_mlx_memory_peak_bytes")
-        outcome["budget_bytes"] = metric(metrics_port, "smg_mlx_memory_budget_bytes")
-    outcome.update(workload=asdict(mixed), flags=extra, log=str(log))
+        outcome.update(memory_figures(metrics))
+    outcome.update(workload=asdict(mixed), flags=extra, log=str(worker.log_path))
     return outcome
 
 

@@ -64,6 +64,7 @@ def test_counters_move_by_what_requests_did(metered):
     assert m("smg_mlx_prompt_tokens_total") == sum(p for p, _ in sizes) + 4
     assert m("smg_mlx_generation_tokens_total") == sum(n for _, n in sizes) + aborted
     assert m("smg_mlx_time_to_first_token_seconds_count") == 4
+    assert m("smg_mlx_queue_wait_seconds_count") == 4  # arrival to start in the batch
     assert m("smg_mlx_request_duration_seconds_count") == 4
     # One gap between each pair of consecutive tokens of a request.
     gaps = sum(n - 1 for _, n in sizes) + aborted - 1
@@ -87,6 +88,12 @@ def test_running_and_queued_gauges(start_worker, model_dir):
 
     # The engine updates its count at its next step; then one runs and two wait.
     assert wait_until(lambda: gauges() == (1, 2)), gauges()
+    assert scrape(port)[("smg_mlx_prefilling_requests", ())] == 0
+    # GetServerInfo's headers say the same (its message has no fields for them).
+    _, call = w.stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
+    headers = dict(call.initial_metadata())
+    assert (headers["running-requests"], headers["waiting-requests"]) == ("1", "2")
+    assert headers["prefilling-requests"] == "0"
     for c in calls:
         c.cancel()
     assert wait_until(lambda: scrape(port)[("smg_mlx_running_requests", ())] == 0)
