@@ -46,8 +46,7 @@ class _Slot:
     options: tuple  # its sampler, logits processors and stop sequences
     cached: int  # prompt tokens reused from the prefix cache (as its client is told)
     start: int  # tokens in its cache when it was inserted
-    remaining: int  # prompt tokens still to prefill, the last one aside
-    context: int  # tokens in its cache
+    processed: int = 0  # prompt tokens prefilled since
     started: bool = False  # BatchGenerator has begun its prefill
     prefilling: bool = True  # its prompt is not all processed yet
     fresh: bool = True  # no token yet
@@ -57,6 +56,16 @@ class _Slot:
     @property
     def key(self) -> int:
         return self.request.key
+
+    @property
+    def context(self) -> int:
+        """Tokens in its cache."""
+        return self.start + self.processed
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill, the last one aside."""
+        return len(self.inserted.prompt) - 1 - self.context if self.prefilling else 0
 
 
 # mlx's CUDA backend keeps per-shape caches (cuDNN attention graphs, CUDA
@@ -290,8 +299,7 @@ class Batch:
         for uid, (request, options, resumed), (_, cached) in zip(
             uids, accepted, starts, strict=True
         ):
-            remaining = len(request.spec.prompt) - cached - 1
-            slot = _Slot(request, request.spec, options, cached, cached, remaining, cached)
+            slot = _Slot(request, request.spec, options, cached, cached)
             if resumed is not None:  # as the client knows it: tokens sent, cache reuse
                 slot.request, slot.cached = resumed.request, resumed.cached
                 slot.fresh, slot.generated = resumed.fresh, resumed.generated
@@ -351,9 +359,7 @@ class Batch:
                 logits_processors=[processors],
                 stop_sequences=[stops],
             )[0]
-            slot.start = slot.context = len(tokens)
-            slot.remaining = len(slot.inserted.prompt) - len(tokens) - 1
-            slot.started = False
+            slot.start, slot.processed, slot.started = len(tokens), 0, False
             self._slots[uid] = slot
             self._uids[key] = uid
 
@@ -368,9 +374,7 @@ class Batch:
                 self._started += not slot.started
                 slot.started = True
                 slot.prefilling = not r.end_of_prompt
-                processed, total = r.progress  # of the tokens inserted, the last included
-                slot.context = slot.start + processed
-                slot.remaining = 0 if r.end_of_prompt else total - 1 - processed
+                slot.processed = r.progress[0]
         logprobs = self._logprobs(responses)
         events = []
         for r, chosen in zip(responses, logprobs, strict=True):

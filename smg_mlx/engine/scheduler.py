@@ -258,8 +258,10 @@ class Scheduler:
         refused: list[Request] = []
         too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
         for_memory = 0
+        if slots <= 0:
+            return [], (), 0
         ranked = sorted(self._room.values(), key=lambda w: self._rank(w, long_tokens, now))
-        for waiting in ranked if slots > 0 else ():
+        for waiting in ranked:
             if slots <= 0:
                 break
             new = waiting.cost
