@@ -3,13 +3,18 @@ an Inbox in, a Sink out, as any front door (or a follower rank) uses it."""
 
 from __future__ import annotations
 
+import json
 import queue
+import subprocess
+import sys
 import threading
 
 import pytest
 from helpers import prompt
 
 from smg_mlx.config import EngineConfig
+from smg_mlx.engine import warm_up
+from smg_mlx.engine.batch import Batch
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
 from smg_mlx.engine.types import (
@@ -152,6 +157,70 @@ def test_stop_ends_the_loop_and_reports_it(model_dir):
     thread.join(TIMEOUT)
     assert not thread.is_alive()
     assert sink.ending.get(timeout=1) == "stopped"
+
+
+def test_the_thorough_warm_up_leaves_nothing_behind(model_dir, monkeypatch):
+    """Where shapes cost kernel builds (CUDA), the warm-up runs every kind of
+    step; afterwards requests see an empty batch and an empty prefix cache."""
+
+    def outputs(inbox, sink) -> list[tuple[list[int], int]]:
+        results = []
+        for key, ids in ((1, warm_up.prompt(300)), (2, prompt(40, 2))):
+            inbox.submit(Request(key, spec(list(ids), max_tokens=12)))
+            events = sink.events_of(key)
+            results.append(([e.token for e in events], events[0].cached_tokens))
+        inbox.stop()
+        return results
+
+    inbox = Inbox()
+    plain = outputs(inbox, start_core(model_dir, inbox)[0])
+    monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
+    inbox = Inbox()
+    thorough = outputs(inbox, start_core(model_dir, inbox)[0])
+    assert thorough == plain
+    assert [cached for _, cached in thorough] == [0, 0]  # the warm-up's prompt is not cached
+    assert len(set(plain[0][0])) > 1  # the model's output varies
+
+
+REFERENCE = """
+import json, sys
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+model, _ = load(sys.argv[1])
+out = []
+for ids in json.loads(sys.argv[2]):
+    steps = generate_step(mx.array(ids), model, max_tokens=16, prefill_step_size=64)
+    out.append([int(token) for token, _ in steps])
+print(json.dumps(out))
+"""
+
+
+def test_greedy_output_equals_mlx_lms_own_generation(model_dir):
+    """Prompts prefilled in chunks, alone and batched with padding: each gives
+    the tokens mlx-lm's single-sequence generation gives (run apart, in a
+    process of its own)."""
+    prompts = [prompt(700, 1), prompt(300, 2), prompt(37, 3)]
+    reference = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", REFERENCE, str(model_dir), json.dumps(prompts)],
+            check=True, capture_output=True, text=True, timeout=TIMEOUT,
+        ).stdout
+    )  # fmt: skip
+    inbox = Inbox()
+    sink, thread = start_core(model_dir, inbox, step_budget_seconds=1e-6)
+    for key, ids in enumerate(prompts):
+        inbox.submit(Request(key, spec(ids, max_tokens=16)))  # the first alone, then two together
+        if key == 0:
+            first = [e.token for e in sink.events_of(0)]
+    rest = {key: [] for key in (1, 2)}
+    while not all(tokens and len(tokens) == 16 for tokens in rest.values()):
+        for event in sink.next_report().events:
+            rest[event.key].append(event.token)
+    inbox.stop()
+    thread.join(TIMEOUT)
+    assert [first, rest[1], rest[2]] == reference
+    assert all(len(set(tokens)) > 1 for tokens in reference)  # the model's output varies
 
 
 def test_a_model_that_cannot_load_is_reported(tmp_path):

@@ -25,10 +25,10 @@ SPEED = PrefillSpeed(per_token=4e-5, per_context=4e-9)
 
 
 def make(budget_mib: int = 10_000, *, step_ms: float = 100, rows: int = 8, batch: int = 32,
-         speed: PrefillSpeed = SPEED) -> Scheduler:  # fmt: skip
+         speed: PrefillSpeed = SPEED, shape_builds: bool = False) -> Scheduler:  # fmt: skip
     planner = MemoryPlanner(MODEL, budget_mib * MIB, max_chunk=2048, prefill_rows=rows)
     return Scheduler(planner, StepClock(speed), batch_size=batch, prefill_rows=rows,
-                     step_seconds=step_ms / 1000)  # fmt: skip
+                     step_seconds=step_ms / 1000, shape_builds=shape_builds)  # fmt: skip
 
 
 def req(key: int, length: int, max_tokens: int = 16) -> Request:
@@ -136,7 +136,7 @@ def test_slower_steps_than_expected_shrink_the_chunk():
     s = make()
     before = s.schedule([prefilling(100_000, done=8192)], 0).chunk
     for _ in range(3):
-        s.observe(0.5)  # five times the budget
+        s.observe(0.5, 1)  # five times the budget
     after = s.schedule([prefilling(100_000, done=8192)], 0).chunk
     assert after < before
     assert s.clock.seconds(after, 8192 + after // 2) <= s.step_seconds
@@ -146,7 +146,7 @@ def test_one_slow_step_does_not_shrink_every_chunk_after_it():
     s = make()
     plan = s.schedule([prefilling(100_000, done=8192)], 0)
     for seconds in (plan.expected_seconds, 3.0, plan.expected_seconds):  # a kernel build
-        s.observe(seconds)
+        s.observe(seconds, 1)
     assert s.schedule([prefilling(100_000, done=8192)], 0).chunk == plan.chunk
 
 
@@ -215,3 +215,27 @@ def test_a_long_prompt_does_not_start_beside_short_ones_without_their_first_toke
     assert keys(s.schedule([], 0, now=0).admit) == [2]
     assert keys(s.schedule([decoding(40, fresh=True)], 0, now=0).admit) == []
     assert keys(s.schedule([decoding(40)], 0, now=0).admit) == [1]
+
+
+def test_where_shapes_cost_a_build_a_first_seen_shape_does_not_shrink_later_chunks():
+    s = make(shape_builds=True)
+    context = 8192
+    first = s.schedule([prefilling(100_000, done=context)], 0)
+    s.observe(first.expected_seconds + 0.2, 1)  # the step also built its kernels
+    again = s.schedule([prefilling(100_000, done=context)], 0)
+    assert again.chunk == first.chunk  # the same shape: its tokens cost what they did
+    assert again.expected_seconds == first.expected_seconds
+    # A shape not seen yet now counts what a build costs, and gets a smaller chunk
+    # when its build would not fit the budget beside the largest one.
+    further = s.schedule([prefilling(100_000, done=context + 4 * 2048)], 0)
+    assert further.expected_seconds <= s.step_seconds or further.chunk < first.chunk
+    assert further.expected_seconds > s.clock.seconds(further.chunk, context + 4 * 2048)
+
+
+def test_nothing_starts_beside_a_long_prompt_in_the_step_its_prompt_ends():
+    s = make()
+    s.add([req(1, 40)], now=0)
+    ending = prefilling(30_000, done=30_000 - 1)  # every prompt token but the last is in
+    assert ending.remaining == 0 and ending.cost.prefilling
+    assert s.schedule([ending], 0, now=0).admit == ()
+    assert keys(s.schedule([decoding(30_000)], 0, now=0).admit) == [1]

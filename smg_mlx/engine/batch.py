@@ -11,17 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load_model
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import memory_probe
+from smg_mlx.engine import memory_probe, warm_up
 from smg_mlx.engine.memory import Cost, cost
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
@@ -76,6 +78,25 @@ class _Slot:
 CUDA_CACHE_SETTINGS = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_SDPA_CACHE_SIZE": "1024"}
 
 
+def _prefill_mask_unless_padded(make_mask: Callable) -> Callable:
+    """mlx-lm masks every step of a batch with an array, padded or not. A prompt
+    chunk whose rows are not padded needs no array for causal attention, and
+    the fused kernel without one is several times faster at long context (a
+    long prompt prefills alone: this is its every step). Decoding keeps the
+    array: its kernel takes one cheaply, and reading the padding there would
+    wait for the step before."""
+
+    def mask(self: BatchKVCache, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if N == 1 or return_array or any(v is not None for v in kwargs.values()):
+            return make_mask(self, N, return_array=return_array, **kwargs)
+        return make_mask(self, N) if self.left_padding.any().item() else "causal"
+
+    return mask
+
+
+BatchKVCache.make_mask = _prefill_mask_unless_padded(BatchKVCache.make_mask)
+
+
 def _load(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:
     """The model, or this rank's part of it when a group of ranks serves it."""
     if group is None:
@@ -128,7 +149,7 @@ class Batch:
         self._prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         )
-        self._warm_up()
+        warm_up.run(self, thorough=self.shape_builds)
         self.memory, self.speed = memory_probe.measure(
             self.model, self._stream, config.prefill_step_size
         )
@@ -153,14 +174,6 @@ class Batch:
             prefill_step_size=config.prefill_step_size,
             stream=self._stream,
         )
-
-    def _warm_up(self) -> None:
-        """One short generation, so the first request pays no first-step costs."""
-        uid = self._generator.insert([[0, 1, 2, 3]], max_tokens=[2])[0]
-        while True:
-            _, done = self._generator.next()
-            if any(r.uid == uid and r.finish_reason for r in done):
-                return
 
     @property
     def size(self) -> int:

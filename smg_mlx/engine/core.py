@@ -169,7 +169,7 @@ class EngineCore:
                 else:
                     if seconds is not None:
                         failures = 0
-                        scheduler.observe(seconds)
+                        scheduler.observe(seconds, rows)
                 if watchdog is not None:
                     watchdog.turn_ended()
                 if finished:

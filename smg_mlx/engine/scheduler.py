@@ -15,8 +15,11 @@ rank, when the model is split over several). The rules:
   waste the accelerator more than they save anyone's time.
 - **Few shapes.** Chunks are powers of two, and each ends where the batch's
   cache length is a multiple of it: the same attention shapes come back
-  step after step and prompt after prompt. (mlx's CUDA backend builds a
-  cuDNN graph for every new one, which costs more than a small chunk's work.)
+  step after step and prompt after prompt. mlx's CUDA backend builds a cuDNN
+  graph for every new one, which costs more than a large chunk's work there:
+  a step of a shape not seen yet counts that cost (as the clock has
+  measured it) against the budget, and does not teach the clock that its
+  tokens cost that much, which would shrink the chunks into yet more new shapes.
 - **Short before long.** A prompt is long when its prefill needs more than
   LONG_PROMPT_STEPS steps' budget (at no context). At most
   LONG_PREFILLS_AT_ONCE long prompts prefill at a time, in arrival order
@@ -25,7 +28,8 @@ rank, when the model is split over several). The rules:
   one's cache to the older one's length. Shorter prompts start at the next
   step, in arrival order, while prompt rows are free; a long prompt being
   prefilled steps aside (its cache kept) until they have their first token,
-  then comes back for at least one step before it steps aside again. The
+  then comes back for at least one step before it steps aside again (and
+  nothing starts in the step where its prompt ends, which would pad it). The
   short prompts' first steps are then short, and the long one's attention
   shapes stay those of a batch of one, which repeat.
 - **Memory.** A request starts only when the batch with it fits the memory
@@ -59,6 +63,14 @@ MIN_STEP_TOKENS = 128
 SHAPE_BUILD_STEP_TOKENS = 512
 AGING_SECONDS = 10.0
 SMALLEST_CHUNK = 16
+# Prefill shapes remembered as built; past this many (mlx's CUDA graph cache
+# holds as many, see engine.batch) the memory starts over.
+SHAPES_REMEMBERED = 1024
+
+
+# A prefill step's shape, as the backend's kernels see it: prompt rows, chunk,
+# and the context before it.
+Shape = tuple[int, int, int]
 
 
 def chunk_sizes(largest: int) -> list[int]:
@@ -135,13 +147,16 @@ class Scheduler:
         self.batch_size = batch_size
         self.prefill_rows = prefill_rows
         self.step_seconds = step_seconds
+        self.shape_builds = shape_builds
         self.min_step_tokens = SHAPE_BUILD_STEP_TOKENS if shape_builds else MIN_STEP_TOKENS
         self._cached_prefix = cached_prefix
         self._sizes = chunk_sizes(planner.max_chunk)
         self._room: dict[int, Waiting] = {}  # by request key
         self._order = itertools.count()
         self._put_back = itertools.count(-(2**62))  # ahead of every arrival
-        self._measured: tuple[int, int] = (0, 0)  # the planned step's tokens and context
+        # The planned step's prompt tokens, their mean context, and its shape.
+        self._measured: tuple[int, int, Shape | None] = (0, 0, None)
+        self._built: set[Shape] = set()  # prefill shapes that have run
 
     # ---- the waiting room ----
 
@@ -169,18 +184,25 @@ class Scheduler:
 
     # ---- the decisions ----
 
-    def row_chunk(self, rows: int, context: int) -> int:
+    def row_chunk(self, rows: int, context: int, builds: bool = True) -> int:
         """The largest chunk each of `rows` prompt rows may prefill in one step
-        within the budget, at `context` tokens of context."""
+        within the budget, at `context` tokens of context (`builds`: counting
+        what a shape not seen yet costs to build)."""
         floor = next(
             s for s in self._sizes if s * rows >= self.min_step_tokens or s == self._sizes[-1]
         )
         for size in reversed(self._sizes):
             if size <= floor:
                 return floor
-            if self.clock.seconds(rows * size, context + size // 2) <= self.step_seconds:
+            seconds = self.clock.seconds(rows * size, context + size // 2)
+            if builds and self._is_new((rows, aligned(size, context), context)):
+                seconds += self.clock.build_seconds
+            if seconds <= self.step_seconds:
                 return size
         return floor
+
+    def _is_new(self, shape: Shape) -> bool:
+        return self.shape_builds and shape not in self._built
 
     def schedule(
         self, running: Sequence[Running], prefix_bytes: int, now: float | None = None
@@ -188,13 +210,17 @@ class Scheduler:
         """Which waiting requests start beside `running`, and the step's chunk."""
         now = time.monotonic() if now is None else now
         prefilling = [r for r in running if r.cost.prefilling]
-        long = LONG_PROMPT_STEPS * self.row_chunk(1, 0)  # prompt tokens past which it is long
+        # Prompt tokens past which a prompt is long.
+        long = LONG_PROMPT_STEPS * self.row_chunk(1, 0, builds=False)
         aside = [r for r in prefilling if r.aside]
         shorts = any(r.fresh and r.cost.prompt <= long and not r.aside for r in running)
         # Long prompts set aside come back once the short ones have their first
         # token; nothing starts beside them in that step.
         resume = aside if not shorts else []
-        admitted, refused, for_memory = ([], (), 0) if resume else self._admit(
+        # A long prompt whose last chunk just ran joins the decoding rows at the
+        # next step; a prompt starting beside it now would be padded to its length.
+        finishing = any(not r.remaining and r.cost.prompt > long for r in prefilling)
+        admitted, refused, for_memory = ([], (), 0) if resume or finishing else self._admit(
             running, prefilling, long, shorts, now
         )
         set_aside = []
@@ -205,7 +231,7 @@ class Scheduler:
         costs = [r.cost for r in running] + [w.cost for w in admitted]
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
-            self._measured = (0, 0)
+            self._measured = (0, 0, None)
             return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
         away = {id(r) for r in aside + set_aside} - {id(r) for r in resume}
         rows = [r for r in prefilling if id(r) not in away]
@@ -214,11 +240,15 @@ class Scheduler:
         ]
         context = max([r.context for r in rows] + [w.cached for w in admitted], default=0)
         chunk = self.planner.chunk(costs, min(prefix_bytes, allowance))
-        tokens = 0
+        tokens, shape = 0, None
         if needs:
             chunk = aligned(min(chunk, self.row_chunk(len(needs), context)), context)
             tokens = len(needs) * min(chunk, max(needs))
-        self._measured = (tokens, context + chunk // 2 if tokens else 0)
+            shape = (len(needs), chunk, context)
+        self._measured = (tokens, context + chunk // 2 if tokens else 0, shape)
+        expected = self.clock.seconds(tokens, self._measured[1])
+        if shape is not None and self._is_new(shape):
+            expected += self.clock.build_seconds
         return Plan(
             admit=tuple(w.request for w in admitted),
             set_aside=tuple(r.key for r in set_aside),
@@ -226,20 +256,25 @@ class Scheduler:
             refuse=refused,
             chunk=chunk,
             prefix_allowance=allowance,
-            expected_seconds=self.clock.seconds(*self._measured),
+            expected_seconds=expected,
             prefill_bytes=self.planner.prefill_bytes(costs, chunk),
             waiting_for_memory=for_memory,
         )
 
-    def observe(self, seconds: float) -> None:
-        """The planned step ran in `seconds`."""
-        tokens, context = self._measured
-        if tokens:
-            log.debug(
-                "step %.1f ms (expected %.1f): %d prompt tokens at context %d",
-                seconds * 1e3, self.clock.seconds(tokens, context) * 1e3, tokens, context,
-            )  # fmt: skip
-        self.clock.observe(tokens, context, seconds)
+    def observe(self, seconds: float, rows: int) -> None:
+        """The planned step ran in `seconds` over `rows` sequences."""
+        tokens, context, shape = self._measured
+        new = shape is not None and self._is_new(shape)
+        log.debug(
+            "step %.1f ms (expected %.1f): %d rows, %d prompt tokens at context %d%s",
+            seconds * 1e3, self.clock.seconds(tokens, context) * 1e3, rows, tokens, context,
+            ", a new shape" if new else "",
+        )  # fmt: skip
+        self.clock.observe(tokens, context, seconds, new_shape=new)
+        if new:
+            if len(self._built) >= SHAPES_REMEMBERED:
+                self._built.clear()
+            self._built.add(shape)
 
     def _admit(
         self,

@@ -26,8 +26,10 @@ CORRECTION_RANGE = (0.1, 10.0)
 # build kernels for new shapes (on CUDA, each costs more than a small chunk's
 # work) must not teach the clock that every token costs that much.
 MOST_GROWTH = 2.0
-# Weight of each new decode-only step in the decode time's moving average.
+# Weight of each new decode-only step in the decode time's moving average, and
+# of each first-seen shape's extra time in the shape build's.
 DECODE_WEIGHT = 0.2
+BUILD_WEIGHT = 0.3
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class StepClock:
     def __init__(self, speed: PrefillSpeed) -> None:
         self.speed = speed
         self.decode_seconds = 0.0  # a step that only decodes, as of late
+        # What a prefill shape the backend has not built kernels for adds to
+        # its step, as of late (only where the scheduler says a shape is new).
+        self.build_seconds = 0.0
         self._corrections: deque[float] = deque(maxlen=RECENT_STEPS)
 
     @property
@@ -63,10 +68,16 @@ class StepClock:
         """A whole step: decoding the batch, and prefilling as above."""
         return self.decode_seconds + self.prefill_seconds(tokens, context)
 
-    def observe(self, tokens: int, context: int, seconds: float) -> None:
-        """A step that prefilled `tokens` at `context` took `seconds`."""
+    def observe(self, tokens: int, context: int, seconds: float, new_shape: bool = False) -> None:
+        """A step that prefilled `tokens` at `context` took `seconds`; with
+        `new_shape`, it first built kernels for its shape: what it took past
+        the prediction is that build's cost, not the tokens'."""
         if tokens <= 0:
             self.decode_seconds += DECODE_WEIGHT * (seconds - self.decode_seconds)
+            return
+        if new_shape:
+            extra = max(seconds - self.seconds(tokens, context), 0.0)
+            self.build_seconds += BUILD_WEIGHT * (extra - self.build_seconds)
             return
         predicted = self._probe_seconds(tokens, context)
         if predicted <= 0:

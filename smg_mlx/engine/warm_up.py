@@ -1,0 +1,117 @@
+"""The warm-up: what serving does, done once before the worker says it is ready
+(runs on the engine thread, through the batch's own paths).
+
+mlx builds some kernels the first time it meets them. On its CUDA backend a
+kernel it compiles costs about a second, once per host (they are kept on
+disk, under MLX_PTX_CACHE_DIR), and a new attention variant about as much
+(cuDNN): a request that meets one first stalls every stream for that long.
+So on such a backend the warm-up runs each kind of step serving runs:
+prompts alone and batched (with padding and without), decoding past 256
+tokens of cache (where cuDNN takes over decoding), rows joining and leaving a
+running batch, sampling with every filter, penalties, logit bias and
+logprobs, and a long prompt set aside and resumed. Elsewhere one short
+generation is enough. Nothing of it stays: the batch is empty afterwards,
+its prefix cache too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
+
+if TYPE_CHECKING:
+    from smg_mlx.engine.batch import Batch
+
+log = logging.getLogger(__name__)
+
+GREEDY = SamplingSettings(temperature=0.0)
+SAMPLED = SamplingSettings(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=1)
+PLAIN = LogitsSettings()
+PENALISED = LogitsSettings(
+    repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1, logit_bias=((1, 2.0),)
+)
+CHUNK = 512  # the long prompt's prefill chunk
+
+
+def prompt(length: int) -> tuple[int, ...]:
+    """A warm-up prompt of `length` tokens."""
+    return tuple((i * 7 + length) % 100 + 1 for i in range(length))
+
+
+class _Script:
+    """Warm-up requests on a batch (keys below zero: no client's), run to their end."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self.keys = 0
+        self.running: set[int] = set()
+        self.began = time.perf_counter()
+
+    def request(
+        self,
+        length: int,
+        max_tokens: int,
+        sampling: SamplingSettings = GREEDY,
+        logits: LogitsSettings = PLAIN,
+        logprobs: int | None = None,
+    ) -> Request:
+        self.keys -= 1
+        spec = GenerationSpec(prompt(length), max_tokens, frozenset(), sampling, logits, logprobs)
+        return Request(self.keys, spec, "warm-up")
+
+    def start(self, *requests: Request) -> set[int]:
+        failed = self.batch.admit(list(requests))
+        if failed:
+            raise RuntimeError(f"the warm-up could not start a request: {failed[0].error}")
+        log.debug(
+            "warm-up: prompts of %s tokens start at %.1fs",
+            [len(r.spec.prompt) for r in requests], time.perf_counter() - self.began,
+        )  # fmt: skip
+        keys = {r.key for r in requests}
+        self.running |= keys
+        return keys
+
+    def until(self, keys: Iterable[int], first_token: bool = False) -> None:
+        """Step until these requests end (or have their first token)."""
+        left = set(keys)
+        while left:
+            for event in self.batch.step(CHUNK):
+                if event.ends:
+                    self.running.discard(event.key)
+                if event.ends or first_token:
+                    left.discard(event.key)
+
+
+def run(batch: Batch, thorough: bool) -> None:
+    """Warm `batch` up; `thorough`: every kind of step (see the module's doc)."""
+    script = _Script(batch)
+    if not thorough:
+        script.until(script.start(script.request(4, 2)))
+        return
+    # Unequal prompts batched (a padding mask), each sampled another way; the
+    # first goes on decoding while the others leave the batch.
+    first = script.request(300, 12)
+    script.until(
+        script.start(
+            first,
+            script.request(40, 3, SAMPLED, logprobs=5),
+            script.request(100, 2, logits=PENALISED, logprobs=0),
+        )
+        - {first.key}
+    )
+    script.until(script.start(script.request(63, 2)))  # joins a running batch
+    script.until(script.start(script.request(300, 2), script.request(300, 2)) | {first.key})
+    long = script.request(4 * CHUNK + 5, 2)
+    script.start(long)
+    batch.step(CHUNK)
+    batch.set_aside([long.key])
+    script.until(script.start(script.request(20, 2)), first_token=True)
+    batch.resume([long.key])
+    script.until(script.running)
+    script.until(script.start(script.request(300, 2)))  # alone: decoding without a mask
+    batch.drop_cached(batch.cached_over(0)[0])
+    log.info("warm-up: every kind of step ran, in %.1fs", time.perf_counter() - script.began)
