@@ -239,3 +239,14 @@ def test_nothing_starts_beside_a_long_prompt_in_the_step_its_prompt_ends():
     assert ending.remaining == 0 and ending.cost.prefilling
     assert s.schedule([ending], 0, now=0).admit == ()
     assert keys(s.schedule([decoding(30_000)], 0, now=0).admit) == [1]
+
+
+def test_a_long_prompt_that_aged_starts_alone_and_short_ones_follow_next_turn():
+    s = make()
+    s.add([req(1, 30_000)], now=0)
+    s.add([req(2, 40)], now=AGING_SECONDS)
+    first = s.schedule([], 0, now=AGING_SECONDS)
+    assert keys(first.admit) == [1]  # aged: first; the chat is not padded to its length
+    started = prefilling(30_000, done=first.chunk)
+    second = s.schedule([started], 0, now=AGING_SECONDS)
+    assert keys(second.admit) == [2] and second.set_aside == (started.key,)

@@ -78,23 +78,24 @@ class _Slot:
 CUDA_CACHE_SETTINGS = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_SDPA_CACHE_SIZE": "1024"}
 
 
-def _prefill_mask_unless_padded(make_mask: Callable) -> Callable:
-    """mlx-lm masks every step of a batch with an array, padded or not. A prompt
-    chunk whose rows are not padded needs no array for causal attention, and
-    the fused kernel without one is several times faster at long context (a
-    long prompt prefills alone: this is its every step). Decoding keeps the
-    array: its kernel takes one cheaply, and reading the padding there would
-    wait for the step before."""
+def _no_mask_array_for_one_prompt(make_mask: Callable) -> Callable:
+    """mlx-lm masks every step of a batch with an array. A prompt chunk of one
+    row (never padded: padding lines rows up with each other) needs none for
+    causal attention, and the fused kernel without one is several times
+    faster at long context; a long prompt prefills alone, so this is its
+    every step. Reading whether several rows are padded would wait for the
+    step before: they keep the array."""
 
     def mask(self: BatchKVCache, N: int, return_array: bool = False, **kwargs: Any) -> Any:
-        if N == 1 or return_array or any(v is not None for v in kwargs.values()):
-            return make_mask(self, N, return_array=return_array, **kwargs)
-        return make_mask(self, N) if self.left_padding.any().item() else "causal"
+        plain = not return_array and all(v is None for v in kwargs.values())
+        if N > 1 and self.left_padding.size == 1 and plain:
+            return "causal"
+        return make_mask(self, N, return_array=return_array, **kwargs)
 
     return mask
 
 
-BatchKVCache.make_mask = _prefill_mask_unless_padded(BatchKVCache.make_mask)
+BatchKVCache.make_mask = _no_mask_array_for_one_prompt(BatchKVCache.make_mask)
 
 
 def _load(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:

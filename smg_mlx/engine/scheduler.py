@@ -293,6 +293,7 @@ class Scheduler:
         refused: list[Request] = []
         too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
         for_memory = 0
+        long_started = False
         if slots <= 0:
             return [], (), 0
         ranked = sorted(self._room.values(), key=lambda w: self._rank(w, long_tokens, now))
@@ -306,6 +307,8 @@ class Scheduler:
             long = waiting.prefill > long_tokens
             if long and (longs >= LONG_PREFILLS_AT_ONCE or shorts):
                 continue  # its turn comes when the long prompt prefilling is done
+            if not long and long_started:
+                continue  # next turn, when the long one steps aside: no padding to its length
             if any(_at_least(new, c) for c in too_big) or not self.planner.fits([*costs, new]):
                 for_memory += 1
                 too_big.append(new)
@@ -316,6 +319,7 @@ class Scheduler:
             admitted.append(self._room.pop(waiting.request.key))
             slots -= 1
             longs += long
+            long_started = long_started or long
             shorts = shorts or not long
             if long:
                 log.info(
