@@ -127,6 +127,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         except EngineUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self._jobs[request_id] = job
+        delivered = False
         try:
             most = responses.tokens_within(
                 self._limits.max_response_bytes, self.info.vocab_size, spec.logprobs
@@ -138,11 +139,13 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             if job.error:
                 await context.abort(self._error_code(job), job.error)
             yield await self._complete(job, request.stream)
+            # gRPC asks for the next message only once it sent this one.
+            delivered = True
         finally:
             del self._jobs[request_id]
             if not job.done:  # the client left or its deadline passed
                 self._engine.abort([job])
-            self._request_ended(job)
+            self._request_ended(job, delivered)
 
     async def _prepare(
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -206,9 +209,14 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     def _tokens_per_message(self) -> int:
         return self._engine.tokens_per_message
 
-    def _request_ended(self, job: Job) -> None:
+    def _request_ended(self, job: Job, delivered: bool) -> None:
         job.ended_at = time.monotonic()
-        outcome = "error" if job.error else job.finish_reason or "cancelled"
+        if job.error or delivered:
+            outcome = "error" if job.error else job.finish_reason
+        else:
+            # The client left or its deadline passed: before the end, or after
+            # it, with the response unsent (never counted as a success).
+            outcome = "undelivered" if job.finish_reason else "cancelled"
         self._metrics.request_ended(job, outcome)
         request_log.request_ended(job, outcome)
 
