@@ -18,7 +18,7 @@ from smg_mlx import model_source
 from smg_mlx.api.engine_client import EngineClient, EngineState
 from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import load_model_info
-from smg_mlx.api.rpc_handlers import engine_handler
+from smg_mlx.api.rpc_handlers import add_engine_service
 from smg_mlx.api.servicer import MlxEngineServicer
 from smg_mlx.config import ServerConfig
 from smg_mlx.grpc_stubs import mlx_engine_pb2
@@ -82,9 +82,7 @@ class Worker:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        self.server.add_generic_rpc_handlers(
-            (engine_handler(self.servicer, self.metrics.rpc_ended),)
-        )
+        add_engine_service(self.server, self.servicer, self.metrics.rpc_ended)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

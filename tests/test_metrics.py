@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
+import threading
 import urllib.request
 
 import grpc
@@ -158,6 +160,35 @@ def test_deadline_and_cancel_are_told_apart(metered):
     assert wait_until(lambda: code_moved("DEADLINE_EXCEEDED") == 1)
     assert wait_until(lambda: code_moved("CANCELLED") == 1)
     assert moved(before, scrape(port), "smg_mlx_requests_total", finish_reason="cancelled") == 2
+
+
+def test_a_response_the_client_never_got_is_not_a_success(metered, monkeypatch, caplog):
+    """The client leaves once its request has finished, while the response is
+    being built (megabytes for a long one with logprobs): counted and logged
+    as undelivered, never as the finish reason the client did not see."""
+    w, port = metered
+    servicer = w.worker.servicer
+    building = threading.Event()
+
+    async def slow_complete(job, streamed):
+        building.set()
+        await asyncio.sleep(60)  # the client leaves meanwhile
+
+    monkeypatch.setattr(servicer, "_complete", slow_complete)
+    before = scrape(port)
+    with caplog.at_level(logging.INFO, logger="smg_mlx.requests"):
+        call = w.stub.Generate(
+            request(prompt(4), request_id="gone", max_tokens=3, stream=False), timeout=60
+        )
+        assert building.wait(30)
+        call.cancel()
+        assert wait_until(lambda: any("gone" in r.getMessage() for r in caplog.records))
+    after = scrape(port)
+    assert moved(before, after, "smg_mlx_requests_total", finish_reason="undelivered") == 1
+    assert moved(before, after, "smg_mlx_requests_total", finish_reason="length") == 0
+    assert moved(before, after, "smg_mlx_grpc_requests_total", method="Generate", code="OK") == 0
+    line = next(r.getMessage() for r in caplog.records if "gone" in r.getMessage())
+    assert "completion_tokens=3 " in line and "finish_reason=undelivered" in line
 
 
 def test_prefix_cache_metrics_and_log(metered, caplog):

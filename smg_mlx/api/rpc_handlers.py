@@ -3,8 +3,9 @@
 grpcio's generated registration parses requests before the handler runs and
 answers a malformed one with UNKNOWN and a Python exception name. Here each
 method receives raw bytes and parses them itself, so a client sending the wrong
-message (or garbage) is told what is wrong with the status that says so; a
-large message is parsed off the event loop (api.payload).
+message (or garbage) is told what is wrong with the status that says so. A
+request its bytes alone show to be refused is refused unparsed (api.wire), and
+a large message is parsed off the event loop (api.payload).
 """
 
 from __future__ import annotations
@@ -17,21 +18,37 @@ from typing import Any
 import grpc
 from google.protobuf import message, message_factory
 
+from smg_mlx.api import wire
 from smg_mlx.api.payload import PayloadWork
 from smg_mlx.grpc_stubs import mlx_engine_pb2
 
 SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"]
 
 
+class Refusal(Exception):
+    """A request refused from its bytes alone, with the status to answer."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
 async def _parse(
     raw: bytes,
     context: grpc.aio.ServicerContext,
     cls: type[message.Message],
+    screen: Callable[[bytes], None],
     payload: PayloadWork,
 ):
+    def screened() -> message.Message:
+        screen(raw)
+        return cls.FromString(raw)
+
     try:
-        return await payload.run(len(raw), cls.FromString, raw)
-    except message.DecodeError as exc:
+        return await payload.run(len(raw), screened)
+    except Refusal as exc:
+        await context.abort(exc.code, str(exc))
+    except (message.DecodeError, wire.Unreadable) as exc:
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the request is not a valid {cls.DESCRIPTOR.full_name} ({exc}); "
@@ -77,14 +94,22 @@ def _streaming(impl: Callable, parse: Callable, ended: Callable[[str], None]) ->
     return handle
 
 
-def engine_handler(servicer: Any, rpc_ended: Callable[[str, str], None]) -> grpc.GenericRpcHandler:
-    """The MlxEngine service's handlers, calling the servicer's methods by name
-    and parsing with its `payload` worker; `rpc_ended(method, status code name)`
-    hears how each call ended."""
+def add_engine_service(
+    server: grpc.aio.Server, servicer: Any, rpc_ended: Callable[[str, str], None]
+) -> None:
+    """Serve the MlxEngine service on `server`, calling the servicer's methods
+    by name. Each request is first shown, as bytes, to `servicer.screen(method,
+    raw)`, which may raise Refusal, then parsed; both with its `payload` worker.
+    `rpc_ended(method, status code name)` hears how each call ended."""
     handlers = {}
     for method in SERVICE.methods:
         cls = message_factory.GetMessageClass(method.input_type)
-        parse = functools.partial(_parse, cls=cls, payload=servicer.payload)
+        parse = functools.partial(
+            _parse,
+            cls=cls,
+            screen=functools.partial(servicer.screen, method.name),
+            payload=servicer.payload,
+        )
         impl = getattr(servicer, method.name)
         ended = functools.partial(rpc_ended, method.name)
         if method.server_streaming:
@@ -96,7 +121,9 @@ def engine_handler(servicer: Any, rpc_ended: Callable[[str, str], None]) -> grpc
                 _unary(impl, parse, ended), response_serializer=_serialize
             )
         handlers[method.name] = handler
-    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+    # Registered, each method's calls are taken from a queue of their own: a
+    # health check does not wait in line behind a flood of Generate calls.
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
 
 
 def _serialize(reply: message.Message | bytes) -> bytes:

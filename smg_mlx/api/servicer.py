@@ -22,6 +22,7 @@ from smg_mlx.api.jobs import Job
 from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.api.payload import PayloadWork
+from smg_mlx.api.rpc_handlers import Refusal
 from smg_mlx.api.tokenizer_files import chunks, tokenizer_zip
 from smg_mlx.api.translation import InvalidRequest
 from smg_mlx.config import RequestLimits
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 SERVER_TYPE = "mlx-grpc"
 MODEL_INFO_WAIT_SECONDS = 60.0
+# Every request but Generate's carries a few ids at most: larger ones are
+# refused unparsed.
+SMALL_REQUEST_BYTES = 1 << 20
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
@@ -84,12 +88,32 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             return "the model is still loading; retry when health reports SERVING"
         return None
 
+    def screen(self, method: str, raw: bytes) -> None:
+        """Refuse a request from its bytes, before it is parsed (raises
+        Refusal): a parse holds the GIL from start to end, so a large one
+        pauses every other call (api.wire). Only Generate carries large lists,
+        and those are counted here and checked against their limits: what is
+        then parsed is bounded by the context length. Runs wherever the parse
+        does (api.payload)."""
+        if method != "Generate":
+            if len(raw) > SMALL_REQUEST_BYTES:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the {method} request is {len(raw)} bytes; this worker takes at most "
+                    f"{SMALL_REQUEST_BYTES} for any request but Generate",
+                )
+            return
+        reason = self.unavailable_reason()
+        if reason:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, reason)
+        try:
+            translation.check_sizes(raw, self.info, self._limits, self._engine.longest_sequence)
+        except InvalidRequest as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
     async def Generate(
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse | bytes]:
-        reason = self.unavailable_reason()
-        if reason:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         spec = await self._prepare(request, context)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._jobs:
@@ -103,6 +127,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         except EngineUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self._jobs[request_id] = job
+        delivered = False
         try:
             most = responses.tokens_within(
                 self._limits.max_response_bytes, self.info.vocab_size, spec.logprobs
@@ -114,21 +139,23 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             if job.error:
                 await context.abort(self._error_code(job), job.error)
             yield await self._complete(job, request.stream)
+            # gRPC asks for the next message only once it sent this one.
+            delivered = True
         finally:
             del self._jobs[request_id]
             if not job.done:  # the client left or its deadline passed
                 self._engine.abort([job])
-            self._request_ended(job)
+            self._request_ended(job, delivered)
 
     async def _prepare(
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> GenerationSpec:
         """The request checked and translated, or the call ended with the status
-        that says why. Lengths are checked first and the worker's capacity next,
-        before any work that grows with the request (tokenizing, checking ids)."""
+        that says why. Lengths are checked first (the lists' before parsing, in
+        `screen`) and the worker's capacity next, before any work that grows
+        with the request (tokenizing, checking ids)."""
         try:
             text = translation.prompt_text(request, self.info)
-            translation.check_sizes(request, self._limits)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.active_requests >= self._capacity:
@@ -182,9 +209,14 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     def _tokens_per_message(self) -> int:
         return self._engine.tokens_per_message
 
-    def _request_ended(self, job: Job) -> None:
+    def _request_ended(self, job: Job, delivered: bool) -> None:
         job.ended_at = time.monotonic()
-        outcome = "error" if job.error else job.finish_reason or "cancelled"
+        if job.error or delivered:
+            outcome = "error" if job.error else job.finish_reason
+        else:
+            # The client left or its deadline passed: before the end, or after
+            # it, with the response unsent (never counted as a success).
+            outcome = "undelivered" if job.finish_reason else "cancelled"
         self._metrics.request_ended(job, outcome)
         request_log.request_ended(job, outcome)
 

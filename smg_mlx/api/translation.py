@@ -1,9 +1,10 @@
 """Turn a GenerateRequest into the engine's GenerationSpec, or say what is wrong.
 
 Everything a request could get wrong is caught here, on the asyncio side, so
-nothing invalid ever reaches the engine thread. `prompt_text` and
-`check_sizes` read only lengths and come first, before any work on the
-payload; `generation_spec` walks it (a large one off the loop: api.payload).
+nothing invalid ever reaches the engine thread. `check_sizes` comes first,
+on the lists' sizes counted in the request's bytes before it is parsed
+(api.wire); `prompt_text` reads only a length; `generation_spec` walks the
+payload (a large one off the loop: api.payload).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from smg_mlx.api import responses
+from smg_mlx.api import responses, wire
 from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, SamplingSettings
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 MAX_LOGPROBS = 20  # top alternatives per token, as in the OpenAI API
 # A text prompt longer than this many characters per context token cannot fit:
@@ -37,6 +39,9 @@ LOGIT_BIAS = (-100.0, 100.0)
 # About how many bytes of a message each id or value takes: how much work
 # checking a request's lists is, in api.payload's measure.
 BYTES_PER_ITEM = 4
+# Fields of a request besides its lists' entries, with room for a client that
+# sends a field more than once (the last one counts).
+OTHER_FIELDS = 64
 
 
 class InvalidRequest(ValueError):
@@ -90,18 +95,52 @@ def prompt_text(request: Any, info: ModelInfo) -> str | None:
     return request.text
 
 
-def check_sizes(request: Any, limits: RequestLimits) -> None:
-    """The sampling lists' lengths, within this worker's limits."""
-    params = request.sampling_params
-    for field, count, limit, flag in (
-        ("stop_token_ids", len(params.stop_token_ids), limits.max_stop_token_ids, "stop-token-ids"),
-        ("logit_bias", len(params.logit_bias), limits.max_logit_bias, "logit-bias"),
+def check_sizes(raw: bytes, info: ModelInfo, limits: RequestLimits, memory_tokens: int) -> None:
+    """A GenerateRequest's lists within this worker's limits and its prompt's
+    ids within the context and memory, counted in its bytes (api.wire) before
+    anything parses it; raises wire.Unreadable for bytes that are none."""
+    # A request within every limit has no more fields than this (a list sent
+    # unpacked has one per entry).
+    most = info.context_length + limits.max_stop_token_ids + limits.max_logit_bias + OTHER_FIELDS
+    too_many = None
+    try:
+        sizes = wire.list_sizes(raw, pb.GenerateRequest.DESCRIPTOR, most)
+    except wire.TooManyFields as exc:  # what was counted may name the list at fault
+        sizes, too_many = exc.sizes, exc
+    at_least = "at least " if too_many else ""  # the walk stopped short
+    for field, limit, flag in (
+        ("stop_token_ids", limits.max_stop_token_ids, "stop-token-ids"),
+        ("logit_bias", limits.max_logit_bias, "logit-bias"),
     ):
+        count = sizes.get(f"sampling_params.{field}", 0)
         _check(
             count <= limit,
-            f"sampling_params.{field} has {count} entries; this worker takes at most "
-            f"{limit} (its --max-{flag} flag)",
+            f"sampling_params.{field} has {at_least}{count} entries; this worker takes at "
+            f"most {limit} (its --max-{flag} flag)",
         )
+    prompt_length(sizes.get("tokenized.input_ids", 0), info, memory_tokens, at_least)
+    _check(
+        too_many is None,
+        f"the request has {too_many}, more than one with a prompt shorter than the "
+        "context and lists within their limits",
+    )
+
+
+def prompt_length(length: int, info: ModelInfo, memory_tokens: int, at_least: str = "") -> None:
+    """A prompt of `length` tokens (`at_least` that many: "at least ") fits the
+    context and what memory holds for one request (`memory_tokens` tokens of
+    prompt and output)."""
+    _check(
+        length < info.context_length,
+        f"the prompt has {at_least}{length} tokens; this model's context length is "
+        f"{info.context_length}, so prompts must be shorter than that",
+    )
+    _check(
+        length < memory_tokens,
+        f"the prompt has {at_least}{length} tokens; this worker's memory budget holds at most "
+        f"{memory_tokens} tokens of prompt and output per request: send a shorter prompt "
+        "or use a worker with more memory",
+    )
 
 
 def payload_size(request: Any, prompt: Sequence[int]) -> int:
@@ -110,15 +149,11 @@ def payload_size(request: Any, prompt: Sequence[int]) -> int:
     return BYTES_PER_ITEM * (len(prompt) + len(params.stop_token_ids) + len(params.logit_bias))
 
 
-def prompt_ids(ids: Sequence[int], info: ModelInfo) -> tuple[int, ...]:
-    """The prompt's token ids, checked against the vocabulary and context."""
+def prompt_ids(ids: Sequence[int], info: ModelInfo, memory_tokens: int) -> tuple[int, ...]:
+    """The prompt's token ids, checked against the vocabulary, context and memory."""
     _check(bool(ids), "the prompt has no tokens: send at least one input id")
     # Length first: it is cheap, and a huge prompt should not be scanned.
-    _check(
-        len(ids) < info.context_length,
-        f"the prompt has {len(ids)} tokens; this model's context length is "
-        f"{info.context_length}, so prompts must be shorter than that",
-    )
+    prompt_length(len(ids), info, memory_tokens)
     bad = [t for t in ids if t >= info.vocab_size]
     _check(
         not bad,
@@ -211,13 +246,7 @@ def generation_spec(
     text tokenized) and translate it; raises InvalidRequest. `memory_tokens`:
     the most tokens (prompt and output) one request may have in the worker's
     memory budget."""
-    prompt = prompt_ids(prompt, info)
-    _check(
-        len(prompt) < memory_tokens,
-        f"the prompt has {len(prompt)} tokens; this worker's memory budget holds at most "
-        f"{memory_tokens} tokens of prompt and output per request: send a shorter prompt "
-        "or use a worker with more memory",
-    )
+    prompt = prompt_ids(prompt, info, memory_tokens)
     params = request.sampling_params
     logprobs = _logprobs(params)
     # Past the context end, or what memory holds, generation stops with
