@@ -24,6 +24,13 @@ SHAPES: dict[str, list[str]] = {
         "--vocab-size", "151936", "--tie-word-embeddings", "--dtype", "bfloat16",
         "--context-length", "40960",
     ],
+    # Qwen3-8B's shapes, random bf16 weights: slow enough on one GPU for model
+    # parallel over several to pay.
+    "qwen3-8b": [
+        "--family", "qwen3", "--hidden-size", "4096", "--layers", "36", "--heads", "32",
+        "--kv-heads", "8", "--head-dim", "128", "--intermediate-size", "12288",
+        "--vocab-size", "151936", "--dtype", "bfloat16", "--context-length", "40960",
+    ],
 }  # fmt: skip
 
 

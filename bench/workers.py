@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,12 +38,16 @@ def ours_command(model_dir: Path, port: int, workload: Workload) -> list[str]:
 
 
 def two_ranks_command(model_dir: Path, port: int, workload: Workload) -> list[str]:
-    """Our worker with the model split over two ranks on this host (mlx.launch,
-    ring backend over loopback), tensor parallel."""
-    launch = Path(sys.executable).parent / "mlx.launch"
+    """Our worker with the model split over two ranks on this host, tensor parallel:
+    mlx.launch with its default backend (NCCL with a GPU each on CUDA, the ring
+    over loopback elsewhere)."""
+    here = Path(sys.executable).parent
+    launch = shutil.which("mlx.launch", path=os.pathsep.join([str(here), os.environ["PATH"]]))
+    if launch is None:
+        raise RuntimeError(f"mlx.launch is neither in {here} nor on PATH")
     return [
-        str(launch), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
-        *ours_command(model_dir, port, workload),
+        launch, "-n", "2", "--starting-port", str(free_port()), "--nccl-port", str(free_port()),
+        "--", *ours_command(model_dir, port, workload),
     ]  # fmt: skip
 
 

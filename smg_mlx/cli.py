@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing is not None:
         log.error("%s", missing)
         return 1
+    if rank is not None:  # first, before anything that could load another NCCL
+        joined = _join(rank)
+        if joined is not None:
+            exit_process(joined)
     if args.demo:
         log.warning(
             "serving the built-in demo model: random weights, so its text is noise. "
@@ -351,6 +355,21 @@ def main(argv: list[str] | None = None) -> int:
     # Not asyncio.run: its clean-up joins the default executor's threads, and a stop
     # during start-up can leave one stuck in a download; exit_process does not wait.
     exit_process(asyncio.new_event_loop().run_until_complete(run(config)))
+
+
+def _join(rank: int) -> int | None:
+    """Join the other ranks a launcher started (engine.placement); an exit code
+    when that fails."""
+    from smg_mlx.engine import placement  # MLX's first import in this process
+
+    try:
+        placement.join(rank)
+    except SystemExit as stop:  # a signal while the ranks connect
+        return stop.code if isinstance(stop.code, int) else 1
+    except Exception as exc:  # noqa: BLE001 - what MLX or NCCL said is the message
+        logging.getLogger("smg_mlx").error("rank %d cannot join the other ranks: %s", rank, exc)
+        return 1
+    return None
 
 
 def _follow(config: ServerConfig, rank: int) -> int:

@@ -15,6 +15,7 @@ MLX_SIDE = {
     "smg_mlx.engine.batch",
     "smg_mlx.engine.memory_probe",
     "smg_mlx.engine.lockstep",
+    "smg_mlx.engine.placement",
     "smg_mlx.engine.prefix_cache",
     "smg_mlx.engine.sampling",
     "smg_mlx.demo_model",

@@ -5,6 +5,8 @@ and every fault ends in bounded time with the documented exit codes."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import threading
 import time
@@ -26,6 +28,7 @@ from test_metrics import scrape
 
 from bench.workers import free_port
 from smg_mlx.demo_model import build_model
+from smg_mlx.engine.placement import shared_gpu
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 RANKS = 2
@@ -45,13 +48,16 @@ class Ranks:
     """Two `smg-mlx serve` processes started as mlx.launch starts them (MLX_RANK,
     MLX_HOSTFILE), but each in our hands, to kill or stop one alone."""
 
-    def __init__(self, tmp_path: Path, *args: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(RANKS)]))
         port = free_port()
         self.ranks = [
             Process(
-                tmp_path, *args, port=port, env={"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}
+                tmp_path,
+                *args,
+                port=port,
+                env={"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), **(env or {})},
             )
             for r in range(RANKS)
         ]
@@ -67,8 +73,8 @@ class Ranks:
 def start_ranks(tmp_path):
     started: list[Ranks] = []
 
-    def start(*args: str, serving: bool = True) -> Ranks:
-        started.append(Ranks(tmp_path, *args))
+    def start(*args: str, serving: bool = True, env: dict[str, str] | None = None) -> Ranks:
+        started.append(Ranks(tmp_path, *args, env=env))
         if serving:
             started[-1].leader.wait_serving(120)
         return started[-1]
@@ -111,7 +117,73 @@ def test_two_ranks_give_one_process_output(start_ranks, start_worker, models, fa
     assert outputs(ranks.stub) == expected
     split = "pipeline" if flags else "tensor parallel"
     assert f"the model split over 2 ranks ({split})" in ranks.leader.log.read_text()
-    assert "rank 1 " in ranks.ranks[1].log.read_text()
+    # Each rank says where it runs and what it may use there.
+    for r, rank in enumerate(ranks.ranks):
+        log = rank.log.read_text()
+        assert re.search(rf"rank {r} runs on Device\((cpu|gpu), \d+\) \(", log), log
+        assert f"rank {r} of {RANKS} joined the group" in log
+        assert re.search(rf"INFO rank {r} \S+: memory budget \d", log), log
+
+
+# On every rank's interpreter path as sitecustomize: when the process first calls
+# mx.distributed.init, it notes which of these modules are loaded already.
+WATCH_INIT = """
+import importlib.machinery, json, os, sys
+
+HEAVY = {"torch", "transformers", "tokenizers", "mlx_lm"}
+
+
+class WatchInit:
+    def find_spec(self, name, path, target=None):
+        if name != "mlx.core":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            init = module.distributed.init
+
+            def watched(*args, **kwargs):
+                loaded = sorted({m.split(".")[0] for m in sys.modules} & HEAVY)
+                with open(os.environ["INIT_WATCH"] + os.environ["MLX_RANK"], "a") as out:
+                    out.write(json.dumps(loaded) + "\\n")
+                return init(*args, **kwargs)
+
+            module.distributed.init = watched
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, WatchInit())
+"""
+
+
+def test_every_rank_joins_its_group_before_loading_what_can_bring_another_nccl(
+    start_ranks, models, tmp_path
+):
+    # On CUDA, importing MLX loads libnccl, unless the process has loaded one
+    # already: PyTorch brings its own, and transformers (so the tokenizer and
+    # mlx-lm) may import PyTorch. Ranks that load different builds cannot connect.
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    (watch / "sitecustomize.py").write_text(WATCH_INIT)
+    path = [str(watch), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {"PYTHONPATH": os.pathsep.join(path), "INIT_WATCH": str(tmp_path / "init-rank-")}
+    start_ranks("--model", str(models["llama"]), env=env)
+    # What each rank had loaded when it first called mx.distributed.init.
+    loaded = {
+        rank: json.loads((tmp_path / f"init-rank-{rank}").read_text().splitlines()[0])
+        for rank in range(RANKS)
+    }
+    assert loaded == {rank: [] for rank in range(RANKS)}
+
+
+def test_two_ranks_on_one_gpu_are_refused_with_where_they_are():
+    places = [("host-a", "GPU-1"), ("host-a", "GPU-2"), ("host-b", "GPU-1"), ("host-b", "GPU-1")]
+    assert shared_gpu(places[:3]) is None
+    assert shared_gpu(places).startswith("ranks 2, 3 all run on GPU GPU-1 of host-b: give each")
 
 
 def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process(

@@ -174,7 +174,7 @@ def launch_command(command: str, worker_port: int) -> str:
 
 @pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch comes with mlx")
 def test_two_ranks_on_one_host_serve_behind_the_router(home, tmp_path):
-    _, (launch,) = sh_blocks("## One model over several machines")
+    _, (launch,) = sh_blocks("### Macs (the ring backend)")
     port, log = free_port(), tmp_path / "launch.log"
     env = reader_env(home)
     ranks = background(launch_command(launch, port), env, log)
@@ -198,7 +198,7 @@ def test_two_ranks_on_one_host_serve_behind_the_router(home, tmp_path):
 @pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch comes with mlx")
 def test_a_bare_program_name_fails_every_rank_and_the_launcher_still_exits_zero(home):
     """What the README warns of, so that the warning stays true."""
-    _, (launch,) = sh_blocks("## One model over several machines")
+    _, (launch,) = sh_blocks("### Macs (the ring backend)")
     bare = launch_command(launch, free_port()).replace('"$PWD/.venv/bin/smg-mlx"', "smg-mlx")
     assert shutil.which("smg-mlx", path=BARE_PATH) is None
     done = shell(bare, reader_env(home))

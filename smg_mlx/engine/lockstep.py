@@ -93,7 +93,7 @@ def group() -> mx.distributed.Group | None:
     if found.size() == 1 and rank > 0:
         raise RuntimeError(
             f"this process was started as rank {rank}, but mx.distributed found no other "
-            "rank: check the launcher's backend (mlx.launch --backend ring, jaccl or mpi)"
+            "rank: check the launcher's backend (mlx.launch --backend ring, jaccl, nccl or mpi)"
         )
     return found if found.size() > 1 else None
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-# mlx.launch (ring, JACCL) sets MLX_RANK; MPI launchers set one of the others.
+# mlx.launch sets MLX_RANK for each backend it starts (ring, JACCL, NCCL); MPI
+# launchers (its mpi backend too) set one of the others.
 _RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
