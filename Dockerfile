@@ -18,8 +18,11 @@ COPY --from=build /opt/smg-mlx /opt/smg-mlx
 RUN useradd --uid 10001 --create-home --home-dir /var/lib/smg-mlx --shell /usr/sbin/nologin \
         smg-mlx \
     && install -d -o smg-mlx -g smg-mlx /var/lib/smg-mlx/huggingface
+# The volume also keeps the kernels mlx's CUDA backend compiles on first use: a restarted
+# container then starts in seconds instead of compiling them again (README, "Scheduling").
 ENV PATH=/opt/smg-mlx/bin:$PATH \
-    HF_HOME=/var/lib/smg-mlx/huggingface
+    HF_HOME=/var/lib/smg-mlx/huggingface \
+    MLX_PTX_CACHE_DIR=/var/lib/smg-mlx/huggingface/mlx-ptx
 VOLUME /var/lib/smg-mlx/huggingface
 USER 10001
 WORKDIR /var/lib/smg-mlx

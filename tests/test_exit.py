@@ -118,14 +118,16 @@ def test_bad_flags_exit_two(spawn, model_dir):
     assert p.proc.wait(30) == 2
 
 
-# The worker's command line, with the engine made to fail at its fifth step.
+# The worker's command line, with the engine made to fail at its fifth step
+# after the warm-up.
 FAILING_ENGINE = textwrap.dedent(
     """
     import sys
     from smg_mlx.cli import main
+    from smg_mlx.engine import warm_up
     from smg_mlx.engine.batch import Batch
 
-    steps, step = [0], Batch.step
+    steps, step, warm = [0], Batch.step, warm_up.run
 
     def step_or_fail(self, chunk):
         steps[0] += 1
@@ -133,7 +135,11 @@ FAILING_ENGINE = textwrap.dedent(
             raise RuntimeError("injected engine fault")
         return step(self, chunk)
 
-    Batch.step = step_or_fail
+    def warm_then_fail(batch, thorough):
+        warm(batch, thorough)
+        Batch.step = step_or_fail
+
+    warm_up.run = warm_then_fail
     sys.exit(main(sys.argv[1:]))
     """
 )
