@@ -7,7 +7,7 @@ disk, under MLX_PTX_CACHE_DIR), and a new attention variant about as much
 (cuDNN): a request that meets one first stalls every stream for that long.
 So on such a backend the warm-up runs each kind of step serving runs:
 prompts alone and batched (with padding and without), decoding past 256
-tokens of cache (where cuDNN takes over decoding), rows joining and leaving a
+tokens of cache (where the cache first grows), rows joining and leaving a
 running batch, sampling with every filter, penalties, logit bias and
 logprobs, and a long prompt set aside and resumed. Elsewhere one short
 generation is enough. Nothing of it stays: the batch is empty afterwards,
@@ -112,6 +112,6 @@ def run(batch: Batch, thorough: bool) -> None:
     script.until(script.start(script.request(20, 2)), first_token=True)
     batch.resume([long.key])
     script.until(script.running)
-    script.until(script.start(script.request(300, 2)))  # alone: decoding without a mask
+    script.until(script.start(script.request(300, 2)))  # a batch of one
     batch.drop_cached(batch.cached_over(0)[0])
     log.info("warm-up: every kind of step ran, in %.1fs", time.perf_counter() - script.began)
