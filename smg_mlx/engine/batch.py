@@ -23,7 +23,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load_model
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import memory_probe, warm_up
+from smg_mlx.engine import memory_probe
 from smg_mlx.engine.memory import Cost, cost
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
@@ -150,7 +150,6 @@ class Batch:
         self._prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         )
-        warm_up.run(self, thorough=self.shape_builds)
         self.memory, self.speed = memory_probe.measure(
             self.model, self._stream, config.prefill_step_size
         )
@@ -160,7 +159,7 @@ class Batch:
         )
         mx.reset_peak_memory()
         log.info(
-            "model %s loaded and warmed up in %.2fs on %s",
+            "model %s loaded and measured in %.2fs on %s",
             config.model_path,
             time.perf_counter() - started,
             mx.default_device(),

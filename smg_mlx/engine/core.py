@@ -57,11 +57,12 @@ class EngineCore:
         batch = None
         try:
             # MLX is first imported here, on the thread that will own it.
-            from smg_mlx.engine import lockstep, memory_probe
+            from smg_mlx.engine import lockstep, memory_probe, warm_up
             from smg_mlx.engine.batch import Batch
 
             group = lockstep.group()
             batch = Batch(self.config, group)
+            warm_up.run(batch, thorough=batch.shape_builds)
             channel = lockstep.Channel(group, batch.stream) if group is not None else None
             budget = memory_probe.budget(
                 self.config.memory_budget_bytes, self.config.memory_budget_share
