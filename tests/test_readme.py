@@ -184,8 +184,10 @@ def test_two_ranks_on_one_host_serve_behind_the_router(home, tmp_path):
         assert "split over 2 ranks" in log.read_text()
         router, http_port = start_router(port, env, tmp_path / "router.log")
         reply = chat(http_port, DEMO_NAME, env)
-        assert reply["choices"][0]["finish_reason"] == "length"
-        assert reply["usage"]["completion_tokens"] == 8
+        # Sampled (the README's request sets no temperature): the random-weight demo
+        # model may draw its end-of-text token before the eighth.
+        finish, tokens = reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]
+        assert (finish, tokens) == ("length", 8) or (finish == "stop" and 1 <= tokens <= 8)
     finally:
         if router is not None:
             stop(router)
