@@ -265,11 +265,12 @@ class Scheduler:
         """The planned step ran in `seconds` over `rows` sequences."""
         tokens, context, shape = self._measured
         new = shape is not None and self._is_new(shape)
-        log.debug(
-            "step %.1f ms (expected %.1f): %d rows, %d prompt tokens at context %d%s",
-            seconds * 1e3, self.clock.seconds(tokens, context) * 1e3, rows, tokens, context,
-            ", a new shape" if new else "",
-        )  # fmt: skip
+        if log.isEnabledFor(logging.DEBUG):  # every step: not even the arguments otherwise
+            log.debug(
+                "step %.1f ms (expected %.1f): %d rows, %d prompt tokens at context %d%s",
+                seconds * 1e3, self.clock.seconds(tokens, context) * 1e3, rows, tokens, context,
+                ", a new shape" if new else "",
+            )  # fmt: skip
         self.clock.observe(tokens, context, seconds, new_shape=new)
         if new:
             if len(self._built) >= SHAPES_REMEMBERED:
