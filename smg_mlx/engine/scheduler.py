@@ -194,15 +194,20 @@ class Scheduler:
         for size in reversed(self._sizes):
             if size <= floor:
                 return floor
-            seconds = self.clock.seconds(rows * size, context + size // 2)
-            if builds and self._is_new((rows, aligned(size, context), context)):
-                seconds += self.clock.build_seconds
-            if seconds <= self.step_seconds:
+            shape = (rows, aligned(size, context), context) if builds else None
+            if self._expected(rows * size, context + size // 2, shape) <= self.step_seconds:
                 return size
         return floor
 
-    def _is_new(self, shape: Shape) -> bool:
-        return self.shape_builds and shape not in self._built
+    def _is_new(self, shape: Shape | None) -> bool:
+        """Whether a step of `shape` builds kernels first (None: no prefill)."""
+        return self.shape_builds and shape is not None and shape not in self._built
+
+    def _expected(self, tokens: int, context: int, shape: Shape | None) -> float:
+        """A step's seconds, `tokens` prompt tokens at mean context `context`;
+        one of a shape not built yet adds what a build costs."""
+        seconds = self.clock.seconds(tokens, context)
+        return seconds + self.clock.build_seconds if self._is_new(shape) else seconds
 
     def schedule(
         self, running: Sequence[Running], prefix_bytes: int, now: float | None = None
@@ -246,9 +251,6 @@ class Scheduler:
             tokens = len(needs) * min(chunk, max(needs))
             shape = (len(needs), chunk, context)
         self._measured = (tokens, context + chunk // 2 if tokens else 0, shape)
-        expected = self.clock.seconds(tokens, self._measured[1])
-        if shape is not None and self._is_new(shape):
-            expected += self.clock.build_seconds
         return Plan(
             admit=tuple(w.request for w in admitted),
             set_aside=tuple(r.key for r in set_aside),
@@ -256,7 +258,7 @@ class Scheduler:
             refuse=refused,
             chunk=chunk,
             prefix_allowance=allowance,
-            expected_seconds=expected,
+            expected_seconds=self._expected(*self._measured),
             prefill_bytes=self.planner.prefill_bytes(costs, chunk),
             waiting_for_memory=for_memory,
         )
@@ -264,11 +266,11 @@ class Scheduler:
     def observe(self, seconds: float, rows: int) -> None:
         """The planned step ran in `seconds` over `rows` sequences."""
         tokens, context, shape = self._measured
-        new = shape is not None and self._is_new(shape)
+        new = self._is_new(shape)
         if log.isEnabledFor(logging.DEBUG):  # every step: not even the arguments otherwise
             log.debug(
                 "step %.1f ms (expected %.1f): %d rows, %d prompt tokens at context %d%s",
-                seconds * 1e3, self.clock.seconds(tokens, context) * 1e3, rows, tokens, context,
+                seconds * 1e3, self._expected(*self._measured) * 1e3, rows, tokens, context,
                 ", a new shape" if new else "",
             )  # fmt: skip
         self.clock.observe(tokens, context, seconds, new_shape=new)
