@@ -201,8 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_message_size,
         default=limits.max_request_bytes,
         metavar="SIZE",
-        help="largest request message; larger ones get RESOURCE_EXHAUSTED "
-        f"(default: {limits.max_request_bytes >> 20}MiB)",
+        help="largest request message; larger ones get RESOURCE_EXHAUSTED. Each is copied "
+        "into Python on the event loop: larger limits let a flood of large requests delay "
+        "health checks longer (default: "
+        f"{limits.max_request_bytes >> 20}MiB, about 680,000 token ids)",
     )
     serve.add_argument(
         "--max-response-bytes",

@@ -43,11 +43,12 @@ class RequestLimits:
     client can take from the others."""
 
     # A request message; gRPC refuses larger ones with RESOURCE_EXHAUSTED before
-    # Python sees them. gRPC's own default, with room for a 1M-token prompt of
-    # ids (3 bytes each below a 2M vocabulary). gRPC copies each message into
-    # Python on the event loop, so this bounds how long a flood of large
-    # requests can hold up health checks.
-    max_request_bytes: int = 4 << 20
+    # Python sees them. gRPC copies each message into Python on the event loop,
+    # so this bounds how long a flood of large requests can hold up health
+    # checks. Room for a prompt of about 680,000 token ids (3 bytes each below
+    # a 2M vocabulary); the worker says at start-up when its model's context
+    # needs more.
+    max_request_bytes: int = 2 << 20
     # One response message: what the router and gRPC clients accept by default.
     max_response_bytes: int = 4 << 20
     # Entries of stop_token_ids and of logit_bias: they bound the memory each

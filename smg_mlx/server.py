@@ -15,9 +15,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from smg_mlx import model_source
+from smg_mlx.api import translation
 from smg_mlx.api.engine_client import EngineClient, EngineState
 from smg_mlx.api.metrics import Metrics
-from smg_mlx.api.model_info import load_model_info
+from smg_mlx.api.model_info import ModelInfo, load_model_info
 from smg_mlx.api.rpc_handlers import add_engine_service
 from smg_mlx.api.servicer import MlxEngineServicer
 from smg_mlx.config import ServerConfig
@@ -147,6 +148,7 @@ class Worker:
             # transformers' lazy imports are not safe from two threads at once.
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
             info = load_model_info(self.model_dir, tokenizer, self.config.served_model_name)
+            self._check_request_room(info)
             self.servicer.set_model(self.model_dir, info, tokenizer)
             self.engine.start(self.config.engine)
             await self.engine.wait_ready()
@@ -166,6 +168,21 @@ class Worker:
             time.perf_counter() - started,
             self._ranks(),
         )
+
+    def _check_request_room(self, info: ModelInfo) -> None:
+        """Say so when a prompt of the model's whole context would not fit in one
+        request message: gRPC's refusal of it names no flag."""
+        limit = self.config.limits.max_request_bytes
+        per_id = translation.id_bytes(info.vocab_size)
+        needed = info.context_length * per_id + translation.REQUEST_BESIDES_IDS
+        if needed > limit:
+            log.warning(
+                "requests over %d bytes are refused (--max-request-bytes): room for prompts "
+                "of about %d token ids; set --max-request-bytes %dKiB for prompts of this "
+                "model's whole context (%d tokens)",
+                limit, max(limit - translation.REQUEST_BESIDES_IDS, 0) // per_id,
+                -(-needed // 1024), info.context_length,
+            )  # fmt: skip
 
     async def _locate_model(self) -> None:
         """Point the settings at the model directory to serve (off the loop: a

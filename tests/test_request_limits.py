@@ -4,6 +4,7 @@ and however large its payload, the worker keeps answering everyone else."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -67,11 +68,11 @@ def test_stop_tokens_answer_as_mlx_lms_automaton_does():
 def test_health_answers_at_once_while_large_requests_arrive(spawn, model_dir):
     p = spawn("--model", str(model_dir))
     p.wait_serving()
-    # Just under the 4 MiB limit, each a list of 4 million stop ids: refused
+    # Just under the 2 MiB limit, each a list of 2 million stop ids: refused
     # from their bytes, unparsed (a parse holds the GIL throughout). Parsed on
     # the event loop, thirty of these held health for seconds.
     big = request([5], max_tokens=2)
-    big.sampling_params.stop_token_ids.extend([7] * 4_000_000)
+    big.sampling_params.stop_token_ids.extend([7] * 2_000_000)
     payload = big.SerializeToString()
     send = p.channel.unary_stream(GENERATE)
     codes: list[str] = []
@@ -99,3 +100,16 @@ def test_health_answers_at_once_while_large_requests_arrive(spawn, model_dir):
     assert max(waits) < 0.5, waits
     assert len(waits) >= 3
     assert len(codes) == 30 and all("--max-stop-token-ids" in c for c in codes), codes
+
+
+def test_a_request_limit_too_small_for_the_context_is_named_at_start_up(spawn, model_dir):
+    small = spawn("--model", str(model_dir), "--max-request-bytes", "64KiB")
+    small.wait_serving()
+    said = [line for line in small.log.read_text().splitlines() if "--max-request-bytes" in line]
+    assert len(said) == 1 and "WARNING" in said[0], said
+    # It names the size that takes the whole context, and that size says nothing.
+    fix = re.search(r"set --max-request-bytes (\d+KiB)", said[0])
+    assert fix is not None, said
+    enough = spawn("--model", str(model_dir), "--max-request-bytes", fix.group(1))
+    enough.wait_serving()
+    assert "--max-request-bytes" not in enough.log.read_text()

@@ -21,6 +21,9 @@ from smg_mlx.engine.types import GenerationSpec, LogitsSettings, SamplingSetting
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 MAX_LOGPROBS = 20  # top alternatives per token, as in the OpenAI API
+# What a request carries besides its prompt's ids, at most, in bytes (its
+# stop ids and logit biases within their default limits, and the rest).
+REQUEST_BESIDES_IDS = 64 << 10
 # A text prompt longer than this many characters per context token cannot fit:
 # it is refused before tokenizing, which takes seconds for megabytes of text.
 MAX_TEXT_CHARS_PER_TOKEN = 64
@@ -124,6 +127,12 @@ def check_sizes(raw: bytes, info: ModelInfo, limits: RequestLimits, memory_token
         f"the request has {too_many}, more than one with a prompt shorter than the "
         "context and lists within their limits",
     )
+
+
+def id_bytes(vocab_size: int) -> int:
+    """Bytes the largest token id of a vocabulary of `vocab_size` takes in a
+    request (a varint: 7 bits a byte)."""
+    return -(-max(vocab_size - 1, 1).bit_length() // 7)
 
 
 def prompt_length(length: int, info: ModelInfo, memory_tokens: int, at_least: str = "") -> None:
