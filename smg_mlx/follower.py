@@ -29,6 +29,9 @@ class _Outcome:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _ignore)
 
+    def stepping(self, expected_seconds: float) -> None:  # rank 0 only
+        pass
+
     def step(self, report: StepReport) -> None:  # rank 0 only
         pass
 

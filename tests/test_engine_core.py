@@ -40,6 +40,9 @@ class Recorder:
     def started(self, memory, ranks) -> None:
         self.ready.set()
 
+    def stepping(self, expected_seconds) -> None:
+        pass
+
     def step(self, report: StepReport) -> None:
         self.reports.put(report)
 

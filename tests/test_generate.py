@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import generate, prompt, request
 
-from smg_mlx.api.streaming import tokens_per_message
+from smg_mlx.api.streaming import StreamPublisher, tokens_per_message
+from smg_mlx.engine.types import Event, Memory, StepReport
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 
@@ -204,3 +205,31 @@ def test_chunk_size_keeps_to_a_message_budget_but_tokens_wait_at_most_100_ms():
     assert tokens_per_message(3, running=64, step_seconds=0.04) == 2  # 3 would hold 120 ms
     assert tokens_per_message(3, running=64, step_seconds=0.5) == 1  # a slow step: each alone
     assert tokens_per_message(1, running=64, step_seconds=0.001) == 1
+
+
+class _Loop:
+    """Runs what the publisher posts at once (it posts from the engine thread)."""
+
+    def call_soon_threadsafe(self, callback, *args):
+        callback(*args)
+
+
+def test_a_held_token_goes_before_a_step_that_would_hold_it_too_long():
+    handed = []
+
+    class Receiver:
+        def deliver(self, reports, per_message):
+            handed.append(len(reports))
+
+    publisher = StreamPublisher(_Loop(), Receiver(), minimum=2)
+    memory = Memory(*[0] * 10)
+    report = StepReport((Event(1, token=5),), 0.045, 1, 1, 0, 0, (), memory, idle=False)
+    publisher.step(report)  # a 45 ms step: its token waits for the next one's
+    publisher.stepping(0.04)  # ...which is expected to be short: it still waits
+    assert handed == []
+    publisher.step(report)
+    assert handed == [2]  # two steps' tokens in one message
+    publisher.step(report)
+    publisher.stepping(0.12)  # a long prompt's chunk: the held token goes first
+    assert handed == [2, 1]
+

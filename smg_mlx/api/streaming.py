@@ -8,7 +8,8 @@ again. So tokens travel in chunks:
 - otherwise a chunk carries `tokens_per_message` tokens: --stream-interval at light
   load, growing with the load so that all streams together send about
   MESSAGES_PER_SECOND messages, but never holding a token more than about
-  MAX_CHUNK_SECONDS (when steps are that slow, every token goes alone);
+  MAX_CHUNK_SECONDS (when steps are that slow, every token goes alone, and
+  tokens held go before a step the scheduler expects to take them past it);
 - --stream-interval 1 sends every token alone, at any load;
 - no chunk carries more tokens than one message may hold (--max-response-bytes):
   a stream whose reader fell behind catches up in several.
@@ -87,6 +88,14 @@ class StreamPublisher:
 
     def started(self, memory: Memory, ranks: int) -> None:
         self._post(self._receiver.started, memory, ranks)
+
+    def stepping(self, expected_seconds: float) -> None:
+        # Tokens held through a step would wait for it too: past about
+        # MAX_CHUNK_SECONDS they go now (the step before was short, this one
+        # will not be: a long prompt's chunk, a new prompt's first step).
+        held = sum(r.step_seconds or 0.0 for r in self._held)
+        if self._held and held + expected_seconds > MAX_CHUNK_SECONDS:
+            self._flush()
 
     def step(self, report: StepReport) -> None:
         self._held.append(report)

@@ -154,6 +154,8 @@ class EngineCore:
                     watchdog.turn_started(turn.expected_seconds)
                     turn = channel.share(turn)
                 events += self._change(batch, turn)
+                if turn.chunk is not None:
+                    sink.stepping(turn.expected_seconds)
                 seconds = None
                 try:
                     stepped, seconds, rows, finished = self._step(batch, turn)

@@ -94,6 +94,9 @@ class Sink(Protocol):
         """The model is loaded and warmed up on `ranks` processes: requests can be
         served (of at most `memory.longest_sequence` tokens each)."""
 
+    def stepping(self, expected_seconds: float) -> None:
+        """A step is about to run, expected to take `expected_seconds`."""
+
     def step(self, report: StepReport) -> None:
         """One loop turn's events and the batch's state after it."""
 
