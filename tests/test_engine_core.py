@@ -17,6 +17,7 @@ from smg_mlx.engine import warm_up
 from smg_mlx.engine.batch import Batch
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
+from smg_mlx.engine.scheduler import Scheduler
 from smg_mlx.engine.types import (
     Event,
     GenerationSpec,
@@ -112,6 +113,29 @@ def test_a_request_streams_its_tokens_then_ends(core):
     assert len(set(tokens)) > 3
     report = sink.settled()
     assert (report.running, report.waiting) == (0, 0)
+
+
+def test_a_batch_that_only_decodes_is_not_planned_again_at_every_step(model_dir, monkeypatch):
+    plans = []
+    schedule = Scheduler.schedule
+    monkeypatch.setattr(
+        Scheduler, "schedule", lambda self, *a, **k: plans.append(1) or schedule(self, *a, **k)
+    )
+    inbox = Inbox()
+    sink, thread = start_core(model_dir, inbox)
+    try:
+        inbox.submit(Request(1, spec(prompt(12), max_tokens=40)))
+        assert sink.events_of(1, count=1)[0].first
+        planned = len(plans)
+        inbox.submit(Request(2, spec(prompt(12, 2), max_tokens=4)))  # joins, then leaves
+        events = sink.events_of(1)
+        assert len(events) == 39 and events[-1].finish_reason == "length"
+        # Planned again only around what changed (the second one's start,
+        # prefill, first token and end), not at each of the 39 steps.
+        assert 1 <= len(plans) - planned <= 12, len(plans) - planned
+    finally:
+        inbox.stop()
+        thread.join(TIMEOUT)
 
 
 def test_concurrent_requests_give_their_solo_output(core):

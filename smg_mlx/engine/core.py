@@ -51,6 +51,7 @@ class EngineCore:
         self.sink = sink
         self._out_of_memory_steps = 0  # steps that ran out of memory, all told
         self._plan = Plan()  # the last turn's
+        self._turn: Turn | None = None  # the last turn, while nothing has changed since
 
     def run(self) -> None:
         """Serve until stopped or failed; returns once the batch is released."""
@@ -168,6 +169,7 @@ class EngineCore:
                     ):
                         raise
                     self._out_of_memory_steps += 1
+                    self._turn = None
                     stepped, rows, finished = self._put_back(batch, scheduler, exc), 0, 0
                 else:
                     if seconds is not None:
@@ -177,6 +179,7 @@ class EngineCore:
                     watchdog.turn_ended()
                 if finished:
                     bursts.ended(finished)
+                    self._turn = None
                 events += stepped
                 idle = not batch.size and not scheduler
                 if events or seconds is not None or turn.admit:
@@ -226,6 +229,10 @@ class EngineCore:
             remove = tuple(k for k in aborts if batch.holds(k))
         if self.inbox.stopping:
             return Turn(batch.size, remove, stop=True), events
+        if self._turn is not None and not requests and not aborts and not len(scheduler):
+            # Nothing arrived, left or prefills since a turn that changed
+            # nothing: planning again would decide the same.
+            return self._turn, events
         plan = self._plan = scheduler.schedule(
             batch.sequences(excluding=remove), batch.prefix_cache_bytes
         )
@@ -242,6 +249,9 @@ class EngineCore:
             plan.chunk,
             plan.expected_seconds,
         )
+        changes = remove or drop or plan.admit or plan.set_aside or plan.resume or plan.refuse
+        steady = not changes and not batch.prefilling and not batch.waiting
+        self._turn = turn if steady else None
         return turn, events
 
     @staticmethod
