@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from smg_mlx import model_source
-from smg_mlx.api import translation
+from smg_mlx.api import responses, translation
 from smg_mlx.api.engine_client import EngineClient, EngineState
 from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo, load_model_info
@@ -173,7 +173,7 @@ class Worker:
         """Say so when a prompt of the model's whole context would not fit in one
         request message: gRPC's refusal of it names no flag."""
         limit = self.config.limits.max_request_bytes
-        per_id = translation.id_bytes(info.vocab_size)
+        per_id = responses.bytes_per_token(info.vocab_size, None)  # ids are the same varints in a request
         needed = info.context_length * per_id + translation.REQUEST_BESIDES_IDS
         if needed > limit:
             log.warning(

@@ -129,12 +129,6 @@ def check_sizes(raw: bytes, info: ModelInfo, limits: RequestLimits, memory_token
     )
 
 
-def id_bytes(vocab_size: int) -> int:
-    """Bytes the largest token id of a vocabulary of `vocab_size` takes in a
-    request (a varint: 7 bits a byte)."""
-    return -(-max(vocab_size - 1, 1).bit_length() // 7)
-
-
 def prompt_length(length: int, info: ModelInfo, memory_tokens: int, at_least: str = "") -> None:
     """A prompt of `length` tokens (`at_least` that many: "at least ") fits the
     context and what memory holds for one request (`memory_tokens` tokens of

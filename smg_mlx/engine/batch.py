@@ -27,7 +27,7 @@ from smg_mlx.engine import memory_probe
 from smg_mlx.engine.memory import Cost, cost
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
-from smg_mlx.engine.scheduler import Running
+from smg_mlx.engine.scheduler import SHAPES_REMEMBERED, Running
 from smg_mlx.engine.step_clock import StepClock
 from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
 
@@ -75,7 +75,10 @@ class _Slot:
 # raises on every new shape: a worker that sees many prompt lengths would fail
 # after hours of healthy serving. A missed shape costs one build, not an error.
 # Read when each cache is first used; a value set by the operator wins.
-CUDA_CACHE_SETTINGS = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_SDPA_CACHE_SIZE": "1024"}
+CUDA_CACHE_SETTINGS = {
+    "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+    "MLX_CUDA_SDPA_CACHE_SIZE": str(SHAPES_REMEMBERED),
+}
 
 
 def _no_mask_array_for_one_prompt(make_mask: Callable) -> Callable:

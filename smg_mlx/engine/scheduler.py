@@ -63,8 +63,8 @@ MIN_STEP_TOKENS = 128
 SHAPE_BUILD_STEP_TOKENS = 512
 AGING_SECONDS = 10.0
 SMALLEST_CHUNK = 16
-# Prefill shapes remembered as built; past this many (mlx's CUDA graph cache
-# holds as many, see engine.batch) the memory starts over.
+# Prefill shapes remembered as built; past this many (engine.batch sizes mlx's
+# CUDA graph cache to hold as many) the memory starts over.
 SHAPES_REMEMBERED = 1024
 
 
