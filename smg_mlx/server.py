@@ -173,7 +173,8 @@ class Worker:
         """Say so when a prompt of the model's whole context would not fit in one
         request message: gRPC's refusal of it names no flag."""
         limit = self.config.limits.max_request_bytes
-        per_id = responses.bytes_per_token(info.vocab_size, None)  # ids are the same varints in a request
+        # A request's ids are the same varints as a response's.
+        per_id = responses.bytes_per_token(info.vocab_size, None)
         needed = info.context_length * per_id + translation.REQUEST_BESIDES_IDS
         if needed > limit:
             log.warning(
