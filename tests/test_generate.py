@@ -232,4 +232,3 @@ def test_a_held_token_goes_before_a_step_that_would_hold_it_too_long():
     publisher.step(report)
     publisher.stepping(0.12)  # a long prompt's chunk: the held token goes first
     assert handed == [2, 1]
-
