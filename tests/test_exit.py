@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import NOT_SERVING, generate, model_copy, prompt, wait_until
+from helpers import NOT_SERVING, collect, generate, model_copy, prompt, request, wait_until
 
 from bench.workers import free_port
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -122,24 +122,20 @@ def test_bad_flags_exit_two(spawn, model_dir):
 # after the warm-up.
 FAILING_ENGINE = textwrap.dedent(
     """
+    import os
     import sys
+    from pathlib import Path
     from smg_mlx.cli import main
-    from smg_mlx.engine import warm_up
     from smg_mlx.engine.batch import Batch
 
-    steps, step, warm = [0], Batch.step, warm_up.run
+    flag, step = Path(os.environ["FAIL_FLAG"]), Batch.step
 
     def step_or_fail(self, chunk):
-        steps[0] += 1
-        if steps[0] == 5:
+        if flag.exists():
             raise RuntimeError("injected engine fault")
         return step(self, chunk)
 
-    def warm_then_fail(batch, thorough):
-        warm(batch, thorough)
-        Batch.step = step_or_fail
-
-    warm_up.run = warm_then_fail
+    Batch.step = step_or_fail
     sys.exit(main(sys.argv[1:]))
     """
 )
@@ -148,10 +144,12 @@ FAILING_ENGINE = textwrap.dedent(
 def test_an_engine_failure_ends_the_process_with_one(model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "failing.log"
+    flag = tmp_path / "fail"
     proc = subprocess.Popen(
         [sys.executable, "-c", FAILING_ENGINE, "serve", "--model", str(model_dir),
          "--port", str(port)],
         stderr=log.open("w"),
+        env={**os.environ, "FAIL_FLAG": str(flag)},
     )  # fmt: skip
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -160,8 +158,12 @@ def test_an_engine_failure_ends_the_process_with_one(model_dir, tmp_path):
             assert wait_until(
                 lambda: stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy, 60
             )
+            call = stub.Generate(request(prompt(4), max_tokens=1900, ignore_eos=True), timeout=60)
+            # Fails once the client has a token: the request cannot go elsewhere.
+            next(call)
+            flag.touch()
             with pytest.raises(grpc.RpcError) as err:
-                generate(stub, prompt(4), max_tokens=50)
+                collect(call)
             assert err.value.code() == grpc.StatusCode.INTERNAL
         assert proc.wait(30) == 1  # for the supervisor to restart it
     finally:
