@@ -118,8 +118,8 @@ def test_bad_flags_exit_two(spawn, model_dir):
     assert p.proc.wait(30) == 2
 
 
-# The worker's command line, with the engine made to fail at its fifth step
-# after the warm-up.
+# The worker's command line, with the engine made to fail at its next step once
+# the file named by FAIL_FLAG exists.
 FAILING_ENGINE = textwrap.dedent(
     """
     import os
