@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import statistics
 from concurrent.futures import ThreadPoolExecutor
@@ -9,8 +10,18 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import generate, prompt, request
 
+from smg_mlx.api import streaming
+from smg_mlx.api.engine_client import EngineClient
+from smg_mlx.api.jobs import Job
 from smg_mlx.api.streaming import StreamPublisher, tokens_per_message
-from smg_mlx.engine.types import Event, Memory, StepReport
+from smg_mlx.engine.types import (
+    Event,
+    GenerationSpec,
+    LogitsSettings,
+    Memory,
+    SamplingSettings,
+    StepReport,
+)
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 
@@ -232,3 +243,54 @@ def test_a_held_token_goes_before_a_step_that_would_hold_it_too_long():
     publisher.step(report)
     publisher.stepping(0.12)  # a long prompt's chunk: the held token goes first
     assert handed == [2, 1]
+
+
+def test_a_stream_sends_what_it_holds_before_a_slow_step():
+    # Fast steps: the stream sends its tokens two at a time. Then a long
+    # prompt's chunk comes (a slow step): the token held from the fast steps
+    # reaches the client before it, not with the next token after it.
+    memory = Memory(*[0] * 10)
+    spec = GenerationSpec((1, 2, 3), 100, frozenset(), SamplingSettings(), LogitsSettings(), None)
+
+    async def scenario() -> tuple[list[list[int]], list[list[int]]]:
+        client = EngineClient(asyncio.get_running_loop(), stream_interval=2)
+        client.started(memory, 1)
+        publisher = StreamPublisher(_Loop(), client, minimum=2)
+        job = Job("r", spec)
+        client.submit(job)
+        sent: list[list[int]] = []
+
+        async def stream() -> None:
+            async for message in streaming.chunks(job, True, lambda: client.tokens_per_message, 99):
+                sent.append(list(message.chunk.token_ids))
+
+        task = asyncio.create_task(stream())
+
+        def report(token: int, seconds: float) -> StepReport:
+            event = Event(job.key, token=token, first=token == 1)
+            return StepReport((event,), seconds, 1, 1, 0, 0, (), memory, idle=False)
+
+        async def step(token: int, seconds: float) -> None:
+            publisher.stepping(seconds)
+            await asyncio.sleep(0.01)  # the step runs; the stream sends what it has
+            publisher.step(report(token, seconds))
+            await asyncio.sleep(0.01)
+
+        for token in range(1, 7):
+            await step(token, 0.005)
+        assert sent == [[1], [2, 3], [4, 5]]  # token 6 waits for a chunk of two
+        publisher.stepping(0.15)
+        await asyncio.sleep(0.01)
+        before = [list(c) for c in sent]
+        await step(7, 0.15)
+        # Two slow steps' tokens found together (the stream's handler was
+        # busy) go in one message: chunks of one are for fresh tokens.
+        publisher.step(report(8, 0.15))
+        publisher.step(report(9, 0.15))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        return before, sent
+
+    before, after = asyncio.run(scenario())
+    assert before == [[1], [2, 3], [4, 5], [6]]
+    assert after == [[1], [2, 3], [4, 5], [6], [7], [8, 9]]  # slow steps: a token a step

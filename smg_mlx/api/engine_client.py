@@ -47,6 +47,7 @@ class EngineClient:
         self.memory: Memory | None = None
         self.ranks = 1  # processes serving the model together
         self.tokens_per_message = stream_interval
+        self.each_alone = stream_interval == 1  # every token in a message of its own
         self._jobs: dict[int, Job] = {}
         self._inbox = Inbox()
         self._stopping = False
@@ -117,6 +118,13 @@ class EngineClient:
     def deliver(self, reports: list[StepReport], per_message: int) -> None:
         if self._ended:
             return
+        # Steps so slow that each token goes alone (a long prompt's chunk): a
+        # stream asleep for a larger chunk sends what it holds now. Smaller
+        # changes follow the steps' jitter: not worth more messages.
+        if per_message == 1 < self.tokens_per_message:
+            for job in self._jobs.values():
+                job.pace(per_message)
+        self.tokens_per_message = per_message
         now = time.monotonic()
         for key in (key for report in reports for key in report.admitted):
             job = self._jobs.get(key)
@@ -136,7 +144,6 @@ class EngineClient:
         self.prefilling = reports[-1].prefilling
         self.waiting = reports[-1].waiting
         self.memory = reports[-1].memory
-        self.tokens_per_message = per_message
 
     def stopped(self) -> None:
         if self._ended:

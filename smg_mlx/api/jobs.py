@@ -29,9 +29,9 @@ class Job:
     streamed: int = 0  # tokens sent to the client so far
     cached_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    # `changed` is set once this many tokens are here, or the job ends; the
-    # stream's pacing (api.streaming) moves it.
-    wake_at: int = 1
+    # `changed` is set once this many tokens are here (None: only at the end),
+    # or the job ends; the stream's pacing (api.streaming) moves it.
+    wake_at: int | None = 1
     # Event-loop clock readings, for the wait, TTFT, inter-token latency and duration.
     arrived_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None  # it joined the batch
@@ -64,8 +64,17 @@ class Job:
         self.finish_reason = event.finish_reason
         self.error = event.error
         self.failure = event.failure if event.error else None
-        if self.done or len(self.tokens) >= self.wake_at:
+        if self.done or (self.wake_at is not None and len(self.tokens) >= self.wake_at):
             self.changed.set()
+
+    def pace(self, per_message: int) -> None:
+        """Chunks are now `per_message` tokens: a stream asleep until a larger
+        chunk's worth arrives wakes for this one instead (steps slowed down: the
+        tokens it holds would otherwise wait several slow steps)."""
+        if self.wake_at is not None:
+            self.wake_at = min(self.wake_at, self.streamed + per_message)
+            if len(self.tokens) >= self.wake_at:
+                self.changed.set()
 
     def end(
         self,

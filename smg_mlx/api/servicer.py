@@ -133,7 +133,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 self._limits.max_response_bytes, self.info.vocab_size, spec.logprobs
             )
             async for chunk in streaming.chunks(
-                job, request.stream, self._tokens_per_message, most
+                job, request.stream, self._tokens_per_message, most, self._engine.each_alone
             ):
                 yield chunk
             if job.error:

@@ -21,14 +21,16 @@ Two halves apply these rules, on two threads:
   end or an abort, else every `tokens_per_message` steps (each hand-off is an
   event-loop wake-up). Its only way to the loop is `call_soon_threadsafe`.
 - `chunks()` runs on the event loop, one per stream: it waits until
-  `tokens_per_message` new tokens are there and sends them as one chunk.
+  `tokens_per_message` new tokens are there and sends them as one chunk. When
+  steps get so slow that each token goes alone, a stream asleep for a larger
+  chunk sends what it holds (`Job.pace`): else a token held from the fast
+  steps would wait through several slow ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -92,9 +94,13 @@ class StreamPublisher:
     def stepping(self, expected_seconds: float) -> None:
         # Tokens held through a step would wait for it too: past about
         # MAX_CHUNK_SECONDS they go now (the step before was short, this one
-        # will not be: a long prompt's chunk, a new prompt's first step).
+        # will not be: a long prompt's chunk, a new prompt's first step). If
+        # such steps send each token alone, the streams send them now too.
         held = sum(r.step_seconds or 0.0 for r in self._held)
         if self._held and held + expected_seconds > MAX_CHUNK_SECONDS:
+            running = self._held[-1].running
+            if tokens_per_message(self._minimum, running, expected_seconds) == 1:
+                self._per_message = 1
             self._flush()
 
     def step(self, report: StepReport) -> None:
@@ -119,11 +125,12 @@ class StreamPublisher:
 
 
 async def chunks(
-    job: Job, stream: bool, per_message: Callable[[], int], most: int
+    job: Job, stream: bool, per_message: Callable[[], int], most: int, each_alone: bool = False
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The chunks of one Generate call (none unless `stream`), until the job
     ends; the final message is the caller's. `per_message()` gives the tokens
-    per message now; `most` is the most one message may carry."""
+    per message now; `most` is the most one message may carry; `each_alone`:
+    every token goes in a message of its own (--stream-interval 1)."""
     # The engine hands tokens over more often than every `per_message()` steps
     # (any step where some stream starts or ends is handed over at once), so
     # each stream still waits for its own `per_message()` tokens.
@@ -134,12 +141,12 @@ async def chunks(
             return
         # What arrived since the last chunk goes in one chunk, except the first
         # token and, under --stream-interval 1, every token: those go alone even
-        # when a handler woken late finds several. More may land while a chunk
-        # is sent, so look again before finishing.
-        size = per_message()  # one reading for both uses
-        due = 1 if sent == 0 or job.finish_reason else size
+        # when a handler woken late finds several. (Slow steps make chunks of
+        # one too, but tokens that waited for a message go in one.) More may
+        # land while a chunk is sent, so look again before finishing.
+        due = 1 if sent == 0 or job.finish_reason else per_message()
         if stream and len(job.tokens) - sent >= due:
-            alone = sent == 0 or size == 1
+            alone = sent == 0 or each_alone
             end = sent + 1 if alone else min(len(job.tokens), sent + most)
             message, sent = responses.chunk(job, sent, end), end
             yield message
@@ -148,5 +155,5 @@ async def chunks(
         if job.finish_reason:
             return
         # Non-streaming requests need waking only at the end.
-        job.wake_at = sent + due if stream else sys.maxsize
+        job.wake_at = sent + due if stream else None
         await job.changed.wait()
