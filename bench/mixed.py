@@ -1,11 +1,14 @@
 """Mixed load (`--mixed`): long prompts queued, chats arriving, one stream running.
 
-One fresh worker with its default flags (`--mixed-args` adds some) runs three phases:
+One fresh worker with its default flags (`--worker-args` adds some) runs three phases:
 
 1. idle: a few chats one after another, alone (their time to first token);
-2. longs alone: `--mixed-longs` long prompts at once, nothing else;
+2. longs alone: `--mixed` long prompts at once, nothing else, twice: the
+   first time untimed, to build the kernels and attention graphs of their shapes
+   (mlx's CUDA backend builds one per new shape), which the mixed phase would
+   otherwise find built and the timed one not;
 3. mixed: a stream starts first; then as many other long prompts at once, and
-   a chat every `--mixed-chat-interval` seconds until the long ones are done.
+   a chat every `--chat-interval` seconds until the long ones are done.
 
 The report: the chats' TTFT p50 and max in both phases, the running stream's
 longest pause between two messages and its p99 inter-token latency while the
@@ -27,6 +30,7 @@ import grpc
 from bench.grpc_client import stream_one, token_request
 from bench.long_prompts import default_worker, memory_figures, watch_health
 from bench.workload import PROMPT_ID_RANGE, Workload
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 
@@ -41,18 +45,19 @@ class Mixed:
     idle_chats: int = 5
 
 
-def _prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
-    workload = Workload(prompt_tokens=tokens, seed=seed)
-    return [workload.prompt(i) for i in range(count)]
+def _long_requests(mixed: Mixed, seed: int, tag: str) -> list[pb.GenerateRequest]:
+    workload = Workload(prompt_tokens=mixed.long_tokens, seed=seed)
+    return [
+        token_request(workload.prompt(i), mixed.long_gen_tokens, f"{tag}-{i}")
+        for i in range(mixed.longs)
+    ]
 
 
-async def _longs(stub: mlx_engine_pb2_grpc.MlxEngineStub, prompts: list[list[int]],
-                 gen: int, tag: str) -> tuple[float, list[str]]:  # fmt: skip
+async def _longs(stub: mlx_engine_pb2_grpc.MlxEngineStub, requests: list[pb.GenerateRequest],
+                 gen: int) -> tuple[float, list[str]]:  # fmt: skip
     """The long prompts at once: seconds until the last is done, and their errors."""
     begin = time.perf_counter()
-    records = await asyncio.gather(
-        *(stream_one(stub, token_request(p, gen, f"{tag}-{i}"), gen) for i, p in enumerate(prompts))
-    )
+    records = await asyncio.gather(*(stream_one(stub, r, gen) for r in requests))
     return time.perf_counter() - begin, [r.error for r in records if r.error]
 
 
@@ -119,9 +124,13 @@ async def _run(address: str, mixed: Mixed) -> dict:
         health: set[str] = set()
         watcher = asyncio.ensure_future(watch_health(channel, health))
         idle = _ttfts(await _chats(stub, mixed, seed=1, until=None))
+        await _longs(stub, _long_requests(mixed, 5, "warm-up"), mixed.long_gen_tokens)
         alone_s, alone_errors = await _longs(
-            stub, _prompts(mixed.longs, mixed.long_tokens, 2), mixed.long_gen_tokens, "alone"
+            stub, _long_requests(mixed, 2, "alone"), mixed.long_gen_tokens
         )
+        # Made before the stream starts: the client's own work on them would
+        # otherwise delay the stream's messages it reads, counted as the worker's.
+        queued = _long_requests(mixed, 3, "mixed")
         arrivals: list[tuple[float, int]] = []
         started = asyncio.Event()
         # As long as a long prompt: its cache reserves no more than theirs.
@@ -130,10 +139,7 @@ async def _run(address: str, mixed: Mixed) -> dict:
         )
         await started.wait()
         begin = time.perf_counter()
-        longs = asyncio.ensure_future(
-            _longs(stub, _prompts(mixed.longs, mixed.long_tokens, 3), mixed.long_gen_tokens,
-                   "mixed")
-        )  # fmt: skip
+        longs = asyncio.ensure_future(_longs(stub, queued, mixed.long_gen_tokens))
         chats = _ttfts(await _chats(stub, mixed, seed=4, until=longs))
         mixed_s, mixed_errors = longs.result()
         end = time.perf_counter()
