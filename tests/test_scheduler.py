@@ -75,6 +75,35 @@ def test_a_short_request_starts_ahead_of_queued_long_ones():
     assert len(s) == 1  # the second long one still waits
 
 
+def test_a_chat_starts_ahead_of_queued_documents_just_short_of_long():
+    s = make()
+    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    document = long_tokens * 3 // 4
+    s.add([req(i, document) for i in range(1, 9)], now=0)
+    # Prefilled side by side they would pad each other into more than a long
+    # prompt's work: one at a time.
+    assert keys(s.schedule([], 0, now=0).admit) == [1]
+    s.add([req(99, 40)], now=1)
+    started = prefilling(document, done=2048)
+    assert keys(s.schedule([started], 0, now=1).admit) == [99]
+    assert keys(s.schedule([decoding(document)], 0, now=2).admit) == [2]
+
+
+def test_among_short_prompts_the_shortest_goes_first_until_one_has_aged():
+    s = make()
+    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    document = long_tokens * 3 // 4
+    s.add([req(1, document), req(2, document)], now=0)
+    s.add([req(3, 40)], now=1)
+    assert keys(s.schedule([], 0, now=1).admit) == [3, 1]
+    # The other document has waited its limit: a chat arriving now does not
+    # pass it while it waits for the one prefilling.
+    s.add([req(4, 40)], now=AGING_SECONDS)
+    running = prefilling(document, done=2048)
+    assert keys(s.schedule([running], 0, now=AGING_SECONDS).admit) == []
+    assert keys(s.schedule([decoding(document)], 0, now=AGING_SECONDS).admit) == [2, 4]
+
+
 def test_the_next_long_prompt_starts_once_the_one_before_is_prefilled():
     s = make()
     long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
@@ -127,7 +156,7 @@ def test_a_tiny_budget_still_prefills_a_minimum_per_step():
     s = make(step_ms=0.001)
     plan = s.schedule([prefilling(10_000)], 0)
     assert plan.chunk == MIN_STEP_TOKENS
-    s.add([req(1, 400), req(2, 400)], now=0)
+    s.add([req(1, 200), req(2, 200)], now=0)
     both = s.schedule([], 0, now=0)
     assert keys(both.admit) == [1, 2] and 2 * both.chunk == MIN_STEP_TOKENS
 

@@ -26,18 +26,21 @@ rank, when the model is split over several). The rules:
   (the next starts once the last is prefilled): several at once finish no
   sooner in all, the first of them much later, and mlx-lm pads the newer
   one's cache to the older one's length. Shorter prompts start at the next
-  step, in arrival order, while prompt rows are free; a long prompt being
-  prefilled steps aside (its cache kept) until they have their first token,
-  then comes back for at least one step before it steps aside again (and
-  nothing starts in the step where its prompt ends, which would pad it). The
-  short prompts' first steps are then short, and the long one's attention
-  shapes stay those of a batch of one, which repeat.
+  step, the shortest first, while prompt rows are free and what the short
+  prompts being prefilled have left adds up to no more than a long prompt
+  (padded to each other, more would be a long prompt's work that a chat
+  arriving behind them waits for); a long prompt being prefilled steps
+  aside (its cache kept) until they have their first token, then comes back
+  for at least one step before it steps aside again (and nothing starts in
+  the step where its prompt ends, which would pad it). The short prompts'
+  first steps are then short, and the long one's attention shapes stay
+  those of a batch of one, which repeat.
 - **Memory.** A request starts only when the batch with it fits the memory
   budget (`MemoryPlanner`). One that does not fit waits without holding back
   smaller ones behind it; one that can never fit is refused.
 - **No starvation.** A request that has waited AGING_SECONDS goes ahead of
-  every younger one; if it still cannot start for memory or for a free slot,
-  nothing younger starts before it.
+  every younger one; if it still cannot start for memory, for a free slot or
+  for the short prompts being prefilled, nothing younger starts before it.
 """
 
 from __future__ import annotations
@@ -292,6 +295,8 @@ class Scheduler:
         costs = [r.cost for r in running]
         slots = min(self.batch_size - len(costs), self.prefill_rows - len(prefilling))
         longs = sum(r.cost.prompt > long_tokens for r in prefilling)
+        # Prompt tokens the short prompts being prefilled have still to go.
+        together = sum(r.remaining for r in prefilling if r.cost.prompt <= long_tokens)
         admitted: list[Waiting] = []
         refused: list[Request] = []
         too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
@@ -312,6 +317,12 @@ class Scheduler:
                 continue  # its turn comes when the long prompt prefilling is done
             if not long and long_started:
                 continue  # next turn, when the long one steps aside: no padding to its length
+            if not long and together and together + waiting.prefill > long_tokens:
+                # Prefilled beside them, it would make one long prompt's worth of
+                # padded rows: it starts when they are done.
+                if now - waiting.arrived >= AGING_SECONDS:
+                    break
+                continue
             if any(_at_least(new, c) for c in too_big) or not self.planner.fits([*costs, new]):
                 for_memory += 1
                 too_big.append(new)
@@ -322,6 +333,7 @@ class Scheduler:
             admitted.append(self._room.pop(waiting.request.key))
             slots -= 1
             longs += long
+            together += 0 if long else waiting.prefill
             long_started = long_started or long
             shorts = shorts or not long
             if long:
@@ -334,10 +346,14 @@ class Scheduler:
         return admitted, tuple(refused), for_memory
 
     @staticmethod
-    def _rank(waiting: Waiting, long_tokens: int, now: float) -> tuple[int, int]:
+    def _rank(waiting: Waiting, long_tokens: int, now: float) -> tuple[int, int, int]:
+        """Aged requests first, in arrival order; then short prompts, the
+        shortest first; then long ones, in arrival order."""
         if now - waiting.arrived >= AGING_SECONDS:
-            return 0, waiting.order
-        return (1 if waiting.prefill <= long_tokens else 2), waiting.order
+            return 0, 0, waiting.order
+        if waiting.prefill <= long_tokens:
+            return 1, waiting.prefill, waiting.order
+        return 2, 0, waiting.order
 
 
 def _at_least(a: Cost, b: Cost) -> bool:
