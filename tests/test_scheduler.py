@@ -179,6 +179,37 @@ def test_one_slow_step_does_not_shrink_every_chunk_after_it():
     assert s.schedule([prefilling(100_000, done=8192)], 0).chunk == plan.chunk
 
 
+def test_a_shape_far_slower_than_the_clock_expects_gets_a_smaller_chunk_from_then_on():
+    s = make()
+    deep = [prefilling(100_000, done=16_384)]
+    deeper = [prefilling(100_000, done=32_768)]
+    shallow = [prefilling(100_000, done=0)]
+    chunk = s.schedule(deep, 0).chunk
+
+    def step(state: list[Running], seconds: float | None = None) -> None:
+        """A step of `state` that took `seconds` (None: what the start-up probe
+        predicts, so that the clock's own correction comes back to none)."""
+        plan = s.schedule(state, 0)
+        s.observe(plan.expected_seconds / s.clock.correction if seconds is None else seconds, 1)
+
+    def slow_deep_step() -> None:
+        step(deep, 10 * s.step_seconds)
+        step(shallow)
+        step(shallow)
+
+    slow_deep_step()  # once: a one-off (a compile, a copy)
+    assert s.schedule(deep, 0).chunk == chunk
+    slow_deep_step()  # twice: this shape is slow at this context
+    assert s.schedule(deep, 0).chunk < chunk
+    # Other contexts keep their chunks, as do shapes only somewhat over the budget.
+    deeper_chunk = s.schedule(deeper, 0).chunk
+    for _ in range(3):
+        step(deeper, 1.5 * s.step_seconds)
+        step(shallow)
+        step(shallow)
+    assert s.schedule(deeper, 0).chunk == deeper_chunk
+
+
 # Three streams of up to 8000 tokens each, in a budget where a request that may
 # grow to 22k tokens fits alone but not beside them.
 STREAMS = [decoding(4000, max_tokens=4000)] * 3

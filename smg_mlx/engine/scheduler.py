@@ -12,7 +12,9 @@ rank, when the model is split over several). The rules:
   cost R x c tokens: the budget is split evenly over the rows. A step
   prefills at least MIN_STEP_TOKENS in all (SHAPE_BUILD_STEP_TOKENS where a
   new shape costs a kernel build), even past the budget: smaller steps would
-  waste the accelerator more than they save anyone's time.
+  waste the accelerator more than they save anyone's time. Where the clock
+  is far off for a shape (its steps took over SLOW_STEP budgets SLOW_TIMES
+  times), that shape gets a smaller chunk from then on.
 - **Few shapes.** Chunks are powers of two, and each ends where the batch's
   cache length is a multiple of it: the same attention shapes come back
   step after step and prompt after prompt. mlx's CUDA backend builds a cuDNN
@@ -49,6 +51,7 @@ import itertools
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +72,12 @@ SMALLEST_CHUNK = 16
 # Prefill shapes remembered as built; past this many (engine.batch sizes mlx's
 # CUDA graph cache to hold as many) the memory starts over.
 SHAPES_REMEMBERED = 1024
+# A shape whose steps took over SLOW_STEP budgets SLOW_TIMES times (a first,
+# building run aside) gets a smaller chunk from then on: the clock's cost model
+# (linear in the context) can be far off for some shapes, such as large chunks
+# at long context on CUDA, and the same shapes come back prompt after prompt.
+SLOW_STEP = 2.0
+SLOW_TIMES = 2
 
 
 # A prefill step's shape, as the backend's kernels see it: prompt rows, chunk,
@@ -160,6 +169,7 @@ class Scheduler:
         # The planned step's prompt tokens, their mean context, and its shape.
         self._measured: tuple[int, int, Shape | None] = (0, 0, None)
         self._built: set[Shape] = set()  # prefill shapes that have run
+        self._slow: Counter[Shape] = Counter()  # steps of each shape far over the budget
 
     # ---- the waiting room ----
 
@@ -198,6 +208,8 @@ class Scheduler:
             if size <= floor:
                 return floor
             shape = (rows, aligned(size, context), context) if builds else None
+            if self._slow[shape] >= SLOW_TIMES:
+                continue
             if self._expected(rows * size, context + size // 2, shape) <= self.step_seconds:
                 return size
         return floor
@@ -277,6 +289,10 @@ class Scheduler:
                 ", a new shape" if new else "",
             )  # fmt: skip
         self.clock.observe(tokens, context, seconds, new_shape=new)
+        if shape is not None and not new and seconds > SLOW_STEP * self.step_seconds:
+            if len(self._slow) >= SHAPES_REMEMBERED:
+                self._slow.clear()
+            self._slow[shape] += 1
         if new:
             if len(self._built) >= SHAPES_REMEMBERED:
                 self._built.clear()
