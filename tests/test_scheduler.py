@@ -201,6 +201,14 @@ def test_a_shape_far_slower_than_the_clock_expects_gets_a_smaller_chunk_from_the
     assert s.schedule(deep, 0).chunk == chunk
     slow_deep_step()  # twice: this shape is slow at this context
     assert s.schedule(deep, 0).chunk < chunk
+    # A short prompt's step does not fill its chunk: however slow, it tells
+    # nothing of what that chunk costs.
+    fresh_chunk = s.schedule(shallow, 0).chunk
+    for _ in range(2):
+        step([prefilling(40)], 10 * s.step_seconds)
+        step(shallow)
+        step(shallow)
+    assert s.schedule(shallow, 0).chunk == fresh_chunk
     # Other contexts keep their chunks, as do shapes only somewhat over the budget.
     deeper_chunk = s.schedule(deeper, 0).chunk
     for _ in range(3):

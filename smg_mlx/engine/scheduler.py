@@ -72,10 +72,11 @@ SMALLEST_CHUNK = 16
 # Prefill shapes remembered as built; past this many (engine.batch sizes mlx's
 # CUDA graph cache to hold as many) the memory starts over.
 SHAPES_REMEMBERED = 1024
-# A shape whose steps took over SLOW_STEP budgets SLOW_TIMES times (a first,
-# building run aside) gets a smaller chunk from then on: the clock's cost model
-# (linear in the context) can be far off for some shapes, such as large chunks
-# at long context on CUDA, and the same shapes come back prompt after prompt.
+# A shape whose steps took over SLOW_STEP budgets SLOW_TIMES times (counting
+# steps whose rows filled the chunk, a first, building one aside) gets a
+# smaller chunk from then on: the clock's cost model (linear in the context)
+# can be far off for some shapes, such as large chunks at long context on
+# CUDA, and the same shapes come back prompt after prompt.
 SLOW_STEP = 2.0
 SLOW_TIMES = 2
 
@@ -168,6 +169,7 @@ class Scheduler:
         self._put_back = itertools.count(-(2**62))  # ahead of every arrival
         # The planned step's prompt tokens, their mean context, and its shape.
         self._measured: tuple[int, int, Shape | None] = (0, 0, None)
+        self._fills_chunk = False
         self._built: set[Shape] = set()  # prefill shapes that have run
         self._slow: Counter[Shape] = Counter()  # steps of each shape far over the budget
 
@@ -252,6 +254,7 @@ class Scheduler:
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
             self._measured = (0, 0, None)
+            self._fills_chunk = False
             return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
         away = {id(r) for r in aside + set_aside} - {id(r) for r in resume}
         rows = [r for r in prefilling if id(r) not in away]
@@ -260,12 +263,15 @@ class Scheduler:
         ]
         context = max([r.context for r in rows] + [w.cached for w in admitted], default=0)
         chunk = self.planner.chunk(costs, min(prefix_bytes, allowance))
-        tokens, shape = 0, None
+        tokens, shape, part = 0, None, 0
         if needs:
             chunk = aligned(min(chunk, self.row_chunk(len(needs), context)), context)
-            tokens = len(needs) * min(chunk, max(needs))
+            part = min(chunk, max(needs))  # every row is padded to the longest one's part
+            tokens = len(needs) * part
             shape = (len(needs), chunk, context)
-        self._measured = (tokens, context + chunk // 2 if tokens else 0, shape)
+        self._measured = (tokens, context + part // 2 if tokens else 0, shape)
+        # Only a step whose rows fill the chunk tells what that chunk costs.
+        self._fills_chunk = part == chunk
         return Plan(
             admit=tuple(w.request for w in admitted),
             set_aside=tuple(r.key for r in set_aside),
@@ -289,7 +295,8 @@ class Scheduler:
                 ", a new shape" if new else "",
             )  # fmt: skip
         self.clock.observe(tokens, context, seconds, new_shape=new)
-        if shape is not None and not new and seconds > SLOW_STEP * self.step_seconds:
+        slow = seconds > SLOW_STEP * self.step_seconds
+        if shape is not None and self._fills_chunk and not new and slow:
             if len(self._slow) >= SHAPES_REMEMBERED:
                 self._slow.clear()
             self._slow[shape] += 1
