@@ -64,8 +64,7 @@ class Job:
         self.finish_reason = event.finish_reason
         self.error = event.error
         self.failure = event.failure if event.error else None
-        if self.done or (self.wake_at is not None and len(self.tokens) >= self.wake_at):
-            self.changed.set()
+        self._wake_if_due()
 
     def pace(self, per_message: int) -> None:
         """Chunks are now `per_message` tokens: a stream asleep until a larger
@@ -73,8 +72,11 @@ class Job:
         tokens it holds would otherwise wait several slow steps)."""
         if self.wake_at is not None:
             self.wake_at = min(self.wake_at, self.streamed + per_message)
-            if len(self.tokens) >= self.wake_at:
-                self.changed.set()
+            self._wake_if_due()
+
+    def _wake_if_due(self) -> None:
+        if self.done or (self.wake_at is not None and len(self.tokens) >= self.wake_at):
+            self.changed.set()
 
     def end(
         self,

@@ -169,7 +169,6 @@ class Scheduler:
         self._put_back = itertools.count(-(2**62))  # ahead of every arrival
         # The planned step's prompt tokens, their mean context, and its shape.
         self._measured: tuple[int, int, Shape | None] = (0, 0, None)
-        self._fills_chunk = False
         self._built: set[Shape] = set()  # prefill shapes that have run
         self._slow: Counter[Shape] = Counter()  # steps of each shape far over the budget
 
@@ -254,7 +253,6 @@ class Scheduler:
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
             self._measured = (0, 0, None)
-            self._fills_chunk = False
             return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
         away = {id(r) for r in aside + set_aside} - {id(r) for r in resume}
         rows = [r for r in prefilling if id(r) not in away]
@@ -270,8 +268,6 @@ class Scheduler:
             tokens = len(needs) * part
             shape = (len(needs), chunk, context)
         self._measured = (tokens, context + part // 2 if tokens else 0, shape)
-        # Only a step whose rows fill the chunk tells what that chunk costs.
-        self._fills_chunk = part == chunk
         return Plan(
             admit=tuple(w.request for w in admitted),
             set_aside=tuple(r.key for r in set_aside),
@@ -295,8 +291,9 @@ class Scheduler:
                 ", a new shape" if new else "",
             )  # fmt: skip
         self.clock.observe(tokens, context, seconds, new_shape=new)
-        slow = seconds > SLOW_STEP * self.step_seconds
-        if shape is not None and self._fills_chunk and not new and slow:
+        # Only a step whose rows fill the chunk tells what that chunk costs.
+        fills = shape is not None and tokens == shape[0] * shape[1]
+        if fills and not new and seconds > SLOW_STEP * self.step_seconds:
             if len(self._slow) >= SHAPES_REMEMBERED:
                 self._slow.clear()
             self._slow[shape] += 1
