@@ -311,7 +311,7 @@ def test_a_short_request_overtakes_queued_long_ones_and_the_long_ones_finish(chu
     assert ends == {1: "length", 2: "length", 3: "length"}
 
 
-def test_a_long_prompt_set_aside_for_short_ones_gives_its_solo_output(model_dir):
+def test_a_long_prompt_prefilled_beside_chats_gives_its_solo_output(model_dir):
     inbox = Inbox()
     # No prefix cache: the second run must compute everything again.
     sink, thread = start_core(model_dir, inbox, step_budget_seconds=1e-6, prompt_cache_bytes=0)

@@ -130,10 +130,10 @@ FAILING_ENGINE = textwrap.dedent(
 
     flag, step = Path(os.environ["FAIL_FLAG"]), Batch.step
 
-    def step_or_fail(self, chunk):
+    def step_or_fail(self, *args):
         if flag.exists():
             raise RuntimeError("injected engine fault")
-        return step(self, chunk)
+        return step(self, *args)
 
     Batch.step = step_or_fail
     sys.exit(main(sys.argv[1:]))

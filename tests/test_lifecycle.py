@@ -125,10 +125,10 @@ def test_engine_failure_ends_requests_with_internal(start_worker, model_dir, mon
     failing = threading.Event()
     step = Batch.step
 
-    def step_or_fail(self, chunk):
+    def step_or_fail(self, *args):
         if failing.is_set():
             raise RuntimeError("injected fault")
-        return step(self, chunk)
+        return step(self, *args)
 
     monkeypatch.setattr(Batch, "step", step_or_fail)
     w = start_worker(model_dir)
@@ -233,9 +233,9 @@ def test_a_second_stop_request_ends_the_grace_period(start_worker, model_dir, mo
 
     step = Batch.step
 
-    def slow_step(self, chunk):
+    def slow_step(self, *args):
         time.sleep(0.02)  # 1900 tokens take far longer than the test waits
-        return step(self, chunk)
+        return step(self, *args)
 
     monkeypatch.setattr(Batch, "step", slow_step)
     w = start_worker(model_dir, shutdown_grace_seconds=600)

@@ -37,13 +37,14 @@ def req(key: int, length: int, max_tokens: int = 16) -> Request:
     return Request(key, spec)
 
 
-def prefilling(length: int, done: int = 0, max_tokens: int = 16) -> Running:
-    """A prompt of `length` tokens with `done` of them prefilled."""
-    return Running(Cost(length, length + max_tokens, True), length - 1 - done, done)
+def prefilling(length: int, done: int = 0, max_tokens: int = 16, long: bool = False) -> Running:
+    """A prompt of `length` tokens with `done` of them prefilled (`long`: in
+    the long prompts' lane)."""
+    return Running(Cost(length, length + max_tokens, True), length - 1 - done, done, long=long)
 
 
-def decoding(length: int = 64, max_tokens: int = 64, fresh: bool = False) -> Running:
-    return Running(Cost(length, length + max_tokens, False), 0, length, fresh=fresh)
+def decoding(length: int = 64, max_tokens: int = 64) -> Running:
+    return Running(Cost(length, length + max_tokens, False), 0, length)
 
 
 def keys(requests) -> list[int]:
@@ -69,9 +70,11 @@ def test_a_short_request_starts_ahead_of_queued_long_ones():
     s.add([req(1, 2 * long_tokens), req(2, 2 * long_tokens)], now=0)
     first = s.schedule([], 0, now=0)
     assert keys(first.admit) == [1]  # one long prompt prefills at a time
+    assert first.long == (1,) and first.long_chunks
     s.add([req(3, 40)], now=1)
-    plan = s.schedule([prefilling(2 * long_tokens, done=2048)], 0, now=1)
-    assert keys(plan.admit) == [3]
+    plan = s.schedule([prefilling(2 * long_tokens, done=2048, long=True)], 0, now=1)
+    assert keys(plan.admit) == [3] and plan.long == ()
+    assert plan.long_chunks  # it goes on beside the chat, in its own lane
     assert len(s) == 1  # the second long one still waits
 
 
@@ -109,7 +112,7 @@ def test_the_next_long_prompt_starts_once_the_one_before_is_prefilled():
     long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
     s.add([req(1, 3 * long_tokens), req(2, 3 * long_tokens)], now=0)
     assert keys(s.schedule([], 0, now=0).admit) == [1]
-    tail = prefilling(3 * long_tokens, done=3 * long_tokens - 10)
+    tail = prefilling(3 * long_tokens, done=3 * long_tokens - 10, long=True)
     assert keys(s.schedule([tail], 0).admit) == []
     assert keys(s.schedule([decoding(3 * long_tokens)], 0).admit) == [2]
 
@@ -126,30 +129,37 @@ def test_the_step_budget_is_shared_by_the_rows_and_shrinks_as_the_context_grows(
     assert shared.expected_seconds <= s.step_seconds
 
 
-def test_a_long_prompt_steps_aside_while_a_short_one_prefills_then_comes_back():
-    s = make()
-    long = Running(Cost(100_000, 100_016, True), 90_000, 10_000, key=9)
-    s.add([req(1, 40)], now=0)
-    plan = s.schedule([long], 0, now=0)
-    assert keys(plan.admit) == [1] and plan.set_aside == (9,)
-    assert plan.chunk == 2048 and plan.expected_seconds < s.clock.seconds(2048, 0)
-    # Until the short one has its first token, the long one stays aside (the
-    # steps stay short); then it comes back, and a newcomer waits a step.
-    aside = Running(long.cost, long.remaining, long.context, key=9, aside=True)
-    for short in (prefilling(40, done=39), decoding(40, fresh=True)):
-        assert s.schedule([aside, short], 0, now=0).resume == ()
-    s.add([req(2, 40)], now=0)
-    back = s.schedule([aside, decoding(40)], 0, now=0)
-    assert back.resume == (9,) and back.admit == ()
-    again = s.schedule([long, decoding()], 0, now=0)
-    assert keys(again.admit) == [2] and again.set_aside == (9,)
+def test_the_long_lane_takes_chunks_while_the_step_stays_within_its_budget():
+    s = make(step_ms=300)
+    long = prefilling(100_000, done=2048, long=True)
+    plan = s.schedule([long, decoding()], 0)
+    assert plan.chunk is not None and len(plan.long_chunks) >= 2
+    assert all(c <= 2048 for c in plan.long_chunks)  # each at most --prefill-step-size
+    assert plan.expected_seconds <= s.step_seconds
+    # Short prompts come first in the budget; the long one still moves.
+    s.add([req(1, 4000), req(2, 4000)], now=0)
+    beside = s.schedule([long, decoding()], 0, now=0)
+    assert keys(beside.admit) == [1, 2]
+    assert 0 < sum(beside.long_chunks) < sum(plan.long_chunks)
 
 
-def test_a_long_prompt_stays_aside_until_the_short_ones_are_prefilled():
+def test_a_short_prompt_prefilling_beside_a_long_one_does_not_shrink_the_long_ones_chunk():
+    s = make(step_ms=300)
+    long = prefilling(100_000, done=2048, long=True)
+    beside = s.schedule([long, prefilling(3000, done=1000)], 0)
+    assert beside.chunk == 1048  # the short one catches up with the grid
+    assert beside.long_chunks[0] == 2048
+
+
+def test_a_long_prompt_moves_every_step_however_busy_the_short_lane():
     s = make()
-    aside = Running(Cost(100_000, 100_016, True), 90_000, 10_000, key=9, aside=True)
-    plan = s.schedule([aside, prefilling(3000, done=2048)], 0, now=0)
-    assert plan.resume == () and plan.chunk >= 951
+    shorts = [prefilling(5000, done=1024) for _ in range(4)]
+    plan = s.schedule([*shorts, prefilling(100_000, done=8192, long=True)], 0)
+    assert plan.expected_seconds >= s.step_seconds  # the short lane takes it all
+    assert len(plan.long_chunks) == 1 and plan.long_chunks[0] >= MIN_STEP_TOKENS
+    # Its last chunk ends where its prompt does.
+    tail = s.schedule([prefilling(10_000, done=10_000 - 2 - 100, long=True)], 0)
+    assert sum(tail.long_chunks) >= 101 and sum(tail.long_chunks[:-1]) < 101
 
 
 def test_a_tiny_budget_still_prefills_a_minimum_per_step():
@@ -276,13 +286,12 @@ def test_an_idle_batch_plans_no_step():
     assert make().schedule([], 0).chunk is None
 
 
-def test_a_long_prompt_does_not_start_beside_short_ones_without_their_first_token():
+def test_a_long_prompt_starts_beside_short_ones_in_its_own_lane():
     s = make()
     long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
     s.add([req(1, 2 * long_tokens), req(2, 40)], now=0)
-    assert keys(s.schedule([], 0, now=0).admit) == [2]
-    assert keys(s.schedule([decoding(40, fresh=True)], 0, now=0).admit) == []
-    assert keys(s.schedule([decoding(40)], 0, now=0).admit) == [1]
+    plan = s.schedule([decoding(40)], 0, now=0)
+    assert keys(plan.admit) == [2, 1] and plan.long == (1,)
 
 
 def test_where_shapes_cost_a_build_a_first_seen_shape_does_not_shrink_later_chunks():
@@ -300,21 +309,19 @@ def test_where_shapes_cost_a_build_a_first_seen_shape_does_not_shrink_later_chun
     assert further.expected_seconds > s.clock.seconds(further.chunk, context + 4 * 2048)
 
 
-def test_nothing_starts_beside_a_long_prompt_in_the_step_its_prompt_ends():
+def test_no_long_prompt_starts_in_the_step_where_the_one_before_ends():
     s = make()
-    s.add([req(1, 40)], now=0)
-    ending = prefilling(30_000, done=30_000 - 1)  # every prompt token but the last is in
+    s.add([req(1, 40), req(2, 30_000)], now=0)
+    # Every prompt token but the last is in: it joins its lane's decoding rows next.
+    ending = prefilling(30_000, done=30_000 - 1, long=True)
     assert ending.remaining == 0 and ending.cost.prefilling
-    assert s.schedule([ending], 0, now=0).admit == ()
-    assert keys(s.schedule([decoding(30_000)], 0, now=0).admit) == [1]
+    assert keys(s.schedule([ending], 0, now=0).admit) == [1]
+    assert keys(s.schedule([decoding(30_000)], 0, now=0).admit) == [2]
 
 
-def test_a_long_prompt_that_aged_starts_alone_and_short_ones_follow_next_turn():
+def test_an_aged_long_prompt_goes_first_and_a_chat_still_starts_beside_it():
     s = make()
     s.add([req(1, 30_000)], now=0)
     s.add([req(2, 40)], now=AGING_SECONDS)
     first = s.schedule([], 0, now=AGING_SECONDS)
-    assert keys(first.admit) == [1]  # aged: first; the chat is not padded to its length
-    started = prefilling(30_000, done=first.chunk)
-    second = s.schedule([started], 0, now=AGING_SECONDS)
-    assert keys(second.admit) == [2] and second.set_aside == (started.key,)
+    assert keys(first.admit) == [1, 2] and first.long == (1,)

@@ -1,4 +1,4 @@
-"""mlx-lm's BatchGenerator behind the engine's own bookkeeping (runs on the engine thread).
+"""mlx-lm's BatchGenerators behind the engine's own bookkeeping (runs on the engine thread).
 
 The model, the stream and every array are created here, on the engine thread,
 so no MLX state ever crosses threads. What the engine knows of the batch
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,6 +33,10 @@ from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
+# The lanes: each an mlx-lm BatchGenerator, which pads every row of its batch
+# to the longest one; long prompts run in a lane of their own (see scheduler).
+SHORT, LONG = 0, 1
+
 # Shorter cached prefixes are not reused: unrelated prompts often share a token
 # or two, which saves nothing, and every odd prefill length is one more shape
 # for the backend to prepare kernels for.
@@ -44,6 +48,7 @@ class _Slot:
     """One request's place in the batch."""
 
     request: Request
+    lane: int
     inserted: GenerationSpec  # what BatchGenerator runs (after an error: the rest of it)
     options: tuple  # its sampler, logits processors and stop sequences
     cached: int  # prompt tokens reused from the prefix cache (as its client is told)
@@ -53,7 +58,6 @@ class _Slot:
     prefilling: bool = True  # its prompt is not all processed yet
     fresh: bool = True  # no token yet
     generated: list[int] = field(default_factory=list)
-    kept: tuple | None = None  # set aside: its cache and the tokens in it
 
     @property
     def key(self) -> int:
@@ -132,7 +136,8 @@ def _load(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module
 
 
 class Batch:
-    """The model and its BatchGenerator; each request is a slot keyed by its uid."""
+    """The model and its lanes' BatchGenerators; each request is a slot keyed
+    by its lane and uid."""
 
     def __init__(self, config: EngineConfig, group: mx.distributed.Group | None = None) -> None:
         started = time.perf_counter()
@@ -143,13 +148,13 @@ class Batch:
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.
         self._stream = mx.new_stream(mx.default_device())
-        self._generator = self._new_generator()
+        self._lanes = self._new_lanes()
         self._samplers = SamplerCache()
-        self._slots: dict[int, _Slot] = {}  # BatchGenerator uid -> slot, in admission order
-        self._uids: dict[int, int] = {}  # request key -> uid
+        # (lane, BatchGenerator uid) -> slot, in admission order
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._uids: dict[int, tuple[int, int]] = {}  # request key -> (lane, uid)
         self._started = 0  # slots BatchGenerator is prefilling or decoding
         self._resuming: dict[int, _Slot] = {}  # key -> slot of a request put back (see reset)
-        self._aside: dict[int, _Slot] = {}  # key -> slot set aside mid-prefill (see set_aside)
         self._prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         )
@@ -168,20 +173,24 @@ class Batch:
             mx.default_device(),
         )
 
-    def _new_generator(self) -> BatchGenerator:
+    def _new_lanes(self) -> tuple[BatchGenerator, ...]:
+        """A BatchGenerator for each lane, indexed by SHORT and LONG."""
         config = self._config
-        return BatchGenerator(
-            self.model,
-            completion_batch_size=config.completion_batch_size,
-            prefill_batch_size=config.prefill_batch_size,
-            prefill_step_size=config.prefill_step_size,
-            stream=self._stream,
+        return tuple(
+            BatchGenerator(
+                self.model,
+                completion_batch_size=config.completion_batch_size,
+                prefill_batch_size=config.prefill_batch_size,
+                prefill_step_size=config.prefill_step_size,
+                stream=self._stream,
+            )
+            for _ in (SHORT, LONG)
         )
 
     @property
     def size(self) -> int:
         """Requests admitted to the batch."""
-        return len(self._slots) + len(self._aside)
+        return len(self._slots)
 
     @property
     def running(self) -> int:
@@ -190,9 +199,8 @@ class Batch:
 
     @property
     def prefilling(self) -> int:
-        """Requests whose prompt is not all processed (those set aside included)."""
-        started = sum(slot.started and slot.prefilling for slot in self._slots.values())
-        return started + len(self._aside)
+        """Requests whose prompt is not all processed."""
+        return sum(slot.started and slot.prefilling for slot in self._slots.values())
 
     @property
     def waiting(self) -> int:
@@ -214,7 +222,7 @@ class Batch:
     @property
     def kv_bytes(self) -> int:
         """KV cache bytes the batch holds now."""
-        return self._generator.prompt_cache_nbytes
+        return sum(lane.prompt_cache_nbytes for lane in self._lanes)
 
     @property
     def shape_builds(self) -> bool:
@@ -226,7 +234,7 @@ class Batch:
         return self._stream
 
     def holds(self, key: int) -> bool:
-        return key in self._uids or key in self._aside
+        return key in self._uids
 
     def sequences(self, excluding: Iterable[int] = ()) -> list[Running]:
         """The admitted sequences (but those with the keys `excluding`), as the
@@ -243,10 +251,9 @@ class Batch:
                 slot.remaining,
                 slot.context,
                 slot.key,
-                slot.kept is not None,
-                slot.fresh,
+                slot.lane == LONG,
             )
-            for slot in [*self._slots.values(), *self._aside.values()]
+            for slot in self._slots.values()
             if slot.key not in leaving
         ]
 
@@ -283,10 +290,11 @@ class Batch:
             StopTokens(spec.stop_token_ids),
         )
 
-    def admit(self, requests: list[Request]) -> list[Event]:
-        """Insert new requests, each from its longest cached prefix; they start
-        prefill at the next step. A request whose sampling setup fails ends with
-        an error event instead of reaching the batch."""
+    def admit(self, requests: list[Request], long: Collection[int] = ()) -> list[Event]:
+        """Insert new requests (those with the keys `long` in the long prompts'
+        lane), each from its longest cached prefix; they start prefill at the
+        next step. A request whose sampling setup fails ends with an error
+        event instead of reaching the batch."""
         accepted, failed = [], []
         for request in requests:
             resumed = self._resuming.pop(request.key, None)
@@ -297,12 +305,17 @@ class Batch:
                 failed.append(Event(request.key, error=f"the request could not start: {exc!r}"))
                 continue
             accepted.append((request, options, resumed))
+        for lane in (SHORT, LONG):
+            self._insert(lane, [a for a in accepted if (a[0].key in long) == (lane == LONG)])
+        return failed
+
+    def _insert(self, lane: int, accepted: list[tuple[Request, tuple, _Slot | None]]) -> None:
         if not accepted:
-            return failed
+            return
         prompts = [request.spec.prompt for request, _, _ in accepted]
         starts = [self._start_from(prompt) for prompt in prompts]
         samplers, processors, stops = zip(*(options for _, options, _ in accepted), strict=True)
-        uids = self._generator.insert(
+        uids = self._lanes[lane].insert(
             [list(p[n:]) for p, (_, n) in zip(prompts, starts, strict=True)],
             max_tokens=[request.spec.max_tokens for request, _, _ in accepted],
             caches=[cache for cache, _ in starts],
@@ -315,16 +328,15 @@ class Batch:
         for uid, (request, options, resumed), (_, cached) in zip(
             uids, accepted, starts, strict=True
         ):
-            slot = _Slot(request, request.spec, options, cached, cached)
+            slot = _Slot(request, lane, request.spec, options, cached, cached)
             if resumed is not None:  # as the client knows it: tokens sent, cache reuse
                 slot.request, slot.cached = resumed.request, resumed.cached
                 slot.fresh, slot.generated = resumed.fresh, resumed.generated
-            self._slots[uid] = slot
-            self._uids[request.key] = uid
-        return failed
+            self._slots[lane, uid] = slot
+            self._uids[request.key] = (lane, uid)
 
-    def _forget(self, uid: int) -> _Slot:
-        slot = self._slots.pop(uid)
+    def _forget(self, place: tuple[int, int]) -> _Slot:
+        slot = self._slots.pop(place)
         del self._uids[slot.key]
         self._started -= slot.started
         return slot
@@ -332,69 +344,50 @@ class Batch:
     def remove(self, keys: Iterable[int]) -> list[Event]:
         """Drop the requests with these keys (unknown keys are ignored); an abort
         event for each one dropped."""
-        keys = list(keys)
-        uids = [self._uids[k] for k in keys if k in self._uids]
-        kept = {}
-        if uids:
-            kept = self._generator.remove(uids, return_prompt_caches=self._prefixes is not None)
-        gone = [(self._forget(uid), kept.get(uid)) for uid in uids]
-        gone += [(slot, slot.kept) for k in keys if (slot := self._aside.pop(k, None))]
+        places = [self._uids[k] for k in keys if k in self._uids]
         events = []
-        for slot, computed in gone:
-            cache, tokens = computed or (None, ())
-            # What an aborted sequence computed is as good as a finished one's.
-            if self._prefixes is not None and cache is not None and len(tokens) > slot.cached:
-                self._prefixes.insert(tokens, cache)
-            events.append(Event(slot.key, finish_reason="abort"))
+        for lane, generator in enumerate(self._lanes):
+            uids = [uid for on, uid in places if on == lane]
+            if not uids:
+                continue
+            kept = generator.remove(uids, return_prompt_caches=self._prefixes is not None)
+            for uid in uids:
+                slot = self._forget((lane, uid))
+                cache, tokens = kept.get(uid) or (None, ())
+                # What an aborted sequence computed is as good as a finished one's.
+                if self._prefixes is not None and cache is not None and len(tokens) > slot.cached:
+                    self._prefixes.insert(tokens, cache)
+                events.append(Event(slot.key, finish_reason="abort"))
         return events
 
-    def set_aside(self, keys: Iterable[int]) -> None:
-        """Take these prompts out of BatchGenerator mid-prefill, keeping their
-        caches, until `resume`: short prompts then prefill without them."""
-        uids = [self._uids[k] for k in keys]
-        if not uids:
-            return
-        kept = self._generator.remove(uids, return_prompt_caches=True)
-        for uid in uids:
-            slot = self._forget(uid)
-            slot.kept = kept[uid]
-            self._aside[slot.key] = slot
+    def step(self, chunk: int, long_chunks: tuple[int, ...] = ()) -> list[Event]:
+        """Advance the batch by one step, and report each sequence's new token:
+        the short lane prefills in chunks of at most `chunk` tokens, the long
+        lane runs once for each of `long_chunks` (once at `chunk` if none)."""
+        held = {lane for lane, _ in self._slots}
+        events = []
+        for lane, chunks in ((SHORT, (chunk,)), (LONG, long_chunks or (chunk,))):
+            if lane in held:
+                for size in chunks:
+                    events += self._next(lane, size)
+        return events
 
-    def resume(self, keys: Iterable[int]) -> None:
-        """Put prompts set aside back, each to go on from its cache."""
-        for key in keys:
-            slot = self._aside.pop(key)
-            (cache, tokens), slot.kept = slot.kept, None
-            sampler, processors, stops = slot.options
-            uid = self._generator.insert(
-                [list(slot.inserted.prompt[len(tokens) :])],
-                max_tokens=[slot.inserted.max_tokens],
-                caches=[cache],
-                all_tokens=[list(tokens)],
-                samplers=[sampler],
-                logits_processors=[processors],
-                stop_sequences=[stops],
-            )[0]
-            slot.start, slot.processed, slot.started = len(tokens), 0, False
-            self._slots[uid] = slot
-            self._uids[key] = uid
-
-    def step(self, chunk: int) -> list[Event]:
-        """Advance the batch by one step, prefilling in chunks of at most `chunk`
-        tokens, and report each sequence's new token."""
-        self._generator.prefill_step_size = chunk
-        prefilling, responses = self._generator.next()
+    def _next(self, lane: int, chunk: int) -> list[Event]:
+        """One call of a lane's BatchGenerator, prefilling at most `chunk` tokens a row."""
+        generator = self._lanes[lane]
+        generator.prefill_step_size = chunk
+        prefilling, responses = generator.next()
         for r in prefilling:
-            slot = self._slots.get(r.uid)
+            slot = self._slots.get((lane, r.uid))
             if slot is not None:
                 self._started += not slot.started
                 slot.started = True
                 slot.prefilling = not r.end_of_prompt
                 slot.processed = r.progress[0]
-        logprobs = self._logprobs(responses)
+        logprobs = self._logprobs(lane, responses)
         events = []
         for r, chosen in zip(responses, logprobs, strict=True):
-            slot = self._slots[r.uid]
+            slot = self._slots[lane, r.uid]
             slot.generated.append(r.token)
             events.append(
                 Event(
@@ -408,7 +401,7 @@ class Batch:
             )
             slot.fresh = False
             if r.finish_reason is not None:
-                self._forget(r.uid)
+                self._forget((lane, r.uid))
                 if self._prefixes is not None:
                     # The cache holds every token of `all_tokens`, the last
                     # generated one included.
@@ -420,14 +413,14 @@ class Batch:
         what the failed step left behind cannot be trusted. Returns the requests
         that were in the batch, in admission order, each to continue from where
         its client is: its prompt extended by the tokens sent, fewer to go."""
-        self._generator.close()
-        self._generator = None
+        for lane in self._lanes:
+            lane.close()
+        self._lanes = ()
         mx.clear_cache()
-        self._generator = self._new_generator()
+        self._lanes = self._new_lanes()
         requests = []
-        for slot in [*self._slots.values(), *self._aside.values()]:
+        for slot in self._slots.values():
             spec = slot.request.spec
-            slot.kept = None
             self._resuming[slot.key] = slot
             requests.append(
                 replace(
@@ -440,7 +433,6 @@ class Batch:
                 )
             )
         self._slots.clear()
-        self._aside.clear()
         self._uids.clear()
         self._started = 0
         return requests
@@ -450,13 +442,13 @@ class Batch:
         for key in keys:
             self._resuming.pop(key, None)
 
-    def _logprobs(self, responses: list) -> list[TokenLogprobs | None]:
+    def _logprobs(self, lane: int, responses: list) -> list[TokenLogprobs | None]:
         """Each response's logprobs, if its request asked for them."""
         found: list[TokenLogprobs | None] = [None] * len(responses)
         rows, lazy = [], []
         # Build every row's top-n lazily, then evaluate them all at once.
         for i, r in enumerate(responses):
-            n = self._slots[r.uid].request.spec.logprobs
+            n = self._slots[lane, r.uid].request.spec.logprobs
             if n is None:
                 continue
             top = mx.array([], dtype=mx.uint32)
@@ -473,9 +465,9 @@ class Batch:
 
     def close(self) -> None:
         """Release the generator and the model on this thread (see `EngineCore.run`)."""
-        if self._generator is not None:
-            self._generator.close()
-        self._generator = None
+        for lane in self._lanes:
+            lane.close()
+        self._lanes = ()
         if self._prefixes is not None:  # its tree holds cycles: freed now, not at a collection
             self._prefixes.shrink(0)
         self._prefixes = None

@@ -244,12 +244,12 @@ class EngineCore:
             remove,
             tuple(drop),
             plan.admit,
-            plan.set_aside,
-            plan.resume,
+            plan.long,
             plan.chunk,
+            plan.long_chunks,
             plan.expected_seconds,
         )
-        changes = remove or drop or plan.admit or plan.set_aside or plan.resume or plan.refuse
+        changes = remove or drop or plan.admit or plan.refuse
         steady = not changes and not batch.prefilling and not batch.waiting
         self._turn = turn if steady else None
         return turn, events
@@ -321,9 +321,7 @@ class EngineCore:
         # Drops first: they name entries as they were when rank 0 decided.
         batch.drop_cached(turn.drop_cached)
         events = batch.remove(turn.remove)
-        batch.set_aside(turn.set_aside)
-        events += batch.admit(list(turn.admit))
-        batch.resume(turn.resume)
+        events += batch.admit(list(turn.admit), turn.long)
         return events
 
     @staticmethod
@@ -333,7 +331,7 @@ class EngineCore:
         if turn.chunk is None:
             return [], None, 0, 0
         started = time.perf_counter()
-        stepped = batch.step(turn.chunk)
+        stepped = batch.step(turn.chunk, turn.long_chunks)
         seconds = time.perf_counter() - started
         finished = sum(e.finish_reason is not None for e in stepped)
         return stepped, seconds, batch.running + finished, finished

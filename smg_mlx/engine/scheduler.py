@@ -4,17 +4,26 @@ Pure policy, no MLX: the engine loop hands it what arrived and what runs,
 asks `Scheduler.schedule` once per turn, and applies the `Plan` (on every
 rank, when the model is split over several). The rules:
 
+- **Two lanes.** The batch runs long prompts in a lane of their own (an
+  mlx-lm BatchGenerator each): mlx-lm pads every row of a batch to its
+  longest one, so a chat beside a long prompt would decode at the long
+  prompt's length and prefill beside its chunks.
 - **A step budget.** A step decodes every running stream once and prefills a
-  chunk of each prompt being prefilled. The chunk is sized (by the
-  `StepClock`) so that the step takes about `--step-budget-ms`: a running
-  stream's pause between two tokens stays about that long, whatever arrives.
-  mlx-lm pads every prompt row to one chunk length, so R rows at chunk c
-  cost R x c tokens: the budget is split evenly over the rows. A step
-  prefills at least MIN_STEP_TOKENS in all (SHAPE_BUILD_STEP_TOKENS where a
-  new shape costs a kernel build), even past the budget: smaller steps would
-  waste the accelerator more than they save anyone's time. Where the clock
-  is far off for a shape (its steps took over SLOW_STEP budgets SLOW_TIMES
-  times), that shape gets a smaller chunk from then on.
+  chunk of each short prompt being prefilled, then as many chunks of the long
+  prompt as fit what is left. Chunks are sized (by the `StepClock`) so that
+  the step takes about `--step-budget-ms`: a running stream's pause between
+  two tokens stays about that long, whatever arrives. mlx-lm pads every
+  prompt row to one chunk length, so R rows at chunk c cost R x c tokens:
+  the short lane's share is split evenly over its rows. The long lane gets
+  several chunks of at most `--prefill-step-size` rather than one larger one
+  (large chunks at long context are slow on some backends), each beyond the
+  first counted as one more pass over the model, about what a step that only
+  decodes costs. Each lane prefills at least MIN_STEP_TOKENS
+  (SHAPE_BUILD_STEP_TOKENS where a new shape costs a kernel build), even past
+  the budget: smaller steps would waste the accelerator more than they save
+  anyone's time, and a long prompt always moves. Where the clock is far off
+  for a shape (a step with it took over SLOW_STEP budgets SLOW_TIMES times),
+  that shape gets a smaller chunk from then on.
 - **Few shapes.** Chunks are powers of two, and each ends where the batch's
   cache length is a multiple of it: the same attention shapes come back
   step after step and prompt after prompt. mlx's CUDA backend builds a cuDNN
@@ -25,24 +34,23 @@ rank, when the model is split over several). The rules:
 - **Short before long.** A prompt is long when its prefill needs more than
   LONG_PROMPT_STEPS steps' budget (at no context). At most
   LONG_PREFILLS_AT_ONCE long prompts prefill at a time, in arrival order
-  (the next starts once the last is prefilled): several at once finish no
-  sooner in all, the first of them much later, and mlx-lm pads the newer
-  one's cache to the older one's length. Shorter prompts start at the next
-  step, the shortest first, while prompt rows are free and what the short
-  prompts being prefilled have left adds up to no more than a long prompt
-  (padded to each other, more would be a long prompt's work that a chat
-  arriving behind them waits for); a long prompt being prefilled steps
-  aside (its cache kept) until they have their first token, then comes back
-  for at least one step before it steps aside again (and nothing starts in
-  the step where its prompt ends, which would pad it). The short prompts'
-  first steps are then short, and the long one's attention shapes stay
-  those of a batch of one, which repeat.
+  (the next starts once the last is prefilled, not in the step where its
+  prompt ends, which would pad it): several at once finish no sooner in
+  all, the first of them much later, and mlx-lm pads the newer one's cache
+  to the older one's length. Shorter prompts start at the next step, the
+  shortest first, while prompt rows are free and what the short prompts
+  being prefilled have left adds up to no more than a long prompt (padded
+  to each other, more would be a long prompt's work that a chat arriving
+  behind them waits for). Their lane comes first in each step's budget;
+  the long prompt's attention shapes stay those of a batch of one, which
+  repeat.
 - **Memory.** A request starts only when the batch with it fits the memory
   budget (`MemoryPlanner`). One that does not fit waits without holding back
   smaller ones behind it; one that can never fit is refused.
 - **No starvation.** A request that has waited AGING_SECONDS goes ahead of
   every younger one; if it still cannot start for memory, for a free slot or
   for the short prompts being prefilled, nothing younger starts before it.
+  A long prompt prefilling moves every step, whatever the short lane takes.
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ SMALLEST_CHUNK = 16
 # CUDA graph cache to hold as many) the memory starts over.
 SHAPES_REMEMBERED = 1024
 # A shape whose steps took over SLOW_STEP budgets SLOW_TIMES times (counting
-# steps whose rows filled the chunk, a first, building one aside) gets a
+# steps where its rows filled the chunk and no shape was built) gets a
 # smaller chunk from then on: the clock's cost model (linear in the context)
 # can be far off for some shapes, such as large chunks at long context on
 # CUDA, and the same shapes come back prompt after prompt.
@@ -81,9 +89,24 @@ SLOW_STEP = 2.0
 SLOW_TIMES = 2
 
 
-# A prefill step's shape, as the backend's kernels see it: prompt rows, chunk,
-# and the context before it.
+# A prefill's shape, as the backend's kernels see it: prompt rows, chunk, and
+# the context before it.
 Shape = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One prefill call of a step: its prompt tokens (all rows), their mean
+    context, and its shape."""
+
+    tokens: int
+    context: int
+    shape: Shape
+
+    @property
+    def fills(self) -> bool:
+        """Whether its rows fill the chunk: only then it tells what that chunk costs."""
+        return self.tokens == self.shape[0] * self.shape[1]
 
 
 def chunk_sizes(largest: int) -> list[int]:
@@ -107,8 +130,7 @@ class Running:
     remaining: int = 0  # prompt tokens still to prefill (0: decoding, or about to)
     context: int = 0  # tokens in its cache
     key: int = 0
-    aside: bool = False  # a long prompt set aside while short ones prefill
-    fresh: bool = True  # no token yet
+    long: bool = False  # in the long prompts' lane
 
 
 @dataclass(slots=True)
@@ -131,10 +153,10 @@ class Plan:
     """One turn's decisions."""
 
     admit: tuple[Request, ...] = ()  # start now, in this order
-    set_aside: tuple[int, ...] = ()  # keys of long prompts that make way for the admitted
-    resume: tuple[int, ...] = ()  # keys of long prompts set aside, back in the batch
+    long: tuple[int, ...] = ()  # keys of those admitted that go to the long lane
     refuse: tuple[Request, ...] = ()  # can never fit in memory
-    chunk: int | None = None  # prefill chunk per prompt row; None: no step
+    chunk: int | None = None  # the short lane's chunk per prompt row; None: no step
+    long_chunks: tuple[int, ...] = ()  # the long lane's prefill chunks, one call each
     prefix_allowance: int = 0  # bytes the prefix cache may keep
     expected_seconds: float = 0.0  # how long the step should take
     prefill_bytes: float = 0.0  # the step's prefill working set (estimated)
@@ -167,8 +189,8 @@ class Scheduler:
         self._room: dict[int, Waiting] = {}  # by request key
         self._order = itertools.count()
         self._put_back = itertools.count(-(2**62))  # ahead of every arrival
-        # The planned step's prompt tokens, their mean context, and its shape.
-        self._measured: tuple[int, int, Shape | None] = (0, 0, None)
+        self._parts: tuple[Part, ...] = ()  # the planned step's prefills
+        self._passes = 0  # the planned step's model passes beyond one a lane
         self._built: set[Shape] = set()  # prefill shapes that have run
         self._slow: Counter[Shape] = Counter()  # steps of each shape far over the budget
 
@@ -198,10 +220,11 @@ class Scheduler:
 
     # ---- the decisions ----
 
-    def row_chunk(self, rows: int, context: int, builds: bool = True) -> int:
+    def row_chunk(self, rows: int, context: int, builds: bool = True, spent: float = 0.0) -> int:
         """The largest chunk each of `rows` prompt rows may prefill in one step
         within the budget, at `context` tokens of context (`builds`: counting
-        what a shape not seen yet costs to build)."""
+        what a shape not seen yet costs to build), after `spent` seconds of
+        the step's other prefills."""
         floor = next(
             s for s in self._sizes if s * rows >= self.min_step_tokens or s == self._sizes[-1]
         )
@@ -211,7 +234,7 @@ class Scheduler:
             shape = (rows, aligned(size, context), context) if builds else None
             if self._slow[shape] >= SLOW_TIMES:
                 continue
-            if self._expected(rows * size, context + size // 2, shape) <= self.step_seconds:
+            if spent + self._expected(rows * size, context + size // 2, shape) <= self.step_seconds:
                 return size
         return floor
 
@@ -222,106 +245,142 @@ class Scheduler:
     def _expected(self, tokens: int, context: int, shape: Shape | None) -> float:
         """A step's seconds, `tokens` prompt tokens at mean context `context`;
         one of a shape not built yet adds what a build costs."""
-        seconds = self.clock.seconds(tokens, context)
+        return self.clock.decode_seconds + self._prefill_seconds(tokens, context, shape)
+
+    def _prefill_seconds(self, tokens: int, context: int, shape: Shape | None) -> float:
+        seconds = self.clock.prefill_seconds(tokens, context)
         return seconds + self.clock.build_seconds if self._is_new(shape) else seconds
+
+    def _spent(self, parts: Iterable[Part]) -> float:
+        """What these prefills take."""
+        return sum(self._prefill_seconds(p.tokens, p.context, p.shape) for p in parts)
+
+    def _planned_seconds(self) -> float:
+        """What the planned step should take."""
+        return (1 + self._passes) * self.clock.decode_seconds + self._spent(self._parts)
 
     def schedule(
         self, running: Sequence[Running], prefix_bytes: int, now: float | None = None
     ) -> Plan:
-        """Which waiting requests start beside `running`, and the step's chunk."""
+        """Which waiting requests start beside `running`, and the step's chunks."""
         now = time.monotonic() if now is None else now
         prefilling = [r for r in running if r.cost.prefilling]
         # Prompt tokens past which a prompt is long.
         long = LONG_PROMPT_STEPS * self.row_chunk(1, 0, builds=False)
-        aside = [r for r in prefilling if r.aside]
-        shorts = any(r.fresh and r.cost.prompt <= long and not r.aside for r in running)
-        # Long prompts set aside come back once the short ones have their first
-        # token; nothing starts beside them in that step.
-        resume = aside if not shorts else []
-        # A long prompt whose last chunk just ran joins the decoding rows at the
-        # next step; a prompt starting beside it now would be padded to its length.
-        finishing = any(not r.remaining and r.cost.prompt > long for r in prefilling)
-        admitted, refused, for_memory = ([], (), 0) if resume or finishing else self._admit(
-            running, prefilling, long, shorts, now
-        )
-        set_aside = []
-        if any(w.prefill <= long for w in admitted):
-            set_aside = [
-                r for r in prefilling if r.remaining and r.cost.prompt > long and not r.aside
-            ]
+        admitted, refused, for_memory = self._admit(running, prefilling, long, now)
         costs = [r.cost for r in running] + [w.cost for w in admitted]
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
-            self._measured = (0, 0, None)
+            self._parts, self._passes = (), 0
             return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
-        away = {id(r) for r in aside + set_aside} - {id(r) for r in resume}
-        rows = [r for r in prefilling if id(r) not in away]
-        needs = [r.remaining for r in rows if r.remaining] + [
-            w.prefill - 1 for w in admitted if w.prefill > 1
+        chunk = largest = self.planner.chunk(costs, min(prefix_bytes, allowance))
+        starting_long = [w for w in admitted if w.prefill > long]
+        shorts = [r for r in prefilling if not r.long]
+        starting_short = [w for w in admitted if w.prefill <= long]
+        needs = [r.remaining for r in shorts if r.remaining] + [
+            w.prefill - 1 for w in starting_short if w.prefill > 1
         ]
-        context = max([r.context for r in rows] + [w.cached for w in admitted], default=0)
-        chunk = self.planner.chunk(costs, min(prefix_bytes, allowance))
-        tokens, shape, part = 0, None, 0
+        parts: list[Part] = []
         if needs:
+            context = max(
+                [r.context for r in shorts] + [w.cached for w in starting_short], default=0
+            )
             chunk = aligned(min(chunk, self.row_chunk(len(needs), context)), context)
             part = min(chunk, max(needs))  # every row is padded to the longest one's part
-            tokens = len(needs) * part
-            shape = (len(needs), chunk, context)
-        self._measured = (tokens, context + part // 2 if tokens else 0, shape)
+            parts.append(Part(len(needs) * part, context + part // 2, (len(needs), chunk, context)))
+        longs = [(r.remaining, r.context) for r in prefilling if r.long and r.remaining] + [
+            (w.prefill - 1, w.cached) for w in starting_long
+        ]
+        long_chunks = self._long_chunks(*longs[0], largest, parts) if longs else ()
+        self._parts, self._passes = tuple(parts), max(len(long_chunks) - 1, 0)
         return Plan(
             admit=tuple(w.request for w in admitted),
-            set_aside=tuple(r.key for r in set_aside),
-            resume=tuple(r.key for r in resume),
+            long=tuple(w.request.key for w in starting_long),
             refuse=refused,
             chunk=chunk,
+            long_chunks=long_chunks,
             prefix_allowance=allowance,
-            expected_seconds=self._expected(*self._measured),
-            prefill_bytes=self.planner.prefill_bytes(costs, chunk),
+            expected_seconds=self._planned_seconds(),
+            prefill_bytes=self.planner.prefill_bytes(costs, max((chunk, *long_chunks))),
             waiting_for_memory=for_memory,
         )
 
+    def _long_chunks(
+        self, remaining: int, context: int, largest: int, parts: list[Part]
+    ) -> tuple[int, ...]:
+        """The long prompt's chunks this step, `remaining` tokens to go from
+        `context`: one, and where the budget holds more than one of the
+        largest (`largest`), more of those while the step (`parts` so far,
+        which they join) stays within it. Each call beyond the first is a
+        pass over the model besides its tokens, which costs about what a step
+        that only decodes does; smaller chunks come one a step."""
+        chunks: list[int] = []
+        spent = self._spent(parts)
+        size = min(largest, self.row_chunk(1, context, spent=spent))
+        while remaining > 0:
+            chunk = aligned(size, context)
+            tokens = min(chunk, remaining)
+            part = Part(tokens, context + tokens // 2, (1, chunk, context))
+            seconds = self._spent([part]) + (self.clock.decode_seconds if chunks else 0.0)
+            if chunks and (
+                size < largest or self.clock.decode_seconds + spent + seconds > self.step_seconds
+            ):
+                break
+            chunks.append(chunk)
+            parts.append(part)
+            spent += seconds
+            remaining -= part.tokens
+            context += part.tokens
+        return tuple(chunks)
+
     def observe(self, seconds: float, rows: int) -> None:
         """The planned step ran in `seconds` over `rows` sequences."""
-        tokens, context, shape = self._measured
-        new = self._is_new(shape)
+        parts = self._parts
+        expected = self._planned_seconds()
+        tokens = sum(p.tokens for p in parts)
+        # The clock's cost is linear in the context: the token-weighted mean
+        # predicts the parts' sum.
+        context = sum(p.tokens * p.context for p in parts) // tokens if tokens else 0
+        new = [p.shape for p in parts if self._is_new(p.shape)]
         if log.isEnabledFor(logging.DEBUG):  # every step: not even the arguments otherwise
             log.debug(
-                "step %.1f ms (expected %.1f): %d rows, %d prompt tokens at context %d%s",
-                seconds * 1e3, self._expected(*self._measured) * 1e3, rows, tokens, context,
-                ", a new shape" if new else "",
+                "step %.1f ms (expected %.1f): %d rows, %d prompt tokens at context %d "
+                "in %d prefills%s",
+                seconds * 1e3, expected * 1e3, rows, tokens, context,
+                len(parts), ", new shapes" if new else "",
             )  # fmt: skip
-        self.clock.observe(tokens, context, seconds, new_shape=new)
-        # Only a step whose rows fill the chunk tells what that chunk costs.
-        fills = shape is not None and tokens == shape[0] * shape[1]
-        if fills and not new and seconds > SLOW_STEP * self.step_seconds:
-            if len(self._slow) >= SHAPES_REMEMBERED:
-                self._slow.clear()
-            self._slow[shape] += 1
-        if new:
+        # The extra passes cost about what decoding does; the clock learns the rest.
+        passes = self._passes * self.clock.decode_seconds
+        self.clock.observe(tokens, context, seconds - passes, new_shape=bool(new))
+        if not new and seconds > SLOW_STEP * self.step_seconds:
+            for part in parts:
+                if part.fills:
+                    if len(self._slow) >= SHAPES_REMEMBERED:
+                        self._slow.clear()
+                    self._slow[part.shape] += 1
+        for shape in new:
             if len(self._built) >= SHAPES_REMEMBERED:
                 self._built.clear()
             self._built.add(shape)
 
     def _admit(
-        self,
-        running: Sequence[Running],
-        prefilling: list[Running],
-        long_tokens: int,
-        shorts: bool,
-        now: float,
+        self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float
     ) -> tuple[list[Waiting], tuple[Request, ...], int]:
-        """Who starts now (`shorts`: short prompts have no first token yet, and a
-        long prompt does not start beside them)."""
+        """Who starts now."""
         costs = [r.cost for r in running]
-        slots = min(self.batch_size - len(costs), self.prefill_rows - len(prefilling))
-        longs = sum(r.cost.prompt > long_tokens for r in prefilling)
+        slots = self.batch_size - len(costs)
+        rows = self.prefill_rows - sum(not r.long for r in prefilling)  # the short lane's
+        longs = sum(r.long for r in prefilling)
+        # A long prompt whose last chunk ran joins its lane's decoding rows at
+        # the next step; one starting now would be padded to its length.
+        if any(r.long and not r.remaining for r in prefilling):
+            longs = LONG_PREFILLS_AT_ONCE
         # Prompt tokens the short prompts being prefilled have still to go.
-        together = sum(r.remaining for r in prefilling if r.cost.prompt <= long_tokens)
+        together = sum(r.remaining for r in prefilling if not r.long)
         admitted: list[Waiting] = []
         refused: list[Request] = []
         too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
         for_memory = 0
-        long_started = False
         if slots <= 0:
             return [], (), 0
         ranked = sorted(self._room.values(), key=lambda w: self._rank(w, long_tokens, now))
@@ -333,29 +392,27 @@ class Scheduler:
                 refused.append(self._room.pop(waiting.request.key).request)
                 continue
             long = waiting.prefill > long_tokens
-            if long and (longs >= LONG_PREFILLS_AT_ONCE or shorts):
+            if long and longs >= LONG_PREFILLS_AT_ONCE:
                 continue  # its turn comes when the long prompt prefilling is done
-            if not long and long_started:
-                continue  # next turn, when the long one steps aside: no padding to its length
-            if not long and together and together + waiting.prefill > long_tokens:
-                # Prefilled beside them, it would make one long prompt's worth of
-                # padded rows: it starts when they are done.
-                if now - waiting.arrived >= AGING_SECONDS:
+            aged = now - waiting.arrived >= AGING_SECONDS
+            # No prompt row free, or, prefilled beside the short prompts, it would
+            # make one long prompt's worth of padded rows: it starts when they are done.
+            if not long and (rows <= 0 or (together and together + waiting.prefill > long_tokens)):
+                if aged:
                     break
                 continue
             if any(_at_least(new, c) for c in too_big) or not self.planner.fits([*costs, new]):
                 for_memory += 1
                 too_big.append(new)
-                if now - waiting.arrived >= AGING_SECONDS:
+                if aged:
                     break  # it holds its place: nothing younger starts before it
                 continue
             costs.append(new)
             admitted.append(self._room.pop(waiting.request.key))
             slots -= 1
             longs += long
+            rows -= not long
             together += 0 if long else waiting.prefill
-            long_started = long_started or long
-            shorts = shorts or not long
             if long:
                 log.info(
                     "request %r: a long prompt starts (%d tokens to prefill) after %.1fs; "

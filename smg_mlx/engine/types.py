@@ -135,8 +135,8 @@ class Turn:
     remove: tuple[int, ...] = ()  # keys that leave the batch (aborted)
     drop_cached: tuple[int, ...] = ()  # prompt-cache entries dropped for memory
     admit: tuple[Request, ...] = ()  # requests that join the batch, in order
-    set_aside: tuple[int, ...] = ()  # keys of prompts whose prefill pauses (cache kept)
-    resume: tuple[int, ...] = ()  # keys of prompts set aside that continue
-    chunk: int | None = None  # prefill chunk of this turn's step; None: no step
+    long: tuple[int, ...] = ()  # keys of those that join the long prompts' lane
+    chunk: int | None = None  # the short lane's prefill chunk this step; None: no step
+    long_chunks: tuple[int, ...] = ()  # the long lane's prefill chunks this step
     expected_seconds: float = 0.0  # how long its step may take (the watchdog's measure)
     stop: bool = False

@@ -9,8 +9,9 @@ So on such a backend the warm-up runs each kind of step serving runs:
 prompts alone and batched (with padding and without), decoding past 256
 tokens of cache (where the cache first grows), rows joining and leaving a
 running batch, sampling with every filter, penalties, logit bias and
-logprobs, and a long prompt set aside and resumed. Elsewhere one short
-generation is enough. Nothing of it stays: the batch is empty afterwards,
+logprobs, and a long prompt prefilling in its lane, several chunks a step,
+while a short one starts in the other. Elsewhere one short generation is
+enough. Nothing of it stays: the batch is empty afterwards,
 its prefix cache too.
 """
 
@@ -64,8 +65,9 @@ class _Script:
         spec = GenerationSpec(prompt(length), max_tokens, frozenset(), sampling, logits, logprobs)
         return Request(self.keys, spec, "warm-up")
 
-    def start(self, *requests: Request) -> set[int]:
-        failed = self.batch.admit(list(requests))
+    def start(self, *requests: Request, long: bool = False) -> set[int]:
+        """Admit `requests` (to the long prompts' lane with `long`)."""
+        failed = self.batch.admit(list(requests), [r.key for r in requests] if long else ())
         if failed:
             raise RuntimeError(f"the warm-up could not start a request: {failed[0].error}")
         log.debug(
@@ -76,14 +78,13 @@ class _Script:
         self.running |= keys
         return keys
 
-    def until(self, keys: Iterable[int], first_token: bool = False) -> None:
-        """Step until these requests end (or have their first token)."""
+    def until(self, keys: Iterable[int]) -> None:
+        """Step until these requests end."""
         left = set(keys)
         while left:
             for event in self.batch.step(CHUNK):
                 if event.ends:
                     self.running.discard(event.key)
-                if event.ends or first_token:
                     left.discard(event.key)
 
 
@@ -106,12 +107,10 @@ def run(batch: Batch, thorough: bool) -> None:
     )
     script.until(script.start(script.request(63, 2)))  # joins a running batch
     script.until(script.start(script.request(300, 2), script.request(300, 2)) | {first.key})
-    long = script.request(4 * CHUNK + 5, 2)
-    script.start(long)
-    batch.step(CHUNK)
-    batch.set_aside([long.key])
-    script.until(script.start(script.request(20, 2)), first_token=True)
-    batch.resume([long.key])
+    script.start(script.request(4 * CHUNK + 5, 2), long=True)
+    batch.step(CHUNK, (CHUNK,))
+    script.start(script.request(20, 2))
+    batch.step(CHUNK, (CHUNK, CHUNK))
     script.until(script.running)
     script.until(script.start(script.request(300, 2)))  # a batch of one
     batch.drop_cached(batch.cached_over(0)[0])
