@@ -296,6 +296,18 @@ def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(c
         assert [e.key for e in report.events if e.token is not None] == [1]
 
 
+def test_a_chat_beside_a_long_prompt_holds_a_cache_of_its_own_length(chunked_core):
+    inbox, sink = chunked_core
+    inbox.submit(Request(1, spec(prompt(1500, 1), max_tokens=300)))
+    sink.events_of(1, count=2)
+    alone = sink.last.memory.kv
+    inbox.submit(Request(2, spec(prompt(20, 2), max_tokens=30)))
+    sink.events_of(2, count=2)
+    beside = sink.last.memory.kv
+    # In one batch, mlx-lm would pad the chat's cache to the long prompt's length.
+    assert alone < beside < 1.5 * alone
+
+
 def test_a_short_request_overtakes_queued_long_ones_and_the_long_ones_finish(chunked_core):
     inbox, sink = chunked_core
     for key in (1, 2):
