@@ -373,8 +373,7 @@ class Scheduler:
         longs = sum(r.long for r in prefilling)
         # A long prompt whose last chunk ran joins its lane's decoding rows at
         # the next step; one starting now would be padded to its length.
-        if any(r.long and not r.remaining for r in prefilling):
-            longs = LONG_PREFILLS_AT_ONCE
+        finishing = any(r.long and not r.remaining for r in prefilling)
         # Prompt tokens the short prompts being prefilled have still to go.
         together = sum(r.remaining for r in prefilling if not r.long)
         admitted: list[Waiting] = []
@@ -392,7 +391,7 @@ class Scheduler:
                 refused.append(self._room.pop(waiting.request.key).request)
                 continue
             long = waiting.prefill > long_tokens
-            if long and longs >= LONG_PREFILLS_AT_ONCE:
+            if long and (longs >= LONG_PREFILLS_AT_ONCE or finishing):
                 continue  # its turn comes when the long prompt prefilling is done
             aged = now - waiting.arrived >= AGING_SECONDS
             # No prompt row free, or, prefilled beside the short prompts, it would
