@@ -290,10 +290,13 @@ def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(c
     reports = run_until_ended(sink, {2})
     start = next(i for i, r in enumerate(reports) if 2 in r.admitted)
     first = next(i for i, r in enumerate(reports) if any(e.key == 2 for e in r.events))
-    prefill_steps = [r for r in reports[start:first] if r.step_seconds is not None]
-    assert len(prefill_steps) > 5  # it was prefilled in chunks...
-    for report in prefill_steps:  # ...and the stream moved on at every one of them
-        assert [e.key for e in report.events if e.token is not None] == [1]
+    steps = [i for i in range(start, first) if reports[i].step_seconds is not None]
+    assert len(steps) > 5  # it was prefilled in chunks...
+    for i in steps:  # ...and the stream moved on at every one of them, its token
+        early, step = reports[i - 1], reports[i]  # sent before the long prompt's chunk ran
+        assert early.step_seconds is None
+        assert [e.key for e in early.events if e.token is not None] == [1]
+        assert not [e for e in step.events if e.token is not None]
 
 
 def test_a_chat_beside_a_long_prompt_holds_a_cache_of_its_own_length(chunked_core):

@@ -143,6 +143,43 @@ def test_the_long_lane_takes_chunks_while_the_step_stays_within_its_budget():
     assert 0 < sum(beside.long_chunks) < sum(plan.long_chunks)
 
 
+def test_a_long_context_found_cheaper_than_the_probe_predicts_gets_more_chunks_a_step():
+    s = make(step_ms=300)
+    deep = [prefilling(100_000, done=40_960, long=True)]
+    shallow = [prefilling(100_000, done=0, long=True)]
+    before = s.schedule(deep, 0)
+    assert len(before.long_chunks) == 1
+    for _ in range(3):  # one-chunk steps at this context, at a third of the prediction
+        s.observe(s.schedule(deep, 0).expected_seconds / 3, 1)
+    assert len(s.schedule(deep, 0).long_chunks) > 1
+    # What the clock learnt at one context does not carry over to another.
+    assert s.schedule(shallow, 0) == make(step_ms=300).schedule(shallow, 0)
+
+
+def test_extra_passes_are_counted_at_what_they_have_lately_cost():
+    # A budget that holds two chunks with 20 ms a pass, and three with 5 ms.
+    s = make(step_ms=420)
+    long = [prefilling(100_000, done=2048, long=True), decoding()]
+    for _ in range(30):
+        s.observe(0.02, 2)  # decoding alone: 20 ms a step
+    counted_as_decoding = len(s.schedule(long, 0).long_chunks)
+    assert counted_as_decoding == 2
+
+    def passes_cost(each: float) -> None:
+        for _ in range(20):
+            plan = s.schedule(long, 0)
+            passes = len(plan.long_chunks) - 1
+            prefill = plan.expected_seconds - s.clock.decode_seconds - passes * s.clock.pass_seconds
+            s.observe(s.clock.decode_seconds + prefill + passes * each, 2)
+
+    passes_cost(0.005)
+    cheap = s.schedule(long, 0)
+    assert len(cheap.long_chunks) == 3 and cheap.expected_seconds <= s.step_seconds
+    passes_cost(0.2)
+    dear = s.schedule(long, 0)
+    assert len(dear.long_chunks) == 1
+
+
 def test_a_short_prompt_prefilling_beside_a_long_one_does_not_shrink_the_long_ones_chunk():
     s = make(step_ms=300)
     long = prefilling(100_000, done=2048, long=True)
@@ -200,12 +237,13 @@ def test_a_shape_far_slower_than_the_clock_expects_gets_a_smaller_chunk_from_the
         """A step of `state` that took `seconds` (None: what the start-up probe
         predicts, so that the clock's own correction comes back to none)."""
         plan = s.schedule(state, 0)
-        s.observe(plan.expected_seconds / s.clock.correction if seconds is None else seconds, 1)
+        correction = s.clock.correction(state[0].context)
+        s.observe(plan.expected_seconds / correction if seconds is None else seconds, 1)
 
     def slow_deep_step() -> None:
         step(deep, 10 * s.step_seconds)
-        step(shallow)
-        step(shallow)
+        step(deep)
+        step(deep)
 
     slow_deep_step()  # once: a one-off (a compile, a copy)
     assert s.schedule(deep, 0).chunk == chunk
@@ -223,8 +261,8 @@ def test_a_shape_far_slower_than_the_clock_expects_gets_a_smaller_chunk_from_the
     deeper_chunk = s.schedule(deeper, 0).chunk
     for _ in range(3):
         step(deeper, 1.5 * s.step_seconds)
-        step(shallow)
-        step(shallow)
+        step(deeper)
+        step(deeper)
     assert s.schedule(deeper, 0).chunk == deeper_chunk
 
 

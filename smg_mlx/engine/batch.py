@@ -360,16 +360,26 @@ class Batch:
                 events.append(Event(slot.key, finish_reason="abort"))
         return events
 
-    def step(self, chunk: int, long_chunks: tuple[int, ...] = ()) -> list[Event]:
+    def step(
+        self,
+        chunk: int,
+        long_chunks: tuple[int, ...] = (),
+        early: Callable[[list[Event]], None] | None = None,
+    ) -> list[Event]:
         """Advance the batch by one step, and report each sequence's new token:
         the short lane prefills in chunks of at most `chunk` tokens, the long
-        lane runs once for each of `long_chunks` (once at `chunk` if none)."""
+        lane runs once for each of `long_chunks` (once at `chunk` if none).
+        Where the long lane runs after the short one, `early` gets the short
+        lane's events first (the list returned begins with them): a chat's
+        first token and a stream's next one need not wait for a long prompt's
+        chunks."""
         held = {lane for lane, _ in self._slots}
-        events = []
-        for lane, chunks in ((SHORT, (chunk,)), (LONG, long_chunks or (chunk,))):
-            if lane in held:
-                for size in chunks:
-                    events += self._next(lane, size)
+        events = self._next(SHORT, chunk) if SHORT in held else []
+        if LONG in held:
+            if events and early is not None:
+                early(list(events))
+            for size in long_chunks or (chunk,):
+                events += self._next(LONG, size)
         return events
 
     def _next(self, lane: int, chunk: int) -> list[Event]:

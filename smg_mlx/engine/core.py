@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import astuple
 from typing import TYPE_CHECKING
 
@@ -147,6 +148,12 @@ class EngineCore:
             window = min(window, lockstep.HEARTBEAT_SECONDS / WINDOWS_AT_MOST)
         bursts = BurstGatherer(window, self.config.prefill_batch_size)
         failures = 0  # out-of-memory errors since the last good step
+        sent: list[Event] = []  # the step's short-lane events, sent before its long lane ran
+
+        def early(short: list[Event]) -> None:
+            sent.extend(short)
+            sink.step(self._report(batch, scheduler, short))
+
         try:
             while True:
                 requests, aborts = inbox.take()
@@ -158,8 +165,9 @@ class EngineCore:
                 if turn.chunk is not None:
                     sink.stepping(turn.expected_seconds)
                 seconds = None
+                sent.clear()
                 try:
-                    stepped, seconds, rows, finished = self._step(batch, turn)
+                    stepped, seconds, rows, finished = self._step(batch, turn, early)
                 except Exception as exc:
                     failures += 1
                     if (
@@ -180,21 +188,11 @@ class EngineCore:
                 if finished:
                     bursts.ended(finished)
                     self._turn = None
-                events += stepped
+                events += stepped[len(sent) :]
                 idle = not batch.size and not scheduler
                 if events or seconds is not None or turn.admit:
                     sink.step(
-                        StepReport(
-                            events=tuple(events),
-                            step_seconds=seconds,
-                            batch_size=rows,
-                            running=batch.running,
-                            prefilling=batch.prefilling,
-                            waiting=batch.waiting + len(scheduler),
-                            admitted=tuple(r.key for r in turn.admit),
-                            memory=self._memory(batch, scheduler),
-                            idle=idle,
-                        )
+                        self._report(batch, scheduler, events, seconds, rows, turn.admit, idle=idle)
                     )
                 if turn.stop:
                     return
@@ -206,6 +204,29 @@ class EngineCore:
         finally:
             if watchdog is not None:
                 watchdog.close()
+
+    def _report(
+        self,
+        batch: Batch,
+        scheduler: Scheduler,
+        events: list[Event],
+        seconds: float | None = None,
+        rows: int = 0,
+        admitted: tuple[Request, ...] = (),
+        idle: bool = False,
+    ) -> StepReport:
+        """What a turn sends its requests, and the batch as it stands."""
+        return StepReport(
+            events=tuple(events),
+            step_seconds=seconds,
+            batch_size=rows,
+            running=batch.running,
+            prefilling=batch.prefilling,
+            waiting=batch.waiting + len(scheduler),
+            admitted=tuple(r.key for r in admitted),
+            memory=self._memory(batch, scheduler),
+            idle=idle,
+        )
 
     def _peer_hung(self, limit: float) -> None:
         """From the watchdog's thread: the engine thread is stuck in a collective."""
@@ -325,13 +346,15 @@ class EngineCore:
         return events
 
     @staticmethod
-    def _step(batch: Batch, turn: Turn) -> tuple[list[Event], float | None, int, int]:
+    def _step(
+        batch: Batch, turn: Turn, early: Callable[[list[Event]], None] | None = None
+    ) -> tuple[list[Event], float | None, int, int]:
         """Run a turn's step: its events, its seconds (None: no step), the
-        sequences it ran on, and how many finished."""
+        sequences it ran on, and how many finished (`early`: see `Batch.step`)."""
         if turn.chunk is None:
             return [], None, 0, 0
         started = time.perf_counter()
-        stepped = batch.step(turn.chunk, turn.long_chunks)
+        stepped = batch.step(turn.chunk, turn.long_chunks, early)
         seconds = time.perf_counter() - started
         finished = sum(e.finish_reason is not None for e in stepped)
         return stepped, seconds, batch.running + finished, finished

@@ -17,8 +17,8 @@ rank, when the model is split over several). The rules:
   the short lane's share is split evenly over its rows. The long lane gets
   several chunks of at most `--prefill-step-size` rather than one larger one
   (large chunks at long context are slow on some backends), each beyond the
-  first counted as one more pass over the model, about what a step that only
-  decodes costs. Each lane prefills at least MIN_STEP_TOKENS
+  first counted as one more pass over the model (its lane's decoding rows and
+  the call), at what such passes have lately cost. Each lane prefills at least MIN_STEP_TOKENS
   (SHAPE_BUILD_STEP_TOKENS where a new shape costs a kernel build), even past
   the budget: smaller steps would waste the accelerator more than they save
   anyone's time, and a long prompt always moves. Where the clock is far off
@@ -257,7 +257,11 @@ class Scheduler:
 
     def _planned_seconds(self) -> float:
         """What the planned step should take."""
-        return (1 + self._passes) * self.clock.decode_seconds + self._spent(self._parts)
+        return (
+            self.clock.decode_seconds
+            + self._passes * self.clock.pass_seconds
+            + self._spent(self._parts)
+        )
 
     def schedule(
         self, running: Sequence[Running], prefix_bytes: int, now: float | None = None
@@ -312,8 +316,8 @@ class Scheduler:
         `context`: one, and where the budget holds more than one of the
         largest (`largest`), more of those while the step (`parts` so far,
         which they join) stays within it. Each call beyond the first is a
-        pass over the model besides its tokens, which costs about what a step
-        that only decodes does; smaller chunks come one a step."""
+        pass over the model besides its tokens (the clock learns what one
+        costs); smaller chunks come one a step."""
         chunks: list[int] = []
         spent = self._spent(parts)
         size = min(largest, self.row_chunk(1, context, spent=spent))
@@ -321,7 +325,7 @@ class Scheduler:
             chunk = aligned(size, context)
             tokens = min(chunk, remaining)
             part = Part(tokens, context + tokens // 2, (1, chunk, context))
-            seconds = self._spent([part]) + (self.clock.decode_seconds if chunks else 0.0)
+            seconds = self._spent([part]) + (self.clock.pass_seconds if chunks else 0.0)
             if chunks and (
                 size < largest or self.clock.decode_seconds + spent + seconds > self.step_seconds
             ):
@@ -349,9 +353,13 @@ class Scheduler:
                 seconds * 1e3, expected * 1e3, rows, tokens, context,
                 len(parts), ", new shapes" if new else "",
             )  # fmt: skip
-        # The extra passes cost about what decoding does; the clock learns the rest.
-        passes = self._passes * self.clock.decode_seconds
-        self.clock.observe(tokens, context, seconds - passes, new_shape=bool(new))
+        if self._passes and not new:
+            # Its prefills are predicted from steps of one pass: what is left
+            # is what the extra passes cost.
+            decoded = self.clock.decode_seconds + self._spent(parts)
+            self.clock.observe_passes(self._passes, seconds - decoded)
+        elif not self._passes:
+            self.clock.observe(tokens, context, seconds, new_shape=bool(new))
         if not new and seconds > SLOW_STEP * self.step_seconds:
             for part in parts:
                 if part.fills:

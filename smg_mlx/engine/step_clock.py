@@ -6,7 +6,9 @@ prefills a chunk of each prompt being prefilled; its prefill part costs about
 matrix work), `b` for each token of context it attends to. The start-up probe
 (`engine.memory_probe`) measures `a` and `b`; the steps the engine then runs
 correct them, since a probe of short prompts cannot see what a long context
-or a first-seen batch shape costs on this device.
+or a first-seen batch shape costs on this device. The correction is kept for
+each range of contexts: how the cost grows with the context depends on the
+kernels a backend picks, which a linear fit of short contexts can be far off.
 """
 
 from __future__ import annotations
@@ -15,21 +17,25 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-# The correction is the median of the last few prefill steps: one slow step (a
-# shape the backend compiles kernels for on first use) does not shrink the
-# chunks after it, and a context that keeps growing is followed within a step
-# or two.
+# The correction is the median of the last few prefill steps at about that
+# context: one slow step (a shape the backend compiles kernels for on first
+# use) does not shrink the chunks after it.
 RECENT_STEPS = 3
-# A step's correction is taken within these bounds of the probe's estimate...
-CORRECTION_RANGE = (0.1, 10.0)
+# Contexts share a correction within each power of two of this many tokens.
+CONTEXT_RANGE = 1024
+# A step's correction is taken within these bounds of the probe's estimate
+# (whose short contexts can make it grow with the context far too fast)...
+CORRECTION_RANGE = (0.01, 10.0)
 # ...and at most this many times the correction before it: a run of steps that
 # build kernels for new shapes (on CUDA, each costs more than a small chunk's
 # work) must not teach the clock that every token costs that much.
 MOST_GROWTH = 2.0
-# Weight of each new decode-only step in the decode time's moving average, and
-# of each first-seen shape's extra time in the shape build's.
+# Weight of each new decode-only step in the decode time's moving average, of
+# each first-seen shape's extra time in the shape build's, and of each step's
+# extra passes in theirs.
 DECODE_WEIGHT = 0.2
 BUILD_WEIGHT = 0.3
+PASS_WEIGHT = 0.2
 
 
 @dataclass(frozen=True)
@@ -49,12 +55,22 @@ class StepClock:
         # What a prefill shape the backend has not built kernels for adds to
         # its step, as of late (only where the scheduler says a shape is new).
         self.build_seconds = 0.0
-        self._corrections: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._pass_seconds: float | None = None
+        # By context range: measured over predicted prefill time, lately.
+        self._corrections: dict[int, deque[float]] = {}
 
     @property
-    def correction(self) -> float:
-        """Measured over predicted prefill time, lately (1 until a prefill step ran)."""
-        return statistics.median(self._corrections) if self._corrections else 1.0
+    def pass_seconds(self) -> float:
+        """What one more pass over the model in a step adds besides its
+        prefill (a lane's decoding rows, the call itself), as of late; until a
+        step has run one, what a step that only decodes costs."""
+        return self.decode_seconds if self._pass_seconds is None else self._pass_seconds
+
+    def correction(self, context: int) -> float:
+        """Measured over predicted prefill time, lately, at about `context`
+        tokens of context (1 until a prefill step ran there)."""
+        recent = self._corrections.get(_range(context))
+        return statistics.median(recent) if recent else 1.0
 
     def _probe_seconds(self, tokens: int, context: int) -> float:
         return tokens * (self.speed.per_token + self.speed.per_context * context)
@@ -62,7 +78,7 @@ class StepClock:
     def prefill_seconds(self, tokens: int, context: int) -> float:
         """Prefilling `tokens` prompt tokens (all rows together) at `context`
         tokens of context (the middle of the chunk)."""
-        return self._probe_seconds(tokens, context) * self.correction
+        return self._probe_seconds(tokens, context) * self.correction(context)
 
     def seconds(self, tokens: int, context: int) -> float:
         """A whole step: decoding the batch, and prefilling as above."""
@@ -84,5 +100,21 @@ class StepClock:
             return
         low, high = CORRECTION_RANGE
         measured = max(seconds - self.decode_seconds, 0.0) / predicted
-        high = min(high, MOST_GROWTH * self.correction)
-        self._corrections.append(min(max(measured, low), high))
+        high = min(high, MOST_GROWTH * self.correction(context))
+        recent = self._corrections.setdefault(_range(context), deque(maxlen=RECENT_STEPS))
+        recent.append(min(max(measured, low), high))
+
+    def observe_passes(self, passes: int, seconds: float) -> None:
+        """A step ran `passes` more passes over the model than one, and took
+        `seconds` more than its prefill and decoding were predicted to."""
+        each = max(seconds / passes, 0.0)
+        if self._pass_seconds is None:
+            self._pass_seconds = each
+        else:
+            self._pass_seconds += PASS_WEIGHT * (each - self._pass_seconds)
+
+
+def _range(context: int) -> int:
+    """The context range `context` falls in: 0 below CONTEXT_RANGE tokens,
+    then one for each power of two."""
+    return (context // CONTEXT_RANGE).bit_length()
