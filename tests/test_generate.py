@@ -245,6 +245,32 @@ def test_a_held_token_goes_before_a_step_that_would_hold_it_too_long():
     assert handed == [2, 1]
 
 
+def test_with_every_token_alone_a_steps_early_tokens_go_before_it_ends():
+    handed = []
+
+    class Receiver:
+        def deliver(self, reports, per_message):
+            handed.append([e.token for r in reports for e in r.events])
+
+    publisher = StreamPublisher(_Loop(), Receiver(), minimum=2)
+    memory = Memory(*[0] * 10)
+
+    def report(token: int | None, seconds: float | None) -> StepReport:
+        events = (Event(1, token=token),) if token is not None else ()
+        return StepReport(events, seconds, 1, 1, 0, 0, (), memory, idle=False)
+
+    publisher.step(report(None, 0.15))  # slow steps: every token alone
+    publisher.step(report(5, None))  # the short lane's token, the long one still to run
+    assert handed[-1] == [5]
+    publisher.step(report(None, 0.15))  # the step's end
+    publisher.step(report(6, None))
+    assert handed[-1] == [6]
+    # With tokens in chunks (fast steps), early tokens wait for the chunk.
+    publisher.step(report(None, 0.01))
+    publisher.step(report(7, None))
+    assert handed[-1] != [7]
+
+
 def test_a_stream_sends_what_it_holds_before_a_slow_step():
     # Fast steps: the stream sends its tokens two at a time. Then a long
     # prompt's chunk comes (a slow step): the token held from the fast steps

@@ -18,8 +18,9 @@ Two halves apply these rules, on two threads:
 
 - `StreamPublisher` is the engine's `Sink`, on the engine thread. It hands
   step reports to the event loop at once when they carry a first token, an
-  end or an abort, else every `tokens_per_message` steps (each hand-off is an
-  event-loop wake-up). Its only way to the loop is `call_soon_threadsafe`.
+  end or an abort, or any token while each goes alone; else every
+  `tokens_per_message` steps (each hand-off is an event-loop wake-up). Its
+  only way to the loop is `call_soon_threadsafe`.
 - `chunks()` runs on the event loop, one per stream: it waits until
   `tokens_per_message` new tokens are there and sends them as one chunk. When
   steps get so slow that each token goes alone, a stream asleep for a larger
@@ -111,7 +112,11 @@ class StreamPublisher:
             )
         steps = sum(r.step_seconds is not None for r in self._held)
         urgent = any(e.first or e.ends for e in report.events)
-        if urgent or report.idle or steps >= self._per_message:
+        # With each token alone, tokens a step sends before its end (the short
+        # lane's, before a long prompt's chunks) go then: were they held to
+        # its end only now and then, a stream's gaps would be uneven.
+        alone = self._per_message == 1 and bool(report.events)
+        if urgent or alone or report.idle or steps >= self._per_message:
             self._flush()
 
     def stopped(self) -> None:

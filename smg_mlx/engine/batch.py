@@ -27,15 +27,11 @@ from smg_mlx.engine import memory_probe
 from smg_mlx.engine.memory import Cost, cost
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
-from smg_mlx.engine.scheduler import SHAPES_REMEMBERED, Running
+from smg_mlx.engine.scheduler import LONG, SHAPES_REMEMBERED, SHORT, Passes, Running
 from smg_mlx.engine.step_clock import StepClock
 from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
 
 log = logging.getLogger(__name__)
-
-# The lanes: each an mlx-lm BatchGenerator, which pads every row of its batch
-# to the longest one; long prompts run in a lane of their own (see scheduler).
-SHORT, LONG = 0, 1
 
 # Shorter cached prefixes are not reused: unrelated prompts often share a token
 # or two, which saves nothing, and every odd prefill length is one more shape
@@ -365,22 +361,35 @@ class Batch:
         chunk: int,
         long_chunks: tuple[int, ...] = (),
         early: Callable[[list[Event]], None] | None = None,
-    ) -> list[Event]:
-        """Advance the batch by one step, and report each sequence's new token:
-        the short lane prefills in chunks of at most `chunk` tokens, the long
-        lane runs once for each of `long_chunks` (once at `chunk` if none).
-        Where the long lane runs after the short one, `early` gets the short
-        lane's events first (the list returned begins with them): a chat's
-        first token and a stream's next one need not wait for a long prompt's
-        chunks."""
+    ) -> tuple[list[Event], Passes]:
+        """Advance the batch by one step: each sequence's new token, and what
+        each pass over the model took. The short lane prefills in chunks of
+        at most `chunk` tokens, the long lane runs once for each of
+        `long_chunks` (once at `chunk` if none). Where the long lane runs
+        after the short one, `early` gets the short lane's events first (the
+        list returned begins with them): a chat's first token and a stream's
+        next one need not wait for a long prompt's chunks."""
         held = {lane for lane, _ in self._slots}
-        events = self._next(SHORT, chunk) if SHORT in held else []
-        if LONG in held:
-            if events and early is not None:
+        both = len(held) == 2
+        events, short, long = [], None, []
+        if SHORT in held:
+            started = time.perf_counter()
+            events = self._next(SHORT, chunk)
+            if both:  # its decoding, left running, is timed as its own
+                mx.synchronize(self._stream)
+            short = time.perf_counter() - started
+            if events and both and early is not None:
                 early(list(events))
+        if LONG in held:
             for size in long_chunks or (chunk,):
+                started = time.perf_counter()
                 events += self._next(LONG, size)
-        return events
+                long.append(time.perf_counter() - started)
+            if both:
+                started = time.perf_counter()
+                mx.synchronize(self._stream)
+                long[-1] += time.perf_counter() - started
+        return events, Passes(short, tuple(long))
 
     def _next(self, lane: int, chunk: int) -> list[Event]:
         """One call of a lane's BatchGenerator, prefilling at most `chunk` tokens a row."""

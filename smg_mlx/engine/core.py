@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import astuple
 from typing import TYPE_CHECKING
@@ -30,8 +29,7 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.engine.bursts import WINDOWS_AT_MOST, BurstGatherer
 from smg_mlx.engine.handoff import Inbox, Sink
 from smg_mlx.engine.memory import MemoryModel, MemoryPlanner, format_bytes, is_out_of_memory
-from smg_mlx.engine.scheduler import Plan, Scheduler
-from smg_mlx.engine.step_clock import StepClock
+from smg_mlx.engine.scheduler import Passes, Plan, Scheduler
 from smg_mlx.engine.types import Event, Failure, Memory, Request, StepReport, Turn
 
 if TYPE_CHECKING:
@@ -75,7 +73,7 @@ class EngineCore:
                 lockstep.same_random_state(channel)
             scheduler = Scheduler(
                 planner,
-                StepClock(batch.speed),
+                batch.speed,
                 batch_size=self.config.completion_batch_size,
                 prefill_rows=self.config.prefill_batch_size,
                 step_seconds=self.config.step_budget_seconds,
@@ -164,10 +162,10 @@ class EngineCore:
                 events += self._change(batch, turn)
                 if turn.chunk is not None:
                     sink.stepping(turn.expected_seconds)
-                seconds = None
+                passes = None
                 sent.clear()
                 try:
-                    stepped, seconds, rows, finished = self._step(batch, turn, early)
+                    stepped, passes, rows, finished = self._step(batch, turn, early)
                 except Exception as exc:
                     failures += 1
                     if (
@@ -180,15 +178,17 @@ class EngineCore:
                     self._turn = None
                     stepped, rows, finished = self._put_back(batch, scheduler, exc), 0, 0
                 else:
-                    if seconds is not None:
+                    stepped = stepped[len(sent) :]  # the rest went out early
+                    if passes is not None:
                         failures = 0
-                        scheduler.observe(seconds, rows)
+                        scheduler.observe(passes, rows)
                 if watchdog is not None:
                     watchdog.turn_ended()
                 if finished:
                     bursts.ended(finished)
                     self._turn = None
-                events += stepped[len(sent) :]
+                events += stepped
+                seconds = passes.seconds if passes is not None else None
                 idle = not batch.size and not scheduler
                 if events or seconds is not None or turn.admit:
                     sink.step(
@@ -348,16 +348,15 @@ class EngineCore:
     @staticmethod
     def _step(
         batch: Batch, turn: Turn, early: Callable[[list[Event]], None] | None = None
-    ) -> tuple[list[Event], float | None, int, int]:
-        """Run a turn's step: its events, its seconds (None: no step), the
-        sequences it ran on, and how many finished (`early`: see `Batch.step`)."""
+    ) -> tuple[list[Event], Passes | None, int, int]:
+        """Run a turn's step: its events, what its passes over the model took
+        (None: no step), the sequences it ran on, and how many finished
+        (`early`: see `Batch.step`)."""
         if turn.chunk is None:
             return [], None, 0, 0
-        started = time.perf_counter()
-        stepped = batch.step(turn.chunk, turn.long_chunks, early)
-        seconds = time.perf_counter() - started
+        stepped, passes = batch.step(turn.chunk, turn.long_chunks, early)
         finished = sum(e.finish_reason is not None for e in stepped)
-        return stepped, seconds, batch.running + finished, finished
+        return stepped, passes, batch.running + finished, finished
 
     # ---- the other ranks ----
 

@@ -64,11 +64,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from smg_mlx.engine.memory import Cost, MemoryPlanner, cost
-from smg_mlx.engine.step_clock import StepClock
+from smg_mlx.engine.step_clock import PrefillSpeed, StepClock
 from smg_mlx.engine.types import Request
 
 log = logging.getLogger(__name__)
 
+# The lanes: each an mlx-lm BatchGenerator, which pads every row of its batch
+# to the longest one; long prompts run in a lane of their own.
+SHORT, LONG = 0, 1
 LONG_PREFILLS_AT_ONCE = 1
 LONG_PROMPT_STEPS = 4
 MIN_STEP_TOKENS = 128
@@ -96,8 +99,8 @@ Shape = tuple[int, int, int]
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """One prefill call of a step: its prompt tokens (all rows), their mean
-    context, and its shape."""
+    """What one pass over the model prefills: its prompt tokens (all rows),
+    their mean context, and its shape."""
 
     tokens: int
     context: int
@@ -107,6 +110,19 @@ class Part:
     def fills(self) -> bool:
         """Whether its rows fill the chunk: only then it tells what that chunk costs."""
         return self.tokens == self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Passes:
+    """What a step's passes over the model took, in seconds: the short lane's
+    (None: it did not run), then each of the long lane's."""
+
+    short: float | None = None
+    long: tuple[float, ...] = ()
+
+    @property
+    def seconds(self) -> float:
+        return (self.short or 0.0) + sum(self.long)
 
 
 def chunk_sizes(largest: int) -> list[int]:
@@ -169,7 +185,7 @@ class Scheduler:
     def __init__(
         self,
         planner: MemoryPlanner,
-        clock: StepClock,
+        speed: PrefillSpeed,
         *,
         batch_size: int,
         prefill_rows: int,
@@ -178,7 +194,8 @@ class Scheduler:
         cached_prefix: Callable[[Sequence[int]], int] = lambda prompt: 0,
     ) -> None:
         self.planner = planner
-        self.clock = clock
+        # Each lane's passes are timed, and learnt from, on their own.
+        self.clocks = (StepClock(speed), StepClock(speed))
         self.batch_size = batch_size
         self.prefill_rows = prefill_rows
         self.step_seconds = step_seconds
@@ -189,8 +206,8 @@ class Scheduler:
         self._room: dict[int, Waiting] = {}  # by request key
         self._order = itertools.count()
         self._put_back = itertools.count(-(2**62))  # ahead of every arrival
-        self._parts: tuple[Part, ...] = ()  # the planned step's prefills
-        self._passes = 0  # the planned step's model passes beyond one a lane
+        # The planned step's passes in each lane, with what each prefills.
+        self._passes: tuple[tuple[Part | None, ...], ...] = ((), ())
         self._built: set[Shape] = set()  # prefill shapes that have run
         self._slow: Counter[Shape] = Counter()  # steps of each shape far over the budget
 
@@ -220,11 +237,18 @@ class Scheduler:
 
     # ---- the decisions ----
 
-    def row_chunk(self, rows: int, context: int, builds: bool = True, spent: float = 0.0) -> int:
-        """The largest chunk each of `rows` prompt rows may prefill in one step
-        within the budget, at `context` tokens of context (`builds`: counting
-        what a shape not seen yet costs to build), after `spent` seconds of
-        the step's other prefills."""
+    def row_chunk(
+        self,
+        rows: int,
+        context: int,
+        builds: bool = True,
+        spent: float = 0.0,
+        lane: int = SHORT,
+    ) -> int:
+        """The largest chunk each of `rows` prompt rows of `lane` may prefill
+        in one pass within the step's budget, at `context` tokens of context
+        (`builds`: counting what a shape not seen yet costs to build), after
+        `spent` seconds of the step's other passes."""
         floor = next(
             s for s in self._sizes if s * rows >= self.min_step_tokens or s == self._sizes[-1]
         )
@@ -234,7 +258,8 @@ class Scheduler:
             shape = (rows, aligned(size, context), context) if builds else None
             if self._slow[shape] >= SLOW_TIMES:
                 continue
-            if spent + self._expected(rows * size, context + size // 2, shape) <= self.step_seconds:
+            part = Part(rows * size, context + size // 2, shape)
+            if spent + self._pass_seconds(lane, part) <= self.step_seconds:
                 return size
         return floor
 
@@ -242,25 +267,21 @@ class Scheduler:
         """Whether a step of `shape` builds kernels first (None: no prefill)."""
         return self.shape_builds and shape is not None and shape not in self._built
 
-    def _expected(self, tokens: int, context: int, shape: Shape | None) -> float:
-        """A step's seconds, `tokens` prompt tokens at mean context `context`;
-        one of a shape not built yet adds what a build costs."""
-        return self.clock.decode_seconds + self._prefill_seconds(tokens, context, shape)
-
-    def _prefill_seconds(self, tokens: int, context: int, shape: Shape | None) -> float:
-        seconds = self.clock.prefill_seconds(tokens, context)
-        return seconds + self.clock.build_seconds if self._is_new(shape) else seconds
-
-    def _spent(self, parts: Iterable[Part]) -> float:
-        """What these prefills take."""
-        return sum(self._prefill_seconds(p.tokens, p.context, p.shape) for p in parts)
+    def _pass_seconds(self, lane: int, part: Part | None) -> float:
+        """What a pass of `lane` takes: its decoding rows, and `part`'s
+        prefill; one of a shape not built yet adds what a build costs."""
+        clock = self.clocks[lane]
+        if part is None:
+            return clock.decode_seconds
+        seconds = clock.seconds(part.tokens, part.context)
+        return seconds + clock.build_seconds if self._is_new(part.shape) else seconds
 
     def _planned_seconds(self) -> float:
         """What the planned step should take."""
-        return (
-            self.clock.decode_seconds
-            + self._passes * self.clock.pass_seconds
-            + self._spent(self._parts)
+        return sum(
+            self._pass_seconds(lane, part)
+            for lane, parts in enumerate(self._passes)
+            for part in parts
         )
 
     def schedule(
@@ -270,33 +291,40 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         prefilling = [r for r in running if r.cost.prefilling]
         # Prompt tokens past which a prompt is long.
-        long = LONG_PROMPT_STEPS * self.row_chunk(1, 0, builds=False)
+        long = LONG_PROMPT_STEPS * self.row_chunk(1, 0, builds=False, lane=LONG)
         admitted, refused, for_memory = self._admit(running, prefilling, long, now)
         costs = [r.cost for r in running] + [w.cost for w in admitted]
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
-            self._parts, self._passes = (), 0
+            self._passes = ((), ())
             return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
         chunk = largest = self.planner.chunk(costs, min(prefix_bytes, allowance))
         starting_long = [w for w in admitted if w.prefill > long]
-        shorts = [r for r in prefilling if not r.long]
         starting_short = [w for w in admitted if w.prefill <= long]
+        shorts = [r for r in running if not r.long]
         needs = [r.remaining for r in shorts if r.remaining] + [
             w.prefill - 1 for w in starting_short if w.prefill > 1
         ]
-        parts: list[Part] = []
+        short: tuple[Part | None, ...] = (None,) if shorts or starting_short else ()
         if needs:
             context = max(
-                [r.context for r in shorts] + [w.cached for w in starting_short], default=0
+                [r.context for r in shorts if r.cost.prefilling]
+                + [w.cached for w in starting_short],
+                default=0,
             )
             chunk = aligned(min(chunk, self.row_chunk(len(needs), context)), context)
             part = min(chunk, max(needs))  # every row is padded to the longest one's part
-            parts.append(Part(len(needs) * part, context + part // 2, (len(needs), chunk, context)))
+            short = (Part(len(needs) * part, context + part // 2, (len(needs), chunk, context)),)
         longs = [(r.remaining, r.context) for r in prefilling if r.long and r.remaining] + [
             (w.prefill - 1, w.cached) for w in starting_long
         ]
-        long_chunks = self._long_chunks(*longs[0], largest, parts) if longs else ()
-        self._parts, self._passes = tuple(parts), max(len(long_chunks) - 1, 0)
+        spent = sum(self._pass_seconds(SHORT, part) for part in short)
+        long_chunks, long_parts = (
+            self._long_chunks(*longs[0], largest, spent) if longs else ((), ())
+        )
+        if not long_parts and (starting_long or any(r.long for r in running)):
+            long_parts = (None,)  # its decoding rows
+        self._passes = (short, long_parts)
         return Plan(
             admit=tuple(w.request for w in admitted),
             long=tuple(w.request.key for w in starting_long),
@@ -310,66 +338,66 @@ class Scheduler:
         )
 
     def _long_chunks(
-        self, remaining: int, context: int, largest: int, parts: list[Part]
-    ) -> tuple[int, ...]:
-        """The long prompt's chunks this step, `remaining` tokens to go from
-        `context`: one, and where the budget holds more than one of the
-        largest (`largest`), more of those while the step (`parts` so far,
-        which they join) stays within it. Each call beyond the first is a
-        pass over the model besides its tokens (the clock learns what one
-        costs); smaller chunks come one a step."""
+        self, remaining: int, context: int, largest: int, spent: float
+    ) -> tuple[tuple[int, ...], tuple[Part, ...]]:
+        """The long prompt's chunks this step, one pass each, and what they
+        prefill: `remaining` tokens to go from `context`, after `spent`
+        seconds of the step's other passes. One, and where the budget holds
+        more than one of the largest (`largest`), as many of those as end the
+        step nearest its budget; smaller chunks come one a step."""
         chunks: list[int] = []
-        spent = self._spent(parts)
-        size = min(largest, self.row_chunk(1, context, spent=spent))
+        parts: list[Part] = []
+        size = min(largest, self.row_chunk(1, context, spent=spent, lane=LONG))
         while remaining > 0:
             chunk = aligned(size, context)
             tokens = min(chunk, remaining)
             part = Part(tokens, context + tokens // 2, (1, chunk, context))
-            seconds = self._spent([part]) + (self.clock.pass_seconds if chunks else 0.0)
-            if chunks and (
-                size < largest or self.clock.decode_seconds + spent + seconds > self.step_seconds
-            ):
+            seconds = self._pass_seconds(LONG, part)
+            # Whole chunks: one more where the step ends nearer its budget with it.
+            if chunks and (size < largest or spent + seconds / 2 > self.step_seconds):
                 break
             chunks.append(chunk)
             parts.append(part)
             spent += seconds
             remaining -= part.tokens
             context += part.tokens
-        return tuple(chunks)
+        return tuple(chunks), tuple(parts)
 
-    def observe(self, seconds: float, rows: int) -> None:
-        """The planned step ran in `seconds` over `rows` sequences."""
-        parts = self._parts
-        expected = self._planned_seconds()
-        tokens = sum(p.tokens for p in parts)
-        # The clock's cost is linear in the context: the token-weighted mean
-        # predicts the parts' sum.
-        context = sum(p.tokens * p.context for p in parts) // tokens if tokens else 0
-        new = [p.shape for p in parts if self._is_new(p.shape)]
+    def observe(self, passes: Passes, rows: int) -> None:
+        """The planned step ran over `rows` sequences, its passes taking `passes`."""
+        planned = self._passes
+        took = ((passes.short,) if passes.short is not None else (), passes.long)
         if log.isEnabledFor(logging.DEBUG):  # every step: not even the arguments otherwise
+            parts = [p for lane in planned for p in lane if p is not None]
+            tokens = sum(p.tokens for p in parts)
+            context = sum(p.tokens * p.context for p in parts) // tokens if tokens else 0
             log.debug(
                 "step %.1f ms (expected %.1f): %d rows, %d prompt tokens at context %d "
-                "in %d prefills%s",
-                seconds * 1e3, expected * 1e3, rows, tokens, context,
-                len(parts), ", new shapes" if new else "",
+                "in %d prefills; passes %s ms",
+                passes.seconds * 1e3, self._planned_seconds() * 1e3, rows, tokens, context,
+                len(parts), " + ".join(f"{t * 1e3:.0f}" for lane in took for t in lane),
             )  # fmt: skip
-        if self._passes and not new:
-            # Its prefills are predicted from steps of one pass: what is left
-            # is what the extra passes cost.
-            decoded = self.clock.decode_seconds + self._spent(parts)
-            self.clock.observe_passes(self._passes, seconds - decoded)
-        elif not self._passes:
-            self.clock.observe(tokens, context, seconds, new_shape=bool(new))
-        if not new and seconds > SLOW_STEP * self.step_seconds:
-            for part in parts:
-                if part.fills:
-                    if len(self._slow) >= SHAPES_REMEMBERED:
-                        self._slow.clear()
-                    self._slow[part.shape] += 1
-        for shape in new:
+        for lane, (parts, times) in enumerate(zip(planned, took, strict=True)):
+            if len(parts) != len(times):
+                continue  # not the step planned: nothing to learn from it
+            for part, seconds in zip(parts, times, strict=True):
+                self._learn(lane, part, seconds)
+
+    def _learn(self, lane: int, part: Part | None, seconds: float) -> None:
+        """A pass of `lane` prefilling `part` took `seconds`."""
+        if part is None:
+            self.clocks[lane].observe(0, 0, seconds)
+            return
+        new = self._is_new(part.shape)
+        self.clocks[lane].observe(part.tokens, part.context, seconds, new_shape=new)
+        if new:
             if len(self._built) >= SHAPES_REMEMBERED:
                 self._built.clear()
-            self._built.add(shape)
+            self._built.add(part.shape)
+        elif part.fills and seconds > SLOW_STEP * self.step_seconds:
+            if len(self._slow) >= SHAPES_REMEMBERED:
+                self._slow.clear()
+            self._slow[part.shape] += 1
 
     def _admit(
         self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float

@@ -1,10 +1,11 @@
-"""How long an engine step takes: the time side of the scheduler's step budget.
+"""How long a pass over the model takes: the time side of the scheduler's step budget.
 
-Pure arithmetic, no MLX. A step decodes every running sequence once and
-prefills a chunk of each prompt being prefilled; its prefill part costs about
+Pure arithmetic, no MLX. A pass (one call of a lane's BatchGenerator; a step
+runs one or more) decodes the lane's running sequences once and prefills a
+chunk of each of its prompts being prefilled; its prefill part costs about
 `tokens x (a + b x context)` seconds: `a` for each prompt token (the weights'
 matrix work), `b` for each token of context it attends to. The start-up probe
-(`engine.memory_probe`) measures `a` and `b`; the steps the engine then runs
+(`engine.memory_probe`) measures `a` and `b`; the passes the engine then runs
 correct them, since a probe of short prompts cannot see what a long context
 or a first-seen batch shape costs on this device. The correction is kept for
 each range of contexts: how the cost grows with the context depends on the
@@ -17,25 +18,23 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-# The correction is the median of the last few prefill steps at about that
-# context: one slow step (a shape the backend compiles kernels for on first
+# The correction is the median of the last few prefill passes at about that
+# context: one slow pass (a shape the backend compiles kernels for on first
 # use) does not shrink the chunks after it.
-RECENT_STEPS = 3
+RECENT_PASSES = 3
 # Contexts share a correction within each power of two of this many tokens.
 CONTEXT_RANGE = 1024
-# A step's correction is taken within these bounds of the probe's estimate
+# A pass's correction is taken within these bounds of the probe's estimate
 # (whose short contexts can make it grow with the context far too fast)...
 CORRECTION_RANGE = (0.01, 10.0)
-# ...and at most this many times the correction before it: a run of steps that
+# ...and at most this many times the correction before it: a run of passes that
 # build kernels for new shapes (on CUDA, each costs more than a small chunk's
 # work) must not teach the clock that every token costs that much.
 MOST_GROWTH = 2.0
-# Weight of each new decode-only step in the decode time's moving average, of
-# each first-seen shape's extra time in the shape build's, and of each step's
-# extra passes in theirs.
+# Weight of each new decode-only pass in the decode time's moving average, and
+# of each first-seen shape's extra time in the shape build's.
 DECODE_WEIGHT = 0.2
 BUILD_WEIGHT = 0.3
-PASS_WEIGHT = 0.2
 
 
 @dataclass(frozen=True)
@@ -47,28 +46,20 @@ class PrefillSpeed:
 
 
 class StepClock:
-    """Predicts a step's seconds; learns from the steps that ran. Engine thread only."""
+    """Predicts a lane's passes; learns from those that ran. Engine thread only."""
 
     def __init__(self, speed: PrefillSpeed) -> None:
         self.speed = speed
-        self.decode_seconds = 0.0  # a step that only decodes, as of late
+        self.decode_seconds = 0.0  # a pass that only decodes, as of late
         # What a prefill shape the backend has not built kernels for adds to
-        # its step, as of late (only where the scheduler says a shape is new).
+        # its pass, as of late (only where the scheduler says a shape is new).
         self.build_seconds = 0.0
-        self._pass_seconds: float | None = None
         # By context range: measured over predicted prefill time, lately.
         self._corrections: dict[int, deque[float]] = {}
 
-    @property
-    def pass_seconds(self) -> float:
-        """What one more pass over the model in a step adds besides its
-        prefill (a lane's decoding rows, the call itself), as of late; until a
-        step has run one, what a step that only decodes costs."""
-        return self.decode_seconds if self._pass_seconds is None else self._pass_seconds
-
     def correction(self, context: int) -> float:
         """Measured over predicted prefill time, lately, at about `context`
-        tokens of context (1 until a prefill step ran there)."""
+        tokens of context (1 until a prefill pass ran there)."""
         recent = self._corrections.get(_range(context))
         return statistics.median(recent) if recent else 1.0
 
@@ -81,11 +72,11 @@ class StepClock:
         return self._probe_seconds(tokens, context) * self.correction(context)
 
     def seconds(self, tokens: int, context: int) -> float:
-        """A whole step: decoding the batch, and prefilling as above."""
+        """A whole pass: decoding the lane's rows, and prefilling as above."""
         return self.decode_seconds + self.prefill_seconds(tokens, context)
 
     def observe(self, tokens: int, context: int, seconds: float, new_shape: bool = False) -> None:
-        """A step that prefilled `tokens` at `context` took `seconds`; with
+        """A pass that prefilled `tokens` at `context` took `seconds`; with
         `new_shape`, it first built kernels for its shape: what it took past
         the prediction is that build's cost, not the tokens'."""
         if tokens <= 0:
@@ -101,17 +92,8 @@ class StepClock:
         low, high = CORRECTION_RANGE
         measured = max(seconds - self.decode_seconds, 0.0) / predicted
         high = min(high, MOST_GROWTH * self.correction(context))
-        recent = self._corrections.setdefault(_range(context), deque(maxlen=RECENT_STEPS))
+        recent = self._corrections.setdefault(_range(context), deque(maxlen=RECENT_PASSES))
         recent.append(min(max(measured, low), high))
-
-    def observe_passes(self, passes: int, seconds: float) -> None:
-        """A step ran `passes` more passes over the model than one, and took
-        `seconds` more than its prefill and decoding were predicted to."""
-        each = max(seconds / passes, 0.0)
-        if self._pass_seconds is None:
-            self._pass_seconds = each
-        else:
-            self._pass_seconds += PASS_WEIGHT * (each - self._pass_seconds)
 
 
 def _range(context: int) -> int:

@@ -82,7 +82,7 @@ class _Script:
         """Step until these requests end."""
         left = set(keys)
         while left:
-            for event in self.batch.step(CHUNK):
+            for event in self.batch.step(CHUNK)[0]:
                 if event.ends:
                     self.running.discard(event.key)
                     left.discard(event.key)
