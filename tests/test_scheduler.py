@@ -137,13 +137,12 @@ def test_the_step_budget_is_shared_by_the_rows_and_shrinks_as_the_context_grows(
     assert shared.expected_seconds <= s.step_seconds
 
 
-def test_the_long_lane_takes_chunks_while_the_step_stays_about_its_budget():
+def test_the_long_lane_takes_chunks_while_the_step_stays_within_its_budget():
     s = make(100_000, step_ms=300)
     long = prefilling(100_000, done=2048, long=True)
     plan = s.schedule([long, decoding()], 0)
     assert plan.chunk is not None and len(plan.long_chunks) >= 2
     assert all(c <= 2048 for c in plan.long_chunks)  # each at most --prefill-step-size
-    # Whole chunks: the step ends nearest its budget, at most half a chunk's pass over.
     assert plan.expected_seconds <= s.step_seconds
     # Short prompts come first in the budget; the long one still moves.
     alone = make(100_000, step_ms=300)
@@ -152,7 +151,7 @@ def test_the_long_lane_takes_chunks_while_the_step_stays_about_its_budget():
     beside = s.schedule([long, decoding()], 0, now=0)
     assert keys(beside.admit) == [1, 2] and beside.long_chunks
     assert beside.chunk == alone.schedule([decoding()], 0, now=0).chunk
-    assert beside.expected_seconds < 1.25 * s.step_seconds
+    assert beside.expected_seconds <= s.step_seconds
 
 
 def test_a_long_context_found_cheaper_than_the_probe_predicts_gets_more_chunks_a_step():

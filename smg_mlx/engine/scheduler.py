@@ -343,8 +343,8 @@ class Scheduler:
         """The long prompt's chunks this step, one pass each, and what they
         prefill: `remaining` tokens to go from `context`, after `spent`
         seconds of the step's other passes. One, and where the budget holds
-        more than one of the largest (`largest`), as many of those as end the
-        step nearest its budget; smaller chunks come one a step."""
+        more than one of the largest (`largest`), more of those while the
+        step stays within it; smaller chunks come one a step."""
         chunks: list[int] = []
         parts: list[Part] = []
         size = min(largest, self.row_chunk(1, context, spent=spent, lane=LONG))
@@ -353,8 +353,7 @@ class Scheduler:
             tokens = min(chunk, remaining)
             part = Part(tokens, context + tokens // 2, (1, chunk, context))
             seconds = self._pass_seconds(LONG, part)
-            # Whole chunks: one more where the step ends nearer its budget with it.
-            if chunks and (size < largest or spent + seconds / 2 > self.step_seconds):
+            if chunks and (size < largest or spent + seconds > self.step_seconds):
                 break
             chunks.append(chunk)
             parts.append(part)
