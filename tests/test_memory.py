@@ -210,6 +210,47 @@ def test_an_out_of_memory_step_is_contained(
     assert len(generate(w.stub, prompt(5), max_tokens=3).tokens) == 3
 
 
+def test_a_long_prompts_pass_out_of_memory_loses_and_repeats_none_of_a_streams_tokens(
+    start_worker, model_dir, monkeypatch
+):
+    # The short lane's tokens go out before the long lane runs: a long pass
+    # that then runs out of memory must not send them again, nor drop them.
+    lanes: list[BatchGenerator] = []  # every BatchGenerator, in creation order
+    made, step = BatchGenerator.__init__, BatchGenerator.next
+    failing = threading.Event()
+
+    def init(generator, *args, **kwargs):
+        made(generator, *args, **kwargs)
+        lanes.append(generator)
+
+    def next_or_fail(generator):
+        if failing.is_set() and generator is lanes[1]:  # the first long lane
+            failing.clear()
+            raise RuntimeError("[cuda::malloc] out of memory")
+        return step(generator)
+
+    monkeypatch.setattr(BatchGenerator, "__init__", init)
+    monkeypatch.setattr(BatchGenerator, "next", next_or_fail)
+    # A budget no step meets: prompts past 512 tokens are long, 128 tokens a step.
+    w = start_worker(model_dir, step_budget_seconds=1e-6, prompt_cache_bytes=0)
+    chat, document = prompt(30, 1), prompt(1500, 2)
+    solo = [generate(w.stub, p, max_tokens=n, ignore_eos=True).tokens for p, n in
+            ((chat, 60), (document, 8))]  # fmt: skip
+    assert len(set(solo[0])) > 3
+    stream = w.stub.Generate(request(chat, max_tokens=60, ignore_eos=True), timeout=60)
+    tokens = list(next(stream).chunk.token_ids)
+    failing.set()  # the long lane's first pass, after the stream's token went out
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(generate, w.stub, document, max_tokens=8, ignore_eos=True)
+        for message in stream:
+            if message.HasField("chunk"):
+                tokens += message.chunk.token_ids
+        assert long.result().tokens == solo[1]
+    assert not failing.is_set()  # the long lane did run out of memory
+    assert tokens == solo[0]
+    assert w.worker.engine.memory.out_of_memory_steps == 1
+
+
 def test_a_request_alone_that_runs_out_of_memory_ends_and_the_worker_serves(
     start_worker, model_dir, monkeypatch
 ):
