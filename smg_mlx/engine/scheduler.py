@@ -8,27 +8,28 @@ rank, when the model is split over several). The rules:
   mlx-lm BatchGenerator each): mlx-lm pads every row of a batch to its
   longest one, so a chat beside a long prompt would decode at the long
   prompt's length and prefill beside its chunks.
-- **A step budget.** A step decodes every running stream once and prefills a
-  chunk of each short prompt being prefilled, then as many chunks of the long
-  prompt as fit what is left. Chunks are sized (by the `StepClock`) so that
-  the step takes about `--step-budget-ms`: a running stream's pause between
-  two tokens stays about that long, whatever arrives. mlx-lm pads every
-  prompt row to one chunk length, so R rows at chunk c cost R x c tokens:
-  the short lane's share is split evenly over its rows. The long lane gets
-  several chunks of at most `--prefill-step-size` rather than one larger one
-  (large chunks at long context are slow on some backends), each beyond the
-  first counted as one more pass over the model (its lane's decoding rows and
-  the call), at what such passes have lately cost. Each lane prefills at least MIN_STEP_TOKENS
+- **A step budget.** A step runs the short lane once (every running stream
+  decodes, and each short prompt being prefilled takes a chunk), then the
+  long lane once for each chunk of the long prompt that fits what is left:
+  each call is a pass over the model. Chunks are sized so that the step
+  takes about `--step-budget-ms`: a running stream's pause between two
+  tokens stays about that long, whatever arrives. Each lane has a
+  `StepClock`, which learns from that lane's passes alone what a pass
+  costs. mlx-lm pads every prompt row to one chunk length, so R rows at
+  chunk c cost R x c tokens: the short lane's share is split evenly over its
+  rows. The long lane gets several chunks of at most `--prefill-step-size`
+  rather than one larger one (large chunks at long context are slow on some
+  backends). Each lane prefills at least MIN_STEP_TOKENS
   (SHAPE_BUILD_STEP_TOKENS where a new shape costs a kernel build), even past
   the budget: smaller steps would waste the accelerator more than they save
   anyone's time, and a long prompt always moves. Where the clock is far off
-  for a shape (a step with it took over SLOW_STEP budgets SLOW_TIMES times),
+  for a shape (a pass with it took over SLOW_STEP budgets SLOW_TIMES times),
   that shape gets a smaller chunk from then on.
 - **Few shapes.** Chunks are powers of two, and each ends where the batch's
   cache length is a multiple of it: the same attention shapes come back
   step after step and prompt after prompt. mlx's CUDA backend builds a cuDNN
   graph for every new one, which costs more than a large chunk's work there:
-  a step of a shape not seen yet counts that cost (as the clock has
+  a pass of a shape not seen yet counts that cost (as the clock has
   measured it) against the budget, and does not teach the clock that its
   tokens cost that much, which would shrink the chunks into yet more new shapes.
 - **Short before long.** A prompt is long when its prefill needs more than
@@ -83,11 +84,11 @@ SMALLEST_CHUNK = 16
 # Prefill shapes remembered as built; past this many (engine.batch sizes mlx's
 # CUDA graph cache to hold as many) the memory starts over.
 SHAPES_REMEMBERED = 1024
-# A shape whose steps took over SLOW_STEP budgets SLOW_TIMES times (counting
-# steps where its rows filled the chunk and no shape was built) gets a
-# smaller chunk from then on: the clock's cost model (linear in the context)
-# can be far off for some shapes, such as large chunks at long context on
-# CUDA, and the same shapes come back prompt after prompt.
+# A shape whose passes took over SLOW_STEP budgets SLOW_TIMES times (counting
+# passes where its rows filled the chunk and no shape was built) gets a
+# smaller chunk from then on: the clock's cost model (one correction for a
+# range of contexts) can be far off for some shapes, such as large chunks at
+# long context on CUDA, and the same shapes come back prompt after prompt.
 SLOW_STEP = 2.0
 SLOW_TIMES = 2
 
@@ -209,7 +210,7 @@ class Scheduler:
         # The planned step's passes in each lane, with what each prefills.
         self._passes: tuple[tuple[Part | None, ...], ...] = ((), ())
         self._built: set[Shape] = set()  # prefill shapes that have run
-        self._slow: Counter[Shape] = Counter()  # steps of each shape far over the budget
+        self._slow: Counter[Shape] = Counter()  # passes of each shape far over the budget
 
     # ---- the waiting room ----
 
@@ -372,9 +373,10 @@ class Scheduler:
             context = sum(p.tokens * p.context for p in parts) // tokens if tokens else 0
             log.debug(
                 "step %.1f ms (expected %.1f): %d rows, %d prompt tokens at context %d "
-                "in %d prefills; passes %s ms",
+                "in %d prefills; passes %s ms%s",
                 passes.seconds * 1e3, self._planned_seconds() * 1e3, rows, tokens, context,
                 len(parts), " + ".join(f"{t * 1e3:.0f}" for lane in took for t in lane),
+                ", new shapes" if any(self._is_new(p.shape) for p in parts) else "",
             )  # fmt: skip
         for lane, (parts, times) in enumerate(zip(planned, took, strict=True)):
             if len(parts) != len(times):
