@@ -208,7 +208,7 @@ class Scheduler:
         self._order = itertools.count()
         self._put_back = itertools.count(-(2**62))  # ahead of every arrival
         # The planned step's passes in each lane, with what each prefills.
-        self._passes: tuple[tuple[Part | None, ...], ...] = ((), ())
+        self._planned: tuple[tuple[Part | None, ...], ...] = ((), ())
         self._built: set[Shape] = set()  # prefill shapes that have run
         self._slow: Counter[Shape] = Counter()  # passes of each shape far over the budget
 
@@ -265,7 +265,7 @@ class Scheduler:
         return floor
 
     def _is_new(self, shape: Shape | None) -> bool:
-        """Whether a step of `shape` builds kernels first (None: no prefill)."""
+        """Whether a pass of `shape` builds kernels first (None: no prefill)."""
         return self.shape_builds and shape is not None and shape not in self._built
 
     def _pass_seconds(self, lane: int, part: Part | None) -> float:
@@ -281,7 +281,7 @@ class Scheduler:
         """What the planned step should take."""
         return sum(
             self._pass_seconds(lane, part)
-            for lane, parts in enumerate(self._passes)
+            for lane, parts in enumerate(self._planned)
             for part in parts
         )
 
@@ -297,7 +297,7 @@ class Scheduler:
         costs = [r.cost for r in running] + [w.cost for w in admitted]
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
-            self._passes = ((), ())
+            self._planned = ((), ())
             return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
         chunk = largest = self.planner.chunk(costs, min(prefix_bytes, allowance))
         starting_long = [w for w in admitted if w.prefill > long]
@@ -320,12 +320,11 @@ class Scheduler:
             (w.prefill - 1, w.cached) for w in starting_long
         ]
         spent = sum(self._pass_seconds(SHORT, part) for part in short)
-        long_chunks, long_parts = (
-            self._long_chunks(*longs[0], largest, spent) if longs else ((), ())
-        )
+        long_parts = self._long_parts(*longs[0], largest, spent) if longs else ()
+        long_chunks = tuple(part.shape[1] for part in long_parts)
         if not long_parts and (starting_long or any(r.long for r in running)):
             long_parts = (None,)  # its decoding rows
-        self._passes = (short, long_parts)
+        self._planned = (short, long_parts)
         return Plan(
             admit=tuple(w.request for w in admitted),
             long=tuple(w.request.key for w in starting_long),
@@ -338,15 +337,14 @@ class Scheduler:
             waiting_for_memory=for_memory,
         )
 
-    def _long_chunks(
+    def _long_parts(
         self, remaining: int, context: int, largest: int, spent: float
-    ) -> tuple[tuple[int, ...], tuple[Part, ...]]:
-        """The long prompt's chunks this step, one pass each, and what they
-        prefill: `remaining` tokens to go from `context`, after `spent`
-        seconds of the step's other passes. One, and where the budget holds
-        more than one of the largest (`largest`), more of those while the
-        step stays within it; smaller chunks come one a step."""
-        chunks: list[int] = []
+    ) -> tuple[Part, ...]:
+        """What the long prompt prefills this step, a chunk a pass:
+        `remaining` tokens to go from `context`, after `spent` seconds of the
+        step's other passes. One chunk, and where the budget holds more than
+        one of the largest (`largest`), more of those while the step stays
+        within it; smaller chunks come one a step."""
         parts: list[Part] = []
         size = min(largest, self.row_chunk(1, context, spent=spent, lane=LONG))
         while remaining > 0:
@@ -354,18 +352,17 @@ class Scheduler:
             tokens = min(chunk, remaining)
             part = Part(tokens, context + tokens // 2, (1, chunk, context))
             seconds = self._pass_seconds(LONG, part)
-            if chunks and (size < largest or spent + seconds > self.step_seconds):
+            if parts and (size < largest or spent + seconds > self.step_seconds):
                 break
-            chunks.append(chunk)
             parts.append(part)
             spent += seconds
             remaining -= part.tokens
             context += part.tokens
-        return tuple(chunks), tuple(parts)
+        return tuple(parts)
 
     def observe(self, passes: Passes, rows: int) -> None:
         """The planned step ran over `rows` sequences, its passes taking `passes`."""
-        planned = self._passes
+        planned = self._planned
         took = ((passes.short,) if passes.short is not None else (), passes.long)
         if log.isEnabledFor(logging.DEBUG):  # every step: not even the arguments otherwise
             parts = [p for lane in planned for p in lane if p is not None]
