@@ -326,6 +326,35 @@ def test_a_short_request_overtakes_queued_long_ones_and_the_long_ones_finish(chu
     assert ends == {1: "length", 2: "length", 3: "length"}
 
 
+def test_the_next_long_prompt_starts_in_the_step_after_the_one_before_is_prefilled(
+    model_dir, monkeypatch
+):
+    plans = []
+    schedule = Scheduler.schedule
+
+    def recorded(self, *args, **kwargs):
+        plans.append(schedule(self, *args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(Scheduler, "schedule", recorded)
+    inbox = Inbox()
+    # Steps that meet their budget, in chunks small enough to make these prompts long.
+    sink, thread = start_core(model_dir, inbox, step_budget_seconds=1.0, prefill_step_size=256)
+    try:
+        for key in (1, 2):
+            inbox.submit(Request(key, spec(prompt(1500, key), max_tokens=4)))
+        ends = {e.key: e.finish_reason for r in run_until_ended(sink, {1, 2}) for e in r.events}
+    finally:
+        inbox.stop()
+        thread.join(TIMEOUT)
+    assert {k: ends[k] for k in (1, 2)} == {1: "length", 2: "length"}
+    first = next(i for i, plan in enumerate(plans) if plan.long == (1,))
+    second = next(i for i, plan in enumerate(plans) if plan.long == (2,))
+    # The first one's last chunk and its move into the decoding rows came in
+    # one step: no step in between went to that move alone.
+    assert all(plan.long_chunks for plan in plans[first:second])
+
+
 def test_a_long_prompt_prefilled_beside_chats_gives_its_solo_output(model_dir):
     inbox = Inbox()
     # No prefix cache: the second run must compute everything again.

@@ -125,6 +125,20 @@ def test_the_next_long_prompt_starts_once_the_one_before_is_prefilled():
     assert keys(s.schedule([decoding(3 * long_tokens)], 0).admit) == [2]
 
 
+def test_a_long_prompts_last_chunk_and_its_move_to_the_decoding_rows_share_a_step():
+    s = make()
+    tail = prefilling(20_480 + 1 + 300, done=20_480, long=True)
+    # Its last 300 tokens, then a pass that moves it into its lane's decoding
+    # rows: the next long prompt can start at the next step.
+    plan = s.schedule([tail], 0)
+    assert len(plan.long_chunks) == 2 and plan.long_chunks[0] >= 300
+    assert plan.expected_seconds <= s.step_seconds
+    # Where the budget has no room left for that pass, it waits for the next step.
+    s.schedule([Running(Cost(30_000, 30_016, False), 0, 30_000, long=True)], 0)
+    s.observe(took(1.0, long=True), 1)  # its lane's decoding pass: far over the budget
+    assert len(s.schedule([tail], 0).long_chunks) == 1
+
+
 def test_the_step_budget_is_shared_by_the_rows_and_shrinks_as_the_context_grows():
     s = make()
     alone = s.schedule([prefilling(100_000, done=0)], 0).chunk
@@ -200,9 +214,9 @@ def test_a_long_prompt_moves_every_step_however_busy_the_short_lane():
     plan = s.schedule([*shorts, prefilling(100_000, done=8192, long=True)], 0)
     assert plan.expected_seconds >= s.step_seconds  # the short lane takes it all
     assert len(plan.long_chunks) == 1 and plan.long_chunks[0] >= MIN_STEP_TOKENS
-    # Its last chunk ends where its prompt does.
+    # Its last chunk ends where its prompt does (then a pass that prefills nothing).
     tail = s.schedule([prefilling(10_000, done=10_000 - 2 - 100, long=True)], 0)
-    assert sum(tail.long_chunks) >= 101 and sum(tail.long_chunks[:-1]) < 101
+    assert len(tail.long_chunks) == 2 and tail.long_chunks[0] >= 101
 
 
 def test_a_tiny_budget_still_prefills_a_minimum_per_step():

@@ -36,7 +36,9 @@ rank, when the model is split over several). The rules:
   LONG_PROMPT_STEPS steps' budget (at no context). At most
   LONG_PREFILLS_AT_ONCE long prompts prefill at a time, in arrival order
   (the next starts once the last is prefilled, not in the step where its
-  prompt ends, which would pad it): several at once finish no sooner in
+  prompt ends, which would pad it; that step takes one more pass where its
+  budget holds it, which moves the prompt into its lane's decoding rows, so
+  the next starts at the next step): several at once finish no sooner in
   all, the first of them much later, and mlx-lm pads the newer one's cache
   to the older one's length. Shorter prompts start at the next step, the
   shortest first, while prompt rows are free and what the short prompts
@@ -173,7 +175,7 @@ class Plan:
     long: tuple[int, ...] = ()  # keys of those admitted that go to the long lane
     refuse: tuple[Request, ...] = ()  # can never fit in memory
     chunk: int | None = None  # the short lane's chunk per prompt row; None: no step
-    long_chunks: tuple[int, ...] = ()  # the long lane's prefill chunks, one call each
+    long_chunks: tuple[int, ...] = ()  # the long lane's chunks, one call each (see _long_parts)
     prefix_allowance: int = 0  # bytes the prefix cache may keep
     expected_seconds: float = 0.0  # how long the step should take
     prefill_bytes: float = 0.0  # the step's prefill working set (estimated)
@@ -321,7 +323,8 @@ class Scheduler:
         ]
         spent = sum(self._pass_seconds(SHORT, part) for part in short)
         long_parts = self._long_parts(*longs[0], largest, spent) if longs else ()
-        long_chunks = tuple(part.shape[1] for part in long_parts)
+        # A pass after the prompt's last chunk (None) prefills nothing: any chunk will do.
+        long_chunks = tuple((part or long_parts[0]).shape[1] for part in long_parts)
         if not long_parts and (starting_long or any(r.long for r in running)):
             long_parts = (None,)  # its decoding rows
         self._planned = (short, long_parts)
@@ -339,13 +342,17 @@ class Scheduler:
 
     def _long_parts(
         self, remaining: int, context: int, largest: int, spent: float
-    ) -> tuple[Part, ...]:
+    ) -> tuple[Part | None, ...]:
         """What the long prompt prefills this step, a chunk a pass:
         `remaining` tokens to go from `context`, after `spent` seconds of the
         step's other passes. One chunk, and where the budget holds more than
         one of the largest (`largest`), more of those while the step stays
-        within it; smaller chunks come one a step."""
-        parts: list[Part] = []
+        within it; smaller chunks come one a step. After its last chunk, one
+        more pass (None) where the budget holds it: mlx-lm moves a prompt into
+        its decoding rows in the pass after its last chunk, and until then no
+        other long prompt may start (it would be padded to this one's length),
+        so without it the next would wait for a step of its own."""
+        parts: list[Part | None] = []
         size = min(largest, self.row_chunk(1, context, spent=spent, lane=LONG))
         while remaining > 0:
             chunk = aligned(size, context)
@@ -358,6 +365,8 @@ class Scheduler:
             spent += seconds
             remaining -= part.tokens
             context += part.tokens
+        if remaining <= 0 and spent + self._pass_seconds(LONG, None) <= self.step_seconds:
+            parts.append(None)
         return tuple(parts)
 
     def observe(self, passes: Passes, rows: int) -> None:

@@ -137,6 +137,6 @@ class Turn:
     admit: tuple[Request, ...] = ()  # requests that join the batch, in order
     long: tuple[int, ...] = ()  # keys of those that join the long prompts' lane
     chunk: int | None = None  # the short lane's prefill chunk this step; None: no step
-    long_chunks: tuple[int, ...] = ()  # the long lane's prefill chunks this step
+    long_chunks: tuple[int, ...] = ()  # the long lane's chunks this step, a call each
     expected_seconds: float = 0.0  # how long its step may take (the watchdog's measure)
     stop: bool = False
