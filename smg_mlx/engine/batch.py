@@ -483,7 +483,7 @@ class Batch:
         return found
 
     def close(self) -> None:
-        """Release the generator and the model on this thread (see `EngineCore.run`)."""
+        """Release the lanes' generators and the model on this thread (see `EngineCore.run`)."""
         for lane in self._lanes:
             lane.close()
         self._lanes = ()
