@@ -19,7 +19,8 @@ RUN useradd --uid 10001 --create-home --home-dir /var/lib/smg-mlx --shell /usr/s
         smg-mlx \
     && install -d -o smg-mlx -g smg-mlx /var/lib/smg-mlx/huggingface
 # The volume also keeps the kernels mlx's CUDA backend compiles on first use: a restarted
-# container then starts in seconds instead of compiling them again (README, "Scheduling").
+# container then starts in seconds instead of compiling them again (docs/serving.md,
+# "Scheduling").
 ENV PATH=/opt/smg-mlx/bin:$PATH \
     HF_HOME=/var/lib/smg-mlx/huggingface \
     MLX_PTX_CACHE_DIR=/var/lib/smg-mlx/huggingface/mlx-ptx

@@ -5,8 +5,9 @@ Modules, one job each:
 - `model`: the random-weight models, built by `smg_mlx.demo_model.build_model`;
 - `engine_raw`: drives mlx-lm's BatchGenerator directly, on one thread (child process);
 - `grpc_client`: an asyncio MlxEngine client that keeps `concurrency` streams in flight;
-- `multiturn`: conversations resending their history, our worker with and without its
-  prefix cache (run after the throughput table);
+- `agent`: sessions resending their whole history each turn, under three prefix-cache
+  settings and across a restart (run after the throughput table, or alone with `--agent`);
+  `--followups`: a context, then the same context extended;
 - `workers`: starts a worker process, waits for SERVING, stops it; `free_port`;
 - `peer`: the published peer worker's virtualenv and command line;
 - `stats`: per-request records to per-level numbers;

@@ -10,13 +10,25 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench import machine, model, report
+from bench.agent import Agent, format_agent, run_agent, run_followups
 from bench.long_prompts import run_long_prompts
 from bench.mixed import Mixed, format_mixed, run_mixed
-from bench.multiturn import SHORT_MULTITURN, MultiTurn, format_multiturn, run_multiturn
 from bench.runner import Options, progress, run_all
 from bench.workload import SHORT, Workload, parse_levels
 
 SYSTEMS = ("engine", "ours", "peer", "2ranks")
+
+
+# The agent workload's shape, flag by flag: (flag, Agent's field, what it is).
+AGENT_FLAGS = (
+    ("--sessions", "sessions", "agent sessions"),
+    ("--turns", "turns", "turns per session, before the restart"),
+    ("--system-tokens", "system_tokens", "the system prompt all sessions share"),
+    ("--first-tokens", "first_tokens", "each session's first message"),
+    ("--turn-tokens", "turn_tokens", "new tokens in each later turn"),
+    ("--answer-tokens", "answer_tokens", "tokens generated each turn"),
+    ("--agent-concurrency", "concurrency", "sessions with a turn in flight at once"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--short",
         action="store_true",
         help="fewer requests per level (max(16, 2 x concurrency)), one round, a smaller "
-        "multi-turn workload: a quick check that everything runs",
+        "agent workload: a quick check that everything runs",
     )
     p.add_argument(
         "--systems",
@@ -82,10 +94,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="an interpreter that already has the peer (skips creating its venv)",
     )
     p.add_argument(
-        "--no-multiturn",
+        "--no-agent",
         action="store_true",
-        help="skip the multi-turn prefix-cache workload (run after the table when "
-        "ours is among the systems; --short runs a smaller one)",
+        help="skip the agent workload (run after the table when ours is among the systems)",
+    )
+    p.add_argument(
+        "--agent",
+        action="store_true",
+        help="instead of the table: the agent workload alone (see bench/agent.py): sessions "
+        "resending their whole history each turn, under three prefix-cache settings",
+    )
+    agent = Agent()
+    for flag, field, what in AGENT_FLAGS:
+        p.add_argument(
+            flag, type=int, dest=f"agent_{field}", metavar=flag[2:].upper().replace("-", "_"),
+            default=getattr(agent, field), help=f"{what} (--agent)",
+        )  # fmt: skip
+    p.add_argument(
+        "--agent-settings",
+        default="2GiB,default,off",
+        help="which prefix-cache settings the agent workload runs under (see bench/agent.py)",
+    )
+    p.add_argument(
+        "--agent-cache-bytes",
+        help="--prompt-cache-bytes for the agent workload's default setting, e.g. 8MiB "
+        "(memory for about one session, so that the disk tier serves the rest)",
+    )
+    p.add_argument(
+        "--followups",
+        metavar="CONTEXTS",
+        help="instead of the table: for each context length (e.g. 4096,8192), a context "
+        "then the same plus its answer and 200 tokens, on our worker with its defaults",
     )
     p.add_argument(
         "--long-prompts",
@@ -109,8 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--worker-args",
         default="",
-        help="more flags for our worker in --mixed and --long-prompts runs, e.g. "
-        "'--step-budget-ms 200'",
+        help="more flags for our worker, e.g. '--step-budget-ms 200'",
     )
     p.add_argument(
         "--start-timeout",
@@ -154,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return _long_prompts(args, model_dir, argv)
     if args.mixed:
         return _mixed(args, model_dir, argv)
+    if args.agent:
+        return _agent(args, model_dir, argv, workload)
+    if args.followups:
+        return _followups(args, model_dir, argv, workload)
     opts = Options(
         systems=systems,
         levels=levels,
@@ -163,11 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         peer_python=args.peer_python,
         start_timeout_s=args.start_timeout,
         rounds=args.rounds or (1 if args.short else 3),
+        worker_args=tuple(shlex.split(args.worker_args)),
     )
     info = machine.describe()
     out = args.out or report.default_out(machine.slug(info))
 
-    multiturn: dict = {}
+    agent: dict = {}
 
     def save(results: list, systems: dict) -> None:
         """Written after each level, so a run cut short still leaves its numbers."""
@@ -184,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": [r.to_dict() for r in results],
             "ratios": rows,
             "targets": report.targets(rows),
-            "multiturn": multiturn or None,
+            "agent": agent or None,
             "elapsed_s": time.monotonic() - began,
         }
         report.write_json(out, payload)
@@ -194,20 +237,23 @@ def main(argv: list[str] | None = None) -> int:
     print(report.format_table(results))
     print()
     print(report.format_ratios(rows, report.targets(rows)))
-    if "ours" in systems and not args.no_multiturn:
-        shape = SHORT_MULTITURN if args.short else MultiTurn()
+    if "ours" in systems and not args.no_agent:
+        shape = _agent_shape(args)
+        if args.short:
+            shape = replace(shape, sessions=2, turns=3)
         try:
-            multiturn.update(run_multiturn(opts, shape))
+            agent.update(run_agent(opts.model_dir, opts.work_dir, shape, args.agent_cache_bytes,
+                                   workload, args.start_timeout))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the throughput numbers are saved already
-            progress(f"multi-turn: FAILED: {exc!r}")
-            multiturn["error"] = repr(exc)
+            progress(f"agent: FAILED: {exc!r}")
+            agent["error"] = repr(exc)
         save(results, systems_info)
-        if "runs" in multiturn:
+        if "runs" in agent:
             print()
-            print(format_multiturn(multiturn))
+            print(format_agent(agent))
     progress(f"done in {time.monotonic() - began:.0f}s; results in {out}")
     # A system that failed is in the table as missing; the exit status says so too.
-    failed = any("error" in info for info in systems_info.values()) or "error" in multiturn
+    failed = any("error" in info for info in systems_info.values()) or "error" in agent
     return 1 if failed else 0
 
 
@@ -250,6 +296,41 @@ def _mixed(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) ->
     _write(out, argv, info, model_dir, mixed=result)
     chats_failed = result["mixed"]["chats_failed"] + result["idle"]["chats_failed"]
     return 1 if result["long_errors"] or chats_failed else 0
+
+
+def _agent_shape(args: argparse.Namespace) -> Agent:
+    return Agent(**{field: getattr(args, f"agent_{field}") for _, field, _ in AGENT_FLAGS})
+
+
+def _agent(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
+           workload: Workload) -> int:  # fmt: skip
+    info = machine.describe()
+    out = args.out or report.default_out(machine.slug(info))
+    result = run_agent(model_dir.resolve(), args.work_dir.resolve(), _agent_shape(args),
+                       args.agent_cache_bytes, workload, args.start_timeout,
+                       shlex.split(args.worker_args),
+                       tuple(args.agent_settings.split(",")))  # fmt: skip
+    print(format_agent(result))
+    _write(out, argv, info, model_dir, agent=result)
+    return 0
+
+
+def _followups(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
+               workload: Workload) -> int:  # fmt: skip
+    info = machine.describe()
+    out = args.out or report.default_out(machine.slug(info))
+    contexts = parse_levels(args.followups)
+    results = run_followups(
+        model_dir.resolve(), args.work_dir.resolve(), contexts, shlex.split(args.worker_args),
+        workload, args.start_timeout,
+    )  # fmt: skip
+    print(f"{'context':>8} {'TTFT ms':>8} {'follow-up cached':>17} {'follow-up TTFT ms':>18} "
+          f"{'again':>6}")  # fmt: skip
+    for r in results:
+        print(f"{r['context']:>8} {r['ttft_ms']:>8.0f} {r['followup_cached']:>17} "
+              f"{r['followup_ttft_ms']:>18.0f} {r['again_followup_ttft_ms']:>6.0f}")  # fmt: skip
+    _write(out, argv, info, model_dir, followups=results)
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import sys
 import time
 import urllib.request
@@ -41,11 +42,15 @@ def metric(port: int, name: str) -> float | None:
 @contextlib.contextmanager
 def default_worker(model_dir: Path, work_dir: Path, extra: list[str], tag: str,
                    timeout_s: float) -> Iterator[tuple[WorkerProcess, int]]:  # fmt: skip
-    """Our worker with its default flags and `extra`, SERVING, and its metrics port."""
+    """Our worker with its default flags and `extra`, SERVING, and its metrics port.
+    Its prompt cache's disk tier starts empty, in the work folder."""
     port, metrics_port = free_port(), free_port()
+    cache_dir = work_dir / f"prompt-cache-{tag}"
+    shutil.rmtree(cache_dir, ignore_errors=True)
     command = [
         sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-        "--port", str(port), "--metrics-port", str(metrics_port), *extra,
+        "--port", str(port), "--metrics-port", str(metrics_port),
+        "--prompt-cache-dir", str(cache_dir), *extra,
     ]  # fmt: skip
     log = work_dir / "logs" / f"{tag}-{time.strftime('%H%M%S')}.log"
     with WorkerProcess("ours", command, port, log) as worker:

@@ -30,6 +30,7 @@ import grpc
 from bench.grpc_client import stream_one, token_request
 from bench.long_prompts import default_worker, memory_figures, watch_health
 from bench.workload import PROMPT_ID_RANGE, Workload
+from smg_mlx.engine.memory import format_bytes
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
@@ -182,6 +183,6 @@ def format_mixed(r: dict) -> str:
             f"long prompts: alone {r['longs_alone_s']:.1f} s, mixed {r['longs_mixed_s']:.1f} s "
             f"(x{r['longs_mixed_over_alone']:.2f}), errors: {r['long_errors'] or 'none'}",
             f"health seen: {'/'.join(r['health_seen'])}; peak memory "
-            f"{(r['peak_bytes'] or 0) / 2**30:.1f} of {(r['budget_bytes'] or 0) / 2**30:.1f} GiB",
+            f"{format_bytes(r['peak_bytes'] or 0)} of {format_bytes(r['budget_bytes'] or 0)}",
         ]
     )

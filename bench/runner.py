@@ -31,6 +31,7 @@ class Options:
     peer_python: Path | None = None  # an interpreter that already has the peer
     start_timeout_s: float = 600.0
     rounds: int = 1  # interleaved rounds per level, pooled
+    worker_args: tuple[str, ...] = ()  # more flags for ours
 
 
 def _span(indices: range) -> str:
@@ -57,6 +58,8 @@ def _worker_process(name: str, opts: Options, log: Path) -> tuple[WorkerProcess,
     port = free_port()
     if name == "ours":
         command = ours_command(opts.model_dir, port, opts.workload)
+        # Its prompt cache's files stay with the bench's, not in the user's cache.
+        command += ["--prompt-cache-dir", str(opts.work_dir / "prompt-cache"), *opts.worker_args]
         env, info = None, {}
     elif name == "2ranks":
         command = two_ranks_command(opts.model_dir, port, opts.workload)

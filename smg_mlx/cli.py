@@ -17,7 +17,15 @@ from typing import NoReturn
 
 from smg_mlx import __version__, logs, mlx_backend, model_source
 from smg_mlx.api.streaming import MAX_CHUNK_SECONDS
-from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig
+from smg_mlx.config import (
+    BATCHING,
+    DISK_CACHE_MOST,
+    DISK_CACHE_SHARE,
+    EngineConfig,
+    RequestLimits,
+    ServerConfig,
+    default_prompt_cache_dir,
+)
 from smg_mlx.demo_model import default_demo_dir
 from smg_mlx.engine.ranks import launched_rank
 
@@ -25,6 +33,7 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 # Smaller message limits would refuse ordinary requests and responses.
 MIN_MESSAGE_BYTES = 64 << 10
+MAX_PORT = 65535
 
 
 def byte_size(text: str) -> int:
@@ -66,6 +75,42 @@ def _number(kind: type, low: float, what: str) -> Callable[[str], int | float]:
     return parse
 
 
+def _port(low: int) -> Callable[[str], int]:
+    what = f"a port number from {low} to {MAX_PORT}"
+    at_least = _number(int, low, what)
+
+    def parse(text: str) -> int:
+        port = at_least(text)
+        if port > MAX_PORT:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return port
+
+    return parse
+
+
+def _budget(text: str) -> tuple[int | None, float | None]:
+    size, share = memory_budget(text)
+    if size == 0:
+        raise argparse.ArgumentTypeError(f"expected a size above 0, or a percentage, got {text!r}")
+    return size, share
+
+
+def _model(text: str) -> Path:
+    # Absolute, so that a path written as one ("./models/x") stays one and is
+    # never taken for a Hugging Face repo id (model_source).
+    path = Path(text)
+    return path.expanduser().absolute() if model_source.looks_like_a_path(text) else path
+
+
+def _adapter(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a LoRA adapter's directory (no adapter_config.json in it)"
+        )
+    return path
+
+
 def _message_size(text: str) -> int:
     size = byte_size(text)
     if size < MIN_MESSAGE_BYTES:
@@ -77,6 +122,8 @@ def _message_size(text: str) -> int:
 
 _positive = _number(int, 1, "a whole number of at least 1")
 _count = _number(int, 0, "a whole number, 0 or more")
+_any_port = _port(0)  # 0: the system picks one
+_fixed_port = _port(1)
 _non_negative = _number(float, 0, "a number, 0 or more")
 _positive_float = _number(float, 1, "a number, 1 or more")
 
@@ -98,26 +145,56 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the MlxEngine gRPC service")
     _add_version(serve)  # where the flag table lists it too
+    serve.set_defaults(serve_parser=serve)  # for check_serve_args' errors
     engine, server, limits = EngineConfig, ServerConfig, RequestLimits  # the defaults
-    model = serve.add_mutually_exclusive_group(required=True)
-    model.add_argument(
+    serve.add_argument(
+        "model_arg",
+        nargs="?",
+        type=_model,
+        metavar="MODEL",
+        help="the model to serve, as --model names it (vllm's way of naming it)",
+    )
+    serve.add_argument(
         "--model",
         "--model-path",
         dest="model",
-        type=Path,
+        type=_model,
         help="an mlx-lm model directory, or a Hugging Face repo id such as "
-        "mlx-community/Qwen3-0.6B-4bit (from the local Hugging Face cache, downloaded if absent)",
+        "mlx-community/Qwen3-0.6B-4bit (from the local Hugging Face cache, downloaded if "
+        "absent); what starts with /, ./, ../ or ~ is always a directory",
     )
-    model.add_argument(
+    serve.add_argument(
         "--demo",
         action="store_true",
         help="serve a tiny random-weight demo model (its text is noise), built once offline",
     )
     serve.add_argument(
+        "--revision",
+        help="the branch, tag or commit of a Hugging Face repo id to serve (default: main)",
+    )
+    serve.add_argument(
+        "--adapter-path",
+        type=_adapter,
+        metavar="DIR",
+        help="a LoRA adapter to apply to the model (a directory with adapter_config.json "
+        "and adapters.safetensors, as mlx_lm.lora writes)",
+    )
+    serve.add_argument(
+        "--generation-config",
+        choices=["auto", "none"],
+        default="auto",
+        help="auto: sampling values a request leaves unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) come from the model's generation_config.json; none: the "
+        "worker's own (temperature 1, no filters) (%(default)s)",
+    )
+    serve.add_argument(
         "--host", default=server.host, help="address to listen on, 0.0.0.0 for all (%(default)s)"
     )
     serve.add_argument(
-        "--port", type=int, default=server.port, help="gRPC port, 0 picks a free one (%(default)s)"
+        "--port",
+        type=_any_port,
+        default=server.port,
+        help="gRPC port, 0 picks a free one (%(default)s)",
     )
     serve.add_argument(
         "--served-model-name",
@@ -153,25 +230,52 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prompt-cache-bytes",
         type=byte_size,
-        default=engine.prompt_cache_bytes,
         metavar="SIZE",
-        help="memory for KV caches of finished requests, reused by later requests that "
-        "share a prompt prefix; least recently used go first; 0 disables; units such as "
-        f"4GiB or 512MB (default: {engine.prompt_cache_bytes >> 30}GiB)",
+        help="the most memory the prefix cache may hold (KV caches of finished requests, "
+        "reused by later requests that share a prompt prefix); it holds what the memory "
+        "budget leaves beside running requests and gives way when they need the room; "
+        "0 turns the prefix cache off, disk tier included; units such as 4GiB or 512MB "
+        "(default: no bound but the memory budget)",
+    )
+    serve.add_argument(
+        "--prompt-cache-dir",
+        type=Path,
+        metavar="PATH",
+        help="where the prefix cache keeps entries on disk: those that leave memory, and "
+        "those worth keeping across a restart, read back where that is faster than "
+        "prefilling (default: smg-mlx/prompt-cache under $XDG_CACHE_HOME, or ~/.cache)",
+    )
+    serve.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=byte_size,
+        metavar="SIZE",
+        help="the most disk the prefix cache may use in --prompt-cache-dir for this model; "
+        f"0 turns the disk tier off (default: {DISK_CACHE_SHARE * 100:.0f}%% of the free space, at "
+        f"most {DISK_CACHE_MOST >> 30}GiB)",
     )
     serve.add_argument(
         "--memory-budget",
-        type=memory_budget,
+        type=_budget,
         metavar="SIZE|PERCENT",
         help="memory the worker may use, model included: a size such as 24GiB, or a share "
         "of the device's memory such as 80%%; requests wait for room, long prompts prefill "
-        "in smaller chunks (default: 90%% of a GPU's memory, 75%% of the host's RAM on the CPU)",
+        "in smaller chunks (default: 90%% of a GPU's memory; on the CPU, 75%% of the host's "
+        "RAM or of the container's memory limit, whichever is smaller)",
     )
     serve.add_argument(
         "--pipeline",
         action="store_true",
         help="when a distributed launcher (mlx.launch) starts several ranks: split the "
         "model's layers among them instead of each layer's weights (tensor parallel)",
+    )
+    serve.add_argument(
+        "--batching",
+        default=engine.batching,
+        choices=BATCHING,
+        help="how requests are batched: auto runs prompts of different lengths together and "
+        "alone at start-up and serves in the first mode where that changes no output "
+        "(batched; prompts prefilled together only at equal lengths; one request at a time); "
+        "the others ask for that mode or a safer one (%(default)s)",
     )
     serve.add_argument(
         "--stream-interval",
@@ -239,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     serve.add_argument(
         "--metrics-port",
-        type=int,
+        type=_fixed_port,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
     )
     serve.add_argument(
@@ -263,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(an exec probe)",
     )
     health.add_argument("--host", default=server.host, help="worker address (%(default)s)")
-    health.add_argument("--port", type=int, default=server.port, help="gRPC port (%(default)s)")
+    health.add_argument(
+        "--port", type=_fixed_port, default=server.port, help="gRPC port (%(default)s)"
+    )
     health.add_argument(
         "--timeout",
         type=_non_negative,
@@ -278,6 +384,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check flag by flag; exits 2 (parser.error) saying what
+    is wrong. `args.model` is then the model named either way."""
+    named = [what for what in (args.model_arg, args.model) if what is not None]
+    if len(named) + args.demo != 1:
+        parser.error(
+            "name one model to serve: MODEL or --model (a directory or a Hugging Face repo "
+            "id), or --demo"
+        )
+    args.model = named[0] if named else None
+    if args.metrics_port is not None and args.metrics_port == args.port:
+        parser.error(f"--metrics-port {args.metrics_port} is --port's too: give it another")
+    if args.revision is not None and args.demo:
+        parser.error("--revision names a version of a Hugging Face repo id, not of --demo")
+    if args.adapter_path is not None and launched_rank() is not None:
+        parser.error("--adapter-path: adapters are not served over several ranks")
+
+
 def _stop_before_serving(signum: int, frame: object) -> None:
     raise SystemExit(0)  # nothing to drain yet
 
@@ -287,14 +411,18 @@ def main(argv: list[str] | None = None) -> int:
     # process quietly with 0, as they do later.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_before_serving)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "health":
         from smg_mlx import health_check  # grpc only, no model or logging set-up
 
         return health_check.main(args.host, args.port, args.timeout, args.tls_ca)
-    # transformers' notice that PyTorch is absent (MLX needs none) is noise in a
-    # worker's log; it is read when transformers is imported, here or in a child.
+    check_serve_args(args.serve_parser, args)
+    # transformers' notice that PyTorch is absent (MLX needs none), and its
+    # warnings about configs it does not know, are noise in a worker's log; both
+    # are read when transformers is imported, here or in a child.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     rank = launched_rank()
     logs.configure(args.log_level, args.log_format, rank)
     log = logging.getLogger("smg_mlx")
@@ -328,12 +456,18 @@ def main(argv: list[str] | None = None) -> int:
             prefill_step_size=args.prefill_step_size,
             step_budget_seconds=args.step_budget_ms / 1000,
             prompt_cache_bytes=args.prompt_cache_bytes,
+            prompt_cache_dir=args.prompt_cache_dir or default_prompt_cache_dir(),
+            prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
             burst_window_seconds=args.burst_window_ms / 1000,
             memory_budget_bytes=budget_bytes,
             memory_budget_share=budget_share,
             pipeline=args.pipeline,
+            batching=args.batching,
+            adapter_path=args.adapter_path,
         ),
         demo=args.demo,
+        revision=args.revision,
+        model_sampling_defaults=args.generation_config == "auto",
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
@@ -380,7 +514,7 @@ def _follow(config: ServerConfig, rank: int) -> int:
 
     log = logging.getLogger("smg_mlx")
     try:
-        source = model_source.locate(config.engine.model_path, config.demo)
+        source = model_source.locate(config.engine.model_path, config.demo, config.revision)
     except model_source.ModelUnavailable as exc:
         log.error("%s", exc)
         return exc.exit_code

@@ -1,13 +1,35 @@
 """Settings of one worker process, and the one home of their defaults.
 
 The command line (`cli.py`) takes its defaults from these classes, and the
-README's flag table is checked against `--help` by the tests.
+flag table in docs/configuration.md is checked against `--help` by the tests.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+# --batching: "auto" (the mode the start-up check finds exact), or a safer one;
+# from the most batched, as engine.batch_check's modes are.
+BATCHING = ("auto", "equal-lengths", "one-at-a-time")
+
+# Without --prompt-cache-disk-bytes the disk tier takes this share of the free
+# space found at start-up (its own files counted as free), at most DISK_CACHE_MOST.
+DISK_CACHE_SHARE = 0.25
+DISK_CACHE_MOST = 100 << 30
+
+
+def cache_home() -> Path:
+    """The worker's folder under the user's cache directory ($XDG_CACHE_HOME,
+    else ~/.cache), as the Hugging Face cache is: the demo model and the
+    prefix cache's disk tier live there."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smg-mlx"
+
+
+def default_prompt_cache_dir() -> Path:
+    """The disk tier's directory."""
+    return cache_home() / "prompt-cache"
 
 
 @dataclass(frozen=True)
@@ -18,12 +40,17 @@ class EngineConfig:
     completion_batch_size: int = 32  # most sequences decoded together
     prefill_batch_size: int = 8  # most prompts prefilled together
     prefill_step_size: int = 2048  # prompt tokens per prefill step, at most
-    # How long an engine step may take while it prefills (see `engine.scheduler`):
+    # How long an engine step may take while it prefills (see `engine.step_plan`):
     # a running stream's pause between tokens, against how fast long prompts go.
     step_budget_seconds: float = 0.15
-    # KV caches of finished sequences kept for reuse; 0: no prefix cache. A
-    # fixed size, since the model's own footprint is unknown when flags are read.
-    prompt_cache_bytes: int = 2 << 30
+    # The prefix cache (`engine.prefix_cache`). Its memory tier holds what the
+    # memory budget leaves beside the batch, and at most this if set; 0: no
+    # prefix cache at all.
+    prompt_cache_bytes: int | None = None
+    # Its disk tier's directory (None: no disk tier) and size bound (None: a
+    # share of the free space; 0: no disk tier).
+    prompt_cache_dir: Path | None = None
+    prompt_cache_disk_bytes: int | None = None
     # An idle engine waits this long after each new request for more, to start
     # a burst as one group (0: never waits); see `engine.bursts`.
     burst_window_seconds: float = 0.005
@@ -34,11 +61,16 @@ class EngineConfig:
     # With several ranks (a distributed launcher started this process): split
     # the model's layers among them instead of each layer's weights.
     pipeline: bool = False
+    # How requests are batched (one of BATCHING; engine.batch_check).
+    batching: str = "auto"
+    # A LoRA adapter's directory (adapter_config.json, adapters.safetensors),
+    # applied to the model as mlx-lm loads it.
+    adapter_path: Path | None = None
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """How large one request and its response may be (README, "Limits"). Each
+    """How large one request and its response may be (docs/configuration.md, "Limits"). Each
     is a trade-off: more room for unusual clients, more memory and CPU that one
     client can take from the others."""
 
@@ -64,6 +96,10 @@ class ServerConfig:
     # names once it listens (model_source.locate).
     engine: EngineConfig
     demo: bool = False
+    revision: str | None = None  # of a Hugging Face repo: a branch, tag or commit
+    # Sampling values a request leaves unset come from the model's
+    # generation_config.json (api.sampling_defaults); False: the worker's own.
+    model_sampling_defaults: bool = True
     host: str = "127.0.0.1"
     port: int = 50051
     served_model_name: str | None = None

@@ -18,10 +18,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from smg_mlx import __version__
+from smg_mlx.config import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "
 
 
 def default_demo_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "smg-mlx" / f"demo-llama-{__version__}"
+    return cache_home() / f"demo-llama-{__version__}"
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> int:
@@ -100,16 +101,10 @@ def write_model(
     `model_vocab_size` lets the model's vocabulary exceed the small trained
     tokenizer's, so embedding and output shapes match a real model's.
     """
-    import importlib
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
     out.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(out, vocab_size)
-    tok_ids = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
     config = {
         "model_type": family,
         "architectures": [FAMILIES[family]],
@@ -124,9 +119,7 @@ def write_model(
         "max_position_embeddings": context_length,
         "rope_theta": 10000.0 if family == "llama" else 1000000.0,
         "tie_word_embeddings": tie_word_embeddings,
-        "bos_token_id": tok_ids[BOS],
-        "eos_token_id": tok_ids[EOS],
-        "pad_token_id": tok_ids[PAD],
+        **special_token_ids(out),
         "torch_dtype": dtype,
     }
     if llama3_rope and family == "llama":
@@ -144,12 +137,58 @@ def write_model(
         # cut back once it wraps (what the prefix cache must handle).
         config["sliding_window"] = sliding_window
         config["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
+    return save_random_model(out, config, dtype, seed)
+
+
+def special_token_ids(out: Path) -> dict[str, int]:
+    """The config's ids of the special tokens of the tokenizer in `out`."""
+    ids = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    return {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
+
+
+def save_random_model(
+    out: Path,
+    config: dict,
+    dtype: str,
+    seed: int,
+    draw: Callable[[str, Any], Any] | None = None,
+) -> Path:
+    """Write `config` and random weights of its model (mlx-lm's module for its
+    model_type) to `out`: the module's own initial values from `seed`, each
+    passed through `draw(name, value)` if given, as `dtype` (uses MLX)."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     mx.random.seed(seed)
-    module = importlib.import_module(f"mlx_lm.models.{family}")
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(config))
-    weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
+    weights = {
+        name: (draw(name, value) if draw else value).astype(getattr(mx, dtype))
+        for name, value in tree_flatten(model.parameters())
+    }
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def built_aside(out: Path, build: Callable[[Path], object]) -> Path:
+    """`out`, written by `build` into a directory beside it and renamed into
+    place, so that an interrupted build is never mistaken for a model (where
+    another process finished first, its copy stays)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -159,22 +198,17 @@ def build_model(out: Path, args: Sequence[str] = ()) -> Path:
     is never mistaken for a model."""
     if (out / "model.safetensors").exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    built = subprocess.run(
-        [sys.executable, "-m", "smg_mlx.demo_model", str(tmp), *args],
-        capture_output=True,
-        text=True,
-    )
-    if built.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"building the model in {out} failed:\n{built.stderr}")
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    def build(tmp: Path) -> None:
+        built = subprocess.run(
+            [sys.executable, "-m", "smg_mlx.demo_model", str(tmp), *args],
+            capture_output=True,
+            text=True,
+        )
+        if built.returncode != 0:
+            raise RuntimeError(f"building the model in {out} failed:\n{built.stderr}")
+
+    return built_aside(out, build)
 
 
 def ensure_demo_model() -> Path:
@@ -192,23 +226,36 @@ def main() -> None:
         "noise, but it serves as a real model of its family does: serve it with "
         "`smg-mlx serve --model OUT`.",
     )
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, help="default: hidden size / heads")
-    parser.add_argument("--intermediate-size", type=int, help="default: 2 x hidden size")
+    default = " (default: %(default)s)"
+    parser.add_argument("out", type=Path, help="the directory to write")
+    parser.add_argument(
+        "--family", choices=sorted(FAMILIES), default="llama", help="model family" + default
+    )
+    parser.add_argument("--hidden-size", type=int, default=64, help="hidden size" + default)
+    parser.add_argument("--layers", type=int, default=2, help="layers" + default)
+    parser.add_argument("--heads", type=int, default=4, help="attention heads" + default)
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads" + default)
+    parser.add_argument("--head-dim", type=int, help="size of a head (default: hidden / heads)")
+    parser.add_argument(
+        "--intermediate-size", type=int, help="the MLP's hidden size (default: 2 x hidden size)"
+    )
     parser.add_argument(
         "--vocab-size", type=int, help="the model's vocabulary (default: the tokenizer's)"
     )
-    parser.add_argument("--tie-word-embeddings", action="store_true")
-    parser.add_argument("--context-length", type=int, default=2048)
-    parser.add_argument("--no-llama3-rope", action="store_true")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sliding-window", type=int, help="window of every other layer")
+    parser.add_argument(
+        "--tie-word-embeddings", action="store_true", help="share the input and output embeddings"
+    )
+    parser.add_argument(
+        "--context-length", type=int, default=2048, help="context length" + default
+    )
+    parser.add_argument(
+        "--no-llama3-rope", action="store_true", help="a llama without llama3 rope scaling"
+    )
+    parser.add_argument("--dtype", default="float32", help="of the weights" + default)
+    parser.add_argument("--seed", type=int, default=0, help="of the random weights" + default)
+    parser.add_argument(
+        "--sliding-window", type=int, help="window of every other layer (default: none)"
+    )
     args = parser.parse_args()
     write_model(
         args.out,

@@ -23,7 +23,7 @@ class _Outcome:
 
     exit_code = 1
 
-    def started(self, memory: Memory, ranks: int) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str) -> None:
         # Once following, stopping this rank alone would fail every rank: rank 0
         # stops them all. (Until then a signal ends it, as a stuck start-up may need.)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -52,6 +52,10 @@ def run(config: EngineConfig, rank: int) -> int:
     """Follow rank 0 until it stops; returns the exit code."""
     log.info("rank %d: serving %s with rank 0, which answers the clients", rank, config.model_path)
     outcome = _Outcome()
-    # On this thread, which then owns MLX: nothing else here touches it.
-    EngineCore(config, Inbox(), outcome).run()
+    try:
+        # On this thread, which then owns MLX: nothing else here touches it.
+        EngineCore(config, Inbox(), outcome).run()
+    except SystemExit as stop:  # a signal while it loads (the launcher ending the ranks)
+        log.info("rank %d: stopped while starting", rank)
+        return stop.code if isinstance(stop.code, int) else 0
     return outcome.exit_code

@@ -6,11 +6,15 @@ gRPC probes need a command whose exit code is the verdict.
 
 from __future__ import annotations
 
+import socket
+import ssl
 import sys
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from smg_mlx.logs import one_line
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -32,11 +36,27 @@ def probe(host: str, port: int, timeout: float, tls_ca: Path | None = None) -> s
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return f"{target} did not answer within {timeout:g}s"
-            details = " ".join((exc.details() or "").split())  # one line
+            if tls_ca is None and _speaks_tls(host, port, timeout):
+                # gRPC says no more than "Socket closed" of a plaintext call to it.
+                return f"{target} serves TLS: pass --tls-ca with the certificate to trust"
+            details = one_line(exc.details() or "")
             return f"cannot check {target}: {exc.code().name}: {details}"
     if status == SERVING:
         return None
     return f"{target} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+
+
+def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether host:port answers a TLS handshake (its certificate unchecked)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout) as raw:
+            with context.wrap_socket(raw):
+                return True
+    except OSError:  # refused, closed, or not TLS (ssl.SSLError is one)
+        return False
 
 
 def main(host: str, port: int, timeout: float, tls_ca: Path | None) -> int:

@@ -3,13 +3,24 @@
 Log lines carry what clients sent (request ids, for one), so neither format
 lets a message span lines: a request id with a newline in it cannot forge a
 line of its own.
+
+In JSON, lines that reach stderr without passing through logging (gRPC's
+core reports failed binds and TLS handshakes so, native libraries and
+Python's last words too) are made JSON objects by a relay: a child process
+reading the process's stderr, since a thread would lose what a crash leaves
+unread.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import signal
+import subprocess
 import sys
+from typing import TextIO
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -19,6 +30,17 @@ def _escaped(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def one_line(text: object) -> str:
+    """`text` (an exception, another library's message) on one line, each run
+    of whitespace one space: a log line or a status detail must not span lines."""
+    return " ".join(str(text).split())
+
+
+def error_line(exc: BaseException) -> str:
+    """`exc` as "Type: message", on one line."""
+    return f"{type(exc).__name__}: {one_line(exc)}"
 
 
 class TextFormatter(logging.Formatter):
@@ -55,10 +77,65 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)  # escapes every control and non-ASCII character
 
 
+# absl's line, as gRPC's core writes it: "E1126 10:33:13.701155 6369 file.cc:83] text".
+ABSL_LINE = re.compile(r"([DIWEF])\d{4} [\d:.]+\s+\d+ [^\]]*\] (.*)")
+ABSL_LEVELS = {"D": "DEBUG", "I": "INFO", "W": "WARNING", "E": "ERROR", "F": "CRITICAL"}
+_relay: subprocess.Popen | None = None  # kept from the garbage collector
+
+
+def foreign_line(line: str, formatter: JsonFormatter) -> str:
+    """One line written to stderr by something other than logging, as the
+    worker's own JSON lines are written."""
+    found = ABSL_LINE.fullmatch(line)
+    level, logger = (ABSL_LEVELS[found[1]], "grpc") if found else ("WARNING", "stderr")
+    record = logging.makeLogRecord(
+        {"name": logger, "levelname": level, "msg": found[2] if found else line}
+    )
+    return formatter.format(record)
+
+
+def relay(rank: int | None) -> None:
+    """The relay's loop: stdin's lines out to stdout as JSON, until every writer
+    has gone. Signals are the worker's to act on."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    formatter = JsonFormatter(rank)
+    for raw in sys.stdin.buffer:
+        line = raw.decode(errors="backslashreplace").rstrip()
+        if line:
+            sys.stdout.write(foreign_line(line, formatter) + "\n")
+            sys.stdout.flush()
+
+
+def _relay_stderr(rank: int | None) -> TextIO:
+    """Point this process's stderr at a relay; returns a stream to the real
+    stderr for the worker's own lines, which need no relaying."""
+    global _relay
+    real = os.dup(2)
+    read, write = os.pipe()
+    _relay = subprocess.Popen(
+        [sys.executable, "-m", "smg_mlx.logs", *([] if rank is None else [str(rank)])],
+        stdin=read,
+        stdout=real,
+        stderr=real,
+    )
+    os.dup2(write, 2)
+    os.close(write)
+    os.close(read)
+    return os.fdopen(real, "w", buffering=1, errors="backslashreplace")
+
+
 def configure(level: str, format_name: str, rank: int | None = None) -> None:
     """Send the worker's logs to stderr in the chosen format; `rank`: which of
     several processes serving one model this one is."""
-    handler = logging.StreamHandler(sys.stderr)
-    formatter = JsonFormatter if format_name == "json" else TextFormatter
-    handler.setFormatter(formatter(rank))
+    if format_name == "json":
+        handler = logging.StreamHandler(_relay_stderr(rank))
+        handler.setFormatter(JsonFormatter(rank))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(TextFormatter(rank))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+if __name__ == "__main__":
+    relay(int(sys.argv[1]) if len(sys.argv) > 1 else None)

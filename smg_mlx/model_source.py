@@ -1,8 +1,10 @@
 """What `--model` names: a local model directory, or a Hugging Face repo id; or
 the demo model (`--demo`).
 
-A repo id is served from the local Hugging Face cache when its snapshot is
-there, and downloaded into that cache otherwise (unless HF_HUB_OFFLINE is set).
+A repo id (at a revision, if one is named) is served from the local Hugging
+Face cache when its snapshot is there, and downloaded into that cache
+otherwise (unless HF_HUB_OFFLINE is set). What is written as a path (it
+starts with `/`, `./`, `../` or `~`) is never taken for a repo id.
 The worker finds its model after it starts listening (a download or the demo
 build can take a while), so none of this imports MLX.
 """
@@ -23,11 +25,13 @@ from typing import Any
 from tqdm import tqdm
 
 from smg_mlx.demo_model import ensure_demo_model
+from smg_mlx.logs import one_line
 
 log = logging.getLogger(__name__)
 
 # owner/name, as the Hub spells repo ids; a bare name is taken for a mistyped path.
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+PATH_STARTS = ("/", "./", "../", "~")
 # What mlx-lm loads and the tokenizer reads; not other formats' weights or the README.
 MODEL_FILES = ["*.json", "model*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 EXAMPLE = "mlx-community/Qwen3-0.6B-4bit"
@@ -58,25 +62,37 @@ class ModelSource:
     served_name: str | None  # None: the directory's name
 
 
-def locate(model: Path, demo: bool) -> ModelSource:
-    """The model to serve: the demo model (built on first use), or what `model` names.
-    Raises ModelUnavailable."""
+def looks_like_a_path(model: str) -> bool:
+    """Whether `model` is written as a path: then it is never a repo id."""
+    return model.startswith(PATH_STARTS) or model in (".", "..")
+
+
+def locate(model: Path, demo: bool, revision: str | None = None) -> ModelSource:
+    """The model to serve: the demo model (built on first use), or what `model`
+    names (at `revision`, for a repo id). Raises ModelUnavailable."""
     if not demo:
-        return resolve(str(model))
+        return resolve(str(model), revision)
     try:
         return ModelSource(ensure_demo_model(), DEMO_NAME)
     except RuntimeError as exc:  # the build's child process failed
         raise ModelUnavailable(str(exc)) from None
 
 
-def resolve(model: str) -> ModelSource:
+def resolve(model: str, revision: str | None = None) -> ModelSource:
     """The model directory `model` names; a local path that exists always wins."""
     local = Path(model).expanduser()
-    if local.exists():
+    if local.exists() or looks_like_a_path(model):
+        if not local.exists():
+            raise ModelNotFound(f"{model} is not a model directory (no such path)")
         if not (local / "config.json").is_file():
             raise ModelNotFound(
                 f"{model} is not a model directory (no config.json); pass an mlx-lm model "
                 f"directory or a Hugging Face repo id such as {EXAMPLE}"
+            )
+        if revision is not None:
+            raise ModelNotFound(
+                f"{model} is a local directory: --revision names a version of a Hugging Face "
+                "repo id only; leave it out"
             )
         return ModelSource(local, None)
     if not REPO_ID.fullmatch(model):
@@ -84,42 +100,50 @@ def resolve(model: str) -> ModelSource:
             f"{model} is not a model directory (no such path), nor a Hugging Face repo id "
             f"(owner/name, such as {EXAMPLE})"
         )
-    snapshot = _snapshot(model)
+    snapshot = _snapshot(model, revision)
     if not (snapshot / "config.json").is_file():
         raise ModelNotFound(f"{model} has no config.json: it is not an mlx-lm model")
     log.info("%s is in %s", model, snapshot)
     return ModelSource(snapshot, model.split("/")[1])
 
 
-def _snapshot(repo_id: str) -> Path:
-    """The cached snapshot of `repo_id`, downloaded first when the cache lacks it."""
+def _snapshot(repo_id: str, revision: str | None) -> Path:
+    """The cached snapshot of `repo_id` at `revision` (None: its main branch),
+    downloaded first when the cache lacks it."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
 
+    get = {"repo_id": repo_id, "revision": revision, "allow_patterns": MODEL_FILES}
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES, local_files_only=True))
+        return Path(snapshot_download(**get, local_files_only=True))
     except LocalEntryNotFoundError:
         pass  # not cached, or only partly
     cache = constants.HF_HUB_CACHE
+    at = "" if revision is None else f" --revision {revision}"
+    named = repo_id if revision is None else f"{repo_id} at revision {revision}"
     if constants.HF_HUB_OFFLINE:
         raise ModelNotFound(
-            f"{repo_id} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
-            f"download it with `hf download {repo_id}` where the Hub can be reached (same "
+            f"{named} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+            f"download it with `hf download {repo_id}{at}` where the Hub can be reached (same "
             "HF_HOME), unset HF_HUB_OFFLINE, or pass a local model directory"
         )
-    log.info("downloading %s from the Hugging Face Hub into %s", repo_id, cache)
+    log.info("downloading %s from the Hugging Face Hub into %s", named, cache)
     # The Hub's HTTP client logs every request at INFO; the progress lines say enough.
     for client in ("httpx", "httpx2"):
         logging.getLogger(client).setLevel(logging.WARNING)
     started = time.monotonic()
     try:
-        path = _on_daemon_thread(
-            snapshot_download, repo_id, allow_patterns=MODEL_FILES, tqdm_class=_LoggedProgress
-        )
+        path = _on_daemon_thread(snapshot_download, **get, tqdm_class=_LoggedProgress)
+    except RevisionNotFoundError:
+        raise ModelNotFound(
+            f"{repo_id} has no revision {revision!r} on the Hub: name a branch, tag or commit "
+            "it has"
+        ) from None
     except GatedRepoError:
         raise ModelNotFound(
             f"{repo_id} is gated: accept its terms on its Hub page and set HF_TOKEN"
@@ -130,13 +154,12 @@ def _snapshot(repo_id: str) -> Path:
             "or set HF_TOKEN to a token that may read it"
         ) from None
     except OSError as exc:  # the Hub's HTTP errors and connection failures are OSErrors
-        reason = " ".join(str(exc).split())  # the Hub's messages span lines; a log line does not
         raise DownloadFailed(
-            f"cannot download {repo_id} from {constants.ENDPOINT} ({reason}): check the network "
-            f"and any HTTPS_PROXY, or download it with `hf download {repo_id}` where the Hub "
-            "can be reached (same HF_HOME) and start the worker again"
+            f"cannot download {named} from {constants.ENDPOINT} ({one_line(exc)}): check the "
+            f"network and any HTTPS_PROXY, or download it with `hf download {repo_id}{at}` where "
+            "the Hub can be reached (same HF_HOME) and start the worker again"
         ) from None
-    log.info("downloaded %s in %.0fs", repo_id, time.monotonic() - started)
+    log.info("downloaded %s in %.0fs", named, time.monotonic() - started)
     return Path(path)
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,14 +17,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from smg_mlx import model_source
-from smg_mlx.api import responses, translation
-from smg_mlx.api.engine_client import EngineClient, EngineState
+from smg_mlx.api import responses, sampling_defaults, translation
+from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
 from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo, load_model_info
 from smg_mlx.api.rpc_handlers import add_engine_service
 from smg_mlx.api.servicer import MlxEngineServicer
 from smg_mlx.config import ServerConfig
+from smg_mlx.engine.memory import format_bytes
+from smg_mlx.engine.ranks import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
+from smg_mlx.logs import one_line
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +47,73 @@ class StartupError(RuntimeError):
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    # transformers tokenizes without MLX, so text prompts never touch the engine thread.
+    """The model's tokenizer (transformers tokenizes without MLX, so text
+    prompts never touch the engine thread); raises StartupError when the
+    directory has none, or it cannot be loaded."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    missing = StartupError(
+        f"{model_dir} has no tokenizer (no tokenizer.json, nor the vocabulary files a "
+        "tokenizer_config.json names): serve a model directory with its tokenizer files",
+        exit_code=2,
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # noqa: BLE001 - transformers' own reasons, of many kinds
+        if not any(model_dir.glob("tokenizer*")):
+            raise missing from None
+        raise StartupError(f"cannot load the tokenizer of {model_dir}: {one_line(exc)}") from None
+    # Without tokenizer files transformers may build an empty tokenizer of the
+    # model's family, which turns every text into no tokens at all.
+    if not tokenizer.encode("Hello"):
+        raise missing
+    return tokenizer
+
+
+def weights_on_disk(model_dir: Path) -> int:
+    """Bytes of the model's weight files (what loading them takes, about)."""
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
+def _bind(host: str, port: int) -> None:
+    """Bind a socket to every address `host` names, as gRPC does; raises OSError."""
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+
+
+def listen_failure(flag: str, host: str, port: int, exc: OSError | None = None) -> StartupError:
+    """Why `host:port` (the port of `flag`) cannot be listened on, as a
+    StartupError whose exit code says whether a restart could cure it (a port
+    in use) or a flag must change. gRPC's own error names no cause: without
+    `exc`, a socket bound there finds it."""
+    where = f"cannot listen on {host}:{port}"
+    if exc is None:
+        try:
+            _bind(host, port)
+        except socket.gaierror as lookup:
+            return StartupError(
+                f"{where}: {host} is neither an address nor a name this machine resolves "
+                f"({lookup.strerror}): fix --host",
+                exit_code=2,
+            )
+        except OSError as bind:
+            exc = bind
+        else:
+            return StartupError(f"{where}: gRPC could not bind it")
+    if exc.errno == errno.EADDRINUSE:  # another process may let go of it: a restart may do
+        return StartupError(
+            f"{where}: port {port} is in use (another worker or program holds it): stop that "
+            f"or choose another {flag}"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return StartupError(f"{where}: {host} is not an address of this machine: fix --host", 2)
+    if exc.errno == errno.EACCES:
+        return StartupError(f"{where}: port {port} needs privileges: choose another {flag}", 2)
+    return StartupError(f"{where}: {exc.strerror or exc}")
 
 
 class Worker:
@@ -64,6 +132,7 @@ class Worker:
             running=lambda: self.engine.running,
             prefilling=lambda: self.engine.prefilling,
             memory=lambda: self.engine.memory,
+            cache=lambda: self.engine.cache,
         )
         self.engine.on_step(self.metrics.step)
         self.servicer = MlxEngineServicer(
@@ -100,12 +169,13 @@ class Worker:
             await self.health.set(name, status)
 
     def _on_engine_failure(self, message: str) -> None:
+        if not self.serving:  # a failure while loading ends start-up, which says why
+            return
         log.error("%s; reporting NOT_SERVING", message)
         asyncio.get_running_loop().create_task(self._set_health(NOT_SERVING))
-        if self.serving:  # (a failure while loading ends start-up instead)
-            # Supervisors restart a worker that exits, not one that stays up broken.
-            log.error("the engine failed: stopping the worker (exit code 1)")
-            self.request_stop()
+        # Supervisors restart a worker that exits, not one that stays up broken.
+        log.error("the engine failed: stopping the worker (exit code 1)")
+        self.request_stop()
 
     async def start(self) -> None:
         """Listen, find the model (which may mean a download or building the demo
@@ -120,17 +190,17 @@ class Worker:
                 self.port = self.server.add_insecure_port(address)
             else:
                 self.port = self.server.add_secure_port(address, credentials)
-        except (OSError, RuntimeError) as exc:
-            raise StartupError(f"cannot listen on {address}: {exc}") from exc
+        except (OSError, RuntimeError):
+            raise listen_failure("--port", self.config.host, self.config.port) from None
         await self.server.start()
         if self.config.metrics_port is not None:
             try:
                 self.metrics.serve(self.config.host, self.config.metrics_port)
             except OSError as exc:
                 await self.server.stop(None)
-                raise StartupError(
-                    f"cannot serve metrics on {self.config.host}:{self.config.metrics_port}: {exc}"
-                ) from exc
+                raise listen_failure(
+                    "--metrics-port", self.config.host, self.config.metrics_port, exc
+                ) from None
             log.info("metrics on http://%s:%d/metrics", self.config.host, self.config.metrics_port)
         log.info(
             "listening on %s:%d (%s)",
@@ -142,20 +212,33 @@ class Worker:
         await self._locate_model()
         log.info("loading %s", self.model_dir)
         try:
+            self._check_budget_holds_the_weights()
             # Model facts need no weights: GetModelInfo answers while the
-            # engine thread loads them, so a router that probes early
-            # registers the right model. Read them before the engine starts:
+            # engine thread loads them. Read them before the engine starts:
             # transformers' lazy imports are not safe from two threads at once.
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
             info = load_model_info(self.model_dir, tokenizer, self.config.served_model_name)
             self._check_request_room(info)
-            self.servicer.set_model(self.model_dir, info, tokenizer)
+            self.servicer.set_model(self.model_dir, info, tokenizer, self._sampling_defaults())
             self.engine.start(self.config.engine)
             await self.engine.wait_ready()
+        except StartupError:
+            await self.server.stop(None)
+            raise
         except Exception as exc:
             await self.server.stop(None)
-            raise StartupError(f"cannot serve {self.model_dir}: {exc}") from exc
+            # A model the worker can never serve is refused like a bad flag (exit 2):
+            # supervisors do not restart it into the same refusal.
+            code = 2 if isinstance(exc, EngineUnavailable) and exc.permanent else 1
+            raise StartupError(f"cannot serve {self.model_dir}: {exc}", code) from exc
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
+        self.metrics.serving_mode.labels(self.engine.mode).set(1)
+        longest = self.engine.longest_sequence
+        log.info(
+            "one request may have up to %d tokens of prompt and output (%s)",
+            min(longest, info.context_length),
+            "the model's context" if info.context_length <= longest else "what memory holds",
+        )
         await self._set_health(SERVING)
         self.serving = True
         log.info(
@@ -168,6 +251,33 @@ class Worker:
             time.perf_counter() - started,
             self._ranks(),
         )
+
+    def _check_budget_holds_the_weights(self) -> None:
+        """Refuse a --memory-budget that cannot hold even the model's weights
+        before loading them. (Each of several ranks holds a part of them: the
+        engine checks those once they are loaded.)"""
+        budget = self.config.engine.memory_budget_bytes
+        weights = weights_on_disk(self.model_dir)
+        if budget is not None and budget < weights and launched_rank() is None:
+            raise StartupError(
+                f"--memory-budget {format_bytes(budget)} cannot hold the model: its weights "
+                f"alone take {format_bytes(weights)}; raise --memory-budget",
+                exit_code=2,
+            )
+
+    def _sampling_defaults(self) -> sampling_defaults.SamplingDefaults:
+        """The model's sampling values for what requests leave unset, unless
+        --generation-config none; logged, since they change what clients get."""
+        if not self.config.model_sampling_defaults:
+            return sampling_defaults.NO_DEFAULTS
+        defaults = sampling_defaults.read(self.model_dir)
+        if str(defaults):
+            log.info(
+                "requests that leave them unset get the model's sampling values "
+                "(generation_config.json; --generation-config none turns this off): %s",
+                defaults,
+            )
+        return defaults
 
     def _check_request_room(self, info: ModelInfo) -> None:
         """Say so when a prompt of the model's whole context would not fit in one
@@ -191,7 +301,7 @@ class Worker:
         config = self.config
         try:
             source = await asyncio.to_thread(
-                model_source.locate, config.engine.model_path, config.demo
+                model_source.locate, config.engine.model_path, config.demo, config.revision
             )
         except model_source.ModelUnavailable as exc:
             await self.server.stop(None)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -10,7 +14,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import Process
 
 from smg_mlx.config import EngineConfig, ServerConfig
 from smg_mlx.demo_model import build_model
@@ -18,7 +21,14 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 from smg_mlx.server import Worker
 
+from helpers import Process
+
 REPO = Path(__file__).resolve().parent.parent
+
+# Workers the tests start keep their prompt caches (and anything else they would
+# put in the user's cache directory) here.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="smg-mlx-tests-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 
 @pytest.fixture(scope="session")

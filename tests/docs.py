@@ -15,6 +15,11 @@ from helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+# The reference pages the README links to, by what a reader looks for there.
+DOCS = REPO / "docs"
+CONFIGURATION = DOCS / "configuration.md"
+OPERATIONS = DOCS / "operations.md"
+SCALING = DOCS / "scaling.md"
 DEPLOY_README = REPO / "deploy" / "README.md"
 # A shell as a reader's is before they activate anything: the virtual environment is not
 # on PATH, so a command that needs it must name it.

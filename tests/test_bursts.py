@@ -10,9 +10,10 @@ import threading
 import time
 
 import pytest
-from helpers import generate, prompt, request
 
 from smg_mlx.cli import build_parser
+
+from helpers import generate, prompt, request
 
 
 class Stream(threading.Thread):

@@ -6,10 +6,11 @@ import asyncio
 import random
 
 import grpc
-from helpers import generate, prompt, request, wait_until
 
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+
+from helpers import generate, prompt, request, wait_until
 
 STREAMS = 64
 # The end of every stream the clients did not cancel themselves.

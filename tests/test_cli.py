@@ -1,18 +1,21 @@
-"""The command line: its flags, their defaults (one home: config.py) and the README's table."""
+"""The command line: its flags, their defaults (one home: config.py) and the flag table of
+docs/configuration.md."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from smg_mlx import __version__
-from smg_mlx.cli import build_parser, byte_size
+from smg_mlx.cli import build_parser, byte_size, check_serve_args
 from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def serve_flags() -> dict[str, argparse.Action]:
@@ -27,10 +30,10 @@ def serve_flags() -> dict[str, argparse.Action]:
     }
 
 
-def readme_table() -> dict[str, str]:
-    """Flag -> default cell, from the README's flag table."""
-    text = README.read_text()
-    table = text[text.index("### Flags") :].split("\n\n")[1]
+def flag_table() -> dict[str, str]:
+    """Flag -> default cell, from the flag table of docs/configuration.md."""
+    text = CONFIGURATION.read_text()
+    table = text[text.index("## Flags") :].split("\n\n")[1]
     rows = {}
     for line in table.splitlines()[2:]:
         flags_cell, default = (cell.strip() for cell in line.strip("|").split("|")[:2])
@@ -39,16 +42,16 @@ def readme_table() -> dict[str, str]:
     return rows
 
 
-def test_every_flag_in_help_is_in_the_readme_table():
-    rows = readme_table()
+def test_every_flag_in_help_is_in_the_flag_table():
+    rows = flag_table()
     missing = sorted(set(serve_flags()) - set(rows) - {"--model-path"})
-    assert not missing, f"README's flag table lacks {missing}"
-    assert "--model-path" in README.read_text()
+    assert not missing, f"the flag table of docs/configuration.md lacks {missing}"
+    assert "--model-path" in CONFIGURATION.read_text()
 
 
-def test_readme_defaults_match_the_code():
+def test_the_flag_tables_defaults_match_the_code():
     flags, checked = serve_flags(), 0
-    for flag, cell in readme_table().items():
+    for flag, cell in flag_table().items():
         action = flags.get(flag)
         if action is None or action.default in (None, False, argparse.SUPPRESS):
             continue
@@ -110,6 +113,10 @@ def test_sizes_take_units(text, expected):
         (["--max-response-bytes", "1KiB"], "expected a size of at least 64KiB, got '1KiB'"),
         (["--max-pending", "-1"], "expected a whole number, 0 or more, got '-1'"),
         (["--completion-batch-size", "x"], "expected a whole number of at least 1, got 'x'"),
+        (["--memory-budget", "0"], "expected a size above 0"),
+        (["--port", "70000"], "expected a port number from 0 to 65535, got '70000'"),
+        (["--port", "-1"], "expected a port number from 0 to 65535, got '-1'"),
+        (["--metrics-port", "0"], "expected a port number from 1 to 65535, got '0'"),
     ],
 )
 def test_bad_values_say_what_is_expected(args, message, capsys):
@@ -131,3 +138,63 @@ def test_version(args, capsys):
         build_parser().parse_args(args)
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"smg-mlx {__version__}"
+
+
+def serve_args(*argv: str):
+    args = build_parser().parse_args(["serve", *argv])
+    check_serve_args(args.serve_parser, args)
+    return args
+
+
+def test_the_model_may_be_named_as_vllm_does():
+    assert serve_args("mlx-community/Qwen3-0.6B-4bit").model == Path(
+        "mlx-community/Qwen3-0.6B-4bit"
+    )
+    assert serve_args("--model", "org/name").model == Path("org/name")
+
+
+def test_an_adapter_path_names_an_adapter(capsys):
+    with pytest.raises(SystemExit):
+        serve_args("--demo", "--adapter-path", "/no/adapter")
+    assert "'/no/adapter' is not a LoRA adapter's directory (no adapter_config.json" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "name one model to serve: MODEL or --model"),
+        (["org/a", "--model", "org/b"], "name one model to serve: MODEL or --model"),
+        (["org/a", "--demo"], "name one model to serve: MODEL or --model"),
+        (["--demo", "--revision", "v1"], "--revision names a version of a Hugging Face repo id"),
+        (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
+    ],
+)
+def test_what_flags_say_together_is_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        serve_args(*argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_path_written_as_one_stays_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert serve_args("--model", "./models/x").model == tmp_path / "models" / "x"
+    assert serve_args("../x").model == tmp_path / ".." / "x"
+    assert serve_args("--model", "~/x").model == Path.home() / "x"
+    assert serve_args("models/x").model == Path("models/x")  # may be a repo id
+
+
+def test_demo_model_help_shows_every_default():
+    text = subprocess.run(
+        [sys.executable, "-m", "smg_mlx.demo_model", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    # Each option that takes a value, with the help that follows it.
+    options = re.findall(r"\n  (--[a-z-]+ [A-Z_]+)(.*?)(?=\n  -|\Z)", text, re.DOTALL)
+    assert len(options) >= 10
+    for option, help_text in options:
+        assert "(default: " in " ".join(help_text.split()), option

@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
-from docs import DEPLOY_README, code_blocks, commands, section
-from helpers import SERVING, Process, demo_model_cache
 
 from bench.workers import free_port
 from smg_mlx.cli import build_parser
 from smg_mlx.config import ServerConfig
 from smg_mlx.server import HEALTH_NAMES
+
+from conftest import REPO
+from docs import DEPLOY_README, code_blocks, commands, section
+from helpers import SERVING, Process, demo_model_cache
 
 DEPLOY = REPO / "deploy"
 HEALTH = re.compile(r"(\S+) (health [^;|&']*)")  # an `smg-mlx health` call in a shell line

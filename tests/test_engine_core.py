@@ -10,7 +10,6 @@ import sys
 import threading
 
 import pytest
-from helpers import prompt
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine import warm_up
@@ -27,6 +26,8 @@ from smg_mlx.engine.types import (
     StepReport,
 )
 
+from helpers import prompt
+
 TIMEOUT = 60
 
 
@@ -38,7 +39,7 @@ class Recorder:
         self.reports: queue.Queue[StepReport] = queue.Queue()
         self.ending: queue.Queue[str] = queue.Queue()
 
-    def started(self, memory, ranks) -> None:
+    def started(self, memory, ranks, mode) -> None:
         self.ready.set()
 
     def stepping(self, expected_seconds) -> None:
@@ -50,8 +51,8 @@ class Recorder:
     def stopped(self) -> None:
         self.ending.put("stopped")
 
-    def failed(self, message: str) -> None:
-        self.ending.put(f"failed: {message}")
+    def failed(self, message: str, permanent: bool = False) -> None:
+        self.ending.put(f"{'refused' if permanent else 'failed'}: {message}")
 
     def next_report(self) -> StepReport:
         self.last = self.reports.get(timeout=TIMEOUT)

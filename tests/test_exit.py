@@ -12,11 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import NOT_SERVING, collect, generate, model_copy, prompt, request, wait_until
 
 from bench.workers import free_port
-from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+from smg_mlx.health_check import probe
+
+from helpers import NOT_SERVING, collect, generate, model_copy, prompt, request, wait_until
 
 # More with SOAK_EXIT_CYCLES (make soak runs 200).
 CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "5"))
@@ -108,7 +110,7 @@ def test_a_second_worker_on_a_taken_port_exits_one(spawn, model_dir, tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert second.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{first.port}" in second.stderr
+    assert f"cannot listen on 127.0.0.1:{first.port}: port {first.port} is in use" in second.stderr
     # The first still owns the port and serves.
     assert len(generate(first.stub, prompt(4), max_tokens=2).tokens) == 2
 
@@ -118,7 +120,7 @@ def test_bad_flags_exit_two(spawn, model_dir):
     assert p.proc.wait(30) == 2
 
 
-# The worker's command line, with the engine made to fail at its next step once
+# The worker's command line, with the engine made to fail at every step once
 # the file named by FAIL_FLAG exists.
 FAILING_ENGINE = textwrap.dedent(
     """
@@ -155,9 +157,7 @@ def test_an_engine_failure_ends_the_process_with_one(model_dir, tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             grpc.channel_ready_future(channel).result(60)
             stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
-            assert wait_until(
-                lambda: stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy, 60
-            )
+            assert wait_until(lambda: probe("127.0.0.1", port, 5) is None, 60)
             call = stub.Generate(request(prompt(4), max_tokens=1900, ignore_eos=True), timeout=60)
             # Fails once the client has a token: the request cannot go elsewhere.
             next(call)
@@ -165,6 +165,10 @@ def test_an_engine_failure_ends_the_process_with_one(model_dir, tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 collect(call)
             assert err.value.code() == grpc.StatusCode.INTERNAL
+            # One failed step is contained; steps failing again and again end the engine.
+            for _ in range(MAX_FAILED_STEPS_IN_A_ROW - 1):
+                with pytest.raises(grpc.RpcError):
+                    collect(stub.Generate(request(prompt(4), max_tokens=3), timeout=60))
         assert proc.wait(30) == 1  # for the supervisor to restart it
     finally:
         proc.kill()

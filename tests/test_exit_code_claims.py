@@ -1,5 +1,6 @@
-"""Every file that says what an exit code means says the same: the README's table, the
-supervisors' table in deploy/README.md, and the comments of the recipes and the image. A
+"""Every file that says what an exit code means says the same: the table in
+docs/operations.md, the supervisors' table in deploy/README.md, the other docs, and the
+comments of the recipes and the image. A
 supervisor is designed from these claims, so two that disagree are a bug."""
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from docs import DEPLOY_README, README, REPO, section, table
+
+from docs import DEPLOY_README, DOCS, OPERATIONS, README, REPO, section, table
 
 # What ends the worker with which code, by a word each claim uses. The codes are the
 # worker's own, as the tests that end it each way check: test_exit.py (signals, a taken
@@ -24,19 +26,24 @@ CAUSES = {
     "--model": 2,
 }
 # The docs, the image, and every file under deploy/ (its README among them).
-FILES = [README, REPO / "Dockerfile", *sorted((REPO / "deploy").rglob("*.*"))]
+FILES = [
+    README,
+    *sorted(DOCS.glob("*.md")),
+    REPO / "Dockerfile",
+    *sorted((REPO / "deploy").rglob("*.*")),
+]
 # "exit 1 (why, why) ...", as the recipes' comments put it.
 PARENTHESIZED = re.compile(r"\bexit (\d) \(([^)]*)\)", re.IGNORECASE)
 
 
 def exit_tables() -> dict[str, dict[int, str]]:
     """The two tables of exit codes: code -> the cell that says when."""
-    readme = section(README, "### Health, shutdown and exit codes")
-    readme = readme[readme.index("| exit code |") :]
+    docs = section(OPERATIONS, "## Health, shutdown and exit codes")
+    docs = docs[docs.index("| exit code |") :]
     deploy = section(DEPLOY_README, "## What the supervisor does with each exit")
     return {
         name: {int(row[0]): row[1] for row in table(text)}
-        for name, text in (("README.md", readme), ("deploy/README.md", deploy))
+        for name, text in (("docs/operations.md", docs), ("deploy/README.md", deploy))
     }
 
 
@@ -77,7 +84,7 @@ def test_every_claim_gives_a_cause_its_code(cause):
 def test_the_recipes_comments_make_claims_to_check():
     # The pattern above must keep finding them: a test that reads nothing proves nothing.
     assert {where for where, _, _ in claims()} >= {
-        "README.md", "deploy/README.md", "smg-mlx.service", "com.example.smg-mlx.plist",
+        "docs/operations.md", "deploy/README.md", "smg-mlx.service", "com.example.smg-mlx.plist",
     }  # fmt: skip
 
 

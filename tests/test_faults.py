@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import generate, prompt, request, wait_until
 
 from smg_mlx.engine import sampling
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+
+from helpers import collect, generate, prompt, request, wait_until
 
 GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"
 ABORT = "/mlx.grpc.engine.MlxEngine/Abort"
@@ -185,4 +188,55 @@ def test_overload_burst_rejects_the_excess_at_once(start_worker, model_dir):
     assert len(served) == batch + pending and len(refused) == 4 * pending - batch - pending
     # Refusals do not wait for the work in front of them.
     assert max(refused) < min(served)
+    assert_still_serving(w)
+
+
+def test_a_flood_of_large_payloads_past_capacity_is_refused_before_any_is_parsed(
+    start_worker, model_dir
+):
+    w = start_worker(model_dir, completion_batch_size=1, max_pending=1)
+    # Hold the one thread that parses large payloads, one after another.
+    parsing = threading.Event()
+    w.worker.servicer.payload._thread.submit(parsing.wait, 60)
+    text = "Hello, world! " * 6000  # 84,000 characters: more than is parsed on the loop
+    outcomes: list[str] = []
+
+    def send(i: int) -> None:
+        try:
+            collect(w.stub.Generate(request(text=f"{i} {text}", max_tokens=2), timeout=60))
+            outcomes.append("served")
+        except grpc.RpcError as err:
+            outcomes.append(err.code().name)
+
+    with ThreadPoolExecutor(8) as pool:
+        for i in range(8):
+            pool.submit(send, i)
+        # Two fit (the batch, one pending): the six others hear so while those wait.
+        assert wait_until(lambda: outcomes.count("RESOURCE_EXHAUSTED") == 6, 10), outcomes
+        assert len(outcomes) == 6
+        parsing.set()
+    assert len(outcomes) == 8
+    assert_still_serving(w)
+
+
+def test_an_abort_reaches_a_request_still_waiting_for_the_tokenizer(start_worker, model_dir):
+    w = start_worker(model_dir)
+    servicer = w.worker.servicer
+    tokenizer, tokenizing = servicer.tokenizer, threading.Event()
+
+    class Held:
+        def encode(self, text: str) -> list[int]:
+            tokenizing.wait(30)
+            return tokenizer.encode(text)
+
+    servicer.tokenizer = Held()
+    asked = request(text="Hello there", request_id="early", max_tokens=400, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(lambda: collect(w.stub.Generate(asked, timeout=60)))
+        assert wait_until(lambda: w.active_requests() == 1)
+        w.stub.Abort(pb.AbortRequest(request_ids=["early"]))
+        tokenizing.set()
+        result = call.result(30)
+    assert (result.complete.finish_reason, result.tokens) == ("abort", [])
+    servicer.tokenizer = tokenizer
     assert_still_serving(w)

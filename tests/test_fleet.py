@@ -9,12 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import SMG, Router, prompt, request, wait_until
 from test_metrics import scrape
 
 from bench.workers import free_port
 from smg_mlx.demo_model import build_model
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+from helpers import SMG, Router, prompt, request, wait_until
 
 pytestmark = pytest.mark.skipif(SMG is None, reason="the router (pip install smg) is not installed")
 

@@ -10,9 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import collect, generate, prompt, wait_until
 
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+from helpers import collect, generate, prompt, wait_until
 
 FLOATS = [0.0, -0.0, 1e-45, -1e-45, 1e-30, 0.5, 1.0, 1.5, -1.0, 1e30, -1e30, 3.4e38,
           math.inf, -math.inf, math.nan]  # fmt: skip

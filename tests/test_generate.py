@@ -8,7 +8,6 @@ import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import generate, prompt, request
 
 from smg_mlx.api import streaming
 from smg_mlx.api.engine_client import EngineClient
@@ -23,6 +22,8 @@ from smg_mlx.engine.types import (
     StepReport,
 )
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+from helpers import generate, prompt, request
 
 
 def test_sixteen_concurrent_streams_on_the_lazy_rope_model(worker, caplog):
@@ -280,7 +281,7 @@ def test_a_stream_sends_what_it_holds_before_a_slow_step():
 
     async def scenario() -> tuple[list[list[int]], list[list[int]]]:
         client = EngineClient(asyncio.get_running_loop(), stream_interval=2)
-        client.started(memory, 1)
+        client.started(memory, 1, "batched")
         publisher = StreamPublisher(_Loop(), client, minimum=2)
         job = Job("r", spec)
         client.submit(job)

@@ -1,4 +1,4 @@
-"""The grpcurl cheat sheet in the README, run against a live worker through reflection:
+"""The grpcurl cheat sheet in docs/operations.md, run against a live worker through reflection:
 as written, and call by call in detail."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from docs import BARE_PATH, README, REPO, code_blocks, commands, section, shell
+
+from docs import BARE_PATH, OPERATIONS, REPO, code_blocks, commands, section, shell
 from helpers import collect, prompt, request, wait_until
 
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
@@ -103,14 +104,14 @@ def test_abort(worker):
     assert wait_until(lambda: worker.active_requests() == 0)
 
 
-README_GRPCURL = REPO / ".venv" / "bin" / "grpcurl"
+DOCS_GRPCURL = REPO / ".venv" / "bin" / "grpcurl"
 
 
-@pytest.mark.skipif(not README_GRPCURL.exists(), reason="the README's commands use make's .venv")
-def test_the_readmes_commands_run_as_written(worker):
+@pytest.mark.skipif(not DOCS_GRPCURL.exists(), reason="the docs' commands use make's .venv")
+def test_the_documented_commands_run_as_written(worker):
     """From the repository's root, in a shell whose PATH lacks the virtual environment,
     with the worker's port in place of 50051."""
-    (block,) = code_blocks(section(README, "### grpcurl"))
+    (block,) = code_blocks(section(OPERATIONS, "## grpcurl"))
     port, env = str(worker.worker.port), {"PATH": BARE_PATH}
     outputs = {}
     for command in commands(block):
@@ -122,7 +123,7 @@ def test_the_readmes_commands_run_as_written(worker):
     assert messages(outputs[f"{ENGINE}/Generate"])[-1]["complete"]["finish_reason"] in (
         "stop", "length",
     )  # fmt: skip
-    # Idle: a 0 that JSON leaves out unless asked, as the README says.
+    # Idle: a 0 that JSON leaves out unless asked, as docs/operations.md says.
     server_info = f"{ENGINE}/GetServerInfo"
     assert messages(outputs[server_info])[0]["active_requests"] == 0
     (plain,) = messages(grpcurl(worker, server_info).stdout)

@@ -14,6 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
+from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
 from helpers import (
     NOT_SERVING,
     SERVING,
@@ -24,9 +29,6 @@ from helpers import (
     request,
     wait_until,
 )
-
-from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
-from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 ENGINE = "mlx.grpc.engine.MlxEngine"
 
@@ -57,7 +59,9 @@ def test_sigterm_lets_in_flight_requests_finish(spawn, model_dir):
     next(call)
     p.proc.send_signal(signal.SIGTERM)
     assert wait_until(lambda: p.check() == NOT_SERVING, 2)
-    assert not p.stub.HealthCheck(pb.HealthCheckRequest()).healthy
+    with pytest.raises(grpc.RpcError) as err:
+        p.stub.HealthCheck(pb.HealthCheckRequest())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     with pytest.raises(grpc.RpcError) as err:
         generate(p.stub, prompt(3), max_tokens=2)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -103,14 +107,13 @@ def test_sigterm_under_load_ends_every_stream_cleanly(spawn, model_dir):
     assert "Traceback" not in p.log.read_text()
 
 
-def test_model_that_cannot_load_exits_non_zero_with_the_cause(spawn, tmp_path):
-    broken = tmp_path / "broken-model"
-    broken.mkdir()
-    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+def test_model_that_cannot_load_exits_non_zero_with_the_cause(spawn, model_dir, tmp_path):
+    broken = model_copy(model_dir, tmp_path / "broken-model", leave_out="model.safetensors")
     p = spawn("--model", str(broken))
     assert p.proc.wait(60) == 1
     log = p.log.read_text()
-    assert f"cannot serve {broken}" in log
+    assert f"cannot serve {broken}: model load failed: FileNotFoundError" in log
+    assert "Traceback" not in log
 
 
 def test_not_a_model_directory_is_refused_at_once(spawn, tmp_path):
@@ -119,7 +122,9 @@ def test_not_a_model_directory_is_refused_at_once(spawn, tmp_path):
     assert "not a model directory" in p.log.read_text()
 
 
-def test_engine_failure_ends_requests_with_internal(start_worker, model_dir, monkeypatch):
+def test_steps_that_keep_failing_end_the_engine_and_the_worker(
+    start_worker, model_dir, monkeypatch
+):
     from smg_mlx.engine.batch import Batch
 
     failing = threading.Event()
@@ -142,9 +147,16 @@ def test_engine_failure_ends_requests_with_internal(start_worker, model_dir, mon
             collect(c)
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "injected fault" in err.value.details()
+    # One failed step is contained; steps failing again and again end the engine.
+    for _ in range(MAX_FAILED_STEPS_IN_A_ROW - 1):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(w.stub, prompt(3), max_tokens=2)
+        assert "injected fault" in err.value.details()
     assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest()).status == NOT_SERVING)
-    reply = w.stub.HealthCheck(pb.HealthCheckRequest())
-    assert not reply.healthy and "injected fault" in reply.message
+    with pytest.raises(grpc.RpcError) as err:
+        w.stub.HealthCheck(pb.HealthCheckRequest())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "injected fault" in err.value.details()
     assert w.active_requests() == 0
     with pytest.raises(grpc.RpcError) as err:
         generate(w.stub, prompt(3), max_tokens=2)

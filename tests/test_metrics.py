@@ -7,16 +7,18 @@ import json
 import logging
 import socket
 import threading
+import urllib.error
 import urllib.request
 
 import grpc
 import pytest
-from helpers import generate, prompt, request, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.workers import free_port
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.logs import JsonFormatter
+
+from helpers import generate, prompt, request, wait_until
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -38,6 +40,15 @@ def moved(before: dict, after: dict, name: str, **labels: str) -> float:
 def metered(start_worker, model_dir):
     port = free_port()
     return start_worker(model_dir, metrics_port=port), port
+
+
+def test_only_the_metrics_path_answers(metered):
+    _, port = metered
+    assert ("smg_mlx_memory_budget_bytes", ()) in scrape(port)
+    for path in ("/", "/metricsx", "/health", "/favicon.ico"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+        assert err.value.code == 404, path
 
 
 def test_counters_move_by_what_requests_did(metered):
@@ -106,9 +117,11 @@ def test_metrics_port_in_use_is_a_clear_start_up_error(spawn, model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        p = spawn("--model", str(model_dir), "--metrics-port", str(taken.getsockname()[1]))
+        port = taken.getsockname()[1]
+        p = spawn("--model", str(model_dir), "--metrics-port", str(port))
         assert p.proc.wait(60) == 1
-    assert "cannot serve metrics on 127.0.0.1" in p.log.read_text()
+    assert f"cannot listen on 127.0.0.1:{port}: port {port} is in use" in p.log.read_text()
+    assert "choose another --metrics-port" in p.log.read_text()
 
 
 def test_one_log_line_per_request_with_its_id_and_counts(worker, caplog):

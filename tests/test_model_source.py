@@ -15,12 +15,14 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import grpc
 import pytest
-from helpers import NOT_SERVING, generate, prompt, wait_until
 
 from bench.workers import free_port
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.model_source import ModelNotFound, resolve
+
+from helpers import NOT_SERVING, generate, prompt, wait_until
 
 REPO_ID = "org/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -187,8 +189,10 @@ def test_a_downloading_worker_answers_not_serving_and_a_signal_ends_it_at_once(
     assert wait_until(lambda: "download progress" in p.log.read_text(), 60), p.log.read_text()
     # Probes and the router see a worker starting, not a closed port.
     assert p.check() == NOT_SERVING
-    reply = p.stub.HealthCheck(pb.HealthCheckRequest())
-    assert not reply.healthy and "still loading" in reply.message
+    with pytest.raises(grpc.RpcError) as err:
+        p.stub.HealthCheck(pb.HealthCheckRequest())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "still loading" in err.value.details()
     # The download's threads are stuck reading: the process must not wait for them.
     assert p.stop(signal.SIGTERM, timeout=10) == 0
 
@@ -226,3 +230,24 @@ def test_what_is_neither_says_so(name, message, tmp_path, monkeypatch):
     (tmp_path / "empty-dir").mkdir()
     with pytest.raises(ModelNotFound, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(name)
+
+
+def test_a_revision_names_the_snapshot_to_serve(hf_home, model_dir, monkeypatch):
+    from huggingface_hub import constants
+
+    # The Hub's settings are read when it is first imported, maybe by an earlier test.
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    main = hub_cache(hf_home, REPO_ID, model_dir)
+    tagged = main.parent / "fedcba9876543210fedcba9876543210fedcba98"
+    shutil.copytree(main, tagged, symlinks=True)
+    (main.parent.parent / "refs" / "v1").write_text(tagged.name)
+    assert resolve(REPO_ID).path == main
+    assert resolve(REPO_ID, "v1").path == tagged
+    assert resolve(REPO_ID, tagged.name).path == tagged
+    absent = f"{REPO_ID} at revision v2 is not in the Hugging Face cache"
+    with pytest.raises(ModelNotFound, match=absent) as err:
+        resolve(REPO_ID, "v2")
+    assert f"hf download {REPO_ID} --revision v2" in str(err.value)
+    with pytest.raises(ModelNotFound, match="is a local directory: --revision names a version"):
+        resolve(str(model_dir), "v1")

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import generate, prompt, wait_until
 
 from bench.workers import free_port
 from smg_mlx import __version__, mlx_backend
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 from smg_mlx.health_check import probe
+
+from helpers import generate, prompt, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 WHEELHOUSE = Path(sys.prefix) / "wheelhouse"

@@ -15,6 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from test_metrics import scrape
+
+from bench.workers import free_port
+from smg_mlx.demo_model import build_model
+from smg_mlx.engine.placement import shared_gpu
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
 from helpers import (
     NOT_SERVING,
     Process,
@@ -24,12 +31,6 @@ from helpers import (
     request,
     wait_until,
 )
-from test_metrics import scrape
-
-from bench.workers import free_port
-from smg_mlx.demo_model import build_model
-from smg_mlx.engine.placement import shared_gpu
-from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 RANKS = 2
 PROMPTS = [prompt(9 + 3 * i, i) for i in range(8)]

@@ -14,11 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import mlx.core as mx
 import pytest
-from helpers import collect, generate, prompt, request
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine.prefix_cache import PrefixCache
+from smg_mlx.engine.memory_tier import MemoryTier
+
+from helpers import collect, generate, prompt, request, wait_until
 
 # ---- the store ----
 
@@ -58,62 +59,62 @@ A = list(range(100, 120))
 
 
 def test_longest_prefix_is_found_and_trimmed():
-    store = PrefixCache(1 << 30)
+    store = MemoryTier(1 << 30)
     store.insert(A, kv(A))
     store.insert(A[:5] + [7, 8, 9], kv(A[:5] + [7, 8, 9]))
     # Extends A: all of A, no trimming.
-    cache, n = store.lookup(A + [1, 2])
+    cache, n, _ = store.lookup(A + [1, 2])
     assert n == 20 and held(cache) == A and cache[0].offset == 20
     # Diverges from A after 12 tokens: A cut back to 12.
-    cache, n = store.lookup(A[:12] + [3, 4])
+    cache, n, _ = store.lookup(A[:12] + [3, 4])
     assert n == 12 and cache[0].offset == 12 and held(cache) == A[:12]
     # Shares 7 with the second entry, 5 with A.
-    cache, n = store.lookup(A[:5] + [7, 8, 4, 4])
+    cache, n, _ = store.lookup(A[:5] + [7, 8, 4, 4])
     assert n == 7 and held(cache) == A[:5] + [7, 8]
-    assert store.lookup([1, 2, 3]) == (None, 0)
+    assert store.lookup([1, 2, 3]) == (None, 0, None)
 
 
 def test_a_whole_prompt_match_leaves_one_token_and_the_entry_intact():
-    store = PrefixCache(1 << 30)
+    store = MemoryTier(1 << 30)
     store.insert(A, kv(A))
-    cache, n = store.lookup(A)
+    cache, n, _ = store.lookup(A)
     assert n == len(A) - 1 and held(cache) == A[:-1]
     cache[0].trim(10)  # the caller owns what it got
     assert store.lookup(A + [5])[1] == len(A)
-    assert store.lookup(A[:1]) == (None, 0)  # one token: nothing to reuse
+    assert store.lookup(A[:1]) == (None, 0, None)  # one token: nothing to reuse
 
 
 def test_non_trimmable_caches_serve_only_prompts_that_extend_them():
-    store = PrefixCache(1 << 30)
+    store = MemoryTier(1 << 30)
     wrapped = rotating(A, window=8)  # 20 tokens through an 8-token window
     assert not wrapped[0].is_trimmable()
     store.insert(A, wrapped)
-    cache, n = store.lookup(A + [1])
+    cache, n, _ = store.lookup(A + [1])
     assert n == 20 and cache[0].offset == 20
-    assert store.lookup(A) == (None, 0)  # would need a trim
-    assert store.lookup(A[:10] + [1, 2]) == (None, 0)
+    assert store.lookup(A) == (None, 0, None)  # would need a trim
+    assert store.lookup(A[:10] + [1, 2]) == (None, 0, None)
     # A shorter exact prefix is the fallback; a trimmable one is not made redundant.
     store.insert(A[:6], rotating(A[:6], window=8))
     assert store.lookup(A)[1] == 6
     assert store.lookup(A[:10] + [1, 2])[1] == 6
     store.insert([1, 2, 3], recurrent())
     assert store.lookup([1, 2, 3, 4])[1] == 3
-    assert store.lookup([1, 2, 3]) == (None, 0)
-    assert store.lookup([1, 2, 5, 5]) == (None, 0)
+    assert store.lookup([1, 2, 3]) == (None, 0, None)
+    assert store.lookup([1, 2, 5, 5]) == (None, 0, None)
     assert len(store) == 3
 
 
 def test_a_reused_entry_is_not_changed_by_its_user():
-    store = PrefixCache(1 << 30)
+    store = MemoryTier(1 << 30)
     store.insert([1, 2, 3, 4], recurrent())
-    cache, _ = store.lookup([1, 2, 3, 4, 5])
+    cache, _, _ = store.lookup([1, 2, 3, 4, 5])
     cache[0][0] = mx.ones((1, 4))
-    again, _ = store.lookup([1, 2, 3, 4, 5])
+    again, _, _ = store.lookup([1, 2, 3, 4, 5])
     assert again[0][0].sum().item() == 0
 
 
 def test_longer_trimmable_entries_replace_their_prefixes():
-    store = PrefixCache(1 << 30)
+    store = MemoryTier(1 << 30)
     store.insert(A[:5], kv(A[:5]))
     store.insert(A[:10], kv(A[:10]))
     store.insert(A[:10] + [1], kv(A[:10] + [1]))
@@ -130,15 +131,15 @@ def test_longer_trimmable_entries_replace_their_prefixes():
     assert len(store) == 4
 
 
-def keep(store: PrefixCache, key: list[int]) -> None:
+def keep(store: MemoryTier, key: list[int]) -> None:
     """Insert, then apply the byte budget, as the engine does each turn."""
     store.insert(key, kv(key))
-    store.shrink(store.max_bytes)
+    store.drop(store.over(store.max_bytes))
 
 
 def test_byte_bound_and_lru_order():
     size = sum(c.nbytes for c in kv([1]))
-    store = PrefixCache(3 * size)
+    store = MemoryTier(3 * size)
     keys = [[i, i + 1, i + 2] for i in range(0, 50, 10)]
     for key in keys[:3]:
         keep(store, key)
@@ -156,11 +157,11 @@ def test_byte_bound_and_lru_order():
 
 def test_a_match_below_the_minimum_is_a_miss_and_no_use():
     size = sum(c.nbytes for c in kv([1]))
-    store = PrefixCache(2 * size)
+    store = MemoryTier(2 * size)
     old, new = [1, 2, 3], [5, 6, 7]
     keep(store, old)
     keep(store, new)
-    assert store.lookup([1, 2, 9], minimum=3) == (None, 0)
+    assert store.lookup([1, 2, 9], minimum=3) == (None, 0, None)
     assert store.lookup([1, 2, 9], minimum=2)[1] == 2
     store.lookup([5, 6, 9])  # `new` is used last: `old` goes first
     store.lookup([1, 9], minimum=2)  # too short: must not refresh `old`
@@ -170,10 +171,10 @@ def test_a_match_below_the_minimum_is_a_miss_and_no_use():
 
 def test_an_entry_larger_than_the_budget_is_not_kept():
     size = sum(c.nbytes for c in kv([1]))
-    store = PrefixCache(size - 1)
+    store = MemoryTier(size - 1)
     keep(store, [1, 2, 3])
     assert len(store) == 0 and store.nbytes == 0
-    assert store.lookup([1, 2, 3, 4]) == (None, 0)
+    assert store.lookup([1, 2, 3, 4]) == (None, 0, None)
 
 
 def test_many_entries_keep_the_tree_consistent():
@@ -183,13 +184,13 @@ def test_many_entries_keep_the_tree_consistent():
 
     rng = random.Random(0)
     size = sum(c.nbytes for c in kv([1]))
-    store = PrefixCache(6 * size)
+    store = MemoryTier(6 * size)
     for _ in range(300):
         key = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
         keep(store, key)
         assert store.nbytes <= 6 * size
         probe = [rng.randrange(4) for _ in range(rng.randrange(1, 14))]
-        cache, n = store.lookup(probe)
+        cache, n, _ = store.lookup(probe)
         assert n < len(probe)
         if cache is not None:
             assert held(cache) == probe[:n]
@@ -199,7 +200,7 @@ def test_a_replica_given_the_same_inserts_and_drops_holds_the_same():
     # A follower rank's store, whose caches differ in size (its shard), drops
     # what rank 0's store says to drop and so holds the same prefixes.
     size = sum(c.nbytes for c in kv([1]))
-    leader, follower = PrefixCache(3 * size), PrefixCache(1 << 30)
+    leader, follower = MemoryTier(3 * size), MemoryTier(1 << 30)
     keys = [[i, i + 1, i + 2, i + 3] for i in range(0, 60, 10)]
     for key in keys:
         leader.insert(key, kv(key))
@@ -345,3 +346,94 @@ def test_sliding_window_caches_are_reused_only_whole(start_worker, tmp_path):
     short = prompt(20, 4)  # 26 tokens with its answer: within the window
     assert same(short) == 0
     assert same(short) == len(short) - 1  # cut back by one
+
+
+def test_without_a_cap_a_large_entry_stays_until_memory_is_needed():
+    store = MemoryTier()  # bounded by the memory budget alone
+    big = list(range(5000))
+    store.insert(big, kv(big))
+    assert store.over(10 * store.nbytes) == []  # room enough: kept, whatever its size
+    (id,) = store.over(store.nbytes - 1)  # a request needs the room: it goes
+    store.drop([id])
+    assert len(store) == 0
+
+
+def test_entries_a_request_reuses_stay_and_those_carried_by_a_running_row_go_first():
+    store = MemoryTier()
+    keys = [[i, i + 1, i + 2] for i in range(0, 40, 10)]
+    for key in keys:
+        store.insert(key, kv(key))
+    size = store.nbytes // len(keys)
+    entries = [store.lookup(k + [99])[2] for k in keys]  # used in order: keys[0] is oldest
+    store.carry(entries[2], 1)  # a running row holds all of it
+    first = store.over(3 * size)
+    assert first == [entries[2].id]
+    # Pinned for a request starting now: never dropped, even if least recently used.
+    assert entries[0].id not in store.over(0, keep={entries[0].id})
+    store.carry(entries[2], -1)
+    assert store.over(3 * size) == [entries[0].id]
+
+
+# ---- what a tight memory budget leaves the cache ----
+
+
+def _budget_for(model_dir, extra_mib: float) -> int:
+    """A memory budget of the model's weights and `extra_mib` MiB."""
+    from conftest import RunningWorker, worker_config
+
+    w = RunningWorker(worker_config(model_dir))
+    try:
+        return w.worker.engine.memory.weights + int(extra_mib * 2**20)
+    finally:
+        w.stop()
+
+
+def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, model_dir):
+    # Room for one request of about twice the prompt: reusing its entry needs less
+    # than prefilling it again, so the entry must not go to make room for it.
+    w = start_worker(model_dir, memory_budget_bytes=_budget_for(model_dir, 5))
+    ids = prompt(600, 12)
+    assert w.worker.engine.memory.longest_sequence < 3 * len(ids)
+    first = generate(w.stub, ids, max_tokens=16)
+    for _ in range(2):
+        again = generate(w.stub, ids, max_tokens=16)
+        assert again.complete.cached_tokens == len(ids) - 1
+        assert again.tokens == first.tokens
+
+
+def test_an_entry_stays_while_memory_allows_and_goes_when_a_request_needs_the_room(
+    start_worker, model_dir
+):
+    w = start_worker(model_dir, memory_budget_bytes=_budget_for(model_dir, 5))
+    engine = w.worker.engine
+    longest = engine.memory.longest_sequence
+    ids = prompt(longest // 2, 15)
+    first = generate(w.stub, ids, max_tokens=8)
+    assert engine.cache.memory_entries == 1  # nothing needs the room: kept
+    again = generate(w.stub, ids + first.tokens + [7], max_tokens=8)
+    assert again.complete.cached_tokens == len(ids) + len(first.tokens)
+    # A request that needs nearly all the memory starts at once; the entry gives way.
+    big = generate(w.stub, prompt(longest - 40, 16), max_tokens=8)
+    assert big.complete.finish_reason == "length" and engine.cache.memory_evicted >= 1
+    assert generate(w.stub, ids + [7], max_tokens=8).complete.cached_tokens == 0
+
+
+def test_chats_beside_a_long_request_are_not_charged_its_length(start_worker, model_dir):
+    # A tiny step budget makes a 1,200-token prompt long: it runs in a lane of its
+    # own, and chats in the other lane cost their own length only, so all six run
+    # at once and end while the long request still generates. Charged the long
+    # request's length, two at a time would fit, and the last would end after it.
+    w = start_worker(
+        model_dir, step_budget_seconds=1e-6, memory_budget_bytes=_budget_for(model_dir, 7)
+    )
+    with ThreadPoolExecutor(7) as pool:
+        long = pool.submit(generate, w.stub, prompt(1200, 13), max_tokens=500, ignore_eos=True)
+        engine = w.worker.engine
+        assert wait_until(lambda: engine.running == 1 and not engine.prefilling, 30)
+        chats = [
+            pool.submit(generate, w.stub, prompt(40, 14 + i), max_tokens=250, ignore_eos=True)
+            for i in range(6)
+        ]
+        assert all(len(chat.result().tokens) == 250 for chat in chats)
+        assert not long.done()
+        assert len(long.result().tokens) == 500

@@ -1,7 +1,7 @@
 """The README's commands, run as written from the repository's root by a shell whose PATH
 lacks the virtual environment (as a reader's does), with only the ports swapped for free
 ones: the Quick start in its order on the demo model, the small models to try things with,
-and the launcher command for several ranks."""
+and the launcher command for several ranks (docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,26 @@ from pathlib import Path
 
 import grpc
 import pytest
-from docs import BARE_PATH, README, REPO, background, code_blocks, commands, section, shell, stop
-from helpers import SMG, demo_model_cache, generate, prompt, wait_until
 
 from bench.workers import free_port
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.health_check import probe
 from smg_mlx.model_source import DEMO_NAME
+
+from docs import (
+    BARE_PATH,
+    README,
+    REPO,
+    SCALING,
+    background,
+    code_blocks,
+    commands,
+    section,
+    shell,
+    stop,
+)
+from helpers import SMG, demo_model_cache, generate, prompt, wait_until
 
 VENV_BIN = REPO / ".venv" / "bin"
 pytestmark = [
@@ -48,8 +60,8 @@ def with_ports(command: str, ports: dict[str, int]) -> str:
     return command
 
 
-def sh_blocks(heading: str) -> list[list[str]]:
-    return [commands(block) for block in code_blocks(section(README, heading))]
+def sh_blocks(heading: str, page: Path = README) -> list[list[str]]:
+    return [commands(block) for block in code_blocks(section(page, heading))]
 
 
 def shape(sample: object, actual: object) -> object:
@@ -89,6 +101,13 @@ def chat(http_port: int, model: str, env: dict[str, str]) -> dict:
         env,
     )
     return json.loads(done.stdout)
+
+
+def assert_answered(reply: dict) -> None:
+    """Sampled (the Quick start's request sets no temperature): a random-weight model may
+    draw its end-of-text token before the eighth."""
+    finish, tokens = reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]
+    assert (finish, tokens) == ("length", 8) or (finish == "stop" and 1 <= tokens <= 8)
 
 
 def test_the_quick_start_works_in_order_on_the_demo_model(home, tmp_path):
@@ -138,7 +157,7 @@ def test_the_router_needs_no_model_path_on_another_machine(start_worker, model_d
         reply = chat(http_port, "elsewhere", env)
     finally:
         stop(router)
-    assert reply["usage"]["completion_tokens"] == 8
+    assert_answered(reply)
     assert "Fetching tokenizer from worker" in log.read_text()
 
 
@@ -166,7 +185,7 @@ MLX_LAUNCH = VENV_BIN / "mlx.launch"
 
 
 def launch_command(command: str, worker_port: int) -> str:
-    """The README's launcher command with free ports: the worker's, and the ring's
+    """The launcher command of docs/scaling.md with free ports: the worker's, and the ring's
     (mlx.launch's --starting-port, 32323 by default)."""
     command = with_ports(command, {"50051": worker_port})
     return command.replace("mlx.launch ", f"mlx.launch --starting-port {free_port()} ", 1)
@@ -174,7 +193,7 @@ def launch_command(command: str, worker_port: int) -> str:
 
 @pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch comes with mlx")
 def test_two_ranks_on_one_host_serve_behind_the_router(home, tmp_path):
-    _, (launch,) = sh_blocks("### Macs (the ring backend)")
+    _, (launch,) = sh_blocks("### Macs (the ring backend)", SCALING)
     port, log = free_port(), tmp_path / "launch.log"
     env = reader_env(home)
     ranks = background(launch_command(launch, port), env, log)
@@ -183,11 +202,7 @@ def test_two_ranks_on_one_host_serve_behind_the_router(home, tmp_path):
         assert wait_until(lambda: " SERVING " in log.read_text(), 120), log.read_text()
         assert "split over 2 ranks" in log.read_text()
         router, http_port = start_router(port, env, tmp_path / "router.log")
-        reply = chat(http_port, DEMO_NAME, env)
-        # Sampled (the README's request sets no temperature): the random-weight demo
-        # model may draw its end-of-text token before the eighth.
-        finish, tokens = reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]
-        assert (finish, tokens) == ("length", 8) or (finish == "stop" and 1 <= tokens <= 8)
+        assert_answered(chat(http_port, DEMO_NAME, env))
     finally:
         if router is not None:
             stop(router)
@@ -199,8 +214,8 @@ def test_two_ranks_on_one_host_serve_behind_the_router(home, tmp_path):
 
 @pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch comes with mlx")
 def test_a_bare_program_name_fails_every_rank_and_the_launcher_still_exits_zero(home):
-    """What the README warns of, so that the warning stays true."""
-    _, (launch,) = sh_blocks("### Macs (the ring backend)")
+    """What docs/scaling.md warns of, so that the warning stays true."""
+    _, (launch,) = sh_blocks("### Macs (the ring backend)", SCALING)
     bare = launch_command(launch, free_port()).replace('"$PWD/.venv/bin/smg-mlx"', "smg-mlx")
     assert shutil.which("smg-mlx", path=BARE_PATH) is None
     done = shell(bare, reader_env(home))

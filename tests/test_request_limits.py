@@ -11,12 +11,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import generate, prompt, request
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.sampling import StopTokens
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc as pb_grpc
+
+from helpers import generate, prompt, request
 
 QWEN_VOCAB = 151_936
 GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import collect, generate, prompt, request
 
 from smg_mlx.api import responses, streaming
 from smg_mlx.api.jobs import Job
@@ -18,6 +17,8 @@ from smg_mlx.config import RequestLimits
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, SamplingSettings, TokenLogprobs
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+
+from helpers import collect, generate, prompt, request
 
 GRPC_DEFAULT_MESSAGE_BYTES = 4 << 20  # what gRPC clients and the router receive by default
 

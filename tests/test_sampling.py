@@ -1,8 +1,15 @@
-"""Sampler sharing: what lets mlx-lm sample a whole batch in one call."""
+"""Sampler sharing (what lets mlx-lm sample a whole batch in one call), and the
+sampling filters: what they keep, and that new values cost no memory."""
 
 from __future__ import annotations
 
-from smg_mlx.engine.sampling import SamplerCache
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+
+from smg_mlx.engine.sampling import SamplerCache, make_sampler
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
 
@@ -25,3 +32,49 @@ def test_logits_processors_only_when_asked_and_shared():
     penalty = LogitsSettings(repetition_penalty=1.2)
     assert len(cache.processors(penalty)) == 1
     assert cache.processors(penalty) is cache.processors(LogitsSettings(repetition_penalty=1.2))
+
+
+def test_top_k_samples_only_among_the_k_most_likely_tokens():
+    # Nearly flat log-probabilities: without the filter, every token comes up.
+    scores = mx.arange(64, dtype=mx.float32)[None] / 100
+    logprobs = scores - mx.logsumexp(scores)
+    for k in (1, 3, 10):
+        sample = make_sampler(SamplingSettings(temperature=1.0, top_k=k, seed=k))
+        drawn = {sample(logprobs).item() for _ in range(200)}
+        assert drawn <= set(range(64 - k, 64)), (k, sorted(drawn))
+        assert len(drawn) == k  # and every one of them
+
+
+# Samples with thousands of top_k values none of which came before, past a
+# warm-up, and prints how much the process grew (MiB). mlx-lm's own top-k filter
+# compiles a graph per value and keeps it: about 4 KiB each.
+NEW_TOP_K_VALUES = textwrap.dedent(
+    """
+    import os
+    import mlx.core as mx
+    from smg_mlx.engine.sampling import make_sampler
+    from smg_mlx.engine.types import SamplingSettings
+
+    def rss_mib():
+        pages = int(open(f"/proc/{os.getpid()}/statm").read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    logprobs = mx.random.normal((2, 8192))
+    def draw(values):
+        for k in values:
+            mx.eval(make_sampler(SamplingSettings(temperature=1.0, top_k=k))(logprobs))
+
+    draw(range(2, 200))
+    before = rss_mib()
+    draw(range(200, 4200))
+    print(rss_mib() - before)
+    """
+)
+
+
+def test_new_top_k_values_leave_no_memory_behind():
+    run = subprocess.run(
+        [sys.executable, "-c", NEW_TOP_K_VALUES], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout) < 4, f"grew {float(run.stdout):.1f} MiB over 4000 new top_k values"

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from helpers import prompt
-
 from smg_mlx.engine.memory import Cost, MemoryModel, MemoryPlanner
-from smg_mlx.engine.scheduler import (
-    AGING_SECONDS,
-    LONG_PROMPT_STEPS,
-    MIN_STEP_TOKENS,
-    SHORT,
-    Passes,
-    Plan,
-    Running,
-    Scheduler,
-    chunk_sizes,
-)
+from smg_mlx.engine.scheduler import LONG_PROMPT_STEPS, Plan, Running, Scheduler
 from smg_mlx.engine.step_clock import PrefillSpeed
+from smg_mlx.engine.step_plan import MIN_STEP_TOKENS, SHORT, Passes, chunk_sizes
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
+from smg_mlx.engine.waiting_room import AGING_SECONDS, Reuse
+
+from helpers import prompt
 
 MIB = 2**20
 MODEL = MemoryModel(weights=100 * MIB, kv_per_token=1024, prefill_per_token=4096,
@@ -43,11 +35,12 @@ def req(key: int, length: int, max_tokens: int = 16) -> Request:
 def prefilling(length: int, done: int = 0, max_tokens: int = 16, long: bool = False) -> Running:
     """A prompt of `length` tokens with `done` of them prefilled (`long`: in
     the long prompts' lane)."""
-    return Running(Cost(length, length + max_tokens, True), length - 1 - done, done, long=long)
+    cost = Cost(length, length + max_tokens, length - done, long)
+    return Running(cost, length - 1 - done, done)
 
 
 def decoding(length: int = 64, max_tokens: int = 64) -> Running:
-    return Running(Cost(length, length + max_tokens, False), 0, length)
+    return Running(Cost(length, length + max_tokens, 0), 0, length)
 
 
 def took(seconds: float, long: bool = False) -> Passes:
@@ -74,7 +67,7 @@ def test_chunks_are_powers_of_two_that_end_on_a_multiple_of_themselves():
 
 def test_a_short_request_starts_ahead_of_queued_long_ones():
     s = make()
-    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    long_tokens = LONG_PROMPT_STEPS * s.steps.row_chunk(1, 0)
     s.add([req(1, 2 * long_tokens), req(2, 2 * long_tokens)], now=0)
     first = s.schedule([], 0, now=0)
     assert keys(first.admit) == [1]  # one long prompt prefills at a time
@@ -88,7 +81,7 @@ def test_a_short_request_starts_ahead_of_queued_long_ones():
 
 def test_a_chat_starts_ahead_of_queued_documents_just_short_of_long():
     s = make()
-    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    long_tokens = LONG_PROMPT_STEPS * s.steps.row_chunk(1, 0)
     document = long_tokens * 3 // 4
     s.add([req(i, document) for i in range(1, 9)], now=0)
     # Prefilled side by side they would pad each other into more than a long
@@ -102,7 +95,7 @@ def test_a_chat_starts_ahead_of_queued_documents_just_short_of_long():
 
 def test_among_short_prompts_the_shortest_goes_first_until_one_has_aged():
     s = make()
-    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    long_tokens = LONG_PROMPT_STEPS * s.steps.row_chunk(1, 0)
     document = long_tokens * 3 // 4
     s.add([req(1, document), req(2, document)], now=0)
     s.add([req(3, 40)], now=1)
@@ -117,7 +110,7 @@ def test_among_short_prompts_the_shortest_goes_first_until_one_has_aged():
 
 def test_the_next_long_prompt_starts_once_the_one_before_is_prefilled():
     s = make()
-    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    long_tokens = LONG_PROMPT_STEPS * s.steps.row_chunk(1, 0)
     s.add([req(1, 3 * long_tokens), req(2, 3 * long_tokens)], now=0)
     assert keys(s.schedule([], 0, now=0).admit) == [1]
     tail = prefilling(3 * long_tokens, done=3 * long_tokens - 10, long=True)
@@ -132,9 +125,9 @@ def test_a_long_prompts_last_chunk_and_its_move_to_the_decoding_rows_share_a_ste
     # rows: the next long prompt can start at the next step.
     plan = s.schedule([tail], 0)
     assert len(plan.long_chunks) == 2 and plan.long_chunks[0] >= 300
-    assert plan.expected_seconds <= s.step_seconds
+    assert plan.expected_seconds <= s.steps.step_seconds
     # Where the budget has no room left for that pass, it waits for the next step.
-    s.schedule([Running(Cost(30_000, 30_016, False), 0, 30_000, long=True)], 0)
+    s.schedule([Running(Cost(30_000, 30_016, 0, long=True), 0, 30_000)], 0)
     s.observe(took(1.0, long=True), 1)  # its lane's decoding pass: far over the budget
     assert len(s.schedule([tail], 0).long_chunks) == 1
 
@@ -148,7 +141,7 @@ def test_the_step_budget_is_shared_by_the_rows_and_shrinks_as_the_context_grows(
     shared = s.schedule([], 0, now=0)
     assert keys(shared.admit) == [1, 2]
     assert shared.chunk <= alone // 2  # two rows, padded to one chunk, share the budget
-    assert shared.expected_seconds <= s.step_seconds
+    assert shared.expected_seconds <= s.steps.step_seconds
 
 
 def test_the_long_lane_takes_chunks_while_the_step_stays_within_its_budget():
@@ -157,7 +150,7 @@ def test_the_long_lane_takes_chunks_while_the_step_stays_within_its_budget():
     plan = s.schedule([long, decoding()], 0)
     assert plan.chunk is not None and len(plan.long_chunks) >= 2
     assert all(c <= 2048 for c in plan.long_chunks)  # each at most --prefill-step-size
-    assert plan.expected_seconds <= s.step_seconds
+    assert plan.expected_seconds <= s.steps.step_seconds
     # Short prompts come first in the budget; the long one still moves.
     alone = make(100_000, step_ms=300)
     for scheduler in (s, alone):
@@ -165,7 +158,7 @@ def test_the_long_lane_takes_chunks_while_the_step_stays_within_its_budget():
     beside = s.schedule([long, decoding()], 0, now=0)
     assert keys(beside.admit) == [1, 2] and beside.long_chunks
     assert beside.chunk == alone.schedule([decoding()], 0, now=0).chunk
-    assert beside.expected_seconds <= s.step_seconds
+    assert beside.expected_seconds <= s.steps.step_seconds
 
 
 def test_a_long_context_found_cheaper_than_the_probe_predicts_gets_more_chunks_a_step():
@@ -193,11 +186,11 @@ def test_the_long_lane_takes_the_chunks_that_the_short_lanes_pass_leaves_room_fo
         return s.schedule(state, 0)
 
     quick = steps(0.005)
-    assert len(quick.long_chunks) >= 3 and quick.expected_seconds <= s.step_seconds
+    assert len(quick.long_chunks) >= 3 and quick.expected_seconds <= s.steps.step_seconds
     busy = steps(0.3)
     assert len(busy.long_chunks) == 1
     # Each lane's clock learns from its own passes alone.
-    assert 0.25 < s.clocks[SHORT].decode_seconds <= 0.3
+    assert 0.25 < s.steps.clocks[SHORT].decode_seconds <= 0.3
 
 
 def test_a_short_prompt_prefilling_beside_a_long_one_does_not_shrink_the_long_ones_chunk():
@@ -212,7 +205,7 @@ def test_a_long_prompt_moves_every_step_however_busy_the_short_lane():
     s = make()
     shorts = [prefilling(5000, done=1024) for _ in range(4)]
     plan = s.schedule([*shorts, prefilling(100_000, done=8192, long=True)], 0)
-    assert plan.expected_seconds >= s.step_seconds  # the short lane takes it all
+    assert plan.expected_seconds >= s.steps.step_seconds  # the short lane takes it all
     assert len(plan.long_chunks) == 1 and plan.long_chunks[0] >= MIN_STEP_TOKENS
     # Its last chunk ends where its prompt does (then a pass that prefills nothing).
     tail = s.schedule([prefilling(10_000, done=10_000 - 2 - 100, long=True)], 0)
@@ -235,7 +228,7 @@ def test_slower_steps_than_expected_shrink_the_chunk():
         s.observe(took(0.5), 1)  # five times the budget
     after = s.schedule([prefilling(100_000, done=8192)], 0).chunk
     assert after < before
-    assert s.clocks[SHORT].seconds(after, 8192 + after // 2) <= s.step_seconds
+    assert s.steps.clocks[SHORT].seconds(after, 8192 + after // 2) <= s.steps.step_seconds
 
 
 def test_one_slow_step_does_not_shrink_every_chunk_after_it():
@@ -257,11 +250,11 @@ def test_a_shape_far_slower_than_the_clock_expects_gets_a_smaller_chunk_from_the
         """A step of `state` that took `seconds` (None: what the start-up probe
         predicts, so that the clock's own correction comes back to none)."""
         plan = s.schedule(state, 0)
-        correction = s.clocks[SHORT].correction(state[0].context)
+        correction = s.steps.clocks[SHORT].correction(state[0].context)
         s.observe(took(plan.expected_seconds / correction if seconds is None else seconds), 1)
 
     def slow_deep_step() -> None:
-        step(deep, 10 * s.step_seconds)
+        step(deep, 10 * s.steps.step_seconds)
         step(deep)
         step(deep)
 
@@ -273,14 +266,14 @@ def test_a_shape_far_slower_than_the_clock_expects_gets_a_smaller_chunk_from_the
     # nothing of what that chunk costs.
     fresh_chunk = s.schedule(shallow, 0).chunk
     for _ in range(2):
-        step([prefilling(40)], 10 * s.step_seconds)
+        step([prefilling(40)], 10 * s.steps.step_seconds)
         step(shallow)
         step(shallow)
     assert s.schedule(shallow, 0).chunk == fresh_chunk
     # Other contexts keep their chunks, as do shapes only somewhat over the budget.
     deeper_chunk = s.schedule(deeper, 0).chunk
     for _ in range(3):
-        step(deeper, 1.5 * s.step_seconds)
+        step(deeper, 1.5 * s.steps.step_seconds)
         step(deeper)
         step(deeper)
     assert s.schedule(deeper, 0).chunk == deeper_chunk
@@ -301,7 +294,7 @@ def test_a_request_that_does_not_fit_lets_smaller_ones_pass():
 
 def test_an_aged_request_that_does_not_fit_holds_back_younger_ones():
     s = make(budget_mib=250)
-    s.add([req(1, 20_000, max_tokens=2000)], now=0)
+    s.add([req(1, 5000, max_tokens=17_000)], now=0)
     s.add([req(2, 200)], now=AGING_SECONDS)
     plan = s.schedule(STREAMS, 0, now=AGING_SECONDS + 0.1)
     assert keys(plan.admit) == []
@@ -346,7 +339,7 @@ def test_an_idle_batch_plans_no_step():
 
 def test_a_long_prompt_starts_beside_short_ones_in_its_own_lane():
     s = make()
-    long_tokens = LONG_PROMPT_STEPS * s.row_chunk(1, 0)
+    long_tokens = LONG_PROMPT_STEPS * s.steps.row_chunk(1, 0)
     s.add([req(1, 2 * long_tokens), req(2, 40)], now=0)
     plan = s.schedule([decoding(40)], 0, now=0)
     assert keys(plan.admit) == [2, 1] and plan.long == (1,)
@@ -363,8 +356,9 @@ def test_where_shapes_cost_a_build_a_first_seen_shape_does_not_shrink_later_chun
     # A shape not seen yet now counts what a build costs, and gets a smaller chunk
     # when its build would not fit the budget beside the largest one.
     further = s.schedule([prefilling(100_000, done=context + 4 * 2048)], 0)
-    assert further.expected_seconds <= s.step_seconds or further.chunk < first.chunk
-    assert further.expected_seconds > s.clocks[SHORT].seconds(further.chunk, context + 4 * 2048)
+    assert further.expected_seconds <= s.steps.step_seconds or further.chunk < first.chunk
+    clock = s.steps.clocks[SHORT]
+    assert further.expected_seconds > clock.seconds(further.chunk, context + 4 * 2048)
 
 
 def test_no_long_prompt_starts_in_the_step_where_the_one_before_ends():
@@ -383,3 +377,78 @@ def test_an_aged_long_prompt_goes_first_and_a_chat_still_starts_beside_it():
     s.add([req(2, 40)], now=AGING_SECONDS)
     first = s.schedule([], 0, now=AGING_SECONDS)
     assert keys(first.admit) == [1, 2] and first.long == (1,)
+
+
+class Cached:
+    """A prefix cache holding `tokens` of every prompt in entry 7, and for
+    prompts over 1,000 tokens a read from disk that ends when the test says so."""
+
+    def __init__(self, tokens: int, entry_bytes: int = MIB, reading: bool = False) -> None:
+        self.version = 0
+        self.tokens = tokens
+        self.entry_bytes = entry_bytes
+        self.read = Read() if reading else None
+
+    def reuse(self, prompt):
+        return Reuse(self.tokens, 7, self.entry_bytes) if self.tokens else Reuse()
+
+    def fetch(self, prompt, reuse):
+        return self.read if len(prompt) > 1000 else None
+
+
+class Read:
+    done = False
+    deadline = 100.0
+
+
+def test_a_request_from_a_cached_prefix_is_short_and_keeps_its_entry():
+    planner = MemoryPlanner(MODEL, 10_000 * MIB, max_chunk=2048, prefill_rows=8)
+    s = Scheduler(planner, SPEED, batch_size=32, prefill_rows=8, step_seconds=0.1,
+                  prefixes=Cached(39_990))  # fmt: skip
+    s.add([req(1, 40_000)], now=0)
+    plan = s.schedule([], 0, now=0)
+    assert keys(plan.admit) == [1] and plan.long == ()  # 10 tokens to prefill
+    assert plan.keep == (7,)
+
+
+def test_the_entry_a_request_reuses_counts_against_memory_while_it_starts():
+    def admits(entry_mib: int) -> bool:
+        planner = MemoryPlanner(MODEL, 150 * MIB, max_chunk=2048, prefill_rows=8)
+        s = Scheduler(planner, SPEED, batch_size=32, prefill_rows=8, step_seconds=0.1,
+                      prefixes=Cached(9_000, entry_mib * MIB))  # fmt: skip
+        s.add([req(1, 9_016)], now=0)
+        return bool(s.schedule([], 0, now=0).admit)
+
+    assert admits(10) and not admits(40)
+
+
+def test_a_request_waits_for_its_prefix_from_disk_until_read_or_its_deadline():
+    cached = Cached(0, reading=True)
+    s = Scheduler(MemoryPlanner(MODEL, 10_000 * MIB, max_chunk=2048, prefill_rows=8), SPEED,
+                  batch_size=32, prefill_rows=8, step_seconds=0.1, prefixes=cached)  # fmt: skip
+    s.add([req(1, 3000), req(2, 40)], now=0)
+    assert keys(s.schedule([], 0, now=1).admit) == [2]  # the other one waits for its read
+    cached.read.done, cached.tokens, cached.version = True, 2990, 1
+    plan = s.schedule([], 0, now=2)
+    assert keys(plan.admit) == [1] and plan.keep == (7,)  # what memory holds now
+    late = Cached(0, reading=True)
+    s = Scheduler(MemoryPlanner(MODEL, 10_000 * MIB, max_chunk=2048, prefill_rows=8), SPEED,
+                  batch_size=32, prefill_rows=8, step_seconds=0.1, prefixes=late)  # fmt: skip
+    s.add([req(1, 3000)], now=0)
+    assert keys(s.schedule([], 0, now=99).admit) == []
+    assert keys(s.schedule([], 0, now=101).admit) == [1]  # past the deadline: prefills
+
+
+def test_with_equal_lengths_only_short_prompts_prefill_together_at_one_length():
+    planner = MemoryPlanner(MODEL, 10_000 * MIB, max_chunk=2048, prefill_rows=8)
+    s = Scheduler(planner, SPEED, batch_size=32, prefill_rows=8, step_seconds=0.1,
+                  equal_lengths=True)  # fmt: skip
+    s.add([req(1, 300), req(2, 100), req(3, 300), req(4, 100)], now=0)
+    assert keys(s.schedule([], 0, now=0).admit) == [2, 4]  # the shortest first, one length
+    # Beside a prompt with 299 tokens left, only another of as many starts.
+    s.add([req(5, 300)], now=1)
+    assert keys(s.schedule([prefilling(300)], 0, now=1).admit) == [1, 3, 5]
+    # Without the rule they would all have gone together.
+    free = make()
+    free.add([req(1, 300), req(2, 100), req(3, 300), req(4, 100)], now=0)
+    assert keys(free.schedule([], 0, now=0).admit) == [2, 4, 1, 3]

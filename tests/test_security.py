@@ -15,10 +15,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import SERVING, generate, prompt, wait_until
 
 from smg_mlx.cli import build_parser
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
+
+from helpers import SERVING, generate, prompt, wait_until
 
 
 def test_default_host_is_loopback():

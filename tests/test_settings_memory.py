@@ -15,6 +15,7 @@ REQUESTS = int(os.environ.get("SOAK_SETTINGS_REQUESTS", "300"))
 WARM_UP = 300
 ALLOWED_GROWTH_MB = 10
 
+
 def distinct_settings(i: int) -> dict:
     """Settings no other request shares: every value drawn anew."""
     rng = random.Random(i)
@@ -22,7 +23,8 @@ def distinct_settings(i: int) -> dict:
         "temperature": 0.3 + rng.random(),
         "top_p": 0.5 + rng.random() / 2,
         "min_p": rng.random() / 10,
-        "top_k": rng.randint(2, 300),
+        # Past the warm-up, values it never drew: each new one could cost a compiled graph.
+        "top_k": rng.randint(2, 99) if i < WARM_UP else rng.randint(100, 380),
         "repetition_penalty": 1 + rng.random(),
         "presence_penalty": rng.random(),
         "logit_bias": {rng.randrange(10, 380): rng.random() for _ in range(3)},

@@ -12,9 +12,10 @@ import time
 
 import grpc
 import pytest
-from helpers import generate, prompt, request, rss_mb, wait_until
 
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+
+from helpers import generate, prompt, request, rss_mb, wait_until
 
 REQUESTS = int(os.environ.get("SOAK_REQUESTS", "10000"))
 CONCURRENCY = 64

@@ -3,15 +3,18 @@ library notices, nothing bare on stdout."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 
-from helpers import wait_until
-
 from bench.workers import free_port
 from smg_mlx.health_check import probe
+
+from helpers import wait_until
 
 TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING) smg_mlx(\.\w+)*: \S")
 
@@ -51,3 +54,39 @@ def test_the_demo_worker_listens_while_it_builds_and_logs_only_its_own_lines(tmp
     ), answers
     foreign = [line for line in lines if not TEXT_LINE.match(line)]
     assert not foreign, foreign
+
+
+def test_json_logs_make_grpcs_own_lines_json_too(model_dir):
+    with socket.socket() as taken:  # gRPC's core logs its failed bind itself
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
+             "--port", str(port), "--log-format", "json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1
+    entries = [json.loads(line) for line in done.stderr.splitlines()]
+    assert {"time", "level", "logger", "message"} <= set(entries[0])
+    grpc_lines = [e for e in entries if e["logger"] == "grpc"]
+    assert grpc_lines and "Address already in use" in grpc_lines[0]["message"]
+    assert grpc_lines[0]["level"] == "error"
+    # The worker's own line, whichever came out first.
+    assert any(f"port {port} is in use" in e["message"] for e in entries)
+
+
+def test_the_start_up_names_the_longest_request_of_context_and_memory(
+    start_worker, model_dir, caplog
+):
+    caplog.set_level(logging.INFO, "smg_mlx.server")
+    roomy = start_worker(model_dir)
+    assert roomy.worker.engine.longest_sequence > 2048  # memory holds far more
+    said = "one request may have up to {} tokens of prompt and output ({})"
+    assert said.format(2048, "the model's context") in caplog.text
+    caplog.clear()
+    weights = roomy.worker.engine.memory.weights
+    tight = start_worker(model_dir, memory_budget_bytes=weights + (5 << 20))
+    longest = tight.worker.engine.longest_sequence
+    assert longest < 2048
+    assert said.format(longest, "what memory holds") in caplog.text

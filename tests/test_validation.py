@@ -7,9 +7,10 @@ import threading
 
 import grpc
 import pytest
-from helpers import collect, generate, prompt, request, rss_mb, wait_until
 
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+from helpers import collect, generate, prompt, request, rss_mb, wait_until
 
 GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"
 

@@ -13,7 +13,7 @@ from smg_mlx.api.streaming import StreamPublisher
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.types import Memory, StepReport
+from smg_mlx.engine.types import CacheStats, Memory, StepReport
 
 
 class EngineState(enum.Enum):
@@ -24,7 +24,12 @@ class EngineState(enum.Enum):
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine cannot take work (not ready, failed, or stopping)."""
+    """The engine cannot take work (not ready, failed, or stopping);
+    `permanent`: it never will with this model."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class EngineClient:
@@ -45,7 +50,9 @@ class EngineClient:
         self.prefilling = 0
         self.waiting = 0
         self.memory: Memory | None = None
+        self.cache = CacheStats()  # the prefix cache's tiers
         self.ranks = 1  # processes serving the model together
+        self.mode = ""  # how requests are batched (engine.batch_check), once started
         self.tokens_per_message = stream_interval
         self.each_alone = stream_interval == 1  # every token in a message of its own
         self._jobs: dict[int, Job] = {}
@@ -103,9 +110,10 @@ class EngineClient:
         """The most tokens (prompt and output) one request may have in memory."""
         return self.memory.longest_sequence if self.memory else 0
 
-    def started(self, memory: Memory, ranks: int) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str) -> None:
         self.memory = memory
         self.ranks = ranks
+        self.mode = mode
         self.state = EngineState.READY
         if not self._ready.done():
             self._ready.set_result(None)
@@ -144,6 +152,7 @@ class EngineClient:
         self.prefilling = reports[-1].prefilling
         self.waiting = reports[-1].waiting
         self.memory = reports[-1].memory
+        self.cache = reports[-1].cache
 
     def stopped(self) -> None:
         if self._ended:
@@ -151,13 +160,13 @@ class EngineClient:
         self.state = EngineState.STOPPED
         self._end_all(finish_reason="abort")
 
-    def failed(self, message: str) -> None:
+    def failed(self, message: str, permanent: bool = False) -> None:
         if self._ended:
             return
         self.state = EngineState.FAILED
         self.failure = message
         if not self._ready.done():
-            self._ready.set_exception(EngineUnavailable(message))
+            self._ready.set_exception(EngineUnavailable(message, permanent))
         self._end_all(error=message, engine_failed=True)
         for listener in self._failure_listeners:
             listener(message)

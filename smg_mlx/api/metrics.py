@@ -7,13 +7,19 @@ only times its step, so metrics cost it nothing measurable.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import socket
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from smg_mlx.api.jobs import Job
-from smg_mlx.engine.types import Memory
+from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
+from smg_mlx.engine.types import CacheStats, Memory
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -31,8 +37,10 @@ class Metrics:
         running: Callable[[], int],
         prefilling: Callable[[], int],
         memory: Callable[[], Memory | None],
+        cache: Callable[[], CacheStats],
     ) -> None:
         self.registry = registry = CollectorRegistry()
+        registry.register(_CacheCollector(cache))
 
         def metric(kind: type, name: str, doc: str, **options: object) -> Any:
             # Every name gets the smg_mlx_ prefix.
@@ -95,6 +103,17 @@ class Metrics:
             "Steps that ran out of memory since start (their requests were put back)",
             "out_of_memory_steps",
         )
+        self.serving_mode = metric(
+            Gauge, "serving_mode", "How requests are batched (1 for the mode the model is "
+            "served in; other than batched is slower: docs/serving.md, Model families)",
+            labelnames=["mode"],
+        )  # fmt: skip
+        memory_gauge(
+            "failed_steps",
+            "Steps that failed otherwise since start (their requests ended with INTERNAL; "
+            f"the engine stops after {MAX_FAILED_STEPS_IN_A_ROW} failed steps in a row)",
+            "failed_steps",
+        )
         self.wait = metric(
             Histogram,
             "queue_wait_seconds",
@@ -136,8 +155,21 @@ class Metrics:
         )
 
     def serve(self, host: str, port: int) -> None:
-        """Serve /metrics over HTTP from a background thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics over HTTP from a background thread; any other path is
+        404, so a scraper pointed at the wrong one hears so. Raises OSError."""
+        metrics = make_wsgi_app(self.registry)
+
+        def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") == "/metrics":
+                return metrics(environ, start_response)
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: the metrics are at /metrics\n"]
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+        server = make_server(host, port, app, Server, handler_class=_Quiet)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
 
     def rpc_ended(self, method: str, code: str) -> None:
         self.rpcs.labels(method, code).inc()
@@ -160,3 +192,55 @@ class Metrics:
         for gap in job.token_gaps:
             self.itl.observe(gap)
         self.e2e.observe(job.ended_at - job.arrived_at)
+
+
+class _Quiet(WSGIRequestHandler):
+    """No line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - its signature
+        pass
+
+
+class _CacheCollector:
+    """The prefix cache's tiers, from the engine's last report."""
+
+    def __init__(self, stats: Callable[[], CacheStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Any:
+        s = self._stats()
+
+        def by_tier(kind: type, name: str, doc: str, memory: float, disk: float) -> Any:
+            family = kind("smg_mlx_prefix_cache_" + name, doc, labels=["tier"])
+            family.add_metric(["memory"], memory)
+            family.add_metric(["disk"], disk)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily("smg_mlx_prefix_cache_" + name, doc, value=value)
+
+        yield by_tier(
+            CounterMetricFamily, "served_tokens", "Prompt tokens served from each tier instead "
+            "of prefilled (disk: from entries read back for the request)",
+            s.memory_tokens, s.disk_tokens,
+        )  # fmt: skip
+        yield by_tier(GaugeMetricFamily, "entries", "Entries held in each tier",
+                      s.memory_entries, s.disk_entries)  # fmt: skip
+        yield by_tier(GaugeMetricFamily, "tier_bytes", "Bytes held in each tier",
+                      s.memory_bytes, s.disk_bytes)  # fmt: skip
+        yield by_tier(
+            CounterMetricFamily, "evicted", "Entries dropped from each tier for room",
+            s.memory_evicted, s.disk_evicted,
+        )  # fmt: skip
+        yield counter("spilled", "Entries written to disk", s.written)
+        yield counter("spilled_bytes", "Bytes written to disk", s.written_bytes)
+        yield counter("loaded", "Entries read back from disk", s.loaded)
+        yield counter("loaded_bytes", "Bytes read back from disk", s.loaded_bytes)
+        yield counter("write_seconds", "Seconds spent writing entries to disk", s.write_seconds)
+        yield counter(
+            "read_seconds", "Seconds spent reading entries from disk and copying them in",
+            s.read_seconds,
+        )  # fmt: skip
+        yield counter(
+            "corrupt_files", "Files that failed their checks, ignored and deleted", s.corrupt
+        )

@@ -4,6 +4,7 @@ grpcio's generated registration parses requests before the handler runs and
 answers a malformed one with UNKNOWN and a Python exception name. Here each
 method receives raw bytes and parses them itself, so a client sending the wrong
 message (or garbage) is told what is wrong with the status that says so. A
+call the worker has no room for is refused before its bytes are looked at, a
 request its bytes alone show to be refused is refused unparsed (api.wire), and
 a large message is parsed off the event loop (api.payload).
 """
@@ -11,6 +12,7 @@ a large message is parsed off the event loop (api.payload).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -68,10 +70,22 @@ def _ended_code(context: grpc.aio.ServicerContext, exc: BaseException | None) ->
     return "OK" if exc is None else "UNKNOWN"
 
 
-def _unary(impl: Callable, parse: Callable, ended: Callable[[str], None]) -> Callable:
+async def _admitted(
+    admit: Callable[[], contextlib.AbstractContextManager], context: grpc.aio.ServicerContext
+) -> contextlib.AbstractContextManager:
+    try:
+        return admit()
+    except Refusal as exc:
+        await context.abort(exc.code, str(exc))
+
+
+def _unary(
+    impl: Callable, parse: Callable, admit: Callable, ended: Callable[[str], None]
+) -> Callable:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            reply = await impl(await parse(raw, context), context)
+            with await _admitted(admit, context):
+                reply = await impl(await parse(raw, context), context)
         except BaseException as exc:
             ended(_ended_code(context, exc))
             raise
@@ -81,11 +95,14 @@ def _unary(impl: Callable, parse: Callable, ended: Callable[[str], None]) -> Cal
     return handle
 
 
-def _streaming(impl: Callable, parse: Callable, ended: Callable[[str], None]) -> Callable:
+def _streaming(
+    impl: Callable, parse: Callable, admit: Callable, ended: Callable[[str], None]
+) -> Callable:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for reply in impl(await parse(raw, context), context):
-                yield reply
+            with await _admitted(admit, context):
+                async for reply in impl(await parse(raw, context), context):
+                    yield reply
         except BaseException as exc:
             ended(_ended_code(context, exc))
             raise
@@ -98,9 +115,11 @@ def add_engine_service(
     server: grpc.aio.Server, servicer: Any, rpc_ended: Callable[[str, str], None]
 ) -> None:
     """Serve the MlxEngine service on `server`, calling the servicer's methods
-    by name. Each request is first shown, as bytes, to `servicer.screen(method,
-    raw)`, which may raise Refusal, then parsed; both with its `payload` worker.
-    `rpc_ended(method, status code name)` hears how each call ended."""
+    by name. Each call is first taken in by `servicer.admit(method)` (a context
+    held until it ends), then its request is shown, as bytes, to
+    `servicer.screen(method, raw)`, then parsed; both with its `payload`
+    worker. Either may raise Refusal. `rpc_ended(method, status code name)`
+    hears how each call ended."""
     handlers = {}
     for method in SERVICE.methods:
         cls = message_factory.GetMessageClass(method.input_type)
@@ -111,14 +130,15 @@ def add_engine_service(
             payload=servicer.payload,
         )
         impl = getattr(servicer, method.name)
+        admit = functools.partial(servicer.admit, method.name)
         ended = functools.partial(rpc_ended, method.name)
         if method.server_streaming:
             handler = grpc.unary_stream_rpc_method_handler(
-                _streaming(impl, parse, ended), response_serializer=_serialize
+                _streaming(impl, parse, admit, ended), response_serializer=_serialize
             )
         else:
             handler = grpc.unary_unary_rpc_method_handler(
-                _unary(impl, parse, ended), response_serializer=_serialize
+                _unary(impl, parse, admit, ended), response_serializer=_serialize
             )
         handlers[method.name] = handler
     # Registered, each method's calls are taken from a queue of their own: a

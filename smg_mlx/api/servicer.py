@@ -6,10 +6,11 @@ Runs on the event loop only and never touches MLX.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.api.payload import PayloadWork
 from smg_mlx.api.rpc_handlers import Refusal
+from smg_mlx.api.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from smg_mlx.api.tokenizer_files import chunks, tokenizer_zip
 from smg_mlx.api.translation import InvalidRequest
 from smg_mlx.config import RequestLimits
@@ -51,8 +53,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._metrics = metrics
         self._capacity = capacity  # running batch plus --max-pending waiting
         self._limits = limits
+        self._calls = 0  # Generate calls taken in, from their arrival to their end
         self._jobs: dict[str, Job] = {}
-        self._preparing = 0  # requests taken in, not yet jobs (tokenizing, checking)
+        # Requests taken in, not yet jobs (parsed, being tokenized or checked), by
+        # id: whether an Abort named them meanwhile.
+        self._preparing: dict[str, bool] = {}
         self.payload = PayloadWork()
         self._started = time.monotonic()
         self.draining = False
@@ -60,19 +65,24 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self.model_dir: Path | None = None
         self.info: ModelInfo | None = None
         self.tokenizer: Any = None
+        self.sampling_defaults = NO_DEFAULTS
         self._model_known = asyncio.Event()
         self._tokenizer_zip: tuple[bytes, str] | None = None
         # One thread: a fast tokenizer is not safe to call from several at once.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    def set_model(self, model_dir: Path, info: ModelInfo, tokenizer: Any) -> None:
+    def set_model(
+        self, model_dir: Path, info: ModelInfo, tokenizer: Any, defaults: SamplingDefaults
+    ) -> None:
+        """The model to serve; `defaults`: its sampling values for what requests leave unset."""
         self.model_dir, self.info, self.tokenizer = model_dir, info, tokenizer
+        self.sampling_defaults = defaults
         self._model_known.set()
 
     @property
     def active_requests(self) -> int:
-        """Requests taken in: running, waiting, or still being prepared."""
-        return len(self._jobs) + self._preparing
+        """Requests taken in: running, waiting, or still being parsed or prepared."""
+        return self._calls
 
     @property
     def jobs(self) -> list[Job]:
@@ -88,13 +98,39 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             return "the model is still loading; retry when health reports SERVING"
         return None
 
+    def admit(self, method: str) -> contextlib.AbstractContextManager:
+        """Take a call in, or refuse it (raises Refusal) before anything is done
+        with its bytes: a Generate call when the worker cannot serve it, or when
+        the batch and --max-pending are full. Large payloads wait their turn to
+        be parsed (api.payload), and a client refused for capacity should hear
+        so at once, to try another worker. Held until the call ends."""
+        if method != "Generate":
+            return contextlib.nullcontext()
+        reason = self.unavailable_reason()
+        if reason:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, reason)
+        if self._calls >= self._capacity:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the worker is full ({self._calls} requests in flight); retry elsewhere",
+            )
+        return self._counted()
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+
     def screen(self, method: str, raw: bytes) -> None:
         """Refuse a request from its bytes, before it is parsed (raises
         Refusal): a parse holds the GIL from start to end, so a large one
         pauses every other call (api.wire). Only Generate carries large lists,
         and those are counted here and checked against their limits: what is
         then parsed is bounded by the context length. Runs wherever the parse
-        does (api.payload)."""
+        does (api.payload), after `admit`."""
         if method != "Generate":
             if len(raw) > SMALL_REQUEST_BYTES:
                 raise Refusal(
@@ -103,9 +139,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                     f"{SMALL_REQUEST_BYTES} for any request but Generate",
                 )
             return
-        reason = self.unavailable_reason()
-        if reason:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, reason)
         try:
             translation.check_sizes(raw, self.info, self._limits, self._engine.longest_sequence)
         except InvalidRequest as exc:
@@ -114,18 +147,25 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def Generate(
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse | bytes]:
-        spec = await self._prepare(request, context)
         request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self._jobs:
+        if request_id in self._jobs or request_id in self._preparing:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {request_id!r} is already in flight; use a unique id",
             )
-        job = Job(request_id, spec)
+        self._preparing[request_id] = False
         try:
-            self._engine.submit(job)
-        except EngineUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            spec = await self._prepare(request, context)
+        finally:
+            aborted = self._preparing.pop(request_id)
+        job = Job(request_id, spec)
+        if aborted:  # while it was being prepared: it never reaches the engine
+            job.end(finish_reason="abort")
+        else:
+            try:
+                self._engine.submit(job)
+            except EngineUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self._jobs[request_id] = job
         delivered = False
         try:
@@ -151,20 +191,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> GenerationSpec:
         """The request checked and translated, or the call ended with the status
-        that says why. Lengths are checked first (the lists' before parsing, in
-        `screen`) and the worker's capacity next, before any work that grows
+        that says why. Capacity was checked first (`admit`), and lengths next
+        (the lists' before parsing, in `screen`), before any work that grows
         with the request (tokenizing, checking ids)."""
         try:
             text = translation.prompt_text(request, self.info)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if self.active_requests >= self._capacity:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker is full ({self.active_requests} requests in flight); retry elsewhere",
-            )
-        self._preparing += 1
-        try:
             ids = request.tokenized.input_ids if text is None else await self._encode(text)
             return await self.payload.run(
                 translation.payload_size(request, ids),
@@ -174,11 +205,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 ids,
                 self._engine.longest_sequence,
                 self._limits,
+                self.sampling_defaults,
             )
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finally:
-            self._preparing -= 1
 
     async def _encode(self, text: str) -> list[int]:
         """Tokenize off the event loop: megabytes of text take seconds."""
@@ -229,14 +259,23 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         jobs = [job for request_id, job in self._jobs.items() if request_id in ids]
         if jobs:
             self._engine.abort(jobs)
-            log.info("abort requested for %d request(s)", len(jobs))
+        preparing = [request_id for request_id in self._preparing if request_id in ids]
+        for request_id in preparing:
+            self._preparing[request_id] = True  # Generate ends it once it is prepared
+        if jobs or preparing:
+            log.info("abort requested for %d request(s)", len(jobs) + len(preparing))
         return mlx_engine_pb2.AbortResponse()
 
     async def HealthCheck(
         self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.HealthCheckResponse:
+        # Not an answer with healthy=false: the router (smg 1.13) registers a
+        # worker whose first HealthCheck succeeds, and routes to it at once,
+        # whatever the answer says. An error makes it try again later.
         reason = self.unavailable_reason()
-        return mlx_engine_pb2.HealthCheckResponse(healthy=reason is None, message=reason or "ok")
+        if reason:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        return mlx_engine_pb2.HealthCheckResponse(healthy=True, message="ok")
 
     async def _model_info(self, context: grpc.aio.ServicerContext) -> ModelInfo:
         """The model's facts, waiting the short while it takes to read them at start-up."""
@@ -278,6 +317,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 ("waiting-requests", str(max(len(self._jobs) - running, 0))),
                 ("prefilling-requests", str(self._engine.prefilling)),
                 ("running-requests", str(running)),
+                # How requests are batched: other than "batched" is slower
+                # (docs/serving.md, "Model families").
+                ("serving-mode", self._engine.mode),
             )
         )
         return mlx_engine_pb2.GetServerInfoResponse(

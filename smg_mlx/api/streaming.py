@@ -59,13 +59,13 @@ def tokens_per_message(minimum: int, running: int, step_seconds: float) -> int:
 class Receiver(Protocol):
     """The event-loop side of the engine (`EngineClient`); called on the loop."""
 
-    def started(self, memory: Memory, ranks: int) -> None: ...
+    def started(self, memory: Memory, ranks: int, mode: str) -> None: ...
 
     def deliver(self, reports: list[StepReport], per_message: int) -> None: ...
 
     def stopped(self) -> None: ...
 
-    def failed(self, message: str) -> None: ...
+    def failed(self, message: str, permanent: bool = False) -> None: ...
 
 
 class StreamPublisher:
@@ -89,8 +89,8 @@ class StreamPublisher:
             self._post(self._receiver.deliver, self._held, self._per_message)
             self._held = []
 
-    def started(self, memory: Memory, ranks: int) -> None:
-        self._post(self._receiver.started, memory, ranks)
+    def started(self, memory: Memory, ranks: int, mode: str) -> None:
+        self._post(self._receiver.started, memory, ranks, mode)
 
     def stepping(self, expected_seconds: float) -> None:
         # Tokens held through a step would wait for it too: past about
@@ -123,10 +123,10 @@ class StreamPublisher:
         self._flush()
         self._post(self._receiver.stopped)
 
-    def failed(self, message: str) -> None:
+    def failed(self, message: str, permanent: bool = False) -> None:
         # Tokens still held are not sent: every request ends with the failure,
         # and this may run on the lockstep watchdog's thread (handoff.Sink).
-        self._post(self._receiver.failed, message)
+        self._post(self._receiver.failed, message, permanent)
 
 
 async def chunks(

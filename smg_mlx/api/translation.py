@@ -16,6 +16,12 @@ from typing import Any
 
 from smg_mlx.api import responses, wire
 from smg_mlx.api.model_info import ModelInfo
+from smg_mlx.api.sampling_defaults import (
+    MAX_TEMPERATURE,
+    NO_DEFAULTS,
+    REPETITION_PENALTY,
+    SamplingDefaults,
+)
 from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, SamplingSettings
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -30,13 +36,9 @@ MAX_TEXT_CHARS_PER_TOKEN = 64
 # Temperatures below this are greedy: 1/temperature would overflow float32
 # and sample at random, and far above it sampling is greedy in all but name.
 GREEDY_BELOW = 1e-5
-# Above this every token is about as likely as any other; far above it,
-# 1/temperature underflows to 0 and filtered tokens' logits become NaN.
-MAX_TEMPERATURE = 100.0
 # Ranges that keep a model's logits, and so every logprob, finite (float16's
-# largest is 65504): OpenAI's for the additive penalties and biases, and a
-# repetition penalty that scales a logit by at most 100 either way.
-REPETITION_PENALTY = (0.01, 100.0)
+# largest is 65504): OpenAI's for the additive penalties and biases (the
+# repetition penalty's is with the temperature's, in api.sampling_defaults).
 ADDITIVE_PENALTY = (-2.0, 2.0)
 LOGIT_BIAS = (-100.0, 100.0)
 # About how many bytes of a message each id or value takes: how much work
@@ -45,6 +47,10 @@ BYTES_PER_ITEM = 4
 # Fields of a request besides its lists' entries, with room for a client that
 # sends a field more than once (the last one counts).
 OTHER_FIELDS = 64
+# Values of top_p and repetition_penalty that leave the model's own default in
+# place: proto3's unset 0, and 1, which the router sends for a request that
+# names neither.
+UNSET_OR_NEUTRAL = (0.0, 1.0)
 
 
 class InvalidRequest(ValueError):
@@ -166,25 +172,36 @@ def prompt_ids(ids: Sequence[int], info: ModelInfo, memory_tokens: int) -> tuple
     return tuple(ids)
 
 
-def sampling_settings(params: Any, vocab_size: int) -> SamplingSettings:
+def sampling_settings(
+    params: Any, vocab_size: int, defaults: SamplingDefaults = NO_DEFAULTS
+) -> SamplingSettings:
+    """How to choose tokens: what the request says, else the model's `defaults`
+    (api.sampling_defaults), else no filter at temperature 1."""
     temperature = 1.0
     if params.HasField("temperature"):
         temperature = _in_range("temperature", params.temperature, 0.0, MAX_TEMPERATURE)
-    # proto3 cannot tell an unset float from 0, so 0 means "off" here.
-    top_p = _in_range("top_p", params.top_p, 0.0, 1.0, "in (0, 1] (0: off)")
-    min_p = _in_range("min_p", params.min_p, 0.0, 1.0)
+    elif defaults.temperature is not None:
+        temperature = defaults.temperature
+    top_p = defaults.top_p or 1.0
+    if params.top_p not in UNSET_OR_NEUTRAL:
+        top_p = _in_range("top_p", params.top_p, 0.0, 1.0, "in (0, 1] (0: unset)")
+    # proto3 cannot tell an unset value from 0, so 0 means "unset" here.
+    min_p = _in_range("min_p", params.min_p, 0.0, 1.0) or defaults.min_p or 0.0
+    top_k = params.top_k or defaults.top_k or 0
     return SamplingSettings(
         temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
-        top_p=top_p or 1.0,
+        top_p=top_p,
         # Keeping the whole vocabulary or more is no filter at all.
-        top_k=params.top_k if params.top_k < vocab_size else 0,
+        top_k=top_k if top_k < vocab_size else 0,
         min_p=min_p,
         # MLX random keys take unsigned seeds; a negative int32 maps to its bits.
         seed=params.seed % 2**32 if params.HasField("seed") else None,
     )
 
 
-def logits_settings(params: Any, vocab_size: int) -> LogitsSettings:
+def logits_settings(
+    params: Any, vocab_size: int, defaults: SamplingDefaults = NO_DEFAULTS
+) -> LogitsSettings:
     bias = tuple(
         sorted(
             (int(k), _in_range("logit_bias", v, *LOGIT_BIAS)) for k, v in params.logit_bias.items()
@@ -196,8 +213,11 @@ def logits_settings(params: Any, vocab_size: int) -> LogitsSettings:
         f"logit_bias names token id {bad[0] if bad else 0}, outside the vocabulary "
         f"(ids must be in [0, {vocab_size}))",
     )
+    repetition = defaults.repetition_penalty or 1.0
+    if params.repetition_penalty not in UNSET_OR_NEUTRAL:
+        repetition = _penalty(params, "repetition_penalty", *REPETITION_PENALTY, off=1.0)
     return LogitsSettings(
-        repetition_penalty=_penalty(params, "repetition_penalty", *REPETITION_PENALTY, off=1.0),
+        repetition_penalty=repetition,
         frequency_penalty=_penalty(params, "frequency_penalty", *ADDITIVE_PENALTY, off=0.0),
         presence_penalty=_penalty(params, "presence_penalty", *ADDITIVE_PENALTY, off=0.0),
         logit_bias=bias,
@@ -244,11 +264,13 @@ def generation_spec(
     prompt: Sequence[int],
     memory_tokens: int,
     limits: RequestLimits,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> GenerationSpec:
     """Validate a GenerateRequest whose prompt is `prompt` (its token ids, or its
     text tokenized) and translate it; raises InvalidRequest. `memory_tokens`:
     the most tokens (prompt and output) one request may have in the worker's
-    memory budget."""
+    memory budget; `defaults`: the model's sampling values for what the
+    request leaves unset."""
     prompt = prompt_ids(prompt, info, memory_tokens)
     params = request.sampling_params
     logprobs = _logprobs(params)
@@ -265,7 +287,7 @@ def generation_spec(
         prompt=prompt,
         max_tokens=max_tokens,
         stop_token_ids=frozenset(stops),
-        sampling=sampling_settings(params, info.vocab_size),
-        logits=logits_settings(params, info.vocab_size),
+        sampling=sampling_settings(params, info.vocab_size, defaults),
+        logits=logits_settings(params, info.vocab_size, defaults),
         logprobs=logprobs,
     )

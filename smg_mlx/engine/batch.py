@@ -9,34 +9,27 @@ what BatchGenerator returns, rather than from BatchGenerator's internals.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache
-from mlx_lm.utils import load_model
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import memory_probe
-from smg_mlx.engine.memory import Cost, cost
+from smg_mlx.engine import batch_check, loading, memory_probe
+from smg_mlx.engine.memory import Cost
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
-from smg_mlx.engine.scheduler import LONG, SHAPES_REMEMBERED, SHORT, Passes, Running
+from smg_mlx.engine.scheduler import Running
 from smg_mlx.engine.step_clock import StepClock
+from smg_mlx.engine.step_plan import LONG, SHORT, Passes
+from smg_mlx.engine.token_tree import Entry
 from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
 
 log = logging.getLogger(__name__)
-
-# Shorter cached prefixes are not reused: unrelated prompts often share a token
-# or two, which saves nothing, and every odd prefill length is one more shape
-# for the backend to prepare kernels for.
-MIN_REUSED_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -49,6 +42,7 @@ class _Slot:
     options: tuple  # its sampler, logits processors and stop sequences
     cached: int  # prompt tokens reused from the prefix cache (as its client is told)
     start: int  # tokens in its cache when it was inserted
+    carries: Entry | None  # the prefix-cache entry whose whole key its row holds
     processed: int = 0  # prompt tokens prefilled since
     started: bool = False  # BatchGenerator has begun its prefill
     prefilling: bool = True  # its prompt is not all processed yet
@@ -68,17 +62,6 @@ class _Slot:
     def remaining(self) -> int:
         """Prompt tokens still to prefill, the last one aside."""
         return len(self.inserted.prompt) - 1 - self.context if self.prefilling else 0
-
-
-# mlx's CUDA backend keeps per-shape caches (cuDNN attention graphs, CUDA
-# graphs) and, past twice a cache's size in misses over the process's life,
-# raises on every new shape: a worker that sees many prompt lengths would fail
-# after hours of healthy serving. A missed shape costs one build, not an error.
-# Read when each cache is first used; a value set by the operator wins.
-CUDA_CACHE_SETTINGS = {
-    "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
-    "MLX_CUDA_SDPA_CACHE_SIZE": str(SHAPES_REMEMBERED),
-}
 
 
 def _no_mask_array_for_one_prompt(make_mask: Callable) -> Callable:
@@ -101,36 +84,6 @@ def _no_mask_array_for_one_prompt(make_mask: Callable) -> Callable:
 BatchKVCache.make_mask = _no_mask_array_for_one_prompt(BatchKVCache.make_mask)
 
 
-def _load(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:
-    """The model, or this rank's part of it when a group of ranks serves it."""
-    if group is None:
-        return load(str(config.model_path))[0]
-    model, model_config = load_model(config.model_path, lazy=True, strict=False)
-    family = model_config.get("model_type", "this model")
-    if config.pipeline:
-        if not hasattr(getattr(model, "model", None), "pipeline"):
-            raise ValueError(
-                f"{family} cannot be split as a pipeline (mlx-lm has no pipeline() for it); "
-                "leave out --pipeline to split it tensor parallel"
-            )
-        model.model.pipeline(group)
-    else:
-        if not hasattr(model, "shard"):
-            raise ValueError(
-                f"{family} cannot be split tensor parallel (mlx-lm has no shard() for it); "
-                "try --pipeline"
-            )
-        model.shard(group)
-    mx.eval(model.parameters())
-    log.info(
-        "rank %d of %d holds its %s part of the model",
-        group.rank(),
-        group.size(),
-        "pipeline" if config.pipeline else "tensor-parallel",
-    )
-    return model
-
-
 class Batch:
     """The model and its lanes' BatchGenerators; each request is a slot keyed
     by its lane and uid."""
@@ -138,24 +91,34 @@ class Batch:
     def __init__(self, config: EngineConfig, group: mx.distributed.Group | None = None) -> None:
         started = time.perf_counter()
         self._config = config
-        for name, value in CUDA_CACHE_SETTINGS.items():
-            os.environ.setdefault(name, value)
-        self.model = _load(config, group)
+        # How many prompts prefill together and sequences run together: as
+        # configured, unless the model needs less (see `serve_as`).
+        self.prefill_rows = config.prefill_batch_size
+        self.batch_size = config.completion_batch_size
+        self.model = loading.load_for(config, group)
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.
         self._stream = mx.new_stream(mx.default_device())
-        self._lanes = self._new_lanes()
+        # Before anything else runs a batch of it: a model may not run one
+        # (refused: types.Unservable), or not exactly.
+        self.choice = batch_check.choose(
+            self.model, self._stream, self.prefill_rows, self.batch_size,
+            batch_check.FLAGS[config.batching],
+        )  # fmt: skip
+        self._lanes = ()
+        self.serve_as(self.choice.mode)
         self._samplers = SamplerCache()
         # (lane, BatchGenerator uid) -> slot, in admission order
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._uids: dict[int, tuple[int, int]] = {}  # request key -> (lane, uid)
         self._started = 0  # slots BatchGenerator is prefilling or decoding
         self._resuming: dict[int, _Slot] = {}  # key -> slot of a request put back (see reset)
-        self._prefixes = (
-            PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
+        # 0 turns the prefix cache off; None bounds it by the memory budget alone.
+        self.prefixes = (
+            PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes != 0 else None
         )
         self.memory, self.speed = memory_probe.measure(
-            self.model, self._stream, config.prefill_step_size
+            self.model, self._stream, config.prefill_step_size, group
         )
         # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = StepClock(self.speed).seconds(
@@ -171,17 +134,25 @@ class Batch:
 
     def _new_lanes(self) -> tuple[BatchGenerator, ...]:
         """A BatchGenerator for each lane, indexed by SHORT and LONG."""
-        config = self._config
         return tuple(
             BatchGenerator(
                 self.model,
-                completion_batch_size=config.completion_batch_size,
-                prefill_batch_size=config.prefill_batch_size,
-                prefill_step_size=config.prefill_step_size,
+                completion_batch_size=self.batch_size,
+                prefill_batch_size=self.prefill_rows,
+                prefill_step_size=self._config.prefill_step_size,
                 stream=self._stream,
             )
             for _ in (SHORT, LONG)
         )
+
+    def serve_as(self, mode: batch_check.Mode) -> None:
+        """Serve in `mode` from now on (the batch must be empty)."""
+        self.mode = mode
+        if mode is batch_check.Mode.ONE_AT_A_TIME:
+            self.prefill_rows = self.batch_size = 1
+        for lane in self._lanes:
+            lane.close()
+        self._lanes = self._new_lanes()
 
     @property
     def size(self) -> int:
@@ -205,7 +176,7 @@ class Batch:
 
     @property
     def prefix_cache_bytes(self) -> int:
-        return self._prefixes.nbytes if self._prefixes is not None else 0
+        return self.prefixes.nbytes if self.prefixes is not None else 0
 
     @property
     def active_memory(self) -> int:
@@ -240,43 +211,50 @@ class Batch:
         return [
             Running(
                 Cost(
-                    len(slot.request.spec.prompt) + len(slot.generated),
-                    cost(slot.request).total,
-                    slot.prefilling,
+                    len(slot.inserted.prompt),
+                    len(slot.request.spec.prompt) + slot.request.spec.max_tokens,
+                    slot.remaining + 1 if slot.prefilling else 0,
+                    slot.lane == LONG,
                 ),
                 slot.remaining,
                 slot.context,
                 slot.key,
-                slot.lane == LONG,
             )
             for slot in self._slots.values()
             if slot.key not in leaving
         ]
 
-    def cached_prefix(self, prompt: tuple[int, ...]) -> int:
-        """Prompt tokens the prefix cache would spare now."""
-        return self._prefixes.reusable(prompt, MIN_REUSED_TOKENS) if self._prefixes else 0
-
-    def cached_over(self, limit: int) -> tuple[list[int], int]:
-        """The prompt-cache entries to drop to hold at most `limit` bytes, and
-        the bytes it holds then."""
-        if self._prefixes is None:
+    def cached_over(self, limit: int, keep: Collection[int] = ()) -> tuple[list[int], int]:
+        """The prompt-cache entries to drop to hold at most `limit` bytes (but
+        those in `keep`), and the bytes it holds then."""
+        if self.prefixes is None:
             return [], 0
-        ids = self._prefixes.over(limit)
-        return ids, self._prefixes.nbytes - self._prefixes.size_of(ids)
+        return self.prefixes.over(limit, keep)
 
     def drop_cached(self, ids: Iterable[int]) -> None:
-        if self._prefixes is not None:
-            self._prefixes.drop(list(ids))
+        if self.prefixes is not None:
+            self.prefixes.drop(list(ids))
 
-    def _start_from(self, prompt: tuple[int, ...]) -> tuple[list | None, int]:
-        """The cache to start `prompt` from (None: a fresh one) and the tokens it holds."""
-        if self._prefixes is None:
-            return None, 0
-        cache, cached = self._prefixes.lookup(prompt, MIN_REUSED_TOKENS)
-        if cached:
-            log.debug("prefix cache hit: %d of %d prompt tokens", cached, len(prompt))
-        return cache, cached
+    def tend_prefixes(self) -> bool:
+        """The prefix cache's work between steps (its disk tier); whether it
+        changed anything."""
+        return self.prefixes is not None and self.prefixes.tick()
+
+    @property
+    def prefixes_busy(self) -> bool:
+        """Whether the prefix cache has work for the engine thread besides steps."""
+        return self.prefixes is not None and self.prefixes.busy
+
+    def prefixes_due(self) -> float | None:
+        """Seconds until the prefix cache has work for the engine thread (None: none waits)."""
+        return self.prefixes.due() if self.prefixes is not None else None
+
+    def _start_from(self, prompt: tuple[int, ...]) -> tuple[list | None, int, Entry | None]:
+        """The cache to start `prompt` from (None: a fresh one), the tokens it
+        holds, and the prefix-cache entry it came from."""
+        if self.prefixes is None:
+            return None, 0, None
+        return self.prefixes.start_from(prompt)
 
     def _options(self, request: Request) -> tuple:
         spec = request.spec
@@ -312,19 +290,23 @@ class Batch:
         starts = [self._start_from(prompt) for prompt in prompts]
         samplers, processors, stops = zip(*(options for _, options, _ in accepted), strict=True)
         uids = self._lanes[lane].insert(
-            [list(p[n:]) for p, (_, n) in zip(prompts, starts, strict=True)],
+            [list(p[n:]) for p, (_, n, _) in zip(prompts, starts, strict=True)],
             max_tokens=[request.spec.max_tokens for request, _, _ in accepted],
-            caches=[cache for cache, _ in starts],
+            caches=[cache for cache, _, _ in starts],
             # The tokens already in each cache (a new list: mlx-lm appends to it).
-            all_tokens=[list(p[:n]) for p, (_, n) in zip(prompts, starts, strict=True)],
+            all_tokens=[list(p[:n]) for p, (_, n, _) in zip(prompts, starts, strict=True)],
             samplers=list(samplers),
             logits_processors=list(processors),
             stop_sequences=list(stops),
         )
-        for uid, (request, options, resumed), (_, cached) in zip(
+        for uid, (request, options, resumed), (_, cached, entry) in zip(
             uids, accepted, starts, strict=True
         ):
-            slot = _Slot(request, lane, request.spec, options, cached, cached)
+            # Its row will hold all of the entry: the entry can go first if memory runs short.
+            carries = entry if entry is not None and cached == entry.length else None
+            if carries is not None:
+                self.prefixes.carry(carries, 1)
+            slot = _Slot(request, lane, request.spec, options, cached, cached, carries)
             if resumed is not None:  # as the client knows it: tokens sent, cache reuse
                 slot.request, slot.cached = resumed.request, resumed.cached
                 slot.fresh, slot.generated = resumed.fresh, resumed.generated
@@ -335,6 +317,9 @@ class Batch:
         slot = self._slots.pop(place)
         del self._uids[slot.key]
         self._started -= slot.started
+        if slot.carries is not None:
+            self.prefixes.carry(slot.carries, -1)
+            slot.carries = None
         return slot
 
     def remove(self, keys: Iterable[int]) -> list[Event]:
@@ -346,13 +331,13 @@ class Batch:
             uids = [uid for on, uid in places if on == lane]
             if not uids:
                 continue
-            kept = generator.remove(uids, return_prompt_caches=self._prefixes is not None)
+            kept = generator.remove(uids, return_prompt_caches=self.prefixes is not None)
             for uid in uids:
                 slot = self._forget((lane, uid))
                 cache, tokens = kept.get(uid) or (None, ())
                 # What an aborted sequence computed is as good as a finished one's.
-                if self._prefixes is not None and cache is not None and len(tokens) > slot.cached:
-                    self._prefixes.insert(tokens, cache)
+                if self.prefixes is not None and cache is not None and len(tokens) > slot.cached:
+                    self.prefixes.keep(tokens, cache)
                 events.append(Event(slot.key, finish_reason="abort"))
         return events
 
@@ -421,10 +406,10 @@ class Batch:
             slot.fresh = False
             if r.finish_reason is not None:
                 self._forget((lane, r.uid))
-                if self._prefixes is not None:
+                if self.prefixes is not None:
                     # The cache holds every token of `all_tokens`, the last
                     # generated one included.
-                    self._prefixes.insert(r.all_tokens, r.prompt_cache)
+                    self.prefixes.keep(r.all_tokens, r.prompt_cache)
         return events
 
     def reset(self) -> list[Request]:
@@ -438,7 +423,9 @@ class Batch:
         mx.clear_cache()
         self._lanes = self._new_lanes()
         requests = []
-        for slot in self._slots.values():
+        for place in list(self._slots):
+            slot = self._slots[place]
+            self._forget(place)
             spec = slot.request.spec
             self._resuming[slot.key] = slot
             requests.append(
@@ -451,9 +438,6 @@ class Batch:
                     ),
                 )
             )
-        self._slots.clear()
-        self._uids.clear()
-        self._started = 0
         return requests
 
     def forget_resumed(self, keys: Iterable[int]) -> None:
@@ -482,12 +466,14 @@ class Batch:
             found[i] = TokenLogprobs(chosen.item(), tuple(top.tolist()), tuple(values.tolist()))
         return found
 
-    def close(self) -> None:
-        """Release the lanes' generators and the model on this thread (see `EngineCore.run`)."""
+    def close(self, flush_seconds: float = 0.0) -> None:
+        """Release the lanes' generators, the prefix cache (first writing to
+        disk what is worth keeping, for at most `flush_seconds`) and the model
+        on this thread (see `EngineCore.run`)."""
         for lane in self._lanes:
             lane.close()
         self._lanes = ()
-        if self._prefixes is not None:  # its tree holds cycles: freed now, not at a collection
-            self._prefixes.shrink(0)
-        self._prefixes = None
+        if self.prefixes is not None:
+            self.prefixes.close(flush_seconds)
+        self.prefixes = None
         self.model = None

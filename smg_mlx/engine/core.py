@@ -13,8 +13,11 @@ rank the two simply follow each other; with several (a model split over
 machines, `engine.lockstep`) rank 0 shares each decided turn before all apply
 it, so no follower ever decides anything.
 
-With one rank, a step that runs out of memory despite the budget puts the
-batch back in the waiting room instead of failing the engine.
+With one rank, a step that fails does not end the engine: one that ran out
+of memory despite the budget puts the batch back in the waiting room; any
+other error ends that step's requests with an error and the batch starts
+over. Only steps failing MAX_FAILED_STEPS_IN_A_ROW times in a row end it.
+With several ranks any failed step ends it: the ranks' batches could differ.
 """
 
 from __future__ import annotations
@@ -29,8 +32,19 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.engine.bursts import WINDOWS_AT_MOST, BurstGatherer
 from smg_mlx.engine.handoff import Inbox, Sink
 from smg_mlx.engine.memory import MemoryModel, MemoryPlanner, format_bytes, is_out_of_memory
-from smg_mlx.engine.scheduler import Passes, Plan, Scheduler
-from smg_mlx.engine.types import Event, Failure, Memory, Request, StepReport, Turn
+from smg_mlx.engine.scheduler import Plan, Scheduler
+from smg_mlx.engine.step_plan import Passes
+from smg_mlx.engine.types import (
+    CacheStats,
+    Event,
+    Failure,
+    Memory,
+    Request,
+    StepReport,
+    Turn,
+    Unservable,
+)
+from smg_mlx.logs import error_line, one_line
 
 if TYPE_CHECKING:
     from smg_mlx.engine.batch import Batch
@@ -38,9 +52,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Out-of-memory errors in a row, each after putting the batch back, before the
-# engine gives up.
-MAX_OUT_OF_MEMORY_IN_A_ROW = 3
+# Failed steps in a row (each contained: its batch put back or its requests
+# ended) before the engine gives up: past that, the fault is not a step's.
+MAX_FAILED_STEPS_IN_A_ROW = 3
+# At a graceful stop, the prefix cache writes to disk what it has not yet, for
+# at most this long (it writes behind as it goes, so little is left).
+FLUSH_SECONDS = 15.0
+# How often a loop with nothing to run looks again at requests waiting for
+# their prefix to be read from disk (a finished read wakes it sooner).
+READ_WAIT_SECONDS = 0.05
 
 
 class EngineCore:
@@ -49,6 +69,7 @@ class EngineCore:
         self.inbox = inbox
         self.sink = sink
         self._out_of_memory_steps = 0  # steps that ran out of memory, all told
+        self._failed_steps = 0  # steps that failed otherwise, all told
         self._plan = Plan()  # the last turn's
         self._turn: Turn | None = None  # the last turn, while nothing has changed since
 
@@ -59,36 +80,56 @@ class EngineCore:
             # MLX is first imported here, on the thread that will own it.
             from smg_mlx.engine import lockstep, memory_probe, warm_up
             from smg_mlx.engine.batch import Batch
+            from smg_mlx.engine.batch_check import Mode
+            from smg_mlx.engine.prefix_cache import open_disk_tier
 
             group = lockstep.group()
             batch = Batch(self.config, group)
-            warm_up.run(batch, thorough=batch.shape_builds)
             channel = lockstep.Channel(group, batch.stream) if group is not None else None
+            self._choose_mode(batch, channel)
+            # Its folder opens (and is indexed) while the warm-up runs.
+            disk = open_disk_tier(self.config, self.inbox.wake) if group is None else None
+            warm_up.run(batch, thorough=batch.shape_builds)
             budget = memory_probe.budget(
                 self.config.memory_budget_bytes, self.config.memory_budget_share
             )
-            planner = self._planner(batch.memory, budget, channel)
+            planner = self._planner(batch.memory, budget, channel, batch.prefill_rows)
             self._check_budget(planner)
             if channel is not None:
                 lockstep.same_random_state(channel)
             scheduler = Scheduler(
                 planner,
                 batch.speed,
-                batch_size=self.config.completion_batch_size,
-                prefill_rows=self.config.prefill_batch_size,
+                batch_size=batch.batch_size,
+                prefill_rows=batch.prefill_rows,
                 step_seconds=self.config.step_budget_seconds,
                 shape_builds=batch.shape_builds,
-                cached_prefix=batch.cached_prefix,
+                prefixes=batch.prefixes,
+                equal_lengths=batch.mode is Mode.EQUAL_LENGTHS,
             )
+            if disk is not None:
+                batch.prefixes.attach(disk, scheduler.steps.prefill_seconds)
+            elif group is not None and self.config.prompt_cache_dir is not None:
+                log.info("the prompt cache's disk tier is off: the model is split over ranks")
+            if batch.prefixes is not None:
+                batch.prefixes.room = planner.prefix_allowance([])
+                batch.prefixes.reset_counts()
         except BaseException as exc:  # noqa: BLE001 - reported; the caller decides what to do
-            log.exception("engine failed to start")
             if batch is not None:  # loaded, then refused (budget, ranks): released here too
                 batch.close()
-            self.sink.failed(f"model load failed: {exc!r}")
+            if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                raise  # a signal to a rank that runs this on its main thread: it stops
+            # The cause is the operator's to fix (the model, a flag): one line says
+            # it; the traceback is for --log-level debug.
+            log.debug("engine failed to start", exc_info=True)
+            if isinstance(exc, Unservable):
+                self.sink.failed(one_line(exc), permanent=True)
+            else:
+                self.sink.failed(f"model load failed: {error_line(exc)}")
             return
         ranks = channel.size if channel is not None else 1
         try:
-            self.sink.started(self._memory(batch, scheduler), ranks)
+            self.sink.started(self._memory(batch, scheduler), ranks, batch.mode.value)
             if channel is not None and channel.rank > 0:
                 self._follow(batch, channel)
             else:
@@ -96,13 +137,34 @@ class EngineCore:
         except BaseException as exc:  # noqa: BLE001 - reported; every request learns of it
             log.exception("engine failed")
             self.sink.failed(f"engine failure: {exc!r}; the worker must be restarted")
+            batch.close()
         else:
             self.sink.stopped()
-        finally:
-            # Released here: MLX objects outliving their thread can abort the process at exit.
-            batch.close()
+            batch.close(FLUSH_SECONDS)
+        # Released on this thread: MLX objects outliving their thread can abort
+        # the process at exit.
 
-    def _planner(self, model: MemoryModel, budget: int, channel: Channel | None) -> MemoryPlanner:
+    @staticmethod
+    def _choose_mode(batch: Batch, channel: Channel | None) -> None:
+        """Serve in the mode the batch found where batching changes no output
+        (`engine.batch_check`); with several ranks, rank 0's (every rank ran
+        the check: the model's collectives need them all)."""
+        choice = batch.choice
+        if channel is not None:
+            choice = channel.share(choice if channel.rank == 0 else None)
+            batch.serve_as(choice.mode)
+        if choice.reason:
+            log.warning(
+                "serving %s, which is slower than batched: %s (checked in %.2fs)",
+                choice.mode.value, choice.reason, choice.seconds,
+            )  # fmt: skip
+        else:
+            log.info("serving batched: batching changes no output (checked in %.2fs)",
+                     choice.seconds)  # fmt: skip
+
+    def _planner(
+        self, model: MemoryModel, budget: int, channel: Channel | None, prefill_rows: int
+    ) -> MemoryPlanner:
         """The budget planner; with several ranks, for the most constrained of them."""
         if channel is not None:
             models, budgets = zip(*channel.gather((model, budget)), strict=True)
@@ -113,7 +175,7 @@ class EngineCore:
             model,
             budget,
             max_chunk=self.config.prefill_step_size,
-            prefill_rows=self.config.prefill_batch_size,
+            prefill_rows=prefill_rows,
         )
 
     @staticmethod
@@ -125,11 +187,11 @@ class EngineCore:
                 f"model ({format_bytes(planner.model.weights)}) and one short request: raise "
                 "--memory-budget"
             )
+        # What one request may have is the worker's to say: it knows the context too.
         log.info(
-            "memory budget %s: the model takes %s; one request may have up to %d tokens",
+            "memory budget %s: the model takes %s",
             format_bytes(planner.budget),
             format_bytes(planner.model.weights),
-            longest,
         )
 
     # ---- rank 0 (or the only rank) ----
@@ -144,8 +206,8 @@ class EngineCore:
             watchdog = lockstep.Watchdog(self._peer_hung, batch.slowest_step)
             # Followers must hear from an idle rank 0 well before they give it up.
             window = min(window, lockstep.HEARTBEAT_SECONDS / WINDOWS_AT_MOST)
-        bursts = BurstGatherer(window, self.config.prefill_batch_size)
-        failures = 0  # out-of-memory errors since the last good step
+        bursts = BurstGatherer(window, batch.prefill_rows)
+        failures = 0  # failed steps since the last good one
         sent: list[Event] = []  # the step's short-lane events, sent before its long lane ran
 
         def early(short: list[Event]) -> None:
@@ -155,6 +217,7 @@ class EngineCore:
         try:
             while True:
                 requests, aborts = inbox.take()
+                tended = batch.tend_prefixes()
                 turn, events = self._decide(batch, scheduler, requests, aborts)
                 if watchdog is not None:
                     watchdog.turn_started(turn.expected_seconds)
@@ -168,15 +231,10 @@ class EngineCore:
                     stepped, passes, rows, finished = self._step(batch, turn, early)
                 except Exception as exc:
                     failures += 1
-                    if (
-                        channel is not None
-                        or not is_out_of_memory(exc)
-                        or failures >= MAX_OUT_OF_MEMORY_IN_A_ROW
-                    ):
+                    if channel is not None or failures >= MAX_FAILED_STEPS_IN_A_ROW:
                         raise
-                    self._out_of_memory_steps += 1
                     self._turn = None
-                    stepped, rows, finished = self._put_back(batch, scheduler, exc), 0, 0
+                    stepped, rows, finished = self._contain(batch, scheduler, exc), 0, 0
                 else:
                     stepped = stepped[len(sent) :]  # the rest went out early
                     if passes is not None:
@@ -190,7 +248,7 @@ class EngineCore:
                 events += stepped
                 seconds = passes.seconds if passes is not None else None
                 idle = not batch.size and not scheduler
-                if events or seconds is not None or turn.admit:
+                if events or seconds is not None or turn.admit or tended:
                     sink.step(
                         self._report(batch, scheduler, events, seconds, rows, turn.admit, idle=idle)
                     )
@@ -198,9 +256,14 @@ class EngineCore:
                     return
                 if idle:
                     # With followers, an idle rank 0 still sends a turn now and
-                    # then, so that they can tell it from a dead one.
-                    inbox.wait(lockstep.HEARTBEAT_SECONDS if watchdog is not None else None)
+                    # then, so that they can tell it from a dead one; it also
+                    # wakes for the prefix cache's writes to disk.
+                    due = [lockstep.HEARTBEAT_SECONDS] if watchdog is not None else []
+                    due += [t for t in (batch.prefixes_due(),) if t is not None]
+                    inbox.wait(min(due, default=None))
                     bursts.gather(inbox)
+                elif not batch.size and not turn.admit and not batch.prefixes_busy:
+                    inbox.wait(READ_WAIT_SECONDS)  # requests wait for reads from disk
         finally:
             if watchdog is not None:
                 watchdog.close()
@@ -226,6 +289,7 @@ class EngineCore:
             admitted=tuple(r.key for r in admitted),
             memory=self._memory(batch, scheduler),
             idle=idle,
+            cache=batch.prefixes.stats() if batch.prefixes is not None else CacheStats(),
         )
 
     def _peer_hung(self, limit: float) -> None:
@@ -259,7 +323,9 @@ class EngineCore:
         )
         batch.forget_resumed([r.key for r in plan.refuse])
         events += [self._too_big(r, scheduler.planner) for r in plan.refuse]
-        drop, _ = batch.cached_over(plan.prefix_allowance)
+        drop, _ = batch.cached_over(plan.prefix_allowance, plan.keep)
+        if batch.prefixes is not None:
+            batch.prefixes.room = plan.prefix_allowance
         turn = Turn(
             batch.size,
             remove,
@@ -285,6 +351,28 @@ class EngineCore:
             "request: send a shorter prompt or fewer max_tokens",
             failure=Failure.TOO_BIG,
         )
+
+    def _contain(self, batch: Batch, scheduler: Scheduler, exc: Exception) -> list[Event]:
+        """A step failed: the batch starts over, what it held put back or ended."""
+        if is_out_of_memory(exc):
+            self._out_of_memory_steps += 1
+            return self._put_back(batch, scheduler, exc)
+        self._failed_steps += 1
+        requests = batch.reset()
+        batch.forget_resumed([r.key for r in requests])
+        log.exception(
+            "a step failed; its %d request(s) end with an error and the batch starts over",
+            len(requests),
+        )
+        return [
+            Event(
+                r.key,
+                error=f"the worker failed in a step running this request "
+                f"({error_line(exc)}); it can be retried",
+                failure=Failure.STEP,
+            )
+            for r in requests
+        ]
 
     def _put_back(self, batch: Batch, scheduler: Scheduler, exc: Exception) -> list[Event]:
         """A step ran out of memory despite the budget: the estimates were short.
@@ -327,6 +415,7 @@ class EngineCore:
             longest_sequence=planner.longest_sequence,
             waiting_for_memory=self._plan.waiting_for_memory,
             out_of_memory_steps=self._out_of_memory_steps,
+            failed_steps=self._failed_steps,
         )
 
     # ---- every rank ----

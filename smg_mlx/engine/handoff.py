@@ -29,7 +29,7 @@ from smg_mlx.engine.types import Memory, Request, StepReport
 class Inbox:
     """Requests, aborts and stop, handed to the engine thread.
 
-    `submit`, `abort` and `stop` may be called from any thread; `take`,
+    `submit`, `abort`, `wake` and `stop` may be called from any thread; `take`,
     `pending`, `wait` and `wait_for_more` only from the engine thread.
     """
 
@@ -47,6 +47,10 @@ class Inbox:
     def abort(self, keys: Iterable[int]) -> None:
         with self._lock:
             self._aborts.update(keys)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Wake the engine loop without handing it anything (work finished elsewhere)."""
         self._wake.set()
 
     def stop(self) -> None:
@@ -90,9 +94,10 @@ class Inbox:
 class Sink(Protocol):
     """Where the engine reports. Every method is called on the engine thread."""
 
-    def started(self, memory: Memory, ranks: int) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str) -> None:
         """The model is loaded and warmed up on `ranks` processes: requests can be
-        served (of at most `memory.longest_sequence` tokens each)."""
+        served (of at most `memory.longest_sequence` tokens each), batched as
+        `mode` says (`engine.batch_check`)."""
 
     def stepping(self, expected_seconds: float) -> None:
         """A step is about to run, expected to take `expected_seconds`."""
@@ -104,8 +109,9 @@ class Sink(Protocol):
         """The loop ended on `Inbox.stop`; requests it still held were dropped
         unfinished and are the caller's to end."""
 
-    def failed(self, message: str) -> None:
+    def failed(self, message: str, permanent: bool = False) -> None:
         """Loading or a step failed; the engine thread ends and takes no more work.
-        Requests it held are the caller's to end. (With several ranks, a
-        watchdog thread calls it when the engine thread is stuck waiting for
-        a hung rank.)"""
+        Requests it held are the caller's to end. `permanent`: the model cannot
+        be served at all (`types.Unservable`), so restarting would not help.
+        (With several ranks, a watchdog thread calls it when the engine thread
+        is stuck waiting for a hung rank.)"""

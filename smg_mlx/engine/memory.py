@@ -6,14 +6,18 @@ every admission and step.
 
 What a state of the batch costs, in bytes:
 
-- the weights, and the prefix cache (which shrinks before work is refused);
-- the KV caches. mlx-lm keeps one rectangular cache for the whole batch, as
-  long as its longest row, so a batch of R costs that may grow to T tokens
-  each reserves R x T x (KV per token), and merging or filtering the batch
-  copies it once more (KV_COPIES);
-- the prefill working set: B prompts prefilled together in chunks of C tokens
-  at a context of L tokens take B x C x (a + b x L) (activations and logits per
-  chunk token, attention scores per chunk token and context token).
+- the weights, and the prefix cache (which gives way before work waits);
+- the KV caches. Each lane (`engine.scheduler`: short prompts and long ones)
+  is an mlx-lm batch that keeps one rectangular cache, as long as its longest
+  row, so a lane of R rows that may grow to T tokens reserves R x T x (KV per
+  token). Merging a new group into a lane or dropping finished rows copies
+  that lane's cache once more, one lane at a time;
+- the prefill working set: B prompts prefilled together in chunks of C tokens,
+  the last of them attending to L tokens, take B x C x (a + b x L)
+  (activations and logits per chunk token, attention scores per chunk token
+  and context token). The lanes prefill one after the other: the larger
+  lane's set counts. A prompt that starts from a cached prefix prefills only
+  the rest.
 
 A request is admitted only when the batch with it, at its longest, fits; a
 prompt prefills in chunks no larger than what fits.
@@ -27,8 +31,6 @@ from dataclasses import dataclass
 
 from smg_mlx.engine.types import Request
 
-# Merging a new group into the batch, or dropping finished rows, copies the cache.
-KV_COPIES = 2
 # The cache grows in blocks of this many tokens.
 KV_BLOCK = 256
 # Chunks are halved down to this many tokens at the most.
@@ -68,11 +70,16 @@ class MemoryModel:
 
 @dataclass(frozen=True)
 class Cost:
-    """An admitted sequence as the budget sees it."""
+    """A sequence as the budget sees it."""
 
-    prompt: int  # prompt tokens
+    prompt: int  # prompt tokens: the most context a prefill chunk attends to
     total: int  # prompt plus max_tokens: the longest it can grow
-    prefilling: bool  # its prompt is not all processed yet
+    prefill: int  # prompt tokens still to prefill (0: all processed)
+    long: bool = False  # in the long prompts' lane
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefill > 0
 
 
 class MemoryPlanner:
@@ -92,28 +99,33 @@ class MemoryPlanner:
     # ---- estimates ----
 
     def kv_bytes(self, costs: Iterable[Cost]) -> float:
-        """The batch cache at its largest, copies included."""
-        totals = [s.total for s in costs]
-        if not totals:
-            return 0.0
-        longest = math.ceil(max(totals) / KV_BLOCK) * KV_BLOCK
-        return KV_COPIES * len(totals) * longest * self.model.kv_per_token * self.safety
+        """The lanes' caches at their largest, one lane's copy included."""
+        lanes = [0.0, 0.0]
+        for long, lane in enumerate(_lanes(costs)):
+            if lane:
+                longest = math.ceil(max(s.total for s in lane) / KV_BLOCK) * KV_BLOCK
+                lanes[long] = len(lane) * longest * self.model.kv_per_token
+        return (sum(lanes) + max(lanes)) * self.safety
 
     def prefill_bytes(self, costs: Iterable[Cost], chunk: int) -> float:
-        """The working set of one prefill step of the costs still prefilling."""
-        prompts = [s.prompt for s in costs if s.prefilling]
-        if not prompts:
-            return 0.0
-        rows = min(len(prompts), self.prefill_rows)
-        chunk = min(chunk, max(prompts))
-        per_token = self.model.prefill_per_token + self.model.prefill_per_context * max(prompts)
-        return rows * chunk * per_token * self.safety
+        """The working set of one prefill pass of the costs still prefilling,
+        in the lane that needs more."""
+        most = 0.0
+        for lane in _lanes(s for s in costs if s.prefilling):
+            if not lane:
+                continue
+            rows = min(len(lane), self.prefill_rows)
+            tokens = min(chunk, max(s.prefill for s in lane))
+            context = max(s.prompt for s in lane)
+            per_token = self.model.prefill_per_token + self.model.prefill_per_context * context
+            most = max(most, rows * tokens * per_token)
+        return most * self.safety
 
-    def need(self, costs: list[Cost], chunk: int | None = None) -> float:
-        """Bytes the costs need, prefix cache aside, prefilling at `chunk`
-        tokens (the smallest chunk by default)."""
+    def need(self, costs: list[Cost], chunk: int | None = None, extra: int = 0) -> float:
+        """Bytes the costs need, prefix cache aside but for `extra` bytes of
+        it, prefilling at `chunk` tokens (the smallest chunk by default)."""
         chunk = self.min_chunk if chunk is None else chunk
-        return self.model.weights + self.kv_bytes(costs) + self.prefill_bytes(costs, chunk)
+        return self.model.weights + self.kv_bytes(costs) + self.prefill_bytes(costs, chunk) + extra
 
     # ---- decisions ----
 
@@ -126,8 +138,9 @@ class MemoryPlanner:
         need = self.need(costs, min(ALLOWANCE_CHUNK, self.max_chunk))
         return max(0, int(self.budget - need - copy))
 
-    def fits(self, costs: list[Cost]) -> bool:
-        return self.need(costs) <= self.budget
+    def fits(self, costs: list[Cost], extra: int = 0) -> bool:
+        """Whether the costs fit beside `extra` bytes of the prefix cache."""
+        return self.need(costs, extra=extra) <= self.budget
 
     def chunk(self, costs: list[Cost], prefix_bytes: int) -> int:
         """The largest prefill chunk (halving from the configured one) that fits."""
@@ -139,13 +152,13 @@ class MemoryPlanner:
     def _longest_sequence(self) -> int:
         """The most tokens (prompt plus output) one sequence may have, alone."""
         low, high = 0, 1
-        while self.fits([Cost(high, high, True)]):
+        while self.fits([Cost(high, high, high)]):
             low, high = high, high * 2
             if high > 2**40:
                 return high
         while high - low > 1:
             middle = (low + high) // 2
-            if self.fits([Cost(middle, middle, True)]):
+            if self.fits([Cost(middle, middle, middle)]):
                 low = middle
             else:
                 high = middle
@@ -157,7 +170,16 @@ class MemoryPlanner:
         self.longest_sequence = self._longest_sequence()
 
 
-def cost(request: Request) -> Cost:
-    """A request as the budget sees it when admitted."""
+def _lanes(costs: Iterable[Cost]) -> tuple[list[Cost], list[Cost]]:
+    """The costs in the short lane, and those in the long one."""
+    lanes: tuple[list[Cost], list[Cost]] = ([], [])
+    for s in costs:
+        lanes[s.long].append(s)
+    return lanes
+
+
+def cost(request: Request, cached: int = 0, long: bool = False) -> Cost:
+    """A request as the budget sees it when admitted, `cached` of its prompt
+    tokens from the prefix cache."""
     prompt = len(request.spec.prompt)
-    return Cost(prompt=prompt, total=prompt + request.spec.max_tokens, prefilling=True)
+    return Cost(prompt, prompt + request.spec.max_tokens, prompt - cached, long)

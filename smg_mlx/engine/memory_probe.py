@@ -6,6 +6,13 @@ one prompt at two lengths through mlx-lm's own BatchGenerator, peak memory
 each time. The longer one's chunks are timed on a second run, each at a
 longer context: what a prompt token costs to prefill, and how that grows
 with the context.
+
+The probe is sized to take a couple of seconds: a first short pass tells
+how long a prompt token takes, and a model that is slow on this device (a
+large one on a CPU) is measured in smaller chunks, down to SMALLEST_CHUNK
+tokens, instead of for minutes. Its prefill working set per chunk token then
+comes out larger (what a step costs whatever its size counts for fewer
+tokens): an estimate on the safe side.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,8 +38,35 @@ log = logging.getLogger(__name__)
 # host's RAM on the CPU backend, where the OS and other processes share it.
 GPU_SHARE = 0.9
 HOST_SHARE = 0.75
+# A container's memory limit, where Linux has one: cgroup v2's, then v1's.
+CGROUP_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+# The probe's prefill chunk at most, and the context it reaches: four chunks.
 PROBE_CHUNK = 256
 PROBE_CONTEXT = 1024
+SMALLEST_CHUNK = 16
+# About how long the probe's prefills may take, told from a first short pass
+# of FIRST_LOOK_TOKENS; a model too slow for that is probed in the smallest chunks.
+PROBE_SECONDS = 2.0
+FIRST_LOOK_TOKENS = 16
+# Prompt tokens the probe prefills, in chunks: a prompt of one chunk, one of
+# four, and the latter again, timed.
+PROBE_CHUNKS = 1 + 2 * PROBE_CONTEXT // PROBE_CHUNK
+
+
+def host_memory(limits: Iterable[Path] = CGROUP_LIMITS) -> int:
+    """The host's RAM, or the container's memory limit where that is smaller."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in limits:
+        try:
+            limit = path.read_text().strip()
+        except OSError:  # no such cgroup file: not Linux, or no limit there
+            continue
+        if limit.isdigit():  # v2 writes "max" for none; v1 a number past any RAM
+            memory = min(memory, int(limit))
+    return memory
 
 
 def device_memory() -> tuple[int, float]:
@@ -39,7 +75,7 @@ def device_memory() -> tuple[int, float]:
     for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
         if info.get(key):
             return int(info[key]), GPU_SHARE
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), HOST_SHARE
+    return host_memory(), HOST_SHARE
 
 
 def budget(size: int | None, share: float | None) -> int:
@@ -91,23 +127,60 @@ def _speed(chunks: list[tuple[int, float]], chunk: int) -> PrefillSpeed:
     return PrefillSpeed(per_token, per_context)
 
 
-def measure(
-    model: nn.Module, stream: mx.Stream, max_chunk: int
-) -> tuple[MemoryModel, PrefillSpeed]:
-    """The model's weights, KV bytes per token and prefill working set; and
-    what prefilling costs in time."""
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+def _kv_per_token(model: nn.Module, stream: mx.Stream) -> float:
+    """KV bytes per token, from the shapes of a prompt cache after a pass of
+    PROBE_CHUNK tokens (one cache step) that is never evaluated: shapes are
+    known before any work is done."""
     cache = make_prompt_cache(model)
     with mx.stream(stream):
         model(mx.array([[1] * PROBE_CHUNK]), cache=cache)
-        mx.eval([c.state for c in cache])
-    kv_per_token = sum(c.nbytes for c in cache) / PROBE_CHUNK
-    del cache
-    chunk = min(PROBE_CHUNK, max_chunk)
+    return sum(c.nbytes for c in cache) / PROBE_CHUNK
+
+
+def _seconds_per_token(model: nn.Module, stream: mx.Stream) -> float:
+    """What a prompt token takes, roughly: a short prompt's pass, timed the
+    second time (the first builds the shape's kernels)."""
+    tokens = mx.array([[1] * FIRST_LOOK_TOKENS])
+    for _ in range(2):
+        cache = make_prompt_cache(model)
+        started = time.perf_counter()
+        with mx.stream(stream):
+            model(tokens, cache=cache)
+            mx.eval([c.state for c in cache])
+        seconds = time.perf_counter() - started
+    return seconds / FIRST_LOOK_TOKENS
+
+
+def _probe_chunk(per_token: float, max_chunk: int) -> int:
+    """The largest chunk, a power of two, whose probe takes about PROBE_SECONDS."""
+    chunk = PROBE_CHUNK
+    while chunk > SMALLEST_CHUNK and PROBE_CHUNKS * chunk * per_token > PROBE_SECONDS:
+        chunk //= 2
+    return min(chunk, max_chunk)
+
+
+def measure(
+    model: nn.Module, stream: mx.Stream, max_chunk: int,
+    group: mx.distributed.Group | None = None,
+) -> tuple[MemoryModel, PrefillSpeed]:  # fmt: skip
+    """The model's weights, KV bytes per token and prefill working set; and
+    what prefilling costs in time. With a `group` of ranks (each holding a
+    part of the model), every rank probes alike: their passes are collectives."""
+    started = time.perf_counter()
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    kv_per_token = _kv_per_token(model, stream)
+    per_token = _seconds_per_token(model, stream)
+    chunk = _probe_chunk(per_token, max_chunk)
+    if group is not None:  # each rank timed itself: the slowest one's chunk for all
+        chunk = mx.distributed.all_min(mx.array(chunk), group=group, stream=stream).item()
+    log.info(
+        "measuring the model's memory and speed: prompts of %d tokens in all, about %.1fs",
+        PROBE_CHUNKS * chunk, PROBE_CHUNKS * chunk * per_token,
+    )  # fmt: skip
     # The working set of the last chunk, the cache aside, at two contexts; then
     # the long one again, timed: a backend's first run of a shape includes
     # building its kernels (cuDNN graphs on CUDA), which no later run pays.
-    short, long = chunk + 1, max(PROBE_CONTEXT, 2 * chunk) + 1
+    short, long = chunk + 1, PROBE_CONTEXT // PROBE_CHUNK * chunk + 1
     spent = {}
     for n in (short, long):
         peak, _ = _one_prompt(model, stream, n, chunk)
@@ -123,8 +196,8 @@ def measure(
     )  # fmt: skip
     log.info(
         "memory: weights %s, KV %s per token, prefill %s per chunk token and %s more per "
-        "token of context",
+        "token of context (measured in %.1fs)",
         format_bytes(weights), format_bytes(kv_per_token), format_bytes(per_chunk_token),
-        format_bytes(per_context),
+        format_bytes(per_context), time.perf_counter() - started,
     )  # fmt: skip
     return found, speed

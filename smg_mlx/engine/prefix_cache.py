@@ -1,285 +1,172 @@
-"""A bounded store of finished sequences' KV caches, keyed by their tokens.
+"""The prefix cache: finished sequences' KV caches, reused by later prompts
+that share a prefix (engine thread only).
 
-Runs on the engine thread only. Each entry is one sequence's per-layer cache
-(as mlx-lm's BatchGenerator hands it back) and the tokens whose keys and
-values it holds. A new prompt starts from the entry sharing its longest prefix:
+Chat and agent clients resend the whole conversation every turn; a prompt
+starts from the entry sharing its longest prefix and prefills only the rest.
+Two tiers hold the entries:
 
-- A trimmable entry (plain KV caches; rotating ones that have not wrapped)
-  can be cut back to any shorter prefix, so it serves every prompt that shares
-  some prefix with it.
-- Any other entry (a wrapped sliding window, recurrent state) holds a state
-  that cannot be rewound: it serves only prompts that extend its whole key.
+- memory (`engine.memory_tier`): whatever the memory budget leaves beside the
+  running batch (`engine.memory`), dropping entries only when a request needs
+  the room;
+- disk (`engine.disk_tier`), optional: entries written behind, spilled when
+  memory drops them, read back where that beats prefilling, found again after
+  a restart.
 
-At least one prompt token is always left to prefill, so the model still
-produces the logits of the first new token.
-
-Entries live in a radix tree (edges labelled by token runs), so a lookup
-walks the prompt once, whatever the number of entries. Memory is bounded by
-the entries' `nbytes`; the least recently used go first.
-
-Stored entries are never mutated: a lookup returns new cache objects over the
-same MLX arrays (which are immutable values; BatchGenerator copies them into
-its batch), trimmed to the reused length.
+`PrefixCache` is the one face the batch and the scheduler see: it answers the
+scheduler's `Prefixes` questions (what a prompt would reuse, whether to wait
+for a read from disk), gives the batch the cache a prompt starts from, keeps
+what sequences leave, and counts what each tier served.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict
 
-import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList
+from smg_mlx.config import EngineConfig
+from smg_mlx.engine.disk_folder import Read
+from smg_mlx.engine.disk_tier import DiskTier
+from smg_mlx.engine.memory_tier import LayerCache, MemoryTier
+from smg_mlx.engine.token_tree import Entry
+from smg_mlx.engine.types import CacheStats
+from smg_mlx.engine.waiting_room import Reuse
 
 log = logging.getLogger(__name__)
 
-LayerCache = Any  # one layer's mlx-lm cache object
+# Shorter cached prefixes are not reused: unrelated prompts often share a token
+# or two, which saves nothing, and every odd prefill length is one more shape
+# for the backend to prepare kernels for.
+MIN_REUSED_TOKENS = 16
 
 
-def _detached(layer: LayerCache) -> LayerCache:
-    """A new cache object over the same arrays, so trimming it leaves `layer` as it was."""
-    if isinstance(layer, CacheList):
-        return CacheList(*(_detached(c) for c in layer.caches))
-    clone = copy.copy(layer)
-    if isinstance(layer, ArraysCache):
-        clone.cache = list(layer.cache)  # a list it would otherwise share
-    return clone
-
-
-class _Entry:
-    __slots__ = ("id", "node", "cache", "nbytes", "trimmable")
-
-    def __init__(self, id: int, node: _Node, cache: list[LayerCache]) -> None:
-        self.id = id  # how many inserts there have been, it included: the same on every rank
-        self.node = node
-        self.cache = cache
-        self.nbytes = sum(c.nbytes for c in cache)
-        self.trimmable = all(c.is_trimmable() for c in cache)
-
-
-class _Node:
-    """A radix-tree node: the path from the root spells `depth` tokens."""
-
-    __slots__ = ("edge", "parent", "children", "entry", "depth", "trimmable_below")
-
-    def __init__(self, edge: tuple[int, ...], parent: _Node | None) -> None:
-        self.edge = edge  # the tokens from the parent to this node
-        self.parent = parent
-        self.children: dict[int, _Node] = {}
-        self.entry: _Entry | None = None
-        self.depth = (parent.depth if parent else 0) + len(edge)
-        # Trimmable entries at or below this node: finds one without a search.
-        self.trimmable_below = 0
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def open_disk_tier(config: EngineConfig, wake: Callable[[], None]) -> DiskTier | None:
+    """The disk tier the settings ask for, its folder opening in the background
+    (`wake`: called from its threads when they finish work for the engine
+    thread); see `PrefixCache.attach`. None: no disk tier."""
+    if config.prompt_cache_bytes == 0 or config.prompt_cache_dir is None:
+        return None
+    if config.prompt_cache_disk_bytes == 0:
+        return None
+    directories = [config.model_path]
+    if config.adapter_path is not None:
+        directories.append(config.adapter_path)
+    return DiskTier(config.prompt_cache_dir, config.prompt_cache_disk_bytes, directories, wake)
 
 
 class PrefixCache:
-    """Longest-prefix KV cache reuse under a byte budget, LRU eviction."""
+    """Both tiers behind one face."""
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._root = _Node((), None)
-        self._lru: OrderedDict[_Entry, None] = OrderedDict()  # oldest first
-        self._entries: dict[int, _Entry] = {}
-        self._oversized: set[int] = set()  # entries larger than max_bytes alone
-        self._inserted = 0
+    def __init__(self, max_bytes: int | None) -> None:
+        self.memory = MemoryTier(max_bytes)
+        self.disk: DiskTier | None = None
+        # Bytes memory may give an entry read back from disk (the last plan's allowance).
+        self.room = 0
+        self._memory_tokens = 0
+        self._disk_tokens = 0
 
-    def __len__(self) -> int:
-        return len(self._lru)
+    def attach(self, disk: DiskTier, prefill_seconds: Callable[[int, int], float]) -> None:
+        """Add the disk tier once its folder is open (after the warm-up, whose
+        entries are not for keeping); see `DiskTier.ready`."""
+        disk.ready(prefill_seconds)
+        self.disk = disk
 
-    # ---- lookup ----
+    # ---- the scheduler's questions (`scheduler.Prefixes`) ----
 
-    def lookup(
-        self, prompt: Sequence[int], minimum: int = 1
-    ) -> tuple[list[LayerCache] | None, int]:
-        """A cache holding the first n prompt tokens, and n (0 and None on a miss).
+    @property
+    def version(self) -> int:
+        return self.memory.version
 
-        n is at most len(prompt) - 1; a match shorter than `minimum` is a miss
-        (and does not count as a use of its entry). The cache is the caller's
-        to mutate.
-        """
-        found = self._longest(prompt, minimum)
-        if found is None:
-            return None, 0
-        n, entry = found
-        self._lru.move_to_end(entry)
-        cache = [_detached(c) for c in entry.cache]
-        if n < entry.node.depth:
-            for layer in cache:
-                layer.trim(entry.node.depth - n)
-        return cache, n
+    def reuse(self, prompt: Sequence[int]) -> Reuse:
+        n, entry = self.memory.match(prompt, MIN_REUSED_TOKENS)
+        return Reuse(n, entry.id, entry.nbytes) if entry is not None else Reuse()
 
-    def reusable(self, prompt: Sequence[int], minimum: int = 1) -> int:
-        """How many prompt tokens `lookup` would reuse now; uses nothing."""
-        found = self._longest(prompt, minimum)
-        return found[0] if found else 0
-
-    def _longest(self, prompt: Sequence[int], minimum: int) -> tuple[int, _Entry] | None:
-        """The entry sharing the longest usable prefix with the prompt, and its length."""
-        limit = len(prompt) - 1
-        best: tuple[int, _Entry] | None = None
-        node, depth = self._root, 0
-        while True:
-            # Entries whose whole key is a prefix of the prompt need no trimming.
-            if node.entry is not None and 0 < depth <= limit:
-                best = (depth, node.entry)
-            if depth == len(prompt) or prompt[depth] not in node.children:
-                below = node
-                break
-            child = node.children[prompt[depth]]
-            matched = _common(child.edge, prompt[depth : depth + len(child.edge)])
-            if matched < len(child.edge):
-                below, depth = child, depth + matched
-                break
-            node, depth = child, depth + matched
-        # Every entry under `below` shares exactly `depth` tokens with the prompt.
-        reach = min(depth, limit)
-        if below.trimmable_below and reach > (best[0] if best else 0):
-            best = (reach, self._trimmable_under(below))
-        if best is None or best[0] < minimum:
+    def fetch(self, prompt: Sequence[int], reuse: Reuse) -> Read | None:
+        if self.disk is None:
             return None
-        return best
+        return self.disk.fetch(prompt, reuse.tokens, self.room)
 
-    @staticmethod
-    def _trimmable_under(node: _Node) -> _Entry:
-        while node.entry is None or not node.entry.trimmable:
-            node = next(c for c in node.children.values() if c.trimmable_below)
-        return node.entry
+    # ---- the batch ----
 
-    # ---- insert ----
+    def start_from(
+        self, prompt: Sequence[int]
+    ) -> tuple[list[LayerCache] | None, int, Entry | None]:
+        """The cache to start `prompt` from (None: a fresh one), the tokens it
+        holds, and the entry it came from."""
+        cache, n, entry = self.memory.lookup(prompt, MIN_REUSED_TOKENS)
+        if entry is None:
+            return None, 0, None
+        log.debug("prefix cache hit: %d of %d prompt tokens", n, len(prompt))
+        if entry.value.loaded:  # its first use since it came back from disk
+            entry.value.loaded = False
+            self._disk_tokens += n
+        else:
+            self._memory_tokens += n
+        return cache, n, entry
 
-    def insert(self, tokens: Sequence[int], cache: list[LayerCache]) -> None:
-        """Keep `cache`, which holds the keys and values of exactly `tokens`.
+    def keep(self, tokens: Sequence[int], cache: list[LayerCache]) -> None:
+        """A sequence ended (or was aborted) holding the keys and values of `tokens`."""
+        entry, removed = self.memory.insert(tokens, cache)
+        if self.disk is not None:
+            self.disk.superseded(removed)
+            if entry is not None:
+                self.disk.offer(entry)
 
-        What is kept is decided by the tokens alone, so every rank of a model
-        split over several keeps the same; the byte budget is applied apart
-        (`over`, `drop`), by the rank that decides."""
-        if not tokens or not cache:
-            return
-        node = self._node_for(tuple(tokens))
-        self._inserted += 1
-        entry = _Entry(self._inserted, node, cache)
-        longer = node.trimmable_below - (node.entry is not None and node.entry.trimmable)
-        # Redundant: a longer trimmable entry serves its prompts.
-        if entry.trimmable and longer > 0:
-            self._prune(node)
-            return
-        # Materialize the lazy slices (they would keep the whole batch's arrays
-        # alive), without waiting: a blocking eval would stall the engine's
-        # pipelined steps on every finished request.
-        mx.async_eval([c.state for c in cache])
-        if node.entry is not None:
-            self._drop(node.entry)  # a newer cache of the same tokens
-        node.entry = entry
-        self._lru[entry] = None
-        self._entries[entry.id] = entry
-        if entry.nbytes > self.max_bytes:
-            self._oversized.add(entry.id)
-        self.nbytes += entry.nbytes
-        if entry.trimmable:
-            self._count_trimmable(node, 1)
-            # Shorter entries on the path are now redundant: this one, trimmed,
-            # serves every prompt they serve.
-            ancestor = node.parent
-            while ancestor is not None:
-                parent = ancestor.parent
-                if ancestor.entry is not None:
-                    self._remove(ancestor.entry)
-                ancestor = parent
+    def carry(self, entry: Entry, delta: int) -> None:
+        """See `MemoryTier.carry`."""
+        self.memory.carry(entry, delta)
 
-    # ---- the byte budget ----
+    @property
+    def nbytes(self) -> int:
+        """Memory the cache holds: its entries, and spilled ones until written."""
+        pending = self.disk.pending_bytes if self.disk is not None else 0
+        return self.memory.nbytes + pending
 
-    def over(self, limit: int) -> list[int]:
-        """The entries to drop to hold at most `limit` bytes (and `max_bytes`):
-        any larger than `max_bytes` alone, then the least recently used. Asked
-        every engine step, so it looks no further than it must."""
-        limit = min(limit, self.max_bytes)
-        dropped = list(self._oversized)
-        held = self.nbytes - sum(self._entries[id].nbytes for id in dropped)
-        for entry in self._lru:
-            if held <= limit:
-                break
-            if entry.id not in self._oversized:
-                dropped.append(entry.id)
-                held -= entry.nbytes
-        return dropped
-
-    def size_of(self, ids: Sequence[int]) -> int:
-        return sum(self._entries[id].nbytes for id in ids)
+    def over(self, limit: int, keep: Collection[int] = ()) -> tuple[list[int], int]:
+        """The memory entries to drop to hold at most `limit` bytes (but those
+        in `keep`), and the bytes held then."""
+        ids = self.memory.over(limit, keep)
+        return ids, self.nbytes - sum(e.nbytes for e in self.memory.entries(ids))
 
     def drop(self, ids: Sequence[int]) -> None:
-        """Drop these entries; ones already gone (a later insert made them
-        redundant) are skipped."""
-        for id in ids:
-            if id in self._entries:
-                self._remove(self._entries[id])
+        """Drop these memory entries for room; the disk tier keeps those worth it."""
+        gone = self.memory.drop(ids)
+        if self.disk is not None:
+            self.disk.spill(gone)
 
-    def shrink(self, limit: int) -> None:
-        """Hold at most `limit` bytes (and `max_bytes`)."""
-        self.drop(self.over(limit))
+    def tick(self) -> bool:
+        """A turn of the engine loop: the disk tier's work (see `DiskTier.tick`)."""
+        return self.disk is not None and self.disk.tick(self.memory)
 
-    def _node_for(self, key: tuple[int, ...]) -> _Node:
-        """The node spelling `key`, created (splitting an edge) if need be."""
-        node, depth = self._root, 0
-        while depth < len(key):
-            child = node.children.get(key[depth])
-            if child is None:
-                leaf = _Node(key[depth:], node)
-                node.children[key[depth]] = leaf
-                return leaf
-            matched = _common(child.edge, key[depth : depth + len(child.edge)])
-            if matched < len(child.edge):
-                middle = _Node(child.edge[:matched], node)
-                middle.trimmable_below = child.trimmable_below
-                node.children[key[depth]] = middle
-                child.edge = child.edge[matched:]
-                child.parent = middle
-                middle.children[child.edge[0]] = child
-                child = middle
-            node, depth = child, depth + matched
-        return node
+    def due(self) -> float | None:
+        """Seconds until the disk tier has work again (None: none waits)."""
+        return self.disk.due() if self.disk is not None else None
 
-    # ---- removal ----
+    @property
+    def busy(self) -> bool:
+        """Work for the engine thread besides steps (copying entries read back)."""
+        return self.disk is not None and self.disk.busy
 
-    def _remove(self, entry: _Entry) -> None:
-        self._drop(entry)
-        self._prune(entry.node)
+    def stats(self) -> CacheStats:
+        disk = asdict(self.disk.stats) if self.disk is not None else {}
+        return CacheStats(
+            memory_bytes=self.memory.nbytes,
+            memory_entries=len(self.memory),
+            memory_tokens=self._memory_tokens,
+            disk_tokens=self._disk_tokens,
+            memory_evicted=self.memory.evicted,
+            **disk,
+        )
 
-    def _drop(self, entry: _Entry) -> None:
-        """Forget `entry`, leaving its node in the tree."""
-        del self._lru[entry]
-        del self._entries[entry.id]
-        self._oversized.discard(entry.id)
-        self.nbytes -= entry.nbytes
-        entry.node.entry = None
-        if entry.trimmable:
-            self._count_trimmable(entry.node, -1)
+    def reset_counts(self) -> None:
+        """Start counting anew (after the warm-up)."""
+        self._memory_tokens = self._disk_tokens = 0
+        self.memory.evicted = 0
 
-    @staticmethod
-    def _count_trimmable(node: _Node | None, delta: int) -> None:
-        while node is not None:
-            node.trimmable_below += delta
-            node = node.parent
-
-    @staticmethod
-    def _prune(node: _Node) -> None:
-        """Drop empty leaves and fold single-child nodes into their child."""
-        while node.parent is not None and node.entry is None and not node.children:
-            parent = node.parent
-            del parent.children[node.edge[0]]
-            node = parent
-        if node.parent is not None and node.entry is None and len(node.children) == 1:
-            (child,) = node.children.values()
-            child.edge = node.edge + child.edge
-            child.parent = node.parent
-            node.parent.children[node.edge[0]] = child
+    def close(self, flush_seconds: float) -> None:
+        """Write what is worth keeping to disk (at most `flush_seconds`), then
+        release every entry (the trees hold cycles: freed now, not at a
+        collection)."""
+        if self.disk is not None:
+            self.disk.close(self.memory, flush_seconds)
+        self.memory.clear()

@@ -5,8 +5,8 @@ sampler object, so unseeded requests with equal settings share one. A seeded
 request gets its own sampler with its own random key: reproducible whatever
 else is in the batch, and the process-wide generator is never reseeded.
 
-The top-p and min-p filters are our own: mlx-lm compiles its filters with
-the value as a constant, so every new value from a client would compile
+The top-p, min-p and top-k filters are our own: mlx-lm compiles its filters
+with the value as a constant, so every new value from a client would compile
 anew, on the engine thread, while every stream waits, and stay in MLX's
 compile cache for good. Ours take the value as an array: compiled once.
 
@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, greedy_sampler, make_logits_processors
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
@@ -48,6 +48,15 @@ def keep_min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
     return mx.where(logprobs < floor, -mx.inf, logprobs)
 
 
+@mx.compile
+def keep_top_k(logprobs: mx.array, top_k: mx.array) -> mx.array:
+    """Keep the `top_k` most likely tokens (and any tied with the last of them)."""
+    ordered = mx.sort(logprobs, axis=-1)
+    last = mx.broadcast_to(logprobs.shape[-1] - top_k, (*logprobs.shape[:-1], 1))
+    threshold = mx.take_along_axis(ordered, last, axis=-1)
+    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+
+
 def make_sampler(settings: SamplingSettings) -> Sampler:
     """A sampler over log-probabilities; seeded ones carry their own key."""
     if settings.greedy:
@@ -60,7 +69,8 @@ def make_sampler(settings: SamplingSettings) -> Sampler:
         log_min_p = mx.array(math.log(settings.min_p), dtype=mx.float32)
         filters.append(lambda x: keep_min_p(x, log_min_p))
     if settings.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, settings.top_k))
+        top_k = mx.array(settings.top_k, dtype=mx.int32)
+        filters.append(lambda x: keep_top_k(x, top_k))
     scale = 1.0 / settings.temperature
     key = None if settings.seed is None else mx.random.key(settings.seed)
 

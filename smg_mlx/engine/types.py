@@ -60,12 +60,18 @@ class Request:
     request_id: str = ""  # the client's id, for the engine's logs only
 
 
+class Unservable(Exception):
+    """The model cannot be served by this worker, however often it is restarted
+    (the message says why): a refusal at start-up, not a crash."""
+
+
 class Failure(enum.Enum):
     """Why a request ended with an error."""
 
     REQUEST = "request"  # it could not be set up (its sampling settings)
     TOO_BIG = "too_big"  # it can never fit in this worker's memory
     OUT_OF_MEMORY = "out_of_memory"  # memory ran out while it ran
+    STEP = "step"  # a step it was in failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +115,28 @@ class Memory:
     longest_sequence: int  # tokens (prompt plus output) one request may have
     waiting_for_memory: int  # requests
     out_of_memory_steps: int  # steps that ran out of memory since start (contained)
+    failed_steps: int = 0  # steps that failed otherwise since start (their requests ended)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The prefix cache's tiers: what they hold now, and what they did since start."""
+
+    memory_bytes: int = 0
+    memory_entries: int = 0
+    disk_bytes: int = 0
+    disk_entries: int = 0
+    memory_tokens: int = 0  # prompt tokens served from memory
+    disk_tokens: int = 0  # prompt tokens served from entries read back from disk
+    memory_evicted: int = 0  # entries dropped from memory for room
+    disk_evicted: int = 0  # files deleted for room on disk
+    written: int = 0  # entries written to disk
+    written_bytes: int = 0
+    loaded: int = 0  # entries read back from disk
+    loaded_bytes: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    corrupt: int = 0  # files that failed their checks, ignored and deleted
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +152,7 @@ class StepReport:
     admitted: tuple[int, ...]  # keys of the requests that joined the batch this turn
     memory: Memory
     idle: bool  # nothing left to run: the engine sleeps until new work comes
+    cache: CacheStats = CacheStats()
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,6 +94,10 @@ def run(batch: Batch, thorough: bool) -> None:
     if not thorough:
         script.until(script.start(script.request(4, 2)))
         return
+    log.info(
+        "warm-up: running every kind of step once (a first start on this host builds "
+        "the kernels, which takes a minute or more)"
+    )
     # Unequal prompts batched (a padding mask), each sampled another way; the
     # first goes on decoding while the others leave the batch.
     first = script.request(300, 12)

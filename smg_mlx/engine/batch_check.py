@@ -1,0 +1,203 @@
+"""Whether batching changes this model's outputs: checked at start-up, on the
+engine thread, from the model itself rather than a list of family names.
+
+mlx-lm's BatchGenerator runs prompts of different lengths as one padded
+batch. Most model families mask the padding; some let it run through their
+recurrent state, so that rows shorter than the longest come out wrong with no
+error, and some mask a batch wrongly or cannot run one at all. Before the
+warm-up, the worker runs prompts of different lengths together and each
+alone, in small chunks as serving prefills them, and compares each row with
+its run alone twice:
+
+- the state each layer holds once the row's prompt is prefilled (keys and
+  values, recurrent state), relative to its size: padding run through a
+  state shows here however little it moves the next token;
+- the next-token distribution at each step while the row's tokens agree with
+  the run alone: a decoding step that mixes up rows shows here.
+
+Rounding differs between batch shapes (on a GPU in bfloat16, by a few parts
+in a thousand); the tolerance is far above that and far below what a wrong
+batch does. The worker serves in the first mode whose rows all match:
+
+- batched: as configured;
+- prompts prefilled together only at equal lengths: mlx-lm pads the prompts
+  of a prefill pass only where they have different lengths left, and a
+  decoding step has no padding to run through a state. Checked twice:
+  prompts of different lengths prefilled one at a time and decoded
+  together, and prompts of one length prefilled together;
+- one request at a time.
+
+A model whose prompts cannot run even alone cannot be served: it is refused
+(`types.Unservable`) before the worker reports SERVING.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator
+
+from smg_mlx.config import BATCHING
+from smg_mlx.engine.types import Unservable
+from smg_mlx.logs import error_line
+
+log = logging.getLogger(__name__)
+
+# Prompts of these lengths (different, so that the batch pads), prefilled in
+# chunks of CHUNK tokens (several passes, as serving takes long prompts), then
+# STEPS tokens each.
+LENGTHS = (9, 37, 70, 150)
+EQUAL = 3  # prompts of one length, in the equal-lengths mode's second run
+CHUNK = 32
+STEPS = 8
+# How far a row may be from its run alone and still count as the same: its
+# state after prefill (the largest difference over the largest value, per
+# array) and its next-token distribution (total variation).
+TOLERANCE = 0.05
+
+
+class Mode(enum.Enum):
+    """From the most batched to the least."""
+
+    BATCHED = "batched"
+    EQUAL_LENGTHS = "prompts prefilled together only at equal lengths"
+    ONE_AT_A_TIME = "one request at a time"
+
+
+# --batching's choices, as the least batched mode each allows (both are listed
+# from the most batched).
+FLAGS = dict(zip(BATCHING, Mode, strict=True))
+
+
+@dataclass(frozen=True)
+class Choice:
+    mode: Mode
+    reason: str  # why not the modes before it (empty for batched)
+    seconds: float  # what the check took
+
+
+@dataclass
+class _Row:
+    state: list[mx.array]  # its layers' arrays once its prompt was prefilled
+    tokens: list[int]
+    logprobs: list[mx.array]
+
+
+def _prompt(length: int, seed: int = 0) -> list[int]:
+    """Token ids any vocabulary has, varied so that no two prompts share a prefix."""
+    return [(i * 7919 + length * 104729 + seed * 31) % 256 + 1 for i in range(length)]
+
+
+def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_rows: int,
+         batch_size: int) -> list[_Row]:  # fmt: skip
+    """Greedy outputs of `prompts` run together under these limits."""
+    generator = BatchGenerator(
+        model, completion_batch_size=batch_size, prefill_batch_size=prefill_rows,
+        prefill_step_size=CHUNK, stream=stream,
+    )  # fmt: skip
+    try:
+        uids = generator.insert(prompts, max_tokens=[STEPS] * len(prompts))
+        rows = {uid: _Row([], [], []) for uid in uids}
+        left = len(uids)
+        while left:
+            prefilled, generated = generator.next()
+            # A prompt just prefilled is in the decoding rows, its first token
+            # sampled but not yet run: its cache holds the prompt alone.
+            ends = [r.uid for r in prefilled if r.end_of_prompt]
+            for uid, (cache, _) in generator.extract_cache(ends).items():
+                rows[uid].state = _arrays([c.state for c in cache])
+                mx.eval(rows[uid].state)
+            for r in generated:
+                rows[r.uid].tokens.append(r.token)
+                rows[r.uid].logprobs.append(r.logprobs)
+                left -= r.finish_reason is not None
+        return [rows[uid] for uid in uids]
+    finally:
+        generator.close()
+
+
+def _arrays(value: object) -> list[mx.array]:
+    """The arrays in a cache's state, in order."""
+    if isinstance(value, mx.array):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [a for v in value for a in _arrays(v)]
+    return []
+
+
+def _differs(row: _Row, alone: _Row) -> float:
+    """How far `row` is from the same prompt run alone: the larger of its
+    state's and its distributions' distances (see the module's doc)."""
+    if [a.shape for a in row.state] != [a.shape for a in alone.state] or not alone.state:
+        return 1.0
+    state = max(
+        (mx.abs(a - b).max() / mx.maximum(mx.abs(b).max(), 1e-6)).item()
+        for a, b in zip(row.state, alone.state, strict=True)
+        if b.size
+    )
+    return max(state, _distance(row, alone))
+
+
+def _distance(row: _Row, alone: _Row) -> float:
+    """The largest distance between the two rows' next-token distributions at
+    the steps where they had been given the same tokens."""
+    pairs = list(zip(row.tokens, row.logprobs, alone.tokens, alone.logprobs, strict=True))
+    # A step's distribution depends on the tokens before it: up to the first
+    # that differs, and that one's own step.
+    same = next((i for i, (a, _, b, _) in enumerate(pairs) if a != b), len(pairs) - 1)
+    pairs = [(a, b) for _, a, _, b in pairs[: same + 1]]
+    if not pairs:
+        return 1.0
+    distances = [0.5 * mx.abs(mx.exp(a) - mx.exp(b)).sum() for a, b in pairs]
+    return max(d.item() for d in distances)
+
+
+def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int, batch_size: int,
+           at_most: Mode = Mode.BATCHED) -> Choice:  # fmt: skip
+    """The first mode, from `at_most` on, in which batching leaves the model's
+    outputs as they are alone (see the module's doc); raises Unservable if a
+    prompt cannot run alone."""
+    began = time.perf_counter()
+    mixed = [_prompt(n) for n in LENGTHS]
+    equal = [_prompt(LENGTHS[1], seed) for seed in range(1, EQUAL + 1)]
+    try:
+        alone = {tuple(p): _run(model, stream, [p], 1, 1)[0] for p in mixed + equal}
+    except Exception as exc:  # noqa: BLE001 - the model's own fault, said in one line
+        raise Unservable(
+            f"mlx-lm cannot generate with this model even one prompt at a time ({error_line(exc)})"
+        ) from exc
+    runs = {
+        Mode.BATCHED: [(mixed, prefill_rows)],
+        Mode.EQUAL_LENGTHS: [(mixed, 1), (equal, prefill_rows)],
+    }
+    order = list(Mode)
+    reasons = ["--batching asks for it"] if at_most is not Mode.BATCHED else []
+    for mode, checks in runs.items() if batch_size > 1 else ():
+        if order.index(mode) < order.index(at_most):
+            continue
+        why = _mismatch(model, stream, checks, batch_size, alone)
+        if why is None:
+            return Choice(mode, "; ".join(reasons), time.perf_counter() - began)
+        reasons.append(f"{mode.value}, {why}")
+    return Choice(Mode.ONE_AT_A_TIME, "; ".join(reasons), time.perf_counter() - began)
+
+
+def _mismatch(model: nn.Module, stream: mx.Stream, checks: list[tuple[list[list[int]], int]],
+              batch_size: int, alone: dict[tuple[int, ...], _Row]) -> str | None:  # fmt: skip
+    """Why some prompt batched as `checks` says (prompts, prefill rows) comes
+    out other than alone; None if none does."""
+    for prompts, rows in checks:
+        try:
+            together = _run(model, stream, prompts, rows, batch_size)
+        except Exception as exc:  # noqa: BLE001 - this mode cannot run: another may
+            return f"it fails ({error_line(exc)})"
+        pairs = zip(together, prompts, strict=True)
+        worst = max(_differs(row, alone[tuple(p)]) for row, p in pairs)
+        if worst > TOLERANCE:
+            return f"its rows come out other than alone ({worst:.2f} apart)"
+    return None

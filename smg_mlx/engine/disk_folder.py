@@ -1,0 +1,273 @@
+"""The disk tier's folder and the two threads that work in it.
+
+`Folder` owns a writer thread (entries to files, deletions) and a reader
+thread (opening the folder, files to numpy buffers), so that neither the
+engine thread nor a step waits for the disk. The engine thread hands them
+jobs (`Write`, `Read`) and takes back the finished ones (`finished`), each
+job carrying its outcome. No MLX is made or used on these threads: a write
+reads arrays' memory through byte views the engine thread exported (it keeps
+the arrays alive until the write is reported done), and a read hands back
+numpy buffers for the engine thread to copy into MLX (`kv_files.Rebuild`).
+
+Opening the folder: the model's fingerprint names it (`engine.fingerprint`),
+so other models' entries are never found; a lock keeps a second worker of
+the same model out (it serves without the tier and says why); leftovers of a
+write a crash cut short are deleted; each entry's header is read and checked
+against its length (a truncated file is deleted with a log line); and a
+synced write of PROBE_BYTES measures the disk.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE
+from smg_mlx.engine import kv_files
+from smg_mlx.engine.fingerprint import fingerprint
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kv"
+PROBE_BYTES = 32 << 20
+
+
+def file_name(tokens: Sequence[int]) -> str:
+    """The file of the entry holding exactly `tokens`."""
+    key = np.asarray(tokens, np.uint32).tobytes()
+    return hashlib.blake2b(key, digest_size=16).hexdigest() + SUFFIX
+
+
+class Opened:
+    """What opening the folder found."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.max_bytes = 0
+        self.files: list[tuple[str, kv_files.Header, tuple[int, ...], int]] = []
+        self.bad: list[tuple[str, str]] = []  # (file, why): deleted
+        self.error: str | None = None  # unusable
+        self.write_rate = 0.0  # bytes/s of a synced write
+        self.seconds = 0.0
+
+
+class Write:
+    """An entry on its way to a file (or, with no header, a file to delete)."""
+
+    def __init__(self, name: str, tokens: tuple[int, ...] = (), header: Any = None,
+                 arrays: Sequence = (), entry: Any = None) -> None:  # fmt: skip
+        self.name = name
+        self.tokens = tokens
+        self.header: kv_files.Header | None = header
+        self.arrays = list(arrays)  # kept alive here, on the engine thread, until done
+        self.views = kv_files.buffers(self.arrays) if header is not None else []
+        self.entry = entry  # its memory entry, while that is in memory
+        self.nbytes = header.data_bytes if header is not None else 0
+        self.cancelled = False  # not to be written after all, if not begun
+        self.size = 0  # the file's length, once written
+        self.seconds = 0.0
+        self.error: Exception | None = None
+
+
+class Read:
+    """A file being read back into memory for the requests that wait on it
+    (the scheduler's `Fetch`)."""
+
+    def __init__(self, name: str, tokens: tuple[int, ...], deadline: float, entry: Any) -> None:
+        self.name = name
+        self.tokens = tokens
+        self.deadline = deadline  # time.monotonic() past which requests stop waiting
+        self.entry = entry  # its entry in the disk tier's index
+        self.done = False  # in memory, or failed
+        self.data: tuple | None = None  # from the reader: (header, tokens, arrays)
+        self.rebuild: kv_files.Rebuild | None = None
+        self.error: Exception | None = None
+        self.seconds = 0.0  # reading the file
+        self.copy_seconds = 0.0  # copying it into MLX
+
+
+class _Locked(Exception):
+    """The folder is another worker's."""
+
+
+class Folder:
+    """The folder of one model's entries, and its threads."""
+
+    def __init__(self, directory: Path, model_dirs: Sequence[Path], versions: Sequence[str],
+                 max_bytes: int | None, wake: Callable[[], None]) -> None:  # fmt: skip
+        """Starts opening the folder (see `opened`); `wake` is called from the
+        threads after each job they finish."""
+        self.directory = directory
+        self.path: Path | None = None  # once opened
+        self._lock: int | None = None
+        self._wake = wake
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_writer: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_reader: queue.SimpleQueue = queue.SimpleQueue()
+        for name, jobs in (("writer", self._to_writer), ("reader", self._to_reader)):
+            threading.Thread(
+                target=self._serve, args=(jobs,), name=f"prompt-cache-{name}", daemon=True
+            ).start()
+        self._to_reader.put((self._open, (list(model_dirs), list(versions), max_bytes)))
+
+    # ---- the engine thread ----
+
+    def opened(self) -> Opened:
+        """Wait for the folder to open (the first job to finish)."""
+        opened = self._done.get()
+        self.path = opened.path
+        return opened
+
+    def write(self, write: Write) -> None:
+        self._to_writer.put((self._write, (write, self.path / write.name)))
+
+    def delete(self, name: str) -> None:
+        self.write(Write(name))
+
+    def read(self, read: Read) -> None:
+        self._to_reader.put((self._read, (read, self.path / read.name)))
+
+    def finished(self, timeout: float | None = None) -> list[Write | Read]:
+        """The jobs finished since the last call; with `timeout`, waits that
+        long for one if none has."""
+        jobs = []
+        try:
+            jobs.append(self._done.get(timeout=timeout) if timeout else self._done.get_nowait())
+            while True:
+                jobs.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        return jobs
+
+    def free_bytes(self) -> int:
+        try:
+            return shutil.disk_usage(self.path).free
+        except OSError:
+            return 0
+
+    def close(self, release_lock: bool) -> None:
+        """Let the threads end after the jobs queued; drop the lock if asked
+        (not while a write may still be going on)."""
+        for jobs in (self._to_writer, self._to_reader):
+            jobs.put(None)
+        if release_lock and self._lock is not None:
+            os.close(self._lock)
+
+    # ---- the threads (no MLX) ----
+
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            work, args = job
+            self._done.put(work(*args))
+            self._wake()
+
+    def _open(self, model_dirs: list[Path], versions: list[str], max_bytes: int | None) -> Opened:
+        opened = Opened()
+        began = time.perf_counter()
+        try:
+            key = fingerprint(model_dirs, versions)
+            path = self.directory / key[:24]
+            path.mkdir(parents=True, exist_ok=True)
+            self._lock = self._take_lock(path)
+            (path / "model.json").write_text(
+                json.dumps({"model": [str(d) for d in model_dirs], "fingerprint": key,
+                            "versions": versions}, indent=1)  # fmt: skip
+            )
+            for leftover in path.glob("*.tmp"):  # a write a crash cut short
+                leftover.unlink(missing_ok=True)
+            files = sorted(path.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
+            if len(files) > 1000:
+                log.info("prompt cache: indexing %d files in %s", len(files), path)
+            for file in files:  # least recently used first
+                try:
+                    header, tokens, size = kv_files.read_key(file)
+                except (kv_files.BadFile, OSError) as exc:
+                    opened.bad.append((file.name, str(exc)))
+                    file.unlink(missing_ok=True)
+                    continue
+                opened.files.append((file.name, header, tokens, size))
+            if max_bytes is None:
+                free = shutil.disk_usage(path).free + sum(f[-1] for f in opened.files)
+                max_bytes = min(int(free * DISK_CACHE_SHARE), DISK_CACHE_MOST)
+            opened.max_bytes = max_bytes
+            opened.write_rate = self._probe(path)
+            opened.path = path
+        except OSError as exc:
+            opened.error = f"{exc.strerror or exc} ({exc.filename or self.directory})"
+        except Exception as exc:  # noqa: BLE001 - the lock, or what the folder held
+            log.debug("opening the prompt cache's folder failed", exc_info=True)
+            opened.error = str(exc) if isinstance(exc, _Locked) else repr(exc)
+        opened.seconds = time.perf_counter() - began
+        return opened
+
+    @staticmethod
+    def _take_lock(path: Path) -> int:
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise _Locked(
+                f"{path} is in use by another worker serving this model (pid {holder}); "
+                "give each worker its own --prompt-cache-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        return fd
+
+    @staticmethod
+    def _probe(path: Path) -> float:
+        """Bytes per second of a synced write to `path`."""
+        probe = path / "probe.tmp"
+        block = os.urandom(1 << 20)
+        began = time.perf_counter()
+        try:
+            with open(probe, "wb") as f:
+                for _ in range(PROBE_BYTES // len(block)):
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+        return PROBE_BYTES / max(time.perf_counter() - began, 1e-6)
+
+    @staticmethod
+    def _write(write: Write, path: Path) -> Write:
+        began = time.perf_counter()
+        try:
+            if write.header is None:
+                path.unlink(missing_ok=True)
+            elif not write.cancelled:
+                write.size = kv_files.write(path, write.header, write.tokens, write.views)
+        except Exception as exc:  # noqa: BLE001 - reported on the engine thread
+            write.error = exc
+        finally:
+            for view in write.views:
+                view.release()
+            write.views = []
+        write.seconds = time.perf_counter() - began
+        return write
+
+    @staticmethod
+    def _read(read: Read, path: Path) -> Read:
+        began = time.perf_counter()
+        try:
+            read.data = kv_files.read(path)
+            os.utime(path)  # its last use, for the next start's order
+        except Exception as exc:  # noqa: BLE001 - reported on the engine thread
+            read.error = exc
+        read.seconds = time.perf_counter() - began
+        return read

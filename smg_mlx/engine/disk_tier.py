@@ -1,0 +1,425 @@
+"""The disk tier of the prefix cache (`engine.prefix_cache`): entries kept in files, read back on a
+hit, found again after a restart.
+
+`DiskTier` runs on the engine thread: it decides what to write, what to read
+back and what to delete, and keeps the index of the files (a `TokenTree` of
+their tokens); its folder's own threads do the file work (`engine.disk_folder`),
+and the engine thread copies what they read into MLX a few arrays a turn.
+
+- **What is written.** An entry that stayed in memory WRITE_AFTER seconds
+  without a newer one replacing it (a conversation's next turn replaces its
+  last within seconds: that one is never written), one the memory tier drops
+  for room (a spill), and at a graceful stop whatever is left; only where
+  reading it back would be faster than prefilling its tokens again.
+- **What is read back.** The entry holding more of a prompt than memory does,
+  where reading it (and copying it into MLX) beats prefilling the difference,
+  and where memory has room for it. The worker knows its prefill speed from
+  start-up (`engine.memory_probe`) and learns the disk's from its own reads.
+- **Safety.** A folder per model fingerprint, locked (`engine.disk_folder`);
+  files written whole and checksummed (`engine.kv_files`): one that fails its
+  check is deleted with a log line, never loaded. The folder stays under its
+  size bound, least recently used first; an unusable directory (missing and
+  not creatable, read-only, full) logs one warning and the worker serves on
+  with memory alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+
+from smg_mlx.engine import kv_files
+from smg_mlx.engine.disk_folder import Folder, Opened, Read, Write, file_name
+from smg_mlx.engine.memory import format_bytes
+from smg_mlx.engine.memory_tier import MemoryTier
+from smg_mlx.engine.token_tree import Entry, TokenTree
+
+log = logging.getLogger(__name__)
+
+FORMAT = "smg-mlx prompt cache 1"
+# An entry is written once it has stayed in memory this long unreplaced.
+WRITE_AFTER = 2.0
+# Fewer tokens are not worth a file (nor a read).
+MIN_TOKENS = 64
+# No write leaves less free space than this on the device.
+RESERVE_BYTES = 1 << 30
+# Writes queued at once; spilled entries' bytes in memory awaiting their write.
+MAX_QUEUED_WRITES = 4
+SPILL_BACKLOG = 1 << 30
+# The disk's speed, until reads measure it, is taken to be what the synced
+# write shows when the folder opens (a disk reads at least that fast, and
+# files written lately are read from memory); a copy into MLX is taken to run
+# at FIRST_COPY_RATE (bytes/s) until one is measured.
+FIRST_COPY_RATE = 2 << 30
+RATE_WEIGHT = 0.3
+# A request waits for its prefix's read at most this many times the read's
+# expected time (and at least MIN_WAIT seconds), then prefills instead.
+WAIT_FACTOR = 2.0
+MIN_WAIT = 1.0
+# Engine-thread time a turn spends copying read entries into MLX.
+COPY_SECONDS = 0.02
+
+
+@dataclass
+class DiskStats:
+    """What the disk tier holds, and has done since start (as `CacheStats` names them)."""
+
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_evicted: int = 0
+    written: int = 0
+    written_bytes: int = 0
+    write_seconds: float = 0.0
+    loaded: int = 0
+    loaded_bytes: int = 0
+    read_seconds: float = 0.0
+    corrupt: int = 0
+
+
+class _File:
+    """A file in the folder, as the index holds it."""
+
+    __slots__ = ("name", "reading")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reading = False  # a read is under way: not deleted meanwhile
+
+
+class DiskTier:
+    """The disk tier. Every method runs on the engine thread."""
+
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int | None,
+        model_dirs: Sequence[Path],
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Starts opening the folder (see `ready`)."""
+        self.directory = Path(directory).expanduser()
+        # What prefilling n tokens after c would take (the scheduler's learnt clock).
+        self.prefill_seconds: Callable[[int, int], float] = lambda tokens, context: 0.0
+        self.stats = DiskStats()
+        self.tree = TokenTree()
+        self.open = False
+        self.off = False  # unusable: the worker serves without the tier
+        self._max_bytes = 0
+        self._read_rate = 0.0  # measured when the folder opens
+        self._copy_rate = float(FIRST_COPY_RATE)
+        self._candidates: deque[tuple[float, int]] = deque()  # (kept at, memory entry id)
+        self._writes: dict[str, Write] = {}  # by file name, queued or under way
+        self._reads: dict[str, Read] = {}  # by file name
+        self._copying: list[Read] = []
+        self._full_warned = False
+        versions = (FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
+                    str(mx.default_device()))  # fmt: skip
+        self._folder = Folder(self.directory, model_dirs, versions, max_bytes, wake)
+
+    def ready(self, prefill_seconds: Callable[[int, int], float]) -> None:
+        """Wait until the folder is open (or found unusable): a restarted worker
+        finds its entries from its first request on. `prefill_seconds` says
+        what prefilling n tokens after c takes, to weigh reads against."""
+        self.prefill_seconds = prefill_seconds
+        self._opened(self._folder.opened())
+
+    @property
+    def busy(self) -> bool:
+        """Read entries wait to be copied into MLX: the engine has work."""
+        return bool(self._copying)
+
+    def due(self) -> float | None:
+        """Seconds until the next write falls due (None: none waits)."""
+        if not self.open or not self._candidates:
+            return None
+        return max(0.0, self._candidates[0][0] + WRITE_AFTER - time.monotonic())
+
+    @property
+    def pending_bytes(self) -> int:
+        """Memory held by writes whose entries have left memory, until they are done."""
+        return sum(w.nbytes for w in self._writes.values() if w.entry is None)
+
+    def read_seconds(self, nbytes: int) -> float:
+        """What reading a file of `nbytes` and copying it into MLX would take."""
+        return nbytes / self._read_rate + nbytes / self._copy_rate
+
+    def _worth(self, entry: Entry, context: int = 0) -> bool:
+        """Whether reading `entry` back beats prefilling its tokens after `context`."""
+        tokens = entry.length - context
+        return tokens >= MIN_TOKENS and self.read_seconds(entry.nbytes) < self.prefill_seconds(
+            tokens, context
+        )
+
+    def tick(self, memory: MemoryTier) -> bool:
+        """Take in what the threads finished, go on copying read entries into
+        memory, and start the writes now due; whether anything changed."""
+        finished = self._folder.finished()
+        changed = bool(self._copying or finished)
+        for job in finished:
+            if isinstance(job, Write):
+                self._written(job, memory)
+            else:
+                self._fetched(job)
+        self._copy(memory)
+        now = time.monotonic()
+        while self._candidates and now - self._candidates[0][0] >= WRITE_AFTER:
+            if not self._writable():
+                break
+            _, id = self._candidates.popleft()
+            entry = memory.tree.get(id)
+            if entry is not None and not entry.value.carried:
+                self._start_write(entry)
+        return changed
+
+    def offer(self, entry: Entry) -> None:
+        """`entry` was just kept in memory: a candidate for writing, later."""
+        if not self.off:
+            self._candidates.append((entry.value.since, entry.id))
+
+    def spill(self, entries: Sequence[Entry]) -> None:
+        """These entries leave memory for room: write those worth keeping."""
+        for entry in entries:
+            write = self._writing(entry)
+            if write is not None:
+                write.entry = None  # it now holds the arrays alone
+            elif self.pending_bytes < SPILL_BACKLOG and self._writable():
+                self._start_write(entry, in_memory=False)
+
+    def superseded(self, entries: Sequence[Entry]) -> None:
+        """These entries left memory for a newer one that serves all they
+        served: their writes, if not begun, are not wanted."""
+        for entry in entries:
+            write = self._writing(entry)
+            if write is not None:
+                write.entry, write.cancelled = None, True
+
+    def _writing(self, entry: Entry) -> Write | None:
+        """The write under way of this memory entry, if any."""
+        return next((w for w in self._writes.values() if w.entry is entry), None)
+
+    def fetch(self, prompt: Sequence[int], cached: int, room: int) -> Read | None:
+        """Start (or join) reading back the file that holds more of `prompt`
+        than the `cached` tokens memory holds, if reading it beats prefilling
+        the difference and it fits in `room` bytes of memory."""
+        if not self.open or not len(self.tree):
+            return None
+        found = self.tree.longest(prompt, MIN_TOKENS)
+        if found is None or found[0] - cached < MIN_TOKENS:
+            return None
+        n, entry = found
+        if entry.value.name in self._reads:
+            return self._reads[entry.value.name]
+        if entry.nbytes > room:
+            return None
+        seconds = self.read_seconds(entry.nbytes)
+        if seconds >= self.prefill_seconds(n - cached, cached):
+            return None
+        self.tree.touch(entry)
+        entry.value.reading = True
+        deadline = time.monotonic() + max(MIN_WAIT, WAIT_FACTOR * seconds)
+        read = Read(entry.value.name, TokenTree.tokens(entry), deadline, entry)
+        self._reads[read.name] = read
+        self._folder.read(read)
+        return read
+
+    def _opened(self, opened: Opened) -> None:
+        for name, reason in opened.bad:
+            self.stats.corrupt += 1
+            log.warning("prompt cache: ignored and deleted %s: %s", name, reason)
+        if opened.error is not None:
+            self._turn_off(f"cannot use {self.directory}: {opened.error}")
+            return
+        self._max_bytes, self._read_rate = opened.max_bytes, opened.write_rate
+        for name, header, tokens, size in opened.files:
+            self._index(tokens, name, size, header.trimmable)
+        self._evict(0)
+        self.open = True
+        log.info(
+            "prompt cache on disk: %s, up to %s (--prompt-cache-disk-bytes); %d entries "
+            "(%s) from earlier runs, indexed in %.2fs; writes %s/s",
+            opened.path, format_bytes(self._max_bytes), len(self.tree),
+            format_bytes(self.tree.nbytes), opened.seconds, format_bytes(opened.write_rate),
+        )  # fmt: skip
+
+    def _turn_off(self, why: str) -> None:
+        log.warning("prompt cache: %s; serving on with the memory tier alone", why)
+        self.off, self.open = True, False
+        self._candidates.clear()
+
+    def _index(self, tokens: tuple[int, ...], name: str, size: int, trimmable: bool) -> None:
+        entry, removed = self.tree.insert(tokens, _File(name), size, trimmable)
+        if entry is None:  # a longer file serves all it would
+            self._folder.delete(name)
+        for old in removed:
+            if old.value.name != name:  # not the file just replaced in place
+                self._folder.delete(old.value.name)
+        self._count()
+
+    def _count(self) -> None:
+        self.stats.disk_entries, self.stats.disk_bytes = len(self.tree), self.tree.nbytes
+
+    def _writable(self) -> bool:
+        return self.open and len(self._writes) < MAX_QUEUED_WRITES
+
+    def _covered(self, tokens: tuple[int, ...], trimmable: bool) -> bool:
+        """Whether a file already serves every prompt an entry of `tokens` would."""
+        found = self.tree.longest((*tokens, -1), len(tokens))
+        return found is not None and (found[1].trimmable or not trimmable)
+
+    def _start_write(self, entry: Entry, in_memory: bool = True) -> None:
+        held = entry.value
+        tokens = TokenTree.tokens(entry)
+        name = file_name(tokens)
+        if held.written or name in self._writes or not self._worth(entry):
+            return
+        if self._covered(tokens, entry.trimmable) or not self._room_for(entry.nbytes):
+            return
+        header, arrays = kv_files.export(held.cache, entry.length, entry.trimmable)
+        write = Write(name, tokens, header, arrays, entry if in_memory else None)
+        self._writes[name] = write
+        self._folder.write(write)
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Make room under the size bound, and check the device's free space."""
+        if nbytes > self._max_bytes:
+            return False
+        self._evict(nbytes + sum(w.nbytes for w in self._writes.values()))
+        free = self._folder.free_bytes()
+        if free - nbytes < RESERVE_BYTES:
+            if not self._full_warned:
+                log.warning(
+                    "prompt cache: %s has %s free; not writing entries until there is more",
+                    self._folder.path, format_bytes(free),
+                )  # fmt: skip
+                self._full_warned = True
+            return False
+        self._full_warned = False
+        return True
+
+    def _evict(self, incoming: int) -> None:
+        for entry in self.tree:
+            if self.tree.nbytes + incoming <= self._max_bytes:
+                break
+            if not entry.value.reading:
+                self.tree.remove(entry)
+                self._folder.delete(entry.value.name)
+                self.stats.disk_evicted += 1
+        self._count()
+
+    def _written(self, write: Write, memory: MemoryTier) -> None:
+        if write.header is None:  # a deletion
+            if write.error is not None:
+                log.warning("prompt cache: cannot delete %s: %s", write.name, write.error)
+            return
+        del self._writes[write.name]
+        write.arrays = []  # released here, on the engine thread
+        if write.cancelled and not write.size:
+            return
+        if write.error is not None:
+            if getattr(write.error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("prompt cache: %s is full: %s", self._folder.path, write.error)
+            else:
+                self._turn_off(f"cannot write to {self._folder.path}: {write.error}")
+            return
+        self.stats.written += 1
+        self.stats.written_bytes += write.size
+        self.stats.write_seconds += write.seconds
+        if write.entry is not None:
+            write.entry.value.written = True
+        self._index(write.tokens, write.name, write.size, write.header.trimmable)
+
+    def _fetched(self, read: Read) -> None:
+        read.entry.value.reading = False
+        if read.error is not None:
+            self._fail(read)
+            return
+        self.stats.read_seconds += read.seconds
+        size = read.entry.nbytes
+        if read.seconds > 0:
+            self._read_rate += RATE_WEIGHT * (size / read.seconds - self._read_rate)
+        header, tokens, arrays = read.data
+        read.data = None
+        if tokens != read.tokens:
+            read.error = kv_files.BadFile("its tokens are not those of its name")
+            self._fail(read)
+            return
+        read.rebuild = kv_files.Rebuild(header, arrays)
+        self._copying.append(read)
+
+    def _fail(self, read: Read) -> None:
+        """A read that failed: a bad file is deleted, the request prefills."""
+        log.warning("prompt cache: ignored %s: %s", read.name, read.error)
+        if isinstance(read.error, kv_files.BadFile):
+            self.stats.corrupt += 1
+        self.tree.remove(read.entry)
+        self._folder.delete(read.name)
+        self._count()
+        self._finish(read)
+
+    def _finish(self, read: Read) -> None:
+        read.done = True
+        del self._reads[read.name]
+
+    def _copy(self, memory: MemoryTier) -> None:
+        """Copy read entries into MLX for at most COPY_SECONDS, then into memory."""
+        end = time.perf_counter() + COPY_SECONDS
+        while self._copying and time.perf_counter() < end:
+            read = self._copying[0]
+            began = time.perf_counter()
+            read.rebuild.advance(end - began)
+            copied = time.perf_counter() - began
+            read.copy_seconds += copied
+            self.stats.read_seconds += copied
+            if not read.rebuild.done:
+                continue
+            self._copying.pop(0)
+            try:
+                cache = read.rebuild.cache()
+            except Exception as exc:  # noqa: BLE001 - a file we cannot make a cache of
+                read.error = kv_files.BadFile(f"its caches cannot be rebuilt ({exc!r})")
+                self._fail(read)
+                continue
+            size = read.entry.nbytes
+            rate = size / max(read.copy_seconds, 1e-6)
+            self._copy_rate += RATE_WEIGHT * (rate - self._copy_rate)
+            self.superseded(memory.insert(read.tokens, cache, loaded=True)[1])
+            self.stats.loaded += 1
+            self.stats.loaded_bytes += size
+            log.debug(
+                "prompt cache: read back %d tokens (%s) from disk in %.3fs",
+                len(read.tokens), format_bytes(size), read.seconds + read.copy_seconds,
+            )  # fmt: skip
+            self._finish(read)
+
+    def close(self, memory: MemoryTier, seconds: float) -> None:
+        """A graceful stop: write what memory holds that is worth it and not on
+        disk yet, for at most `seconds`; then let the threads go."""
+        if self.open and seconds > 0:
+            self._candidates.clear()
+            end = time.monotonic() + seconds
+            for entry in memory.tree:
+                self._drain(memory, end, MAX_QUEUED_WRITES - 1)
+                if time.monotonic() >= end:
+                    break
+                self._start_write(entry)
+            self._drain(memory, end, 0)
+            left = sum(not e.value.written and self._worth(e) for e in memory.tree)
+            if left:
+                log.warning("prompt cache: %d entries not written to disk in the %.0fs given",
+                            left, seconds)  # fmt: skip
+        self._folder.close(release_lock=not self._writes)
+
+    def _drain(self, memory: MemoryTier, end: float, most: int) -> None:
+        """Wait for writes until at most `most` are left or `end` passes."""
+        while len(self._writes) > most and time.monotonic() < end:
+            for job in self._folder.finished(timeout=min(0.1, max(end - time.monotonic(), 0.01))):
+                if isinstance(job, Write):
+                    self._written(job, memory)

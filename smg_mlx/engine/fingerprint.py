@@ -1,0 +1,48 @@
+"""A model's fingerprint: which prefix-cache files on disk belong to it.
+
+KV caches are only valid for the exact model that computed them, so the
+fingerprint covers the model directory's files (config, tokenizer, weights,
+and an adapter's), the versions of mlx and mlx-lm (their kernels round
+differently) and the device kind. Small files are hashed whole; large ones
+(weights) by their size, their first MiB (a safetensors header names every
+tensor) and samples spread over the rest: fine-tuned weights of the same
+shapes differ in almost every byte, and an 8B model is fingerprinted in
+milliseconds rather than the seconds a full hash takes. No MLX here: it runs
+on the disk tier's thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+WHOLE_BELOW = 64 << 20  # files smaller than this are hashed whole
+HEAD_BYTES = 1 << 20
+SAMPLES = 64
+SAMPLE_BYTES = 64 << 10
+
+
+def _file(digest: hashlib._Hash, path: Path) -> None:
+    size = path.stat().st_size
+    digest.update(f"{path.name}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        if size < WHOLE_BELOW:
+            digest.update(f.read())
+            return
+        digest.update(f.read(HEAD_BYTES))
+        for i in range(1, SAMPLES + 1):
+            f.seek((size - SAMPLE_BYTES) * i // SAMPLES)
+            digest.update(f.read(SAMPLE_BYTES))
+
+
+def fingerprint(directories: Iterable[Path], versions: Iterable[str]) -> str:
+    """The fingerprint of the model in `directories` (the model's, then an
+    adapter's), computed with `versions` (format, libraries, device)."""
+    digest = hashlib.sha256()
+    for version in versions:
+        digest.update(f"{version}\0".encode())
+    for directory in directories:
+        for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
+            _file(digest, path)
+    return digest.hexdigest()

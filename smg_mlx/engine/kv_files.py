@@ -1,0 +1,243 @@
+"""One prefix-cache entry as a file: its tokens and its per-layer caches.
+
+Layout: MAGIC, the header's length (8 bytes), the header (JSON: the layers'
+cache classes and states, with each array named by its index, and each
+array's dtype, shape and size), the tokens (4 bytes each), the arrays' bytes
+one after another, then a trailer: the CRC-32 of everything before it and the
+file's whole length. A file whose trailer does not match (torn by a crash,
+truncated, corrupted) is refused, never loaded as KV.
+
+Three halves run on two threads: `export` and `Rebuild` on the engine thread
+(they use MLX), `write`, `read_key` and `read` on the disk tier's own threads
+(plain bytes and numpy: no MLX object is made or used there; `write` reads
+the arrays' memory through buffers the engine thread exported, and the engine
+thread keeps the arrays alive until the write is done).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+MAGIC = b"SMGKV01\n"
+_LENGTH = struct.Struct("<Q")
+_TRAILER = struct.Struct("<IQ")  # CRC-32, file length
+_TOKEN = np.dtype("<u4")
+# Cache classes are restored from mlx-lm's own modules only.
+_CACHE_MODULES = "mlx_lm."
+
+
+class BadFile(ValueError):
+    """A file that is not a whole, intact entry of this format."""
+
+
+@dataclass(frozen=True)
+class Header:
+    layers: list  # per layer: {"class": "module:name", "state": skeleton}
+    arrays: list[dict]  # per array: {"dtype", "shape", "nbytes"}
+    tokens: int
+    trimmable: bool
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(a["nbytes"] for a in self.arrays)
+
+
+# ---- the engine thread: arrays out, arrays in ----
+
+
+def _skeleton(value: Any, arrays: list) -> Any:
+    """`value` (a cache's state) as JSON, each array replaced by its index in `arrays`."""
+    if isinstance(value, mx.array):
+        arrays.append(mx.contiguous(value))
+        return {"array": len(arrays) - 1}
+    if isinstance(value, (list, tuple)):
+        return [_skeleton(v, arrays) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a prompt cache holding a {type(value).__name__} cannot go to disk")
+
+
+def export(cache: list, tokens: int, trimmable: bool) -> tuple[Header, list]:
+    """The header of `cache` (one sequence's layers, holding `tokens` tokens)
+    and its arrays, contiguous; they are evaluated asynchronously, so their
+    buffers are ready by the time they are read."""
+    arrays: list = []
+    layers = []
+    for layer in cache:
+        kind = type(layer)
+        state = _skeleton(layer.state, arrays)
+        layers.append({"class": f"{kind.__module__}:{kind.__qualname__}", "state": state})
+    mx.async_eval(arrays)
+    described = [
+        {"dtype": str(a.dtype).rsplit(".", 1)[-1], "shape": list(a.shape), "nbytes": a.nbytes}
+        for a in arrays
+    ]
+    return Header(layers, described, tokens, trimmable), arrays
+
+
+def buffers(arrays: list) -> list[memoryview]:
+    """Byte views of evaluated, contiguous arrays (no copy), for `write`."""
+    return [memoryview(a).cast("B") if a.nbytes else memoryview(b"") for a in arrays]
+
+
+class Rebuild:
+    """A cache made again from a file's arrays, a few arrays at a time
+    (each a copy into MLX memory), so a large entry does not stall a step."""
+
+    def __init__(self, header: Header, data: list[np.ndarray]) -> None:
+        self.header = header
+        self._data = data
+        self._made: list = []
+
+    @property
+    def done(self) -> bool:
+        return len(self._made) == len(self._data)
+
+    def advance(self, seconds: float) -> None:
+        """Copy arrays in for about `seconds` (at least one)."""
+        end = time.perf_counter() + seconds
+        made = []
+        while not self.done and (not made or time.perf_counter() < end):
+            spec = self.header.arrays[len(self._made)]
+            raw = self._data[len(self._made)]
+            array = mx.array(raw).view(getattr(mx, spec["dtype"])).reshape(spec["shape"])
+            self._data[len(self._made)] = None  # the copy is all that is kept
+            self._made.append(array)
+            made.append(array)
+        mx.eval(made)
+
+    def cache(self) -> list:
+        """The layers' caches, once `done`."""
+        return [
+            _cache_class(layer["class"]).from_state(self._fill(layer["state"]))
+            for layer in self.header.layers
+        ]
+
+    def _fill(self, skeleton: Any) -> Any:
+        if isinstance(skeleton, dict):
+            return self._made[skeleton["array"]]
+        if isinstance(skeleton, list):
+            return [self._fill(v) for v in skeleton]
+        return skeleton
+
+
+def _cache_class(name: str) -> type:
+    module, _, qualname = name.partition(":")
+    if not module.startswith(_CACHE_MODULES):
+        raise BadFile(f"cache class {name!r} is not mlx-lm's")
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+# ---- the disk tier's threads: bytes ----
+
+
+def write(path: Path, header: Header, tokens: Sequence[int], data: list[memoryview]) -> int:
+    """Write the entry to `path` (whole, or not at all: through a temporary
+    file renamed into place); returns the file's length."""
+    head = json.dumps(
+        {
+            "byteorder": sys.byteorder,
+            "layers": header.layers,
+            "arrays": header.arrays,
+            "tokens": header.tokens,
+            "trimmable": header.trimmable,
+        }
+    ).encode()
+    parts = [MAGIC, _LENGTH.pack(len(head)), head, np.asarray(tokens, _TOKEN).tobytes(), *data]
+    temporary = path.with_suffix(".tmp")
+    crc, length = 0, 0
+    try:
+        with open(temporary, "wb") as f:
+            for part in parts:
+                f.write(part)
+                crc = zlib.crc32(part, crc)
+                length += len(part)
+            length += _TRAILER.size
+            f.write(_TRAILER.pack(crc, length))
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return length
+
+
+def _read_exactly(f: Any, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise BadFile(f"truncated in its {what}")
+    return data
+
+
+def _header(f: Any) -> tuple[Header, bytes, bytes]:
+    """The header, and the raw bytes read for it (for the checksum)."""
+    magic = f.read(len(MAGIC))
+    if magic != MAGIC:
+        raise BadFile("not a prompt-cache file of this version")
+    length_bytes = _read_exactly(f, _LENGTH.size, "header")
+    (length,) = _LENGTH.unpack(length_bytes)
+    if length > 1 << 30:
+        raise BadFile("its header is implausibly long")
+    raw = _read_exactly(f, length, "header")
+    try:
+        fields = json.loads(raw)
+        if fields["byteorder"] != sys.byteorder:
+            raise BadFile("written on a machine of the other byte order")
+        header = Header(fields["layers"], fields["arrays"], fields["tokens"], fields["trimmable"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadFile(f"its header is unreadable ({exc})") from None
+    return header, magic + length_bytes, raw
+
+
+def _expected_length(header: Header, header_end: int) -> int:
+    return header_end + header.tokens * _TOKEN.itemsize + header.data_bytes + _TRAILER.size
+
+
+def read_key(path: Path) -> tuple[Header, tuple[int, ...], int]:
+    """The header and tokens of the entry in `path`, and the file's length,
+    checked against the header (the data itself is checked by `read`)."""
+    with open(path, "rb") as f:
+        header, _, raw = _header(f)
+        tokens = _read_exactly(f, header.tokens * _TOKEN.itemsize, "tokens")
+        size = os.fstat(f.fileno()).st_size
+        if size != _expected_length(header, len(MAGIC) + _LENGTH.size + len(raw)):
+            raise BadFile(f"{size} bytes long, not what its header says")
+    return header, tuple(np.frombuffer(tokens, _TOKEN).tolist()), size
+
+
+def read(path: Path) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
+    """The whole entry in `path`, its checksum verified."""
+    with open(path, "rb") as f:
+        header, first, raw = _header(f)
+        crc = zlib.crc32(raw, zlib.crc32(first))
+        tokens = _read_exactly(f, header.tokens * _TOKEN.itemsize, "tokens")
+        crc = zlib.crc32(tokens, crc)
+        data = []
+        for spec in header.arrays:
+            buffer = np.empty(spec["nbytes"], np.uint8)
+            if f.readinto(memoryview(buffer)) != spec["nbytes"]:
+                raise BadFile("truncated in its arrays")
+            crc = zlib.crc32(buffer, crc)
+            data.append(buffer)
+        trailer = f.read(_TRAILER.size + 1)
+        if len(trailer) != _TRAILER.size:
+            raise BadFile("truncated or with bytes past its end")
+        stored_crc, length = _TRAILER.unpack(trailer)
+        if stored_crc != crc or length != f.tell():
+            raise BadFile("its checksum does not match: corrupted")
+    return header, tuple(np.frombuffer(tokens, _TOKEN).tolist()), data

@@ -1,0 +1,70 @@
+"""Loading the model on the engine thread: alone (with a LoRA adapter, if one
+is named), or this rank's part of it when a group of ranks serves it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load
+from mlx_lm.utils import load_model
+
+from smg_mlx.config import EngineConfig
+from smg_mlx.engine.step_plan import SHAPES_REMEMBERED
+
+log = logging.getLogger(__name__)
+
+# mlx's CUDA backend keeps per-shape caches (cuDNN attention graphs, CUDA
+# graphs) and, past twice a cache's size in misses over the process's life,
+# raises on every new shape: a worker that sees many prompt lengths would fail
+# after hours of healthy serving. A missed shape costs one build, not an error.
+# Read when each cache is first used; a value set by the operator wins.
+CUDA_CACHE_SETTINGS = {
+    "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+    "MLX_CUDA_SDPA_CACHE_SIZE": str(SHAPES_REMEMBERED),
+}
+
+
+def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:
+    """The model (with its LoRA adapter, if one is named), or this rank's part
+    of it when a group of ranks serves it."""
+    for name, value in CUDA_CACHE_SETTINGS.items():
+        os.environ.setdefault(name, value)
+    started = time.perf_counter()
+    if group is None:
+        adapter = None if config.adapter_path is None else str(config.adapter_path)
+        model = load(str(config.model_path), adapter_path=adapter)[0]
+        log.info(
+            "weights loaded in %.1fs%s",
+            time.perf_counter() - started,
+            "" if adapter is None else f", with the adapter {adapter}",
+        )
+        return model
+    model, model_config = load_model(config.model_path, lazy=True, strict=False)
+    family = model_config.get("model_type", "this model")
+    if config.pipeline:
+        if not hasattr(getattr(model, "model", None), "pipeline"):
+            raise ValueError(
+                f"{family} cannot be split as a pipeline (mlx-lm has no pipeline() for it); "
+                "leave out --pipeline to split it tensor parallel"
+            )
+        model.model.pipeline(group)
+    else:
+        if not hasattr(model, "shard"):
+            raise ValueError(
+                f"{family} cannot be split tensor parallel (mlx-lm has no shard() for it); "
+                "try --pipeline"
+            )
+        model.shard(group)
+    mx.eval(model.parameters())
+    log.info(
+        "rank %d of %d holds its %s part of the model (loaded in %.1fs)",
+        group.rank(),
+        group.size(),
+        "pipeline" if config.pipeline else "tensor-parallel",
+        time.perf_counter() - started,
+    )
+    return model

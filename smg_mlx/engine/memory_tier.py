@@ -1,0 +1,175 @@
+"""The memory tier of the prefix cache (`engine.prefix_cache`): finished
+sequences' KV caches, keyed by their tokens (engine thread only).
+
+Each entry is one sequence's per-layer cache, as mlx-lm's BatchGenerator hands
+it back, and the tokens whose keys and values it holds; a new prompt starts
+from the entry sharing its longest prefix (`engine.token_tree` says which).
+
+What the tier may hold is decided elsewhere (`engine.memory`: whatever the
+memory budget leaves beside the batch); `over` names what to drop to get
+there: entries whose whole key a running request carries in the batch first
+(it holds a copy, and the entry it leaves when it ends serves all they serve),
+then the least recently used. An optional cap (`--prompt-cache-bytes`) bounds
+the tier besides.
+
+Stored entries are never mutated: a lookup returns new cache objects over the
+same MLX arrays (which are immutable values; BatchGenerator copies them into
+its batch), trimmed to the reused length.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList
+
+from smg_mlx.engine.token_tree import Entry, TokenTree
+
+log = logging.getLogger(__name__)
+
+LayerCache = Any  # one layer's mlx-lm cache object
+
+
+def detached(layer: LayerCache) -> LayerCache:
+    """A new cache object over the same arrays, so trimming it leaves `layer` as it was."""
+    if isinstance(layer, CacheList):
+        return CacheList(*(detached(c) for c in layer.caches))
+    clone = copy.copy(layer)
+    if isinstance(layer, ArraysCache):
+        clone.cache = list(layer.cache)  # a list it would otherwise share
+    return clone
+
+
+class Held:
+    """A memory entry's cache and what the tiers know of it."""
+
+    __slots__ = ("cache", "carried", "loaded", "written", "since")
+
+    def __init__(self, cache: list[LayerCache], loaded: bool) -> None:
+        self.cache = cache
+        self.carried = 0  # running requests whose batch rows hold its whole key
+        self.loaded = loaded  # read back from disk, and not yet reused since
+        self.written = loaded  # a copy is on disk
+        self.since = time.monotonic()  # when it was kept
+
+
+class MemoryTier:
+    """Longest-prefix KV cache reuse in memory."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes  # the optional cap; None: the memory budget alone
+        self.tree = TokenTree()
+        self.version = 0  # changes whenever an entry comes or goes
+        self.evicted = 0  # entries dropped for room
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tree.nbytes
+
+    # ---- lookup ----
+
+    def match(self, prompt: Sequence[int], minimum: int = 1) -> tuple[int, Entry | None]:
+        """What `lookup` would reuse now, and from which entry; uses nothing."""
+        found = self.tree.longest(prompt, minimum)
+        return found if found is not None else (0, None)
+
+    def lookup(
+        self, prompt: Sequence[int], minimum: int = 1
+    ) -> tuple[list[LayerCache] | None, int, Entry | None]:
+        """A cache holding the first n prompt tokens, n, and the entry it came
+        from (None, 0, None on a miss). n is at most len(prompt) - 1; a match
+        shorter than `minimum` is a miss and no use of its entry. The cache is
+        the caller's to mutate."""
+        n, entry = self.match(prompt, minimum)
+        if entry is None:
+            return None, 0, None
+        self.tree.touch(entry)
+        cache = [detached(c) for c in entry.value.cache]
+        if n < entry.length:
+            for layer in cache:
+                layer.trim(entry.length - n)
+        return cache, n, entry
+
+    # ---- insert ----
+
+    def insert(
+        self, tokens: Sequence[int], cache: list[LayerCache], loaded: bool = False
+    ) -> tuple[Entry | None, list[Entry]]:
+        """Keep `cache`, which holds the keys and values of exactly `tokens`
+        (`loaded`: read back from disk). Returns its entry (None when a longer
+        entry already serves all it would) and the entries it replaced or made
+        redundant, which have left.
+
+        What is kept is decided by the tokens alone, so every rank of a model
+        split over several keeps the same; what to drop for memory is decided
+        apart (`over`, `drop`), by the rank that decides."""
+        if not tokens or not cache:
+            return None, []
+        held = Held(cache, loaded)
+        nbytes = sum(c.nbytes for c in cache)
+        trimmable = all(c.is_trimmable() for c in cache)
+        entry, removed = self.tree.insert(tokens, held, nbytes, trimmable)
+        self.version += 1
+        if entry is not None:
+            # Materialize the lazy slices (they would keep the whole batch's
+            # arrays alive), without waiting: a blocking eval would stall the
+            # engine's pipelined steps on every finished request.
+            mx.async_eval([c.state for c in cache])
+        return entry, removed
+
+    def carry(self, entry: Entry, delta: int) -> None:
+        """A running request's batch row begins (+1) or stops (-1) holding all of `entry`."""
+        entry.value.carried += delta
+
+    # ---- what memory allows ----
+
+    def over(self, limit: int, keep: Collection[int] = ()) -> list[int]:
+        """The entries to drop to hold at most `limit` bytes (and the cap), but
+        those in `keep`: any larger than the cap alone, then those a running
+        request carries, then the least recently used. Asked at every turn
+        that plans, so it looks no further than it must."""
+        cap = self.max_bytes
+        if cap is not None:
+            limit = min(limit, cap)
+        if self.nbytes <= limit:
+            return []
+        def group(entry: Entry) -> int:
+            return 0 if cap is not None and entry.nbytes > cap else 1 if entry.value.carried else 2
+
+        # A stable sort: least recently used first within each group.
+        ordered = sorted((e for e in self.tree if e.id not in keep), key=group)
+        dropped, held = [], self.nbytes
+        for entry in ordered:
+            if held <= limit and (cap is None or entry.nbytes <= cap):
+                break
+            dropped.append(entry.id)
+            held -= entry.nbytes
+        return dropped
+
+    def entries(self, ids: Sequence[int]) -> list[Entry]:
+        """The entries with these ids still held."""
+        return [e for id in ids if (e := self.tree.get(id)) is not None]
+
+    def drop(self, ids: Sequence[int]) -> list[Entry]:
+        """Drop these entries for room (those already gone are skipped); the
+        entries dropped."""
+        gone = self.entries(ids)
+        for entry in gone:
+            self.tree.remove(entry)
+        self.evicted += len(gone)
+        self.version += bool(gone)
+        return gone
+
+    def clear(self) -> None:
+        """Drop everything (its tree holds cycles: freed now, not at a collection)."""
+        for entry in self.tree:
+            self.tree.remove(entry)
+        self.version += 1

@@ -1,0 +1,266 @@
+"""The prefix cache's disk tier: entries spilled and read back, found after a
+restart, bad files and other models' files never used, unusable directories.
+
+Every hit is checked against a worker without any prefix cache: greedy output
+must not change whether a prefix came from memory, from disk or was prefilled.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+from smg_mlx.demo_model import build_model
+from smg_mlx.engine import kv_files
+
+from helpers import generate, prompt, wait_until
+
+# Longer than the disk tier's minimum, and the tiny model prefills them in milliseconds.
+A = prompt(400, 1)
+
+
+@pytest.fixture(scope="module")
+def cold(model_dir):
+    """A worker without a prefix cache: the outputs to compare with."""
+    from conftest import RunningWorker, worker_config
+
+    w = RunningWorker(worker_config(model_dir, prompt_cache_bytes=0))
+    yield w
+    w.stop()
+
+
+def files(directory: Path) -> list[Path]:
+    return sorted(directory.rglob("*.kv"))
+
+
+def same_as_cold(worker, cold, ids: list[int], max_tokens: int = 8):
+    """Generate on `worker`, check the output equals the cold worker's, return it."""
+    got = generate(worker.stub, ids, max_tokens=max_tokens)
+    assert got.tokens == generate(cold.stub, ids, max_tokens=max_tokens).tokens
+    return got
+
+
+def stats(worker):
+    return worker.worker.engine.cache
+
+
+def test_entries_memory_drops_are_spilled_and_read_back(start_worker, model_dir, cold, tmp_path):
+    # Memory holds about one entry: each new one pushes the last out, to disk.
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_bytes=300_000)
+    first = same_as_cold(w, cold, A)
+    same_as_cold(w, cold, prompt(400, 2))
+    same_as_cold(w, cold, prompt(400, 3))  # its turn drops A's entry from memory
+    assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
+    history = A + first.tokens
+    again = same_as_cold(w, cold, history + prompt(30, 4))
+    assert again.complete.cached_tokens == len(history)
+    assert wait_until(lambda: stats(w).disk_tokens == len(history))
+    assert stats(w).loaded >= 1 and stats(w).written >= 1 and stats(w).memory_evicted >= 1
+
+
+def test_a_restarted_worker_finds_the_entries_it_held_in_memory(
+    start_worker, model_dir, cold, tmp_path
+):
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    first = same_as_cold(w, cold, A)
+    w.stop()  # a graceful stop writes what memory holds
+    again = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    history = A + first.tokens
+    got = same_as_cold(again, cold, history + prompt(30, 5))
+    assert got.complete.cached_tokens == len(history)
+    # A prompt that diverges inside the entry reuses it cut back.
+    assert same_as_cold(again, cold, A[:300] + prompt(50, 6)).complete.cached_tokens == 300
+
+
+def test_a_killed_worker_keeps_what_it_wrote_behind(spawn, model_dir, cold, tmp_path):
+    flags = ("--model", str(model_dir), "--prompt-cache-dir", str(tmp_path))
+    w = spawn(*flags)
+    w.wait_serving()
+    first = generate(w.stub, A, max_tokens=8)
+    assert wait_until(lambda: len(files(tmp_path)) == 1, 15), w.log.read_text()
+    w.stop(signal.SIGKILL)
+    again = spawn(*flags)
+    again.wait_serving()
+    history = A + first.tokens
+    got = generate(again.stub, history + [7], max_tokens=8)
+    assert got.complete.cached_tokens == len(history)
+    assert got.tokens == generate(cold.stub, history + [7], max_tokens=8).tokens
+
+
+def _written(start_worker, model: Path, directory: Path) -> tuple[list[int], Path]:
+    """Serve A once and stop: its entry is in `directory`."""
+    w = start_worker(model, prompt_cache_dir=directory)
+    history = A + generate(w.stub, A, max_tokens=8).tokens
+    w.stop()
+    (path,) = files(directory)
+    return history, path
+
+
+def test_a_corrupted_file_is_ignored_and_deleted(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, path = _written(start_worker, model_dir, tmp_path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle of the KV
+    path.write_bytes(bytes(data))
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING):
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == 0
+    assert "checksum" in caplog.text and path.name in caplog.text
+    assert wait_until(lambda: not path.exists())
+    assert stats(w).corrupt == 1 or wait_until(lambda: stats(w).corrupt == 1)
+
+
+def test_a_truncated_file_is_ignored_and_deleted_at_start(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, path = _written(start_worker, model_dir, tmp_path)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)  # as a crash mid-write without rename would
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == 0
+    assert f"ignored and deleted {path.name}" in caplog.text
+    assert not path.exists()
+
+
+def test_another_models_entries_are_never_used(start_worker, tmp_path):
+    # A fine-tune written over the same path: same config, other weights.
+    model = build_model(tmp_path / "model")
+    history, _ = _written(start_worker, model, tmp_path / "cache")
+    shutil.rmtree(model)
+    build_model(model, ["--seed", "1"])
+    w = start_worker(model, prompt_cache_dir=tmp_path / "cache")
+    fresh = start_worker(model, prompt_cache_bytes=0)
+    got = generate(w.stub, history + [7], max_tokens=8)
+    assert got.complete.cached_tokens == 0
+    assert got.tokens == generate(fresh.stub, history + [7], max_tokens=8).tokens
+    assert len(files(tmp_path / "cache")) == 1  # its own folder is still empty
+
+
+def test_an_unusable_directory_logs_one_warning_and_the_worker_serves(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=blocker / "cache")
+        first = same_as_cold(w, cold, A)
+        got = same_as_cold(w, cold, A + first.tokens + [7])
+    assert got.complete.cached_tokens == len(A) + len(first.tokens)  # memory still serves
+    warnings = [r for r in caplog.records if "memory tier alone" in r.getMessage()]
+    assert len(warnings) == 1 and str(blocker) in warnings[0].getMessage()
+
+
+def test_a_second_worker_on_the_same_directory_says_why_it_goes_without(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    first = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING):
+        second = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        same_as_cold(second, cold, A)
+    assert "in use by another worker" in caplog.text
+    history = A + same_as_cold(first, cold, A).tokens
+    first.stop()
+    assert len(files(tmp_path)) == 1  # the first one's
+    second.stop()
+    assert len(files(tmp_path)) == 1  # the second wrote nothing
+    third = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    assert same_as_cold(third, cold, history + [7]).complete.cached_tokens == len(history)
+
+
+def test_entries_that_cannot_be_cut_back_are_reused_from_disk_only_whole(
+    start_worker, tmp_path
+):
+    model = build_model(tmp_path / "sliding", ["--sliding-window", "32"])
+    fresh = start_worker(model, prompt_cache_bytes=0)
+    ids = prompt(120, 8)  # well past the window: its cache has wrapped
+    w = start_worker(model, prompt_cache_dir=tmp_path / "cache")
+    history = ids + generate(w.stub, ids, max_tokens=6).tokens
+    w.stop()
+    w = start_worker(model, prompt_cache_dir=tmp_path / "cache")
+
+    def same(prompt_ids: list[int]) -> int:
+        got = generate(w.stub, prompt_ids, max_tokens=6)
+        assert got.tokens == generate(fresh.stub, prompt_ids, max_tokens=6).tokens
+        return got.complete.cached_tokens
+
+    assert same(ids[:100] + prompt(30, 9)) == 0  # would need a cut
+    assert same(history + [7]) == len(history)  # extends it whole
+
+
+# ---- the file format on its own ----
+
+
+def _array(shape, dtype=mx.float32) -> mx.array:
+    return mx.random.normal(shape).astype(dtype)
+
+
+def _caches() -> list:
+    kv = KVCache()
+    kv.update_and_fetch(_array((1, 2, 5, 4), mx.bfloat16), _array((1, 2, 5, 4), mx.bfloat16))
+    rotating = RotatingKVCache(max_size=4)
+    for _ in range(6):
+        rotating.update_and_fetch(_array((1, 2, 1, 4)), _array((1, 2, 1, 4)))
+    arrays = ArraysCache(2)
+    arrays[0], arrays[1] = _array((1, 3)), _array((1, 2, 2))
+    inner = KVCache()
+    inner.update_and_fetch(_array((1, 1, 5, 2)), _array((1, 1, 5, 2)))
+    return [kv, rotating, arrays, CacheList(inner, RotatingKVCache(max_size=8))]
+
+
+def _states(cache: list) -> list:
+    flat = []
+
+    def walk(value):
+        if isinstance(value, mx.array):
+            flat.append(value.tolist())
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        else:
+            flat.append(value)
+
+    for layer in cache:
+        walk(layer.state)
+    return flat
+
+
+def test_every_kind_of_layer_cache_comes_back_as_it_was(tmp_path):
+    cache = _caches()
+    header, arrays = kv_files.export(cache, tokens=5, trimmable=False)
+    mx.eval(arrays)
+    path = tmp_path / "entry.kv"
+    kv_files.write(path, header, list(range(5)), kv_files.buffers(arrays))
+    read_header, tokens, data = kv_files.read(path)
+    assert tokens == tuple(range(5))
+    rebuild = kv_files.Rebuild(read_header, data)
+    while not rebuild.done:
+        rebuild.advance(0)
+    back = rebuild.cache()
+    assert [type(c) for c in back] == [type(c) for c in cache]
+    assert _states(back) == _states(cache)
+    assert [c.nbytes for c in back] == [c.nbytes for c in cache]
+
+
+def test_a_file_cut_anywhere_is_refused(tmp_path):
+    cache = _caches()[:1]
+    header, arrays = kv_files.export(cache, tokens=5, trimmable=True)
+    mx.eval(arrays)
+    path = tmp_path / "entry.kv"
+    size = kv_files.write(path, header, list(range(5)), kv_files.buffers(arrays))
+    whole = path.read_bytes()
+    for cut in (4, 20, size // 2, size - 1):
+        path.write_bytes(whole[:cut])
+        with pytest.raises(kv_files.BadFile):
+            kv_files.read(path)
+        with pytest.raises(kv_files.BadFile):
+            kv_files.read_key(path)

@@ -1,0 +1,51 @@
+"""The start-up measurement of what a model costs: the memory it may plan with, and a
+probe that stays short on a device where the model is slow."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from smg_mlx.engine import memory_probe
+
+RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@pytest.mark.parametrize(
+    ("v2", "v1", "expected"),
+    [
+        ("max\n", None, RAM),  # a container without a limit
+        ("1073741824\n", None, 1 << 30),
+        (None, "536870912\n", 512 << 20),
+        (None, "9223372036854771712\n", RAM),  # v1's "no limit"
+        (None, None, RAM),  # no cgroup files: not Linux, or no memory controller
+    ],
+)
+def test_the_host_memory_is_the_containers_limit_where_that_is_smaller(tmp_path, v2, v1, expected):
+    files = []
+    for name, text in (("memory.max", v2), ("memory.limit_in_bytes", v1)):
+        files.append(tmp_path / name)
+        if text is not None:
+            files[-1].write_text(text)
+    assert memory_probe.host_memory(files) == expected
+
+
+def test_a_model_slow_on_its_device_is_probed_in_small_chunks(model_dir, monkeypatch, caplog):
+    model = load(str(model_dir))[0]
+    stream = mx.new_stream(mx.default_device())
+    caplog.set_level(logging.INFO, "smg_mlx.engine.memory_probe")
+    full_memory, _ = memory_probe.measure(model, stream, 2048)
+    assert "prompts of 2304 tokens in all" in caplog.text
+    caplog.clear()
+    # As slow as a 120M-parameter float32 model on two CPU cores: 35 ms a token.
+    monkeypatch.setattr(memory_probe, "_seconds_per_token", lambda *args: 0.035)
+    memory, speed = memory_probe.measure(model, stream, 2048)
+    assert "prompts of 144 tokens in all, about 5.0s" in caplog.text
+    # The same model still: its weights and KV cache, and a prefill that costs something.
+    assert (memory.weights, memory.kv_per_token) == (full_memory.weights, full_memory.kv_per_token)
+    assert memory.prefill_per_token >= full_memory.prefill_per_token / 2
+    assert speed.per_token > 0

@@ -1,0 +1,72 @@
+"""The model's own sampling values (its generation_config.json) for what a request
+leaves unset, as vLLM applies them; `--generation-config none` turns them off."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from smg_mlx.api.sampling_defaults import SamplingDefaults, read
+from smg_mlx.api.translation import logits_settings, sampling_settings
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+
+from helpers import collect, model_copy, prompt
+
+QWEN3 = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "eos_token_id": 2}
+
+
+def test_the_models_values_fill_in_what_a_request_leaves_unset():
+    defaults = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.05)
+    unset = sampling_settings(pb.SamplingParams(), 1000, defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p) == (0.6, 0.95, 20, 0.0)
+    # What the router sends for an OpenAI request that names no top_p or penalty.
+    routed = pb.SamplingParams(top_p=1.0, repetition_penalty=1.0)
+    assert sampling_settings(routed, 1000, defaults).top_p == 0.95
+    assert logits_settings(routed, 1000, defaults).repetition_penalty == 1.05
+    # What a request says wins.
+    asked = pb.SamplingParams(temperature=1.0, top_p=0.5, top_k=3, min_p=0.25)
+    settings = sampling_settings(asked, 1000, defaults)
+    assert (settings.temperature, settings.top_p, settings.top_k, settings.min_p) == (
+        1.0, 0.5, 3, 0.25
+    )  # fmt: skip
+    assert sampling_settings(pb.SamplingParams(temperature=0.0), 1000, defaults).greedy
+    # Without defaults: temperature 1 and no filter.
+    plain = sampling_settings(pb.SamplingParams(), 1000)
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)
+
+
+def test_only_values_a_request_could_send_are_read(tmp_path, caplog):
+    config = {**QWEN3, "top_p": 1.5, "repetition_penalty": "high", "min_p": 0.05}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING):
+        defaults = read(tmp_path)
+    assert defaults == SamplingDefaults(temperature=0.6, top_k=20, min_p=0.05)
+    assert "top_p of 1.5" in caplog.text and "repetition_penalty of 'high'" in caplog.text
+    assert read(tmp_path / "nowhere") == SamplingDefaults()
+
+
+def unset_sampling(ids: list[int]) -> pb.GenerateRequest:
+    """A request that sets no sampling value (the helpers' request() asks for greedy)."""
+    req = pb.GenerateRequest(sampling_params=pb.SamplingParams(max_tokens=16, ignore_eos=True))
+    req.tokenized.input_ids.extend(ids)
+    return req
+
+
+def test_a_worker_applies_them_and_says_so_unless_told_not_to(
+    start_worker, model_dir, tmp_path, caplog
+):
+    model = model_copy(model_dir, tmp_path / "top-k-1")
+    (model / "generation_config.json").write_text(json.dumps({"top_k": 1}))
+    with caplog.at_level(logging.INFO, logger="smg_mlx.server"):
+        tuned = start_worker(model)
+    assert "the model's sampling values" in caplog.text and ": top_k 1" in caplog.text
+    plain = start_worker(model, model_sampling_defaults=False)
+    prompts = [prompt(6, i) for i in range(4)]
+    greedy = [collect(tuned.stub.Generate(unset_sampling(p), timeout=60)).tokens for p in prompts]
+    # top_k 1 at temperature 1 is greedy decoding: what asking for greedy gives.
+    for ids, tokens in zip(prompts, greedy, strict=True):
+        asked = unset_sampling(ids)
+        asked.sampling_params.temperature = 0.0
+        assert collect(plain.stub.Generate(asked, timeout=60)).tokens == tokens
+    sampled = [collect(plain.stub.Generate(unset_sampling(p), timeout=60)).tokens for p in prompts]
+    assert sampled != greedy

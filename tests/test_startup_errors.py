@@ -1,0 +1,136 @@
+"""A model or a flag the worker cannot use stops it before SERVING, with one line that
+says why and the exit code a supervisor acts on: 2 for what only a person can fix (a
+flag, the model directory), 1 for what a restart may cure."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.workers import free_port
+from smg_mlx.config import EngineConfig
+from smg_mlx.demo_model import build_model
+from smg_mlx.server import listen_failure
+
+from helpers import model_copy
+
+
+def serve(*args: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """Run a worker that should stop before serving: its exit code and log lines."""
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=None if env is None else {**os.environ, **env},
+    )
+    return done.returncode, done.stderr.splitlines()
+
+
+def one_error(lines: list[str]) -> str:
+    """The one line that says why the worker stopped (and nothing like a traceback)."""
+    errors = [line for line in lines if " ERROR " in line or line.startswith("E")]
+    assert len(errors) == 1, lines
+    assert not any("Traceback" in line for line in lines), lines
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", ["--family", "qwen2"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_model_directory_without_a_tokenizer_is_refused(
+    family, model_dir, qwen2_dir, tmp_path
+):
+    # transformers fails for a llama, and builds an empty tokenizer for a qwen2.
+    source = model_dir if family == "llama" else qwen2_dir
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights_only / name).symlink_to(source / name)
+    code, lines = serve("--model", str(weights_only), "--port", "0")
+    assert code == 2
+    assert f"{weights_only} has no tokenizer" in one_error(lines)
+
+
+def test_an_unknown_model_family_is_one_line(model_dir, tmp_path):
+    unknown = model_copy(model_dir, tmp_path / "m", model_type="nosuchfamily", rope_scaling=None)
+    code, lines = serve("--model", str(unknown), "--port", "0")
+    assert code == 1
+    assert "Model type nosuchfamily not supported" in one_error(lines)
+
+
+def test_truncated_weights_are_one_line(model_dir, tmp_path):
+    truncated = model_copy(model_dir, tmp_path / "m", leave_out="model.safetensors")
+    weights = (model_dir / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    code, lines = serve("--model", str(truncated), "--port", "0")
+    assert code == 1
+    assert "incomplete download or corrupt file" in one_error(lines)
+
+
+# Each flag's own check is test_cli's; these exit before anything starts, with 2.
+@pytest.mark.parametrize(
+    "args", [["--port", "70000"], ["--metrics-port", "50051"], ["--bogus"]]
+)
+def test_bad_flag_values_exit_two_before_anything_starts(model_dir, args):
+    code, lines = serve("--model", str(model_dir), *args)
+    assert code == 2
+    assert "error: " in lines[-1] and "Traceback" not in "\n".join(lines)
+
+
+def test_health_refuses_a_port_out_of_range():
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "health", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2 and "from 1 to 65535, got '70000'" in done.stderr
+
+
+def test_an_address_this_machine_does_not_have_exits_two(model_dir):
+    code, lines = serve("--model", str(model_dir), "--host", "192.0.2.1")  # TEST-NET-1
+    assert code == 2
+    assert "192.0.2.1 is not an address of this machine: fix --host" in lines[-1]
+
+
+def test_a_host_that_resolves_nowhere_exits_two(monkeypatch):
+    def nowhere(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", nowhere)
+    failure = listen_failure("--port", "999.1.1.1", 50051)
+    assert failure.exit_code == 2
+    assert "999.1.1.1 is neither an address nor a name this machine resolves" in str(failure)
+
+
+def test_a_path_is_never_taken_for_a_repo_id(model_dir, tmp_path):
+    # Online, with a Hub that would answer: a mistyped path must not reach it.
+    hub = {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    hub["HF_HOME"] = str(tmp_path / "hf")
+    code, lines = serve("--model", "./modles/demo-qwen2", "--port", "0", env=hub)
+    assert code == 2
+    error = one_error(lines)
+    assert "modles/demo-qwen2 is not a model directory (no such path)" in error
+    assert "download" not in "\n".join(lines)
+
+
+def test_a_rank_stopped_while_it_loads_ends_quietly_with_zero(model_dir, monkeypatch, caplog):
+    from smg_mlx import follower
+    from smg_mlx.engine.batch import Batch
+
+    def stopped(*args: object) -> None:
+        raise SystemExit(0)  # what SIGTERM raises before serving (cli), as a launcher sends it
+
+    monkeypatch.setattr(Batch, "__init__", stopped)
+    assert follower.run(EngineConfig(model_path=model_dir), 1) == 0
+    assert "model load failed" not in caplog.text
+    assert not any(record.exc_info for record in caplog.records)
