@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mixed:
         return _mixed(args, model_dir, argv)
     if args.agent:
-        return _agent(args, model_dir, argv, workload)
+        return _agent(args, model_dir, argv)
     if args.followups:
-        return _followups(args, model_dir, argv, workload)
+        return _followups(args, model_dir, argv)
     opts = Options(
         systems=systems,
         levels=levels,
@@ -238,12 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report.format_ratios(rows, report.targets(rows)))
     if "ours" in systems and not args.no_agent:
-        shape = _agent_shape(args)
-        if args.short:
-            shape = replace(shape, sessions=2, turns=3)
         try:
-            agent.update(run_agent(opts.model_dir, opts.work_dir, shape, args.agent_cache_bytes,
-                                   workload, args.start_timeout))  # fmt: skip
+            agent.update(_run_agent(args, model_dir))
         except Exception as exc:  # noqa: BLE001 - the throughput numbers are saved already
             progress(f"agent: FAILED: {exc!r}")
             agent["error"] = repr(exc)
@@ -259,18 +255,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _long_prompts(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
     workload = Workload(prompt_tokens=args.long_prompt_tokens, gen_tokens=args.long_gen_tokens)
-    info = machine.describe()
-    out = args.out or report.default_out(machine.slug(info))
     results = run_long_prompts(
         model_dir.resolve(), args.work_dir.resolve(), parse_levels(args.long_prompts),
         workload, shlex.split(args.worker_args), args.start_timeout,
     )  # fmt: skip
-    _write(out, argv, info, model_dir, workload=workload.to_dict(), long_prompts=results)
+    _write(args, argv, model_dir, workload=workload.to_dict(), long_prompts=results)
     return 0 if all(r["completed"] == r["requests"] for r in results) else 1
 
 
-def _write(out: Path, argv: list[str] | None, info: dict, model_dir: Path, **results) -> None:
-    """A single-worker run's JSON: the command, the machine, the model and `results`."""
+def _write(args: argparse.Namespace, argv: list[str] | None, model_dir: Path, **results) -> None:
+    """A single-worker run's JSON (at --out, or named for the machine): the
+    command, the machine, the model and `results`."""
+    info = machine.describe()
+    out = args.out or report.default_out(machine.slug(info))
     command = " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])])
     payload = {"command": command, "machine": info, "model": model.describe(model_dir)}
     report.write_json(out, {**payload, **results})
@@ -286,50 +283,45 @@ def _mixed(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) ->
         chat_gen_tokens=args.chat_gen_tokens,
         chat_interval_s=args.chat_interval,
     )
-    info = machine.describe()
-    out = args.out or report.default_out(machine.slug(info))
     result = run_mixed(
         model_dir.resolve(), args.work_dir.resolve(), mixed, shlex.split(args.worker_args),
         args.start_timeout,
     )  # fmt: skip
     print(format_mixed(result))
-    _write(out, argv, info, model_dir, mixed=result)
+    _write(args, argv, model_dir, mixed=result)
     chats_failed = result["mixed"]["chats_failed"] + result["idle"]["chats_failed"]
     return 1 if result["long_errors"] or chats_failed else 0
 
 
-def _agent_shape(args: argparse.Namespace) -> Agent:
-    return Agent(**{field: getattr(args, f"agent_{field}") for _, field, _ in AGENT_FLAGS})
+def _run_agent(args: argparse.Namespace, model_dir: Path) -> dict:
+    """The agent workload as the flags shape it (smaller with --short)."""
+    shape = Agent(**{field: getattr(args, f"agent_{field}") for _, field, _ in AGENT_FLAGS})
+    if args.short:
+        shape = replace(shape, sessions=2, turns=3)
+    return run_agent(model_dir.resolve(), args.work_dir.resolve(), shape,
+                     args.agent_cache_bytes, args.start_timeout, shlex.split(args.worker_args),
+                     tuple(args.agent_settings.split(",")))  # fmt: skip
 
 
-def _agent(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
-           workload: Workload) -> int:  # fmt: skip
-    info = machine.describe()
-    out = args.out or report.default_out(machine.slug(info))
-    result = run_agent(model_dir.resolve(), args.work_dir.resolve(), _agent_shape(args),
-                       args.agent_cache_bytes, workload, args.start_timeout,
-                       shlex.split(args.worker_args),
-                       tuple(args.agent_settings.split(",")))  # fmt: skip
+def _agent(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
+    result = _run_agent(args, model_dir)
     print(format_agent(result))
-    _write(out, argv, info, model_dir, agent=result)
+    _write(args, argv, model_dir, agent=result)
     return 0
 
 
-def _followups(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
-               workload: Workload) -> int:  # fmt: skip
-    info = machine.describe()
-    out = args.out or report.default_out(machine.slug(info))
+def _followups(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
     contexts = parse_levels(args.followups)
     results = run_followups(
         model_dir.resolve(), args.work_dir.resolve(), contexts, shlex.split(args.worker_args),
-        workload, args.start_timeout,
+        args.start_timeout,
     )  # fmt: skip
     print(f"{'context':>8} {'TTFT ms':>8} {'follow-up cached':>17} {'follow-up TTFT ms':>18} "
           f"{'again':>6}")  # fmt: skip
     for r in results:
         print(f"{r['context']:>8} {r['ttft_ms']:>8.0f} {r['followup_cached']:>17} "
               f"{r['followup_ttft_ms']:>18.0f} {r['again_followup_ttft_ms']:>6.0f}")  # fmt: skip
-    _write(out, argv, info, model_dir, followups=results)
+    _write(args, argv, model_dir, followups=results)
     return 0
 
 

@@ -33,11 +33,11 @@ from pathlib import Path
 import grpc
 
 from bench.grpc_client import stream_one, token_request
-from bench.long_prompts import metric
+from bench.long_prompts import default_worker, metric
 from bench.runner import progress
 from bench.stats import RequestRecord, percentile
-from bench.workers import WorkerProcess, free_port, ours_command
-from bench.workload import PROMPT_ID_RANGE, Workload
+from bench.workers import WorkerProcess
+from bench.workload import PROMPT_ID_RANGE
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 CACHED_TARGET = 0.95  # of the resent history, from turn 2 on
@@ -81,8 +81,6 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 @dataclass
 class Turn:
-    session: int
-    turn: int  # 1..turns, then turns + 1 after the restart
     prompt_tokens: int
     resent_tokens: int  # of the prompt, what an earlier turn already sent
     record: RequestRecord
@@ -91,11 +89,10 @@ class Turn:
 class Sessions:
     """Every session's history, advanced a round of turns at a time."""
 
-    def __init__(self, shape: Agent, seed: int) -> None:
+    def __init__(self, shape: Agent) -> None:
         self.shape = shape
-        self.seed = seed
-        system = _tokens(random.Random(f"{seed}-system"), shape.system_tokens)
-        self.rngs = [random.Random(f"{seed}-{s}") for s in range(shape.sessions)]
+        system = _tokens(random.Random(f"{shape.seed}-system"), shape.system_tokens)
+        self.rngs = [random.Random(f"{shape.seed}-{s}") for s in range(shape.sessions)]
         self.histories = [list(system) for _ in range(shape.sessions)]
         self.outputs: dict[tuple[int, int], list[int]] = {}
 
@@ -119,7 +116,7 @@ class Sessions:
                 self.histories[session] = ids + record.output_ids
                 self.outputs[session, turn] = record.output_ids
                 resent = len(history) if turn > 1 else 0
-                return Turn(session, turn, len(ids), resent, record)
+                return Turn(len(ids), resent, record)
 
             return list(await asyncio.gather(*(one(s) for s in range(shape.sessions))))
 
@@ -140,16 +137,6 @@ def _row(turns: list[Turn], wall: float) -> dict:
     }
 
 
-def _worker(model_dir: Path, work_dir: Path, name: str, flags: list[str],
-            workload: Workload) -> tuple[WorkerProcess, int]:  # fmt: skip
-    """The worker, and its metrics port."""
-    port, metrics_port = free_port(), free_port()
-    command = ours_command(model_dir, port, workload) + flags
-    command += ["--metrics-port", str(metrics_port)]
-    log = work_dir / "logs" / f"agent-{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    return WorkerProcess(f"ours ({name})", command, port, log), metrics_port
-
-
 def _served(metrics_port: int) -> dict:
     """Prompt tokens each tier of the worker's prefix cache served so far."""
     name = "smg_mlx_prefix_cache_served_tokens_total"
@@ -157,41 +144,36 @@ def _served(metrics_port: int) -> dict:
 
 
 def _run(model_dir: Path, work_dir: Path, shape: Agent, name: str, flags: list[str],
-         workload: Workload, start_timeout: float) -> tuple[dict, dict]:  # fmt: skip
-    """One setting: a warm-up, the turns, a restart and one turn more."""
-    sessions = Sessions(shape, shape.seed)
+         start_timeout: float) -> tuple[dict, dict]:  # fmt: skip
+    """One setting: a warm-up, the turns, a restart and one turn more (`flags`
+    name the setting's own --prompt-cache-dir, which the restart keeps)."""
+    sessions = Sessions(shape)
     rows: dict[str, dict] = {}
-    worker, metrics_port = _worker(model_dir, work_dir, name, flags, workload)
-    try:
-        worker.wait_serving(start_timeout)
+    tag = f"agent-{name}"
+    with default_worker(model_dir, work_dir, flags, tag, start_timeout) as (worker, metrics):
         # Other tokens first: batch and prompt shapes built, nothing reusable.
-        warm = Sessions(replace(shape, sessions=1, turns=2, concurrency=1), shape.seed + 1)
+        warm = Sessions(replace(shape, sessions=1, concurrency=1, seed=shape.seed + 1))
         for turn in (1, 2):
             asyncio.run(warm.round(worker.address, turn))
         for turn in range(1, shape.turns + 1):
             began = time.perf_counter()
             turns = asyncio.run(sessions.round(worker.address, turn))
             rows[str(turn)] = _row(turns, time.perf_counter() - began)
-        rows["served_tokens"] = _served(metrics_port)  # the warm-up's included
-    finally:
-        worker.stop()
-    worker, metrics_port = _worker(model_dir, work_dir, f"{name}-restarted", flags, workload)
-    try:
-        began = time.perf_counter()
-        worker.wait_serving(start_timeout)
+        rows["served_tokens"] = _served(metrics)  # the warm-up's included
+    began = time.perf_counter()
+    restarted = f"{tag}-restarted"
+    with default_worker(model_dir, work_dir, flags, restarted, start_timeout) as (worker, metrics):
         rows["restart_s"] = {"serving_after_s": time.perf_counter() - began}
         began = time.perf_counter()
         turns = asyncio.run(sessions.round(worker.address, shape.turns + 1))
         rows["after restart"] = _row(turns, time.perf_counter() - began)
-        rows["served_tokens_after_restart"] = _served(metrics_port)
-    finally:
-        worker.stop()
+        rows["served_tokens_after_restart"] = _served(metrics)
     progress(f"agent {name}: done")
     return rows, {f"{s}-{t}": ids for (s, t), ids in sessions.outputs.items()}
 
 
 def run_agent(model_dir: Path, work_dir: Path, shape: Agent, cache_bytes: str | None,
-              workload: Workload, start_timeout: float, extra: list[str] = (),
+              start_timeout: float, extra: list[str] = (),
               names: tuple[str, ...] = ("2GiB", "default", "off")) -> dict:  # fmt: skip
     """The settings `names`, the targets, and whether outputs match the cache-off run."""
     progress(f"agent: {shape.sessions} sessions x {shape.turns} turns "
@@ -203,7 +185,7 @@ def run_agent(model_dir: Path, work_dir: Path, shape: Agent, cache_bytes: str | 
         if name not in names:
             continue
         runs[name], outputs[name] = _run(model_dir, work_dir, shape, name, [*flags, *extra],
-                                         workload, start_timeout)  # fmt: skip
+                                         start_timeout)  # fmt: skip
     result = {"shape": shape.to_dict(), "cache_bytes": cache_bytes, "runs": runs, "targets": []}
     if "default" in runs:
         shares = [runs["default"][t]["cached_share"]
@@ -258,16 +240,12 @@ def format_agent(result: dict) -> str:
 
 
 def run_followups(model_dir: Path, work_dir: Path, contexts: list[int], flags: list[str],
-                  workload: Workload, start_timeout: float) -> list[dict]:  # fmt: skip
+                  start_timeout: float) -> list[dict]:  # fmt: skip
     """For each context length: the context, then it and its answer and 200
     tokens more; what the second request reused, and both TTFTs."""
-    cache_dir = work_dir / "followup-cache"
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    flags = ["--prompt-cache-dir", str(cache_dir), *flags]
-    worker, _ = _worker(model_dir, work_dir, "followups", flags, workload)
     results = []
 
-    async def pair(length: int, tag: str = "followup") -> dict:
+    async def pair(worker: WorkerProcess, length: int, tag: str = "followup") -> dict:
         rng = random.Random(f"{tag}-{length}")
         ids = _tokens(rng, length)
         async with grpc.aio.insecure_channel(worker.address) as channel:
@@ -282,17 +260,15 @@ def run_followups(model_dir: Path, work_dir: Path, contexts: list[int], flags: l
                 "followup_ttft_ms": second.ttft * 1e3, "followup_cached": second.cached_tokens,
                 "reusable": length + len(first.output_ids)}  # fmt: skip
 
-    try:
-        worker.wait_serving(start_timeout)
-        asyncio.run(pair(min(contexts), "warm-up"))  # shapes built; nothing reusable
+    with default_worker(model_dir, work_dir, flags, "followups", start_timeout) as (worker, _):
+        asyncio.run(pair(worker, min(contexts), "warm-up"))  # shapes built; nothing reusable
         for length in contexts:
-            first = asyncio.run(pair(length))
+            first = asyncio.run(pair(worker, length))
             # Other tokens of the same lengths: the attention shapes are built now.
-            first["again_followup_ttft_ms"] = asyncio.run(pair(length, "again"))["followup_ttft_ms"]
+            again = asyncio.run(pair(worker, length, "again"))
+            first["again_followup_ttft_ms"] = again["followup_ttft_ms"]
             results.append(first)
             progress(f"followup {length}: cached {first['followup_cached']}, TTFT "
                      f"{first['followup_ttft_ms']:.0f} ms, again "
                      f"{first['again_followup_ttft_ms']:.0f} ms")  # fmt: skip
-    finally:
-        worker.stop()
     return results

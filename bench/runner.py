@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -58,8 +59,11 @@ def _worker_process(name: str, opts: Options, log: Path) -> tuple[WorkerProcess,
     port = free_port()
     if name == "ours":
         command = ours_command(opts.model_dir, port, opts.workload)
-        # Its prompt cache's files stay with the bench's, not in the user's cache.
-        command += ["--prompt-cache-dir", str(opts.work_dir / "prompt-cache"), *opts.worker_args]
+        # Its prompt cache's files stay with the bench's, not in the user's cache,
+        # and start empty: no earlier round's or run's entries help this one.
+        cache_dir = opts.work_dir / "prompt-cache"
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        command += ["--prompt-cache-dir", str(cache_dir), *opts.worker_args]
         env, info = None, {}
     elif name == "2ranks":
         command = two_ranks_command(opts.model_dir, port, opts.workload)
