@@ -21,6 +21,7 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 from smg_mlx.server import Worker
 
+from family_models import build_family_model
 from helpers import Process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def short_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same shapes with a 64-token context, to reach the context end quickly."""
     return build_model(tmp_path_factory.mktemp("models") / "tiny-ctx64", ["--context-length", "64"])
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random-weight model of an mlx-lm family (tests/family_models.py), built
+    once a session, whichever module asks first."""
+    root = tmp_path_factory.mktemp("families")
+    return lambda family: build_family_model(root / family, family)
 
 
 class RunningWorker:

@@ -15,7 +15,7 @@ from smg_mlx import __version__
 from smg_mlx.cli import build_parser, byte_size, check_serve_args
 from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig
 
-CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+from docs import CONFIGURATION
 
 
 def serve_flags() -> dict[str, argparse.Action]:

@@ -13,7 +13,6 @@ import pytest
 
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
-from family_models import build_family_model
 from helpers import collect, generate, prompt, request
 
 # Prompts of lengths 7 to 150, as the issue's check had them, and 24 tokens each.
@@ -22,15 +21,14 @@ TOKENS = 24
 EQUAL_LENGTHS = "prompts prefilled together only at equal lengths"
 
 
-@pytest.fixture(scope="module")
-def families(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("families")
-    return lambda family: build_family_model(root / family, family)
+def alone(worker, prompts: list[list[int]]) -> list:
+    """Each prompt's greedy tokens, served one after the other."""
+    return [generate(worker.stub, p, max_tokens=TOKENS, ignore_eos=True).tokens for p in prompts]
 
 
 def solo_and_together(worker, prompts: list[list[int]]) -> tuple[list, list]:
     """Each prompt's greedy tokens served alone, then all of them at once."""
-    solo = [generate(worker.stub, p, max_tokens=TOKENS, ignore_eos=True).tokens for p in prompts]
+    solo = alone(worker, prompts)
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(
             pool.map(lambda p: generate(worker.stub, p, max_tokens=TOKENS, ignore_eos=True).tokens,
@@ -43,9 +41,9 @@ def solo_and_together(worker, prompts: list[list[int]]) -> tuple[list, list]:
     "family", ["nemotron_h", "jamba", "mamba", "olmo_hybrid", "rwkv7", "recurrent_gemma"]
 )
 def test_recurrent_families_prefill_at_equal_lengths_and_batched_output_is_exact(
-    start_worker, families, family
+    start_worker, family_model, family
 ):
-    w = start_worker(families(family))
+    w = start_worker(family_model(family))
     assert w.worker.engine.mode == EQUAL_LENGTHS
     # Prompts of different lengths, and some of one length (prefilled together).
     prompts = [prompt(n, i) for i, n in enumerate(LENGTHS)] + [prompt(40, 20 + i) for i in range(4)]
@@ -54,15 +52,15 @@ def test_recurrent_families_prefill_at_equal_lengths_and_batched_output_is_exact
     assert together == solo
 
 
-def test_the_serving_mode_is_reported(start_worker, families, worker):
-    w = start_worker(families("mamba"))
+def test_the_serving_mode_is_reported(start_worker, family_model, worker):
+    w = start_worker(family_model("mamba"))
     for running, mode in ((w, EQUAL_LENGTHS), (worker, "batched")):
         _, call = running.stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
         assert dict(call.initial_metadata())["serving-mode"] == mode
 
 
-def test_the_prefix_cache_and_aborts_work_prefilling_at_equal_lengths(start_worker, families):
-    model = families("nemotron_h")
+def test_the_prefix_cache_and_aborts_work_prefilling_at_equal_lengths(start_worker, family_model):
+    model = family_model("nemotron_h")
     w = start_worker(model)
     cold = start_worker(model, prompt_cache_bytes=0)
     ids = prompt(60, 3)
@@ -80,13 +78,13 @@ def test_the_prefix_cache_and_aborts_work_prefilling_at_equal_lengths(start_work
         collect(call)
     prompts = [prompt(n, 6 + i) for i, n in enumerate((9, 41, 77))]
     solo, together = solo_and_together(w, prompts)
-    assert together == solo == solo_and_together(cold, prompts)[0]
+    assert together == solo == alone(cold, prompts)
 
 
-def test_gemma2_is_served_one_request_at_a_time(start_worker, families):
+def test_gemma2_is_served_one_request_at_a_time(start_worker, family_model):
     # mlx-lm's gemma2 cannot mask a padded batch (its 4-D mask against 5-D
     # scores): found before SERVING, so no batch of it ever runs.
-    w = start_worker(families("gemma2"))
+    w = start_worker(family_model("gemma2"))
     assert w.worker.engine.mode == "one request at a time"
     prompts = [prompt(n, 7 + i) for i, n in enumerate((8, 30, 64, 120))]
     solo, together = solo_and_together(w, prompts)
@@ -94,8 +92,8 @@ def test_gemma2_is_served_one_request_at_a_time(start_worker, families):
     assert w.worker.engine.memory.failed_steps == 0
 
 
-def test_a_family_mlx_lm_cannot_run_is_refused_before_serving(spawn, families):
-    p = spawn("--model", str(families("llama4")))
+def test_a_family_mlx_lm_cannot_run_is_refused_before_serving(spawn, family_model):
+    p = spawn("--model", str(family_model("llama4")))
     assert p.proc.wait(60) == 2  # permanent: a supervisor does not restart it
     log = p.log.read_text()
     assert "cannot generate with this model even one prompt at a time" in log
@@ -103,13 +101,13 @@ def test_a_family_mlx_lm_cannot_run_is_refused_before_serving(spawn, families):
     assert "SERVING " not in log
 
 
-def test_a_family_batched_exactly_stays_batched(start_worker, families):
-    w = start_worker(families("mamba2"))
+def test_a_family_batched_exactly_stays_batched(start_worker, family_model):
+    w = start_worker(family_model("mamba2"))
     assert w.worker.engine.mode == "batched"
 
 
-def test_a_stopped_worker_of_such_a_family_still_exits_zero(spawn, families):
-    p = spawn("--model", str(families("rwkv7")))
+def test_a_stopped_worker_of_such_a_family_still_exits_zero(spawn, family_model):
+    p = spawn("--model", str(family_model("rwkv7")))
     p.wait_serving()
     assert p.stop(signal.SIGTERM) == 0
 

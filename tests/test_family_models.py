@@ -13,23 +13,18 @@ from family_models import FAMILIES, build_family_model, greedy_outputs
 
 
 @pytest.fixture(scope="module")
-def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("family-models")
-
-
-@pytest.fixture(scope="module")
-def greedy(models_root: Path) -> dict[str, list[list[int]]]:
+def greedy(family_model) -> dict[str, list[list[int]]]:
     """Each family's greedy outputs (all built first, then run in one child)."""
     families = sorted(FAMILIES)
-    paths = [build_family_model(models_root / family, family) for family in families]
+    paths = [family_model(family) for family in families]
     return dict(zip(families, greedy_outputs(paths), strict=True))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_model_loads_and_its_greedy_output_varies(
-    models_root: Path, greedy: dict[str, list[list[int]]], family: str
+    family_model, greedy: dict[str, list[list[int]]], family: str
 ) -> None:
-    config = json.loads((models_root / family / "config.json").read_text())
+    config = json.loads((family_model(family) / "config.json").read_text())
     assert config["model_type"] == family
     outputs = greedy[family]
     for tokens in outputs:
@@ -37,8 +32,8 @@ def test_family_model_loads_and_its_greedy_output_varies(
     assert len({tuple(tokens) for tokens in outputs}) == len(outputs), outputs
 
 
-def test_build_returns_at_once_when_the_model_is_there(models_root: Path) -> None:
-    path = build_family_model(models_root / "llama", "llama")
+def test_build_returns_at_once_when_the_model_is_there(family_model) -> None:
+    path = family_model("llama")
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert build_family_model(path, "llama") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp

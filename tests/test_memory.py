@@ -185,18 +185,22 @@ def test_a_budget_below_the_model_is_refused_at_start(spawn, model_dir):
     assert "raise --memory-budget" in log and "Traceback" not in log
 
 
-class OutOfMemoryOnce:
-    """Makes BatchGenerator.next raise an out-of-memory error once, `steps` calls
-    after `arm`."""
+OUT_OF_MEMORY = RuntimeError("[metal::malloc] Unable to allocate 8589934592 bytes")
+# Not memory: what gemma2's mask raised in a padded batch.
+BAD_SHAPES = ValueError("[broadcast_shapes] Shapes (3,1,22,22) and (3,2,2,22,22)")
 
-    def __init__(self, monkeypatch) -> None:
+
+class FailingStep:
+    """Makes BatchGenerator.next raise `error` once, `steps` calls after `arm`."""
+
+    def __init__(self, monkeypatch, error: Exception) -> None:
         self.countdown = -1
         step = BatchGenerator.next
 
         def next_or_fail(generator):
             self.countdown -= 1
             if self.countdown == 0:
-                raise RuntimeError("[metal::malloc] Unable to allocate 8589934592 bytes")
+                raise error
             return step(generator)
 
         monkeypatch.setattr(BatchGenerator, "next", next_or_fail)
@@ -208,7 +212,7 @@ class OutOfMemoryOnce:
 def test_an_out_of_memory_step_is_contained(
     start_worker, model_dir, unbounded_outputs, monkeypatch
 ):
-    failure = OutOfMemoryOnce(monkeypatch)
+    failure = FailingStep(monkeypatch, OUT_OF_MEMORY)
     w = start_worker(model_dir)
     health = health_pb2_grpc.HealthStub(w.channel)
     streams = [
@@ -272,7 +276,7 @@ def test_a_long_prompts_pass_out_of_memory_loses_and_repeats_none_of_a_streams_t
 def test_a_request_alone_that_runs_out_of_memory_ends_and_the_worker_serves(
     start_worker, model_dir, monkeypatch
 ):
-    failure = OutOfMemoryOnce(monkeypatch)
+    failure = FailingStep(monkeypatch, OUT_OF_MEMORY)
     w = start_worker(model_dir)
     failure.arm(3)
     with pytest.raises(grpc.RpcError) as err:
@@ -284,31 +288,10 @@ def test_a_request_alone_that_runs_out_of_memory_ends_and_the_worker_serves(
     assert len(generate(w.stub, prompt(5), max_tokens=3).tokens) == 3
 
 
-class StepFails:
-    """Makes BatchGenerator.next raise a non-memory error on the calls
-    `steps`, `steps` + 1, ... (`times` of them) after `arm`."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.countdown, self.times = -1, 0
-        step = BatchGenerator.next
-
-        def next_or_fail(generator):
-            self.countdown -= 1
-            if self.countdown <= 0 < self.times:
-                self.times -= 1
-                raise ValueError("[broadcast_shapes] Shapes (3,1,22,22) and (3,2,2,22,22)")
-            return step(generator)
-
-        monkeypatch.setattr(BatchGenerator, "next", next_or_fail)
-
-    def arm(self, steps: int, times: int = 1) -> None:
-        self.countdown, self.times = steps, times
-
-
 def test_a_failed_step_ends_only_its_requests_and_the_worker_serves_on(
     start_worker, model_dir, monkeypatch
 ):
-    failure = StepFails(monkeypatch)
+    failure = FailingStep(monkeypatch, BAD_SHAPES)
     w = start_worker(model_dir)
     streams = [
         w.stub.Generate(request(p, max_tokens=200, ignore_eos=True), timeout=60)

@@ -377,21 +377,17 @@ def test_entries_a_request_reuses_stay_and_those_carried_by_a_running_row_go_fir
 # ---- what a tight memory budget leaves the cache ----
 
 
-def _budget_for(model_dir, extra_mib: float) -> int:
-    """A memory budget of the model's weights and `extra_mib` MiB."""
-    from conftest import RunningWorker, worker_config
-
-    w = RunningWorker(worker_config(model_dir))
-    try:
-        return w.worker.engine.memory.weights + int(extra_mib * 2**20)
-    finally:
-        w.stop()
+def _budget_for(pair, extra_mib: float) -> int:
+    """A memory budget of the model's weights (as `pair`'s workers measured them)
+    and `extra_mib` MiB."""
+    cached, _ = pair
+    return cached.worker.engine.memory.weights + int(extra_mib * 2**20)
 
 
-def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, model_dir):
+def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, model_dir, pair):
     # Room for one request of about twice the prompt: reusing its entry needs less
     # than prefilling it again, so the entry must not go to make room for it.
-    w = start_worker(model_dir, memory_budget_bytes=_budget_for(model_dir, 5))
+    w = start_worker(model_dir, memory_budget_bytes=_budget_for(pair, 5))
     ids = prompt(600, 12)
     assert w.worker.engine.memory.longest_sequence < 3 * len(ids)
     first = generate(w.stub, ids, max_tokens=16)
@@ -402,9 +398,9 @@ def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, mod
 
 
 def test_an_entry_stays_while_memory_allows_and_goes_when_a_request_needs_the_room(
-    start_worker, model_dir
+    start_worker, model_dir, pair
 ):
-    w = start_worker(model_dir, memory_budget_bytes=_budget_for(model_dir, 5))
+    w = start_worker(model_dir, memory_budget_bytes=_budget_for(pair, 5))
     engine = w.worker.engine
     longest = engine.memory.longest_sequence
     ids = prompt(longest // 2, 15)
@@ -418,13 +414,13 @@ def test_an_entry_stays_while_memory_allows_and_goes_when_a_request_needs_the_ro
     assert generate(w.stub, ids + [7], max_tokens=8).complete.cached_tokens == 0
 
 
-def test_chats_beside_a_long_request_are_not_charged_its_length(start_worker, model_dir):
+def test_chats_beside_a_long_request_are_not_charged_its_length(start_worker, model_dir, pair):
     # A tiny step budget makes a 1,200-token prompt long: it runs in a lane of its
     # own, and chats in the other lane cost their own length only, so all six run
     # at once and end while the long request still generates. Charged the long
     # request's length, two at a time would fit, and the last would end after it.
     w = start_worker(
-        model_dir, step_budget_seconds=1e-6, memory_budget_bytes=_budget_for(model_dir, 7)
+        model_dir, step_budget_seconds=1e-6, memory_budget_bytes=_budget_for(pair, 7)
     )
     with ThreadPoolExecutor(7) as pool:
         long = pool.submit(generate, w.stub, prompt(1200, 13), max_tokens=500, ignore_eos=True)

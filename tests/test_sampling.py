@@ -3,14 +3,20 @@ sampling filters: what they keep, and that new values cost no memory."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import mlx.core as mx
 
 from smg_mlx.engine.sampling import SamplerCache, make_sampler
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
+
+# The child imports helpers (the tests' folder), which imports bench (the repository's).
+TESTS = Path(__file__).resolve().parent
+CHILD_PATH = [str(TESTS), str(TESTS.parent)]
 
 
 def test_equal_settings_share_one_sampler_and_seeded_ones_do_not():
@@ -50,14 +56,10 @@ def test_top_k_samples_only_among_the_k_most_likely_tokens():
 # compiles a graph per value and keeps it: about 4 KiB each.
 NEW_TOP_K_VALUES = textwrap.dedent(
     """
-    import os
     import mlx.core as mx
+    from helpers import rss_mb
     from smg_mlx.engine.sampling import make_sampler
     from smg_mlx.engine.types import SamplingSettings
-
-    def rss_mib():
-        pages = int(open(f"/proc/{os.getpid()}/statm").read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
     logprobs = mx.random.normal((2, 8192))
     def draw(values):
@@ -65,16 +67,20 @@ NEW_TOP_K_VALUES = textwrap.dedent(
             mx.eval(make_sampler(SamplingSettings(temperature=1.0, top_k=k))(logprobs))
 
     draw(range(2, 200))
-    before = rss_mib()
+    before = rss_mb()
     draw(range(200, 4200))
-    print(rss_mib() - before)
+    print(rss_mb() - before)
     """
 )
 
 
 def test_new_top_k_values_leave_no_memory_behind():
+    # helpers' rss_mb asks ps, as on macOS too (Linux alone has /proc).
+    path = os.pathsep.join(filter(None, (*CHILD_PATH, os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PYTHONPATH": path}
     run = subprocess.run(
-        [sys.executable, "-c", NEW_TOP_K_VALUES], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-c", NEW_TOP_K_VALUES], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert float(run.stdout) < 4, f"grew {float(run.stdout):.1f} MiB over 4000 new top_k values"

@@ -7,7 +7,7 @@ from smg_mlx.engine.scheduler import LONG_PROMPT_STEPS, Plan, Running, Scheduler
 from smg_mlx.engine.step_clock import PrefillSpeed
 from smg_mlx.engine.step_plan import MIN_STEP_TOKENS, SHORT, Passes, chunk_sizes
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
-from smg_mlx.engine.waiting_room import AGING_SECONDS, Reuse
+from smg_mlx.engine.waiting_room import AGING_SECONDS, Prefixes, Reuse
 
 from helpers import prompt
 
@@ -20,10 +20,12 @@ SPEED = PrefillSpeed(per_token=4e-5, per_context=4e-9)
 
 
 def make(budget_mib: int = 10_000, *, step_ms: float = 100, rows: int = 8, batch: int = 32,
-         speed: PrefillSpeed = SPEED, shape_builds: bool = False) -> Scheduler:  # fmt: skip
+         speed: PrefillSpeed = SPEED, shape_builds: bool = False, prefixes: Prefixes | None = None,
+         equal_lengths: bool = False) -> Scheduler:  # fmt: skip
     planner = MemoryPlanner(MODEL, budget_mib * MIB, max_chunk=2048, prefill_rows=rows)
     return Scheduler(planner, speed, batch_size=batch, prefill_rows=rows,
-                     step_seconds=step_ms / 1000, shape_builds=shape_builds)  # fmt: skip
+                     step_seconds=step_ms / 1000, shape_builds=shape_builds, prefixes=prefixes,
+                     equal_lengths=equal_lengths)  # fmt: skip
 
 
 def req(key: int, length: int, max_tokens: int = 16) -> Request:
@@ -402,9 +404,7 @@ class Read:
 
 
 def test_a_request_from_a_cached_prefix_is_short_and_keeps_its_entry():
-    planner = MemoryPlanner(MODEL, 10_000 * MIB, max_chunk=2048, prefill_rows=8)
-    s = Scheduler(planner, SPEED, batch_size=32, prefill_rows=8, step_seconds=0.1,
-                  prefixes=Cached(39_990))  # fmt: skip
+    s = make(prefixes=Cached(39_990))
     s.add([req(1, 40_000)], now=0)
     plan = s.schedule([], 0, now=0)
     assert keys(plan.admit) == [1] and plan.long == ()  # 10 tokens to prefill
@@ -413,9 +413,7 @@ def test_a_request_from_a_cached_prefix_is_short_and_keeps_its_entry():
 
 def test_the_entry_a_request_reuses_counts_against_memory_while_it_starts():
     def admits(entry_mib: int) -> bool:
-        planner = MemoryPlanner(MODEL, 150 * MIB, max_chunk=2048, prefill_rows=8)
-        s = Scheduler(planner, SPEED, batch_size=32, prefill_rows=8, step_seconds=0.1,
-                      prefixes=Cached(9_000, entry_mib * MIB))  # fmt: skip
+        s = make(150, prefixes=Cached(9_000, entry_mib * MIB))
         s.add([req(1, 9_016)], now=0)
         return bool(s.schedule([], 0, now=0).admit)
 
@@ -424,25 +422,21 @@ def test_the_entry_a_request_reuses_counts_against_memory_while_it_starts():
 
 def test_a_request_waits_for_its_prefix_from_disk_until_read_or_its_deadline():
     cached = Cached(0, reading=True)
-    s = Scheduler(MemoryPlanner(MODEL, 10_000 * MIB, max_chunk=2048, prefill_rows=8), SPEED,
-                  batch_size=32, prefill_rows=8, step_seconds=0.1, prefixes=cached)  # fmt: skip
+    s = make(prefixes=cached)
     s.add([req(1, 3000), req(2, 40)], now=0)
     assert keys(s.schedule([], 0, now=1).admit) == [2]  # the other one waits for its read
     cached.read.done, cached.tokens, cached.version = True, 2990, 1
     plan = s.schedule([], 0, now=2)
     assert keys(plan.admit) == [1] and plan.keep == (7,)  # what memory holds now
     late = Cached(0, reading=True)
-    s = Scheduler(MemoryPlanner(MODEL, 10_000 * MIB, max_chunk=2048, prefill_rows=8), SPEED,
-                  batch_size=32, prefill_rows=8, step_seconds=0.1, prefixes=late)  # fmt: skip
+    s = make(prefixes=late)
     s.add([req(1, 3000)], now=0)
     assert keys(s.schedule([], 0, now=99).admit) == []
     assert keys(s.schedule([], 0, now=101).admit) == [1]  # past the deadline: prefills
 
 
 def test_with_equal_lengths_only_short_prompts_prefill_together_at_one_length():
-    planner = MemoryPlanner(MODEL, 10_000 * MIB, max_chunk=2048, prefill_rows=8)
-    s = Scheduler(planner, SPEED, batch_size=32, prefill_rows=8, step_seconds=0.1,
-                  equal_lengths=True)  # fmt: skip
+    s = make(equal_lengths=True)
     s.add([req(1, 300), req(2, 100), req(3, 300), req(4, 100)], now=0)
     assert keys(s.schedule([], 0, now=0).admit) == [2, 4]  # the shortest first, one length
     # Beside a prompt with 299 tokens left, only another of as many starts.

@@ -204,6 +204,15 @@ def _header(f: Any) -> tuple[Header, bytes, bytes]:
     return header, magic + length_bytes, raw
 
 
+def _tokens(f: Any, header: Header) -> bytes:
+    """The raw tokens that follow the header."""
+    return _read_exactly(f, header.tokens * _TOKEN.itemsize, "tokens")
+
+
+def _token_ids(raw: bytes) -> tuple[int, ...]:
+    return tuple(np.frombuffer(raw, _TOKEN).tolist())
+
+
 def _expected_length(header: Header, header_end: int) -> int:
     return header_end + header.tokens * _TOKEN.itemsize + header.data_bytes + _TRAILER.size
 
@@ -213,11 +222,11 @@ def read_key(path: Path) -> tuple[Header, tuple[int, ...], int]:
     checked against the header (the data itself is checked by `read`)."""
     with open(path, "rb") as f:
         header, _, raw = _header(f)
-        tokens = _read_exactly(f, header.tokens * _TOKEN.itemsize, "tokens")
+        tokens = _tokens(f, header)
         size = os.fstat(f.fileno()).st_size
         if size != _expected_length(header, len(MAGIC) + _LENGTH.size + len(raw)):
             raise BadFile(f"{size} bytes long, not what its header says")
-    return header, tuple(np.frombuffer(tokens, _TOKEN).tolist()), size
+    return header, _token_ids(tokens), size
 
 
 def read(path: Path) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
@@ -225,7 +234,7 @@ def read(path: Path) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
     with open(path, "rb") as f:
         header, first, raw = _header(f)
         crc = zlib.crc32(raw, zlib.crc32(first))
-        tokens = _read_exactly(f, header.tokens * _TOKEN.itemsize, "tokens")
+        tokens = _tokens(f, header)
         crc = zlib.crc32(tokens, crc)
         data = []
         for spec in header.arrays:
@@ -240,4 +249,4 @@ def read(path: Path) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
         stored_crc, length = _TRAILER.unpack(trailer)
         if stored_crc != crc or length != f.tell():
             raise BadFile("its checksum does not match: corrupted")
-    return header, tuple(np.frombuffer(tokens, _TOKEN).tolist()), data
+    return header, _token_ids(tokens), data

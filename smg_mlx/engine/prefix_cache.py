@@ -44,9 +44,8 @@ def open_disk_tier(config: EngineConfig, wake: Callable[[], None]) -> DiskTier |
     """The disk tier the settings ask for, its folder opening in the background
     (`wake`: called from its threads when they finish work for the engine
     thread); see `PrefixCache.attach`. None: no disk tier."""
-    if config.prompt_cache_bytes == 0 or config.prompt_cache_dir is None:
-        return None
-    if config.prompt_cache_disk_bytes == 0:
+    off = config.prompt_cache_bytes == 0 or config.prompt_cache_disk_bytes == 0
+    if off or config.prompt_cache_dir is None:
         return None
     directories = [config.model_path]
     if config.adapter_path is not None:

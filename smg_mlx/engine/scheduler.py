@@ -183,6 +183,8 @@ class Scheduler:
         """Who starts now."""
         costs = [r.cost for r in running]
         slots = self.batch_size - len(costs)
+        if slots <= 0:
+            return [], (), 0
         rows = self.prefill_rows - sum(not r.long for r in prefilling)  # the short lane's
         longs = sum(r.long for r in prefilling)
         # A long prompt whose last chunk ran joins its lane's decoding rows at
@@ -197,8 +199,6 @@ class Scheduler:
         too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
         for_memory = 0
         pinned: dict[int, int] = {}  # prefix-cache entries the admitted reuse: their bytes
-        if slots <= 0:
-            return [], (), 0
         for waiting in self._room.ranked(long_tokens, now):
             if slots <= 0:
                 break
