@@ -79,10 +79,13 @@ def shell(command: str, env: dict[str, str], timeout: float = 60) -> subprocess.
 
 def background(command: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start `command` with bash in the repository's root, in a process group of its own
-    (so that `stop` reaches what it starts: make's worker, mlx.launch's ranks)."""
+    (so that `stop` reaches what it starts: make's worker, mlx.launch's ranks). Its stdin
+    is a pipe nothing is written to, as a terminal nobody types in: at end of file instead,
+    mlx.launch spins forwarding it, and Ctrl-C can stop it holding a lock its threads wait
+    for, so that it never exits."""
     return subprocess.Popen(
-        ["bash", "-c", command], cwd=REPO, env=env, stdout=log.open("w"),
-        stderr=subprocess.STDOUT, start_new_session=True,
+        ["bash", "-c", command], cwd=REPO, env=env, stdin=subprocess.PIPE,
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 
 
@@ -97,6 +100,7 @@ def stop(process: subprocess.Popen, sig: int = signal.SIGTERM) -> bool:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    process.stdin.close()
     return ended
 
 

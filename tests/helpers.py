@@ -150,6 +150,7 @@ class Router:
     ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.worker_ports = set(worker_ports)
         self.proc = subprocess.Popen(
             [
                 SMG,
@@ -195,9 +196,13 @@ class Router:
         return {int(w["url"].rsplit(":", 1)[1]): w["is_healthy"] for w in workers}
 
     def worker_healthy(self) -> bool | None:
-        """Whether every worker is healthy; None while the router lists none yet."""
+        """Whether every worker is registered and healthy; None while the router lists
+        none yet. (It registers them one by one: with only some listed, it routes every
+        request to those.)"""
         health = self.health()
-        return all(health.values()) if health else None
+        if not health:
+            return None
+        return set(health) == self.worker_ports and all(health.values())
 
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(f"{self.base}{path}", timeout=30) as r:
@@ -207,8 +212,12 @@ class Router:
         req = urllib.request.Request(
             f"{self.base}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
         )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.load(r)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as exc:
+            exc.msg = f"{exc.msg}: {exc.read().decode(errors='replace')[:500]}"  # the router's why
+            raise
 
     def stream(self, path: str, body: dict) -> list[dict]:
         req = urllib.request.Request(
