@@ -34,7 +34,6 @@ A model whose prompts cannot run even alone cannot be served: it is refused
 from __future__ import annotations
 
 import enum
-import logging
 import time
 from dataclasses import dataclass
 
@@ -45,8 +44,6 @@ from mlx_lm.generate import BatchGenerator
 from smg_mlx.config import BATCHING
 from smg_mlx.engine.types import Unservable
 from smg_mlx.logs import error_line
-
-log = logging.getLogger(__name__)
 
 # Prompts of these lengths (different, so that the batch pads), prefilled in
 # chunks of CHUNK tokens (several passes, as serving takes long prompts), then

@@ -16,7 +16,6 @@ idle rank 0 still sends a turn every HEARTBEAT_SECONDS.
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import threading
@@ -28,8 +27,6 @@ import mlx.core as mx
 import numpy as np
 
 from smg_mlx.engine.ranks import launched_rank
-
-log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0
 # A turn is shared in one collective of this many bytes when it fits, in two

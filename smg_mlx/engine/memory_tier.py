@@ -20,7 +20,6 @@ its batch), trimmed to the reused length.
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -29,8 +28,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from smg_mlx.engine.token_tree import Entry, TokenTree
-
-log = logging.getLogger(__name__)
 
 LayerCache = Any  # one layer's mlx-lm cache object
 
