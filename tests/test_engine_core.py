@@ -9,10 +9,12 @@ import subprocess
 import sys
 import threading
 
+import mlx.core as mx
 import pytest
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import warm_up
+from smg_mlx.demo_model import build_model
+from smg_mlx.engine import attention_shapes, warm_up
 from smg_mlx.engine.batch import Batch
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
@@ -379,3 +381,49 @@ def test_a_long_prompt_prefilled_beside_chats_gives_its_solo_output(model_dir):
     finally:
         inbox.stop()
         thread.join(TIMEOUT)
+
+
+def test_prefills_in_few_attention_shapes_answer_as_prefills_in_their_own(
+    tmp_path_factory, monkeypatch
+):
+    """Where each attention shape costs a build (CUDA), prefills run padded to
+    a few shapes (engine.attention_shapes): a follow-up that reuses a cached
+    context, and prompts of several lengths prefilled together, get the tokens
+    they get in shapes of their own."""
+    model_dir = build_model(tmp_path_factory.mktemp("models") / "bf16", ["--dtype", "bfloat16"])
+    context = prompt(300, 5)
+    together = {3: prompt(7, 3), 4: prompt(50, 4), 6: prompt(23, 6)}
+
+    def outputs() -> tuple[list[list[int]], int]:
+        inbox = Inbox()
+        sink, thread = start_core(model_dir, inbox, prefill_step_size=256, prefill_batch_size=3)
+        inbox.submit(Request(1, spec(context, max_tokens=8)))
+        answer = [e.token for e in sink.events_of(1)]
+        inbox.submit(Request(2, spec(context + answer + prompt(40, 7), max_tokens=8)))
+        events = sink.events_of(2)
+        results, cached = [answer, [e.token for e in events]], events[0].cached_tokens
+        for key, ids in together.items():
+            inbox.submit(Request(key, spec(ids, max_tokens=8)))
+        tokens: dict[int, list[int]] = {key: [] for key in together}
+        while any(len(t) < 8 for t in tokens.values()):
+            for e in sink.next_report().events:
+                tokens[e.key].append(e.token)
+        inbox.stop()
+        thread.join(TIMEOUT)
+        return results + list(tokens.values()), cached
+
+    plain, plain_cached = outputs()
+    fused, shape_key = mx.fast.scaled_dot_product_attention, attention_shapes.shape_key
+    keys = []
+
+    def recorded(*args):
+        keys.append(shape_key(*args))
+        return keys[-1]
+
+    monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
+    monkeypatch.setattr(attention_shapes, "shape_key", recorded)
+    padded, padded_cached = outputs()
+    assert padded == plain and padded_cached == plain_cached > 300
+    assert {(1, True), (3, False)} <= {(rows, regular) for rows, _, _, regular in keys}
+    assert mx.fast.scaled_dot_product_attention is fused  # put back when the engine ended
+    assert len({t for answer in plain for t in answer}) > 4  # the model's output varies

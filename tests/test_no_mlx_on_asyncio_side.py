@@ -13,6 +13,7 @@ import smg_mlx
 # module of the package, present or future, is asyncio side.
 MLX_SIDE = {
     "smg_mlx.engine.batch",
+    "smg_mlx.engine.attention_shapes",
     "smg_mlx.engine.memory_probe",
     "smg_mlx.engine.lockstep",
     "smg_mlx.engine.placement",

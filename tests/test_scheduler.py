@@ -5,7 +5,7 @@ from __future__ import annotations
 from smg_mlx.engine.memory import Cost, MemoryModel, MemoryPlanner
 from smg_mlx.engine.scheduler import LONG_PROMPT_STEPS, Plan, Running, Scheduler
 from smg_mlx.engine.step_clock import PrefillSpeed
-from smg_mlx.engine.step_plan import MIN_STEP_TOKENS, SHORT, Passes, chunk_sizes
+from smg_mlx.engine.step_plan import MIN_STEP_TOKENS, SHORT, Builds, Passes, chunk_sizes
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
 from smg_mlx.engine.waiting_room import AGING_SECONDS, Prefixes, Reuse
 
@@ -20,11 +20,11 @@ SPEED = PrefillSpeed(per_token=4e-5, per_context=4e-9)
 
 
 def make(budget_mib: int = 10_000, *, step_ms: float = 100, rows: int = 8, batch: int = 32,
-         speed: PrefillSpeed = SPEED, shape_builds: bool = False, prefixes: Prefixes | None = None,
-         equal_lengths: bool = False) -> Scheduler:  # fmt: skip
+         speed: PrefillSpeed = SPEED, builds: Builds | None = None,
+         prefixes: Prefixes | None = None, equal_lengths: bool = False) -> Scheduler:  # fmt: skip
     planner = MemoryPlanner(MODEL, budget_mib * MIB, max_chunk=2048, prefill_rows=rows)
     return Scheduler(planner, speed, batch_size=batch, prefill_rows=rows,
-                     step_seconds=step_ms / 1000, shape_builds=shape_builds, prefixes=prefixes,
+                     step_seconds=step_ms / 1000, builds=builds, prefixes=prefixes,
                      equal_lengths=equal_lengths)  # fmt: skip
 
 
@@ -348,9 +348,12 @@ def test_a_long_prompt_starts_beside_short_ones_in_its_own_lane():
 
 
 def test_where_shapes_cost_a_build_a_first_seen_shape_does_not_shrink_later_chunks():
-    s = make(shape_builds=True)
+    built: set[tuple[int, int, int]] = set()  # a backend where a shape costs a build once
+    s = make(builds=lambda rows, tokens, context: (rows, tokens, context) not in built)
     context = 8192
     first = s.schedule([prefilling(100_000, done=context)], 0)
+    assert first.expected_seconds > s.steps.clocks[SHORT].seconds(first.chunk, context)
+    built.add((1, first.chunk, context))
     s.observe(took(first.expected_seconds + 0.2), 1)  # the step also built its kernels
     again = s.schedule([prefilling(100_000, done=context)], 0)
     assert again.chunk == first.chunk  # the same shape: its tokens cost what they did

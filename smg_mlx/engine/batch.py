@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine import batch_check, loading, memory_probe
+from smg_mlx.engine.attention_shapes import AttentionShapes
 from smg_mlx.engine.memory import Cost
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
@@ -83,6 +85,9 @@ def _no_mask_array_for_one_prompt(make_mask: Callable) -> Callable:
 
 BatchKVCache.make_mask = _no_mask_array_for_one_prompt(BatchKVCache.make_mask)
 
+# The attention shapes built ahead for a model whose config names no context length.
+CONTEXT_UNKNOWN = 32768
+
 
 class Batch:
     """The model and its lanes' BatchGenerators; each request is a slot keyed
@@ -96,6 +101,12 @@ class Batch:
         self.prefill_rows = config.prefill_batch_size
         self.batch_size = config.completion_batch_size
         self.model = loading.load_for(config, group)
+        # Where each new attention shape costs a build (mlx's CUDA backend),
+        # prefills run in few shapes, from the first pass on.
+        builds = self.shape_builds
+        self.attention = AttentionShapes(config.prefill_step_size) if builds else None
+        if self.attention is not None:
+            self.attention.install()
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.
         self._stream = mx.new_stream(mx.default_device())
@@ -117,9 +128,12 @@ class Batch:
         self.prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes != 0 else None
         )
-        self.memory, self.speed = memory_probe.measure(
-            self.model, self._stream, config.prefill_step_size, group
-        )
+        # The probe's prompts are short: padded to a key bucket, their
+        # attention would pass for what much longer prompts cost.
+        with self.attention.bypassed() if self.attention is not None else nullcontext():
+            self.memory, self.speed = memory_probe.measure(
+                self.model, self._stream, config.prefill_step_size, group
+            )
         # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = StepClock(self.speed).seconds(
             config.prefill_step_size, memory_probe.PROBE_CONTEXT
@@ -195,6 +209,15 @@ class Batch:
     def shape_builds(self) -> bool:
         """Whether each new attention shape costs a kernel build (mlx's CUDA backend)."""
         return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+    def prebuild_attention(self) -> None:
+        """Build the attention shapes prompts will meet, up to the model's context
+        (see `engine.attention_shapes`); nothing where shapes cost no build."""
+        if self.attention is None:
+            return
+        args = getattr(self.model, "args", None)
+        context = getattr(args, "max_position_embeddings", None) or CONTEXT_UNKNOWN
+        self.attention.prebuild(context, self.prefill_rows)
 
     @property
     def stream(self) -> mx.Stream:
@@ -374,6 +397,8 @@ class Batch:
                 started = time.perf_counter()
                 mx.synchronize(self._stream)
                 long[-1] += time.perf_counter() - started
+        if self.attention is not None:
+            self.attention.forget()
         return events, Passes(short, tuple(long))
 
     def _next(self, lane: int, chunk: int) -> list[Event]:
@@ -476,4 +501,6 @@ class Batch:
         if self.prefixes is not None:
             self.prefixes.close(flush_seconds)
         self.prefixes = None
+        if self.attention is not None:
+            self.attention.uninstall()
         self.model = None

@@ -103,7 +103,7 @@ class EngineCore:
                 batch_size=batch.batch_size,
                 prefill_rows=batch.prefill_rows,
                 step_seconds=self.config.step_budget_seconds,
-                shape_builds=batch.shape_builds,
+                builds=batch.attention.builds if batch.attention is not None else None,
                 prefixes=batch.prefixes,
                 equal_lengths=batch.mode is Mode.EQUAL_LENGTHS,
             )

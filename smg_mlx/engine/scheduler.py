@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from smg_mlx.engine.memory import Cost, MemoryPlanner, cost
 from smg_mlx.engine.step_clock import PrefillSpeed
-from smg_mlx.engine.step_plan import LONG, Passes, StepPlan
+from smg_mlx.engine.step_plan import LONG, Builds, Passes, StepPlan
 from smg_mlx.engine.types import Request
 from smg_mlx.engine.waiting_room import AGING_SECONDS, Prefixes, Waiting, WaitingRoom
 
@@ -97,12 +97,12 @@ class Scheduler:
         batch_size: int,
         prefill_rows: int,
         step_seconds: float,
-        shape_builds: bool = False,
+        builds: Builds | None = None,
         prefixes: Prefixes | None = None,
         equal_lengths: bool = False,
     ) -> None:
         self.planner = planner
-        self.steps = StepPlan(speed, planner.max_chunk, step_seconds, shape_builds)
+        self.steps = StepPlan(speed, planner.max_chunk, step_seconds, builds)
         self.batch_size = batch_size
         self.prefill_rows = prefill_rows
         # Short prompts prefill side by side only with as many tokens left.

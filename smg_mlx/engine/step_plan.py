@@ -21,9 +21,10 @@ model. The rules:
   times), that shape gets a smaller chunk from then on.
 - **Few shapes.** Chunks are powers of two, and each ends where the batch's
   cache length is a multiple of it: the same attention shapes come back step
-  after step and prompt after prompt. mlx's CUDA backend builds a cuDNN graph
-  for every new one, which costs more than a large chunk's work there: a pass
-  of a shape not seen yet counts that cost (as the clock has measured it)
+  after step and prompt after prompt. On mlx's CUDA backend, which builds a
+  cuDNN graph for each new one, such chunks run as they are and other passes
+  in a few padded shapes (`engine.attention_shapes`); a pass that still meets
+  a shape not built yet counts that cost (as the clock has measured it)
   against the budget, and does not teach the clock that its tokens cost that
   much, which would shrink the chunks into yet more new shapes.
 - **A long prompt's last pass.** mlx-lm moves a prompt into its decoding rows
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from smg_mlx.engine.step_clock import PrefillSpeed, StepClock
@@ -50,9 +52,8 @@ MIN_STEP_TOKENS = 128
 # costs as much as prefilling hundreds of tokens: fewer, larger steps there.
 SHAPE_BUILD_STEP_TOKENS = 512
 SMALLEST_CHUNK = 16
-# Prefill shapes remembered as built; past this many (engine.batch sizes mlx's
-# CUDA graph cache to hold as many) the memory starts over.
-SHAPES_REMEMBERED = 1024
+# Shapes remembered as slow; past this many the memory starts over.
+SLOW_REMEMBERED = 1024
 # A shape whose passes took over SLOW_STEP budgets SLOW_TIMES times (counting
 # passes where its rows filled the chunk and no shape was built) gets a
 # smaller chunk from then on: the clock's cost model (one correction for a
@@ -65,6 +66,9 @@ SLOW_TIMES = 2
 # A prefill's shape, as the backend's kernels see it: prompt rows, chunk, and
 # the context before it.
 Shape = tuple[int, int, int]
+# Whether a pass of (rows, tokens a row, context before) builds kernels first
+# (engine.attention_shapes).
+Builds = Callable[[int, int, int], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,16 +116,16 @@ class StepPlan:
     """Each step's passes, planned and then learnt from. Engine thread only."""
 
     def __init__(self, speed: PrefillSpeed, max_chunk: int, step_seconds: float,
-                 shape_builds: bool = False) -> None:  # fmt: skip
+                 builds: Builds | None = None) -> None:  # fmt: skip
         # Each lane's passes are timed, and learnt from, on their own.
         self.clocks = (StepClock(speed), StepClock(speed))
         self.step_seconds = step_seconds
-        self.shape_builds = shape_builds
-        self.min_step_tokens = SHAPE_BUILD_STEP_TOKENS if shape_builds else MIN_STEP_TOKENS
+        self.builds = builds
+        self.min_step_tokens = SHAPE_BUILD_STEP_TOKENS if builds else MIN_STEP_TOKENS
         self._sizes = chunk_sizes(max_chunk)
         # The planned step's passes in each lane, with what each prefills.
         self._planned: tuple[tuple[Part | None, ...], ...] = ((), ())
-        self._built: set[Shape] = set()  # prefill shapes that have run
+        self._new: set[Part] = set()  # the planned passes that build first
         self._slow: Counter[Shape] = Counter()  # passes of each shape far over the budget
 
     def plan(
@@ -146,11 +150,13 @@ class StepPlan:
         if not long_parts and long_lane:
             long_parts = (None,)  # its decoding rows
         self._planned = (parts, long_parts)
+        self._new = {p for p in (*parts, *long_parts) if self._is_new(p)}
         return chunk, long_chunks
 
     def clear(self) -> None:
         """No step this turn."""
         self._planned = ((), ())
+        self._new = set()
 
     def row_chunk(
         self,
@@ -178,9 +184,12 @@ class StepPlan:
                 return size
         return floor
 
-    def _is_new(self, shape: Shape | None) -> bool:
-        """Whether a pass of `shape` builds kernels first (None: no prefill)."""
-        return self.shape_builds and shape is not None and shape not in self._built
+    def _is_new(self, part: Part | None) -> bool:
+        """Whether a pass prefilling `part` builds kernels first (None: no prefill)."""
+        if self.builds is None or part is None or part.shape is None:
+            return False
+        rows, chunk, context = part.shape
+        return self.builds(rows, min(chunk, part.tokens // rows), context)
 
     def pass_seconds(self, lane: int, part: Part | None) -> float:
         """What a pass of `lane` takes: its decoding rows, and `part`'s
@@ -189,7 +198,7 @@ class StepPlan:
         if part is None:
             return clock.decode_seconds
         seconds = clock.seconds(part.tokens, part.context)
-        return seconds + clock.build_seconds if self._is_new(part.shape) else seconds
+        return seconds + clock.build_seconds if self._is_new(part) else seconds
 
     def prefill_seconds(self, tokens: int, context: int) -> float:
         """What prefilling `tokens` prompt tokens of one prompt after `context`
@@ -250,7 +259,7 @@ class StepPlan:
                 "in %d prefills; passes %s ms%s",
                 passes.seconds * 1e3, self.planned_seconds() * 1e3, rows, tokens, context,
                 len(parts), " + ".join(f"{t * 1e3:.0f}" for lane in took for t in lane),
-                ", new shapes" if any(self._is_new(p.shape) for p in parts) else "",
+                ", new shapes" if self._new else "",
             )  # fmt: skip
         for lane, (parts, times) in enumerate(zip(planned, took, strict=True)):
             if len(parts) != len(times):
@@ -263,13 +272,9 @@ class StepPlan:
         if part is None:
             self.clocks[lane].observe(0, 0, seconds)
             return
-        new = self._is_new(part.shape)
+        new = part in self._new
         self.clocks[lane].observe(part.tokens, part.context, seconds, new_shape=new)
-        if new:
-            if len(self._built) >= SHAPES_REMEMBERED:
-                self._built.clear()
-            self._built.add(part.shape)
-        elif part.fills and seconds > SLOW_STEP * self.step_seconds:
-            if len(self._slow) >= SHAPES_REMEMBERED:
+        if not new and part.fills and seconds > SLOW_STEP * self.step_seconds:
+            if len(self._slow) >= SLOW_REMEMBERED:
                 self._slow.clear()
             self._slow[part.shape] += 1

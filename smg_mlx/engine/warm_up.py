@@ -10,9 +10,10 @@ prompts alone and batched (with padding and without), decoding past 256
 tokens of cache (where the cache first grows), rows joining and leaving a
 running batch, sampling with every filter, penalties, logit bias and
 logprobs, and a long prompt prefilling in its lane, several chunks a step,
-while a short one starts in the other. Elsewhere one short generation is
-enough. Nothing of it stays: the batch is empty afterwards,
-its prefix cache too.
+while a short one starts in the other; then it builds the attention shapes
+prompts up to the model's context meet (`engine.attention_shapes`).
+Elsewhere one short generation is enough. Nothing of it stays: the batch is
+empty afterwards, its prefix cache too.
 """
 
 from __future__ import annotations
@@ -118,4 +119,5 @@ def run(batch: Batch, thorough: bool) -> None:
     script.until(script.running)
     script.until(script.start(script.request(300, 2)))  # a batch of one
     batch.drop_cached(batch.cached_over(0)[0])
+    batch.prebuild_attention()
     log.info("warm-up: every kind of step ran, in %.1fs", time.perf_counter() - script.began)

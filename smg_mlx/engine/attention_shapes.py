@@ -1,0 +1,227 @@
+"""Prefill attention in few shapes, for mlx's CUDA backend (engine thread only).
+
+There mlx runs prefill attention through cuDNN, which builds a graph for each
+new set of query, key and mask shapes and strides: tens of milliseconds, more
+than the attention of a few thousand tokens. A prompt that extends a cached
+context starts and ends at lengths never seen before, so each one would build
+two graphs or more before its first token. Here every prefill attention call
+takes one of few shapes instead:
+
+- **regular**: one row, causal, its queries within one window (an aligned
+  span of the step plan's smallest or largest chunk length: the step plan
+  cuts prompts so, and a short follow-up fits one too). Keys and values are
+  padded at the end to the window's end, queries at the end by as many and
+  in front to the window's length: causal attention lines the last query up
+  with the last key, so each real query sees what it saw, and the call runs
+  causal as a full chunk at the window's end: one shape per window, whatever
+  the lengths. Its inputs are
+  made contiguous: the graph is keyed by their strides too, and the keys'
+  would follow the cache buffer's spare room.
+- **bucketed**: any other call (several rows, which come with a mask array).
+  Queries are padded to a power of two (at least QUERY_BUCKET), keys and
+  values to the next key bucket, and an additive mask gives each real query
+  what it saw and hides the padding. Masked attention costs more than causal
+  attention of the same shapes: only what cannot run causal runs so.
+The padded rows of the output are dropped.
+
+`prebuild` (the warm-up) builds the regular shapes up to the model's context
+and the smallest key bucket for several rows; what is still new is built on
+first use, and the step plan counts the build where `builds` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+
+from smg_mlx.engine.step_plan import SHAPE_BUILD_STEP_TOKENS
+
+log = logging.getLogger(__name__)
+
+QUERY_BUCKET = 256  # the smallest query bucket
+KEY_BUCKET = 4096  # key buckets are multiples of this, or of an eighth of the length's power of two
+# The warm-up builds shapes up to the model's context, or this (later ones on first use).
+PREBUILT_CONTEXT = 65536
+# Past this many shapes (engine.loading sizes mlx's graph cache to hold as
+# many) what is remembered as built starts over.
+SHAPES_REMEMBERED = 1024
+
+# rows, queries, keys and whether it is regular (causal as it is) or bucketed
+Key = tuple[int, int, int, bool]
+# heads, kv heads, key and value head sizes, dtype
+Geometry = tuple[int, int, int, int, Any]
+
+
+def query_bucket(n: int) -> int:
+    """The padded query length for `n` queries."""
+    return max(QUERY_BUCKET, 1 << (n - 1).bit_length())
+
+
+def key_bucket(n: int) -> int:
+    """The padded key length for `n` keys (at most an eighth more past 32k)."""
+    step = max(KEY_BUCKET, (1 << (n - 1).bit_length()) // 8)
+    return -(-n // step) * step
+
+
+def windows_for(max_chunk: int) -> tuple[int, ...]:
+    """The regular windows, smallest first, for prefill chunks of at most
+    `max_chunk`: the smallest chunk the step plan gives one row where shapes
+    cost builds, and its largest power-of-two one."""
+    largest = 1 << (max_chunk.bit_length() - 1)
+    return tuple(sorted({min(SHAPE_BUILD_STEP_TOKENS, largest), largest}))
+
+
+def shape_key(rows: int, queries: int, keys: int, causal: bool, windows: Sequence[int]) -> Key:
+    """The shape a prefill attention call runs in: regular in the smallest of
+    `windows` that holds all its queries, else bucketed."""
+    if rows == 1 and causal:
+        for window in windows:
+            end = -(-keys // window) * window
+            if queries + end - keys <= window:
+                return (rows, window, end, True)
+    return (rows, query_bucket(queries), key_bucket(keys), False)
+
+
+def _supported(q: mx.array, v: mx.array) -> bool:
+    """Whether mlx would run this prefill through cuDNN (else nothing is built)."""
+    sizes_ok = all(d % 8 == 0 and d <= 128 for d in (q.shape[-1], v.shape[-1]))
+    return q.shape[2] > 1 and q.dtype in (mx.bfloat16, mx.float16) and sizes_ok
+
+
+class AttentionShapes:
+    """Wraps mlx's fused attention so that prefills run in few shapes, and
+    remembers which have been built."""
+
+    def __init__(self, max_chunk: int) -> None:
+        self.max_chunk = max_chunk  # the longest prefill chunk
+        self.windows = windows_for(max_chunk)
+        self._fused: Callable[..., mx.array] | None = None
+        self._built: set[Key] = set()
+        self._geometries: set[Geometry] = set()
+        self._bias: tuple[tuple, mx.array] | None = None  # the last mask built, for the next layers
+
+    def install(self) -> None:
+        """Route mlx's fused attention through this (models call it by module attribute)."""
+        self._fused = mx.fast.scaled_dot_product_attention
+        mx.fast.scaled_dot_product_attention = self.attention
+
+    def uninstall(self) -> None:
+        if self._fused is not None:
+            mx.fast.scaled_dot_product_attention = self._fused
+            self._fused = None
+
+    @contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """mlx's own attention while inside."""
+        self.uninstall()
+        try:
+            yield
+        finally:
+            self.install()
+
+    def builds(self, rows: int, queries: int, context: int) -> bool:
+        """Whether a pass prefilling `queries` tokens a row for `rows` rows
+        after `context` would build a graph first."""
+        key = shape_key(rows, queries, context + queries, rows == 1, self.windows)
+        return key not in self._built
+
+    def forget(self) -> None:
+        """A step ended: the mask kept for its layers is not needed."""
+        self._bias = None
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float,
+                  mask: Any = None, **rest: Any) -> mx.array:  # fmt: skip
+        fused = self._fused
+        if any(value is not None for value in rest.values()) or not _supported(q, v):
+            return fused(q, k, v, scale=scale, mask=mask, **rest)
+        rows, queries, keys = q.shape[0], q.shape[2], k.shape[2]
+        self._geometries.add((q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.dtype))
+        causal = isinstance(mask, str)
+        key = shape_key(rows, queries, keys, causal, self.windows)
+        self._remember(key)
+        _, tq, tk, regular = key
+        # Keys and values padded at the end; queries at the end by as many
+        # (a regular chunk also in front, to a full chunk).
+        after = tk - keys if regular else tq - queries
+        before = tq - queries - after
+        q = mx.pad(q, [(0, 0), (0, 0), (before, after), (0, 0)])
+        k, v = (mx.pad(x, [(0, 0), (0, 0), (0, tk - keys), (0, 0)]) for x in (k, v))
+        q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
+        if regular:
+            return fused(q, k, v, scale=scale, mask=mask)[:, :, before : before + queries]
+        bias = self._padded_mask(mask, queries, keys, tq, tk, q.dtype)
+        return fused(q, k, v, scale=scale, mask=bias)[:, :, :queries]
+
+    def _remember(self, key: Key) -> None:
+        if key not in self._built and len(self._built) >= SHAPES_REMEMBERED:
+            self._built.clear()
+        self._built.add(key)
+
+    def _padded_mask(self, mask: Any, queries: int, keys: int, tq: int, tk: int,
+                     dtype: Any) -> mx.array:  # fmt: skip
+        """An additive mask of `tq` x `tk`: each real query sees what `mask` let
+        it see, no real query sees a padded key, and padded queries see every
+        key (their rows are dropped; a row seeing nothing would be NaN)."""
+        # Every layer of a pass gets the same mask: built once a pass. Holding
+        # the mask itself keeps its id from being reused while remembered.
+        memo = (mask if not isinstance(mask, mx.array) else id(mask), queries, keys, tq, tk, dtype)
+        if self._bias is not None and self._bias[0][0] == memo:
+            return self._bias[1]
+        rows = mx.arange(tq)[:, None]
+        padded_row = rows >= queries
+        cols = mx.arange(tk)[None, :]
+        if mask is None:
+            seen = cols < keys
+        elif isinstance(mask, str):  # causal: query i is token keys - queries + i
+            seen = cols <= rows + (keys - queries)
+        elif mask.dtype == mx.bool_:
+            seen = mx.pad(mask, [(0, 0)] * (mask.ndim - 2) + [(0, tq - queries), (0, tk - keys)])
+        else:
+            widths = [(0, 0)] * (mask.ndim - 2) + [(0, tq - queries), (0, tk - keys)]
+            additive = mx.pad(mask, widths, constant_values=-float("inf"))
+            bias = mx.where(padded_row, mx.array(0, dtype), additive.astype(dtype))
+            self._bias = ((memo, mask), bias)
+            return bias
+        bias = mx.where(seen | padded_row, mx.array(0, dtype), mx.array(-float("inf"), dtype))
+        if bias.ndim == 2:
+            bias = bias[None, None]
+        self._bias = ((memo, mask), bias)
+        return bias
+
+    def prebuild(self, context: int, prefill_rows: int) -> None:
+        """Build, for every attention geometry the model has run, the regular
+        shapes up to `context` tokens (at most PREBUILT_CONTEXT) and the
+        smallest key bucket for up to `prefill_rows` rows."""
+        started, before = time.perf_counter(), len(self._built)
+        context = min(context, PREBUILT_CONTEXT)
+        queries = [QUERY_BUCKET]
+        while queries[-1] < query_bucket(self.max_chunk):
+            queries.append(queries[-1] * 2)
+        shapes = [(1, window, end) for window in self.windows
+                  for end in range(window, context + window, window)]  # fmt: skip
+        shapes = [(*shape, True) for shape in shapes]
+        shapes += [(rows, tq, key_bucket(1), False)
+                   for rows in range(2, prefill_rows + 1) for tq in queries]  # fmt: skip
+        todo = [shape for shape in shapes if shape not in self._built]
+        for geometry in sorted(self._geometries, key=str):
+            for shape in todo:
+                self._build(geometry, *shape)
+        self.forget()
+        log.info(
+            "attention shapes for prompts up to %d tokens: %d built in %.1fs",
+            context, len(self._built) - before, time.perf_counter() - started,
+        )  # fmt: skip
+
+    def _build(self, geometry: Geometry, rows: int, tq: int, tk: int, regular: bool) -> None:
+        heads, kv_heads, dk, dv, dtype = geometry
+        q = mx.zeros((rows, heads, tq, dk), dtype)
+        k = mx.zeros((rows, kv_heads, tk, dk), dtype)
+        v = mx.zeros((rows, kv_heads, tk, dv), dtype)
+        # One row's calls are causal; several rows' come with mlx-lm's mask array.
+        mask: Any = "causal" if regular else mx.ones((rows, 1, tq, tk), mx.bool_)
+        mx.eval(self.attention(q, k, v, scale=1.0, mask=mask))

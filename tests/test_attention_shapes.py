@@ -1,0 +1,69 @@
+"""Prefill attention in few shapes (engine.attention_shapes), on the CPU: the
+shapes chosen, what counts as built, and outputs equal to mlx's own."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from smg_mlx.engine.attention_shapes import AttentionShapes, shape_key
+
+OWN = mx.fast.scaled_dot_product_attention  # mlx's, as no wrapper has it yet
+
+
+def test_one_row_runs_causal_as_the_full_chunk_at_its_window_end():
+    windows = (512, 2048)
+    follow_ups = {shape_key(1, n, 32_768 + 64 + n, True, windows) for n in (30, 200, 440)}
+    assert follow_ups == {(1, 512, 33_280, True)}
+    assert shape_key(1, 1000, 32_768 + 1100, True, windows) == (1, 2048, 34_816, True)
+    assert shape_key(1, 2048, 16_384, True, windows) == (1, 2048, 16_384, True)  # planned
+    crossing = shape_key(1, 2048, 16_384 + 100, True, windows)  # spans two windows: masked
+    assert crossing == (1, 2048, 20_480, False)
+    assert not shape_key(4, 2048, 4096, False, windows)[3]  # several rows come with a mask
+
+
+@pytest.fixture
+def shapes():
+    shapes = AttentionShapes(512)
+    shapes.install()
+    yield shapes
+    shapes.uninstall()
+
+
+def attend(rows: int, queries: int, keys: int, mask) -> tuple[mx.array, mx.array]:
+    """The wrapped attention's output and mlx's own, on random bfloat16 inputs."""
+    q = mx.random.normal((rows, 4, queries, 16)).astype(mx.bfloat16)
+    k = mx.random.normal((rows, 2, keys, 16)).astype(mx.bfloat16)
+    v = mx.random.normal((rows, 2, keys, 16)).astype(mx.bfloat16)
+    wrapped = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    return wrapped, OWN(q, k, v, scale=0.25, mask=mask)
+
+
+def test_padded_attention_equals_attention_in_its_own_shape(shapes):
+    mx.random.seed(3)
+    rows = mx.random.uniform(shape=(3, 1, 50, 300)) > 0.3
+    rows = rows | (mx.arange(300) == 0)  # every query sees a key
+    for n, (batch, queries, keys, mask) in enumerate([
+        (1, 200, 1000, "causal"),  # padded to the window's end
+        (1, 512, 1024, "causal"),  # a full chunk
+        (1, 400, 1100, "causal"),  # across two windows: masked
+        (1, 40, 90, None),
+        (3, 50, 300, rows),
+        (3, 50, 300, mx.where(rows, 0.0, -1e9).astype(mx.bfloat16)),
+    ]):  # fmt: skip
+        wrapped, own = attend(batch, queries, keys, mask)
+        assert wrapped.shape == own.shape
+        assert mx.allclose(wrapped, own, atol=1e-2).item(), n
+
+
+def test_a_shape_builds_once_and_the_warm_up_builds_what_one_row_meets(shapes):
+    assert shapes.builds(1, 200, 800)
+    attend(1, 200, 1000, "causal")
+    assert not shapes.builds(1, 200, 800)
+    assert not shapes.builds(1, 100, 900)  # the same window
+    assert shapes.builds(1, 200, 5000)
+    shapes.prebuild(9000, 2)
+    windows = [(n, c) for n in (16, 300, 512) for c in (0, 4096, 8704)]
+    assert not any(shapes.builds(1, n, c) for n, c in windows)
+    assert not shapes.builds(2, 100, 1000)
+    assert shapes.builds(2, 100, 6000) and shapes.builds(3, 100, 1000)  # built on first use
