@@ -67,6 +67,18 @@ class Recorder:
             events += [e for e in self.next_report().events if e.key == key]
         return events
 
+    def tokens_of(self, keys: list[int]) -> dict[int, list[int]]:
+        """The tokens of these requests, running together, until each has ended."""
+        tokens: dict[int, list[int]] = {key: [] for key in keys}
+        left = set(keys)
+        while left:
+            for e in self.next_report().events:
+                if e.key in tokens:
+                    tokens[e.key].append(e.token)
+                    if e.ends:
+                        left.discard(e.key)
+        return tokens
+
     def settled(self) -> StepReport:
         """The last report, once the engine has gone idle."""
         while not self.last.idle or not self.reports.empty():
@@ -150,10 +162,7 @@ def test_concurrent_requests_give_their_solo_output(core):
     assert solo[1] != solo[2]
     for key in (3, 4):
         inbox.submit(Request(key, spec(prompt(10 + key - 2, key - 2), max_tokens=16)))
-    together: dict[int, list[int]] = {3: [], 4: []}
-    while len([k for k, t in together.items() if len(t) == 16]) < 2:
-        for e in sink.next_report().events:
-            together[e.key].append(e.token)
+    together = sink.tokens_of([3, 4])
     assert together[3] == solo[1] and together[4] == solo[2]
 
 
@@ -404,10 +413,7 @@ def test_prefills_in_few_attention_shapes_answer_as_prefills_in_their_own(
         results, cached = [answer, [e.token for e in events]], events[0].cached_tokens
         for key, ids in together.items():
             inbox.submit(Request(key, spec(ids, max_tokens=8)))
-        tokens: dict[int, list[int]] = {key: [] for key in together}
-        while any(len(t) < 8 for t in tokens.values()):
-            for e in sink.next_report().events:
-                tokens[e.key].append(e.token)
+        tokens = sink.tokens_of(list(together))
         inbox.stop()
         thread.join(TIMEOUT)
         return results + list(tokens.values()), cached

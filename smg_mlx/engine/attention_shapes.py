@@ -14,9 +14,8 @@ takes one of few shapes instead:
   in front to the window's length: causal attention lines the last query up
   with the last key, so each real query sees what it saw, and the call runs
   causal as a full chunk at the window's end: one shape per window, whatever
-  the lengths. Its inputs are
-  made contiguous: the graph is keyed by their strides too, and the keys'
-  would follow the cache buffer's spare room.
+  the lengths. Its inputs are made contiguous: the graph is keyed by their
+  strides too, and the keys' would follow the cache buffer's spare room.
 - **bucketed**: any other call (several rows, which come with a mask array).
   Queries are padded to a power of two (at least QUERY_BUCKET), keys and
   values to the next key bucket, and an additive mask gives each real query
@@ -173,23 +172,19 @@ class AttentionShapes:
         if self._bias is not None and self._bias[0][0] == memo:
             return self._bias[1]
         rows = mx.arange(tq)[:, None]
-        padded_row = rows >= queries
         cols = mx.arange(tk)[None, :]
-        if mask is None:
-            seen = cols < keys
-        elif isinstance(mask, str):  # causal: query i is token keys - queries + i
-            seen = cols <= rows + (keys - queries)
-        elif mask.dtype == mx.bool_:
-            seen = mx.pad(mask, [(0, 0)] * (mask.ndim - 2) + [(0, tq - queries), (0, tk - keys)])
+        zero, hidden = mx.array(0, dtype), mx.array(-float("inf"), dtype)
+        if mask is None or isinstance(mask, str):
+            # causal: query i is token keys - queries + i
+            seen = cols < keys if mask is None else cols <= rows + (keys - queries)
+            additive = mx.where(seen, zero, hidden)[None, None]
         else:
             widths = [(0, 0)] * (mask.ndim - 2) + [(0, tq - queries), (0, tk - keys)]
-            additive = mx.pad(mask, widths, constant_values=-float("inf"))
-            bias = mx.where(padded_row, mx.array(0, dtype), additive.astype(dtype))
-            self._bias = ((memo, mask), bias)
-            return bias
-        bias = mx.where(seen | padded_row, mx.array(0, dtype), mx.array(-float("inf"), dtype))
-        if bias.ndim == 2:
-            bias = bias[None, None]
+            if mask.dtype == mx.bool_:
+                additive = mx.where(mx.pad(mask, widths), zero, hidden)
+            else:
+                additive = mx.pad(mask, widths, constant_values=-float("inf")).astype(dtype)
+        bias = mx.where(rows >= queries, zero, additive)
         self._bias = ((memo, mask), bias)
         return bias
 
@@ -202,9 +197,8 @@ class AttentionShapes:
         queries = [QUERY_BUCKET]
         while queries[-1] < query_bucket(self.max_chunk):
             queries.append(queries[-1] * 2)
-        shapes = [(1, window, end) for window in self.windows
+        shapes = [(1, window, end, True) for window in self.windows
                   for end in range(window, context + window, window)]  # fmt: skip
-        shapes = [(*shape, True) for shape in shapes]
         shapes += [(rows, tq, key_bucket(1), False)
                    for rows in range(2, prefill_rows + 1) for tq in queries]  # fmt: skip
         todo = [shape for shape in shapes if shape not in self._built]
