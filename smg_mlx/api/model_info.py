@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from smg_mlx.model_config import (
+    DEFAULT_CONTEXT_LENGTH,
+    BadModelConfig,
+    first,
+    model_configs,
+    named_context,
+    read_json,
+    whole,
+)
+
 log = logging.getLogger(__name__)
 
-# Keys under which configs of different families store the context length.
-_CONTEXT_KEYS = (
-    "max_position_embeddings",
-    "max_sequence_length",
-    "max_seq_len",
-    "seq_length",
-    "n_positions",
-    "n_ctx",
-)
-DEFAULT_CONTEXT_LENGTH = 4096
 # GetModelInfo reports lengths and token ids as uint32.
 UINT32_MAX = 2**32 - 1
-
-
-class BadModelConfig(ValueError):
-    """The model directory's config cannot be served; the message says what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -41,13 +36,6 @@ class ModelInfo:
     pad_token_id: int | None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-
-
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -56,29 +44,13 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value if v is not None]
 
 
-def _whole(value: Any, what: str) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise BadModelConfig(f"config.json gives {what} as {value!r}, not a number") from None
-
-
-def _first(configs: list[dict[str, Any]], keys: tuple[str, ...]) -> Any:
-    for cfg in configs:
-        for key in keys:
-            if cfg.get(key) is not None:
-                return cfg[key]
-    return None
-
-
 def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | None) -> ModelInfo:
     """Collect model facts from config.json, generation_config.json and the tokenizer."""
-    config = _read_json(model_dir / "config.json")
-    gen_config = _read_json(model_dir / "generation_config.json")
-    # Multimodal checkpoints nest the language model's settings.
-    configs = [config, config.get("text_config") or {}]
+    configs = model_configs(model_dir)
+    config = configs[0]
+    gen_config = read_json(model_dir / "generation_config.json")
 
-    context = _first(configs, _CONTEXT_KEYS)
+    context = named_context(configs)
     if context is None:
         log.warning(
             "%s/config.json names no context length; assuming %d",
@@ -86,7 +58,6 @@ def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | No
             DEFAULT_CONTEXT_LENGTH,
         )
         context = DEFAULT_CONTEXT_LENGTH
-    context = _whole(context, "the context length")
     if context < 2:
         raise BadModelConfig(
             f"config.json gives a context length of {context}; a model needs at least 2 "
@@ -95,8 +66,8 @@ def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | No
     if context > UINT32_MAX:
         log.warning("config.json gives a context length of %d; serving %d", context, UINT32_MAX)
         context = UINT32_MAX
-    vocab = _first(configs, ("vocab_size",))
-    vocab = _whole(len(tokenizer) if vocab is None else vocab, "vocab_size")
+    vocab = first(configs, ("vocab_size",))
+    vocab = whole(len(tokenizer) if vocab is None else vocab, "vocab_size")
     if not 0 < vocab <= UINT32_MAX:
         raise BadModelConfig(f"config.json gives a vocab_size of {vocab}; fix it")
 
@@ -106,13 +77,13 @@ def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | No
             log.warning("ignoring %s %s: outside the vocabulary", key, sorted(set(ids) - set(kept)))
         return kept
 
-    eos = set(_ids(_first(configs, ("eos_token_id",))))
+    eos = set(_ids(first(configs, ("eos_token_id",))))
     eos.update(_ids(gen_config.get("eos_token_id")))
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
 
     def token_id(key: str, tokenizer_value: int | None) -> int | None:
-        value = _first([gen_config, *configs], (key,))
+        value = first([gen_config, *configs], (key,))
         value = value if value is not None else tokenizer_value
         ids = valid(_ids(value)[:1], key)
         return ids[0] if ids else None
@@ -120,7 +91,7 @@ def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | No
     return ModelInfo(
         model_path=str(model_dir),
         served_model_name=served_model_name or model_dir.name,
-        model_type=str(_first(configs, ("model_type",)) or ""),
+        model_type=str(first(configs, ("model_type",)) or ""),
         architectures=tuple(config.get("architectures") or ()),
         context_length=context,
         vocab_size=vocab,

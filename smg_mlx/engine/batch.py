@@ -30,6 +30,7 @@ from smg_mlx.engine.step_clock import StepClock
 from smg_mlx.engine.step_plan import LONG, SHORT, Passes
 from smg_mlx.engine.token_tree import Entry
 from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
+from smg_mlx.model_config import DEFAULT_CONTEXT_LENGTH, named_context_length
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,6 @@ def _no_mask_array_for_one_prompt(make_mask: Callable) -> Callable:
 
 
 BatchKVCache.make_mask = _no_mask_array_for_one_prompt(BatchKVCache.make_mask)
-
-# The attention shapes built ahead for a model whose config names no context length.
-CONTEXT_UNKNOWN = 32768
 
 
 class Batch:
@@ -215,8 +213,8 @@ class Batch:
         (see `engine.attention_shapes`); nothing where shapes cost no build."""
         if self.attention is None:
             return
-        args = getattr(self.model, "args", None)
-        context = getattr(args, "max_position_embeddings", None) or CONTEXT_UNKNOWN
+        # The context served (api.model_info): no prompt is longer.
+        context = named_context_length(self._config.model_path) or DEFAULT_CONTEXT_LENGTH
         self.attention.prebuild(context, self.prefill_rows)
 
     @property
