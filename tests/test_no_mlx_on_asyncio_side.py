@@ -14,6 +14,7 @@ import smg_mlx
 MLX_SIDE = {
     "smg_mlx.engine.batch",
     "smg_mlx.engine.attention_shapes",
+    "smg_mlx.engine.buffer_cache",
     "smg_mlx.engine.memory_probe",
     "smg_mlx.engine.lockstep",
     "smg_mlx.engine.placement",

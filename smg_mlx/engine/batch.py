@@ -20,9 +20,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import batch_check, loading, memory_probe
+from smg_mlx.engine import batch_check, buffer_cache, loading, memory_probe
 from smg_mlx.engine.attention_shapes import AttentionShapes
-from smg_mlx.engine.memory import Cost
+from smg_mlx.engine.memory import Cost, MemoryPlanner
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
 from smg_mlx.engine.scheduler import Running
@@ -67,24 +67,25 @@ class _Slot:
         return len(self.inserted.prompt) - 1 - self.context if self.prefilling else 0
 
 
-def _no_mask_array_for_one_prompt(make_mask: Callable) -> Callable:
-    """mlx-lm masks every step of a batch with an array. A prompt chunk of one
-    row (never padded: padding lines rows up with each other) needs none for
-    causal attention, and the fused kernel without one is several times
-    faster at long context; a long prompt prefills alone, so this is its
-    every step. Reading whether several rows are padded would wait for the
-    step before: they keep the array."""
+def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
+    """mlx-lm masks every step of a batch with an array. One row (never
+    padded: padding lines rows up with each other) needs none: a prompt chunk
+    attends causally, a decoded token to every key. The fused kernels without
+    one are faster at long context (several times for a chunk); a long prompt
+    prefills alone, so this is its every step, and a lone stream's every
+    token. Reading whether several rows are padded would wait for the step
+    before: they keep the array."""
 
     def mask(self: BatchKVCache, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         plain = not return_array and all(v is None for v in kwargs.values())
-        if N > 1 and self.left_padding.size == 1 and plain:
-            return "causal"
+        if self.left_padding.size == 1 and plain:
+            return "causal" if N > 1 else None
         return make_mask(self, N, return_array=return_array, **kwargs)
 
     return mask
 
 
-BatchKVCache.make_mask = _no_mask_array_for_one_prompt(BatchKVCache.make_mask)
+BatchKVCache.make_mask = _no_mask_array_for_one_row(BatchKVCache.make_mask)
 
 
 class Batch:
@@ -105,6 +106,8 @@ class Batch:
         self.attention = AttentionShapes(config.prefill_step_size) if builds else None
         if self.attention is not None:
             self.attention.install()
+        # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.buffer_cache`).
+        self._buffers = buffer_cache.kept if builds else nullcontext
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.
         self._stream = mx.new_stream(mx.default_device())
@@ -216,6 +219,17 @@ class Batch:
         # The context served (api.model_info): no prompt is longer.
         context = named_context_length(self._config.model_path) or DEFAULT_CONTEXT_LENGTH
         self.attention.prebuild(context, self.prefill_rows)
+
+    def bound_buffer_cache(self, planner: MemoryPlanner) -> None:
+        """Where mlx-lm's passes keep MLX's buffer cache (`engine.buffer_cache`),
+        it holds at most the working set the budget counts for one full
+        prefill chunk at short context: what a pass frees for the next one,
+        while the batch and the prefix cache fill the budget. (Larger, the
+        allocator would free cached buffers before most allocations there.)"""
+        if self._buffers is buffer_cache.kept:
+            chunk = planner.max_chunk
+            working_set = planner.prefill_bytes([Cost(chunk, chunk, chunk)], chunk)
+            mx.set_cache_limit(int(working_set))
 
     @property
     def stream(self) -> mx.Stream:
@@ -403,7 +417,8 @@ class Batch:
         """One call of a lane's BatchGenerator, prefilling at most `chunk` tokens a row."""
         generator = self._lanes[lane]
         generator.prefill_step_size = chunk
-        prefilling, responses = generator.next()
+        with self._buffers():
+            prefilling, responses = generator.next()
         for r in prefilling:
             slot = self._slots.get((lane, r.uid))
             if slot is not None:

@@ -95,6 +95,7 @@ class EngineCore:
             )
             planner = self._planner(batch.memory, budget, channel, batch.prefill_rows)
             self._check_budget(planner)
+            batch.bound_buffer_cache(planner)
             if channel is not None:
                 lockstep.same_random_state(channel)
             scheduler = Scheduler(
