@@ -421,7 +421,9 @@ def test_prefills_in_few_attention_shapes_answer_as_prefills_in_their_own(
 
     plain, plain_cached = outputs()
     fused, shape_key = mx.fast.scaled_dot_product_attention, attention_shapes.shape_key
-    clear = mx.clear_cache  # mlx-lm's passes skip it there (engine.buffer_cache)
+    clear = mx.clear_cache  # mlx-lm's passes skip it there (engine.buffer_cache)...
+    limit = mx.set_cache_limit(0)  # ...within a bound of the engine's (read, then put back)
+    mx.set_cache_limit(limit)
     keys = []
 
     def recorded(*args):
@@ -435,4 +437,5 @@ def test_prefills_in_few_attention_shapes_answer_as_prefills_in_their_own(
     assert {(1, True), (3, False)} <= {(rows, regular) for rows, _, _, regular in keys}
     assert mx.fast.scaled_dot_product_attention is fused  # put back when the engine ended
     assert mx.clear_cache is clear
+    assert mx.set_cache_limit(limit) == limit  # the bound went with the engine
     assert len({t for answer in plain for t in answer}) > 4  # the model's output varies

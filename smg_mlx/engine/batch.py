@@ -108,6 +108,7 @@ class Batch:
             self.attention.install()
         # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.buffer_cache`).
         self._buffers = buffer_cache.kept if builds else nullcontext
+        self._cache_limit: int | None = None  # MLX's, before bound_buffer_cache set one
         # A stream made on this thread: mlx-lm's module-level one belongs to
         # whichever thread imported mlx-lm first.
         self._stream = mx.new_stream(mx.default_device())
@@ -229,7 +230,7 @@ class Batch:
         if self._buffers is buffer_cache.kept:
             chunk = planner.max_chunk
             working_set = planner.prefill_bytes([Cost(chunk, chunk, chunk)], chunk)
-            mx.set_cache_limit(int(working_set))
+            self._cache_limit = mx.set_cache_limit(int(working_set))
 
     @property
     def stream(self) -> mx.Stream:
@@ -516,4 +517,6 @@ class Batch:
         self.prefixes = None
         if self.attention is not None:
             self.attention.uninstall()
+        if self._cache_limit is not None:
+            mx.set_cache_limit(self._cache_limit)
         self.model = None
