@@ -1,6 +1,7 @@
 """What a pass costs besides its compute, on the CPU: mlx-lm's clears of MLX's
-buffer cache skipped inside `engine.buffer_cache.kept`, and a lone row's
-decode step run with no mask array (`engine.batch`), its tokens unchanged."""
+buffer cache skipped inside `engine.buffer_cache.kept`; a lone row's decode
+step run with no mask array, and a filter that keeps every row copying
+nothing (`engine.batch_kv`), their results unchanged."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-import smg_mlx.engine.batch  # noqa: F401 - installs the one-row mask
+import smg_mlx.engine.batch_kv  # noqa: F401 - installs itself
 from smg_mlx.engine import buffer_cache
 
 from helpers import prompt
@@ -73,3 +74,38 @@ def test_a_lone_row_decodes_with_no_mask_array_and_the_same_logits(model_dir, mo
     for a, b in zip(ours, theirs, strict=True):
         assert mx.allclose(a, b, atol=1e-5).item()
     assert mx.argmax(ours[0][0, -1]).item() == mx.argmax(ours[1][0, -1]).item()
+
+
+def filled(rows: int) -> BatchKVCache:
+    """A cache of `rows` rows, each with leading padding (2 at least)."""
+    cache = BatchKVCache([2, 3, 4][:rows])
+    keys = mx.random.normal((rows, 2, 9, 8), key=mx.random.key(rows))
+    cache.update_and_fetch(keys, keys + 1)
+    mx.eval(cache.keys, cache.values)
+    return cache
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_a_filter_that_keeps_every_row_copies_nothing_and_changes_nothing(rows):
+    """mlx-lm moves prompts into the decoding rows by filtering their cache;
+    when every row moves, the arrays stay (the padding all rows share is
+    dropped, as mlx-lm's gather drops it)."""
+    ours, theirs = filled(rows), filled(rows)
+    for cache, rows_kept in ((ours, list(range(rows))), (theirs, mx.arange(rows))):
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
+        cache.filter(rows_kept)  # an array, not a list: mlx-lm's gather
+        mx.eval(cache.keys, cache.values, cache.left_padding)
+        copied = mx.get_peak_memory() - held >= cache.keys.nbytes
+        assert copied == (cache is theirs)
+    assert ours._idx == theirs._idx == 7
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+    for a, b in zip(ours.keys_and_values(), theirs.keys_and_values(), strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+def test_a_filter_that_drops_rows_gathers_those_left():
+    cache = filled(3)
+    cache.filter([0, 2])
+    assert cache.keys.shape[0] == 2
+    assert cache.left_padding.tolist() == [0, 2]

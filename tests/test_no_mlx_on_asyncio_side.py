@@ -13,6 +13,7 @@ import smg_mlx
 # module of the package, present or future, is asyncio side.
 MLX_SIDE = {
     "smg_mlx.engine.batch",
+    "smg_mlx.engine.batch_kv",
     "smg_mlx.engine.attention_shapes",
     "smg_mlx.engine.buffer_cache",
     "smg_mlx.engine.memory_probe",

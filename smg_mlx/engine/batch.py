@@ -13,14 +13,18 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import BatchKVCache
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import batch_check, buffer_cache, loading, memory_probe
+from smg_mlx.engine import (
+    batch_check,
+    batch_kv,  # noqa: F401 - installs itself
+    buffer_cache,
+    loading,
+    memory_probe,
+)
 from smg_mlx.engine.attention_shapes import AttentionShapes
 from smg_mlx.engine.memory import Cost, MemoryPlanner
 from smg_mlx.engine.prefix_cache import PrefixCache
@@ -65,27 +69,6 @@ class _Slot:
     def remaining(self) -> int:
         """Prompt tokens still to prefill, the last one aside."""
         return len(self.inserted.prompt) - 1 - self.context if self.prefilling else 0
-
-
-def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
-    """mlx-lm masks every step of a batch with an array. One row (never
-    padded: padding lines rows up with each other) needs none: a prompt chunk
-    attends causally, a decoded token to every key. The fused kernels without
-    one are faster at long context (several times for a chunk); a long prompt
-    prefills alone, so this is its every step, and a lone stream's every
-    token. Reading whether several rows are padded would wait for the step
-    before: they keep the array."""
-
-    def mask(self: BatchKVCache, N: int, return_array: bool = False, **kwargs: Any) -> Any:
-        plain = not return_array and all(v is None for v in kwargs.values())
-        if self.left_padding.size == 1 and plain:
-            return "causal" if N > 1 else None
-        return make_mask(self, N, return_array=return_array, **kwargs)
-
-    return mask
-
-
-BatchKVCache.make_mask = _no_mask_array_for_one_row(BatchKVCache.make_mask)
 
 
 class Batch:

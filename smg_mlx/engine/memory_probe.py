@@ -7,7 +7,7 @@ each time. The longer one's chunks are timed on a second run, each at a
 longer context: what a prompt token costs to prefill, and how that grows
 with the context.
 
-The probe is sized to take a couple of seconds: a first short pass tells
+The probe is sized to take a couple of seconds: short passes tell
 how long a prompt token takes, and a model that is slow on this device (a
 large one on a CPU) is measured in smaller chunks, down to SMALLEST_CHUNK
 tokens, instead of for minutes. Its prefill working set per chunk token then
@@ -18,6 +18,7 @@ tokens): an estimate on the safe side.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -47,10 +48,12 @@ CGROUP_LIMITS = (
 PROBE_CHUNK = 256
 PROBE_CONTEXT = 1024
 SMALLEST_CHUNK = 16
-# About how long the probe's prefills may take, told from a first short pass
-# of FIRST_LOOK_TOKENS; a model too slow for that is probed in the smallest chunks.
+# About how long the probe's prefills may take, told from FIRST_LOOKS short
+# passes of FIRST_LOOK_TOKENS; a model too slow for that is probed in the
+# smallest chunks.
 PROBE_SECONDS = 2.0
 FIRST_LOOK_TOKENS = 16
+FIRST_LOOKS = 3
 # Prompt tokens the probe prefills, in chunks: a prompt of one chunk, one of
 # four, and the latter again, timed.
 PROBE_CHUNKS = 1 + 2 * PROBE_CONTEXT // PROBE_CHUNK
@@ -138,17 +141,21 @@ def _kv_per_token(model: nn.Module, stream: mx.Stream) -> float:
 
 
 def _seconds_per_token(model: nn.Module, stream: mx.Stream) -> float:
-    """What a prompt token takes, roughly: a short prompt's pass, timed the
-    second time (the first builds the shape's kernels)."""
+    """What a prompt token takes, roughly: a short prompt's pass, the fastest
+    of FIRST_LOOKS after a first that builds the shape's kernels (one slow
+    look would have a fast model probed in smaller chunks: larger, noisier
+    estimates)."""
     tokens = mx.array([[1] * FIRST_LOOK_TOKENS])
-    for _ in range(2):
+    fastest = math.inf
+    for look in range(1 + FIRST_LOOKS):
         cache = make_prompt_cache(model)
         started = time.perf_counter()
         with mx.stream(stream):
             model(tokens, cache=cache)
             mx.eval([c.state for c in cache])
-        seconds = time.perf_counter() - started
-    return seconds / FIRST_LOOK_TOKENS
+        if look:
+            fastest = min(fastest, time.perf_counter() - started)
+    return fastest / FIRST_LOOK_TOKENS
 
 
 def _probe_chunk(per_token: float, max_chunk: int) -> int:

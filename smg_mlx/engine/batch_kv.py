@@ -1,0 +1,55 @@
+"""mlx-lm's batched KV cache where it does more than a step needs (engine thread).
+
+Installed on import, for every BatchKVCache of the process:
+
+- One row (never padded: padding lines rows up with each other) is masked
+  with no array. A prompt chunk attends causally, a decoded token to every
+  key; the fused kernels without a mask are faster at long context (several
+  times for a chunk). A long prompt prefills alone, so this is its every
+  pass, and a lone stream's every token. Whether several rows are padded
+  would be read from the step before: they keep the array.
+- A filter that keeps every row, in order, copies nothing. mlx-lm moves
+  prompts into the decoding rows by filtering their cache, and gathers it
+  whole even when all of them move, as a lone prompt always does: a second
+  copy of the whole cache, in memory and in time, for nothing. Rows that
+  leave are still gathered out, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mlx_lm.models.cache import BatchKVCache
+
+
+def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
+    def mask(self: BatchKVCache, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        plain = not return_array and all(v is None for v in kwargs.values())
+        if self.left_padding.size == 1 and plain:
+            return "causal" if N > 1 else None
+        return make_mask(self, N, return_array=return_array, **kwargs)
+
+    return mask
+
+
+def _no_copy_when_every_row_stays(filter_rows: Callable) -> Callable:
+    def keep(self: BatchKVCache, batch_indices: Any) -> None:
+        rows = self.offset.shape[0]
+        if not isinstance(batch_indices, Sequence) or list(batch_indices) != list(range(rows)):
+            filter_rows(self, batch_indices)
+            return
+        # Padding every row has leads nowhere: dropped, as mlx-lm's filter drops it.
+        common = min(self.left_padding.tolist())
+        if common > 0:
+            if self.keys is not None:
+                self.keys = self.keys[..., common:, :]
+                self.values = self.values[..., common:, :]
+            self._idx -= common
+            self.left_padding = self.left_padding - common
+
+    return keep
+
+
+BatchKVCache.make_mask = _no_mask_array_for_one_row(BatchKVCache.make_mask)
+BatchKVCache.filter = _no_copy_when_every_row_stays(BatchKVCache.filter)
