@@ -91,10 +91,11 @@ def test_a_filter_that_keeps_every_row_copies_nothing_and_changes_nothing(rows):
     when every row moves, the arrays stay (the padding all rows share is
     dropped, as mlx-lm's gather drops it)."""
     ours, theirs = filled(rows), filled(rows)
+    # An array, not a list, takes mlx-lm's gather.
     for cache, rows_kept in ((ours, list(range(rows))), (theirs, mx.arange(rows))):
         held = mx.get_active_memory()
         mx.reset_peak_memory()
-        cache.filter(rows_kept)  # an array, not a list: mlx-lm's gather
+        cache.filter(rows_kept)
         mx.eval(cache.keys, cache.values, cache.left_padding)
         copied = mx.get_peak_memory() - held >= cache.keys.nbytes
         assert copied == (cache is theirs)

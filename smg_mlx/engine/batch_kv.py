@@ -36,17 +36,9 @@ def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
 def _no_copy_when_every_row_stays(filter_rows: Callable) -> Callable:
     def keep(self: BatchKVCache, batch_indices: Any) -> None:
         rows = self.offset.shape[0]
-        if not isinstance(batch_indices, Sequence) or list(batch_indices) != list(range(rows)):
-            filter_rows(self, batch_indices)
-            return
-        # Padding every row has leads nowhere: dropped, as mlx-lm's filter drops it.
-        common = min(self.left_padding.tolist())
-        if common > 0:
-            if self.keys is not None:
-                self.keys = self.keys[..., common:, :]
-                self.values = self.values[..., common:, :]
-            self._idx -= common
-            self.left_padding = self.left_padding - common
+        if isinstance(batch_indices, Sequence) and list(batch_indices) == list(range(rows)):
+            batch_indices = slice(None)  # every row, in order: indexed as views, not gathered
+        filter_rows(self, batch_indices)
 
     return keep
 
