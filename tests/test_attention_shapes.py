@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from smg_mlx.engine.attention_shapes import AttentionShapes, shape_key
+from smg_mlx.engine.attention_shapes import MASK_BYTES, AttentionShapes, shape_key
 
 OWN = mx.fast.scaled_dot_product_attention  # mlx's, as no wrapper has it yet
 
@@ -67,3 +67,16 @@ def test_a_shape_builds_once_and_the_warm_up_builds_what_one_row_meets(shapes):
     assert not any(shapes.builds(1, n, c) for n, c in windows)
     assert not shapes.builds(2, 100, 1000)
     assert shapes.builds(2, 100, 6000) and shapes.builds(3, 100, 1000)  # built on first use
+
+
+def test_the_planner_is_told_the_copies_only_while_every_prefill_is_padded(shapes):
+    attend(1, 200, 1000, "causal")
+    attend(3, 50, 300, None)
+    assert shapes.working_set(1000.0) == (MASK_BYTES, 1000.0)
+    one = mx.zeros((1, 4, 1, 16))  # a float32 decode step runs mlx's own: no prefill
+    shapes.attention(one, one[:, :2], one[:, :2], scale=0.25, mask=None)
+    assert shapes.working_set(1000.0) is not None
+    # A float32 prefill runs mlx's own attention, whose working set only the probe knows.
+    q = mx.zeros((1, 4, 64, 16))
+    shapes.attention(q, q[:, :2], q[:, :2], scale=0.25, mask="causal")
+    assert shapes.working_set(1000.0) is None

@@ -55,6 +55,18 @@ def test_a_prompt_from_a_cached_prefix_counts_only_the_rest_as_prefill():
     assert rest < whole / 20
 
 
+def test_copies_of_the_keys_cost_each_row_its_context_whatever_the_chunk():
+    copies = MemoryModel(100 * MIB, 1024, prefill_per_token=4096, prefill_per_context=0,
+                         prefill_row_per_key=1024)  # fmt: skip
+    p = MemoryPlanner(copies, 1000 * MIB, max_chunk=2048, prefill_rows=8)
+    one = p.prefill_bytes([Cost(30_000, 30_016, 4096)], 2048)
+    assert p.prefill_bytes([Cost(30_000, 30_016, 4096)] * 2, 2048) == pytest.approx(2 * one)
+    halved = p.prefill_bytes([Cost(30_000, 30_016, 4096)], 1024)
+    # Half the chunk saves half its tokens' set, not half of the copies.
+    assert one - halved == pytest.approx(1024 * (4096 + 1024) * p.safety)
+    assert halved > 30_000 * 1024 * p.safety
+
+
 def test_a_request_waits_when_the_batch_with_it_would_not_fit():
     p = planner(180)
     running = [Cost(1000, 20_000, 0)]
@@ -80,6 +92,13 @@ def test_the_prefix_cache_gives_way_before_work_waits():
     allowance = p.prefix_allowance(running)
     assert 0 < allowance < 100 * MIB
     assert p.prefix_allowance([*running, Cost(1000, 20_000, 0)]) < allowance
+
+
+
+def test_a_full_prefix_cache_still_leaves_a_long_prompt_full_chunks():
+    p = planner(2000)
+    costs = [Cost(20_000, 20_100, 4096)]
+    assert p.chunk(costs, p.prefix_allowance(costs)) == 2048
 
 
 def test_the_longest_sequence_fits_alone_and_a_little_more_does_not():

@@ -73,3 +73,20 @@ def test_one_slow_look_does_not_shrink_the_probe(model_dir, caplog):
     caplog.set_level(logging.INFO, "smg_mlx.engine.memory_probe")
     memory_probe.measure(SlowOnce(), mx.new_stream(mx.default_device()), 2048)
     assert "prompts of 2304 tokens in all" in caplog.text
+
+
+def test_a_known_attention_working_set_is_taken_and_the_rest_measured(model_dir):
+    model = load(str(model_dir))[0]
+    stream = mx.new_stream(mx.default_device())
+    fitted, _ = memory_probe.measure(model, stream, 2048)
+    told = []
+
+    def attention(kv_per_token: float) -> tuple[float, float]:
+        told.append(kv_per_token)
+        return 4.0, kv_per_token
+
+    memory, _ = memory_probe.measure(model, stream, 2048, attention=attention)
+    assert told == [fitted.kv_per_token]
+    assert (memory.prefill_per_context, memory.prefill_row_per_key) == (4.0, fitted.kv_per_token)
+    # With no slope to take off, a chunk token costs at least what the fit gives at no context.
+    assert memory.prefill_per_token >= fitted.prefill_per_token * 0.9

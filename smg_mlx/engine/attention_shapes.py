@@ -23,6 +23,9 @@ takes one of few shapes instead:
   attention of the same shapes: only what cannot run causal runs so.
 The padded rows of the output are dropped.
 
+The padded copies cost memory: `working_set` says how much, for the memory
+planner, where every prefill attention runs so.
+
 `prebuild` (the warm-up) builds the regular shapes up to the model's context
 and the smallest key bucket for several rows; what is still new is built on
 first use, and the step plan counts the build where `builds` says so.
@@ -49,6 +52,10 @@ PREBUILT_CONTEXT = 65536
 # Past this many shapes (engine.loading sizes mlx's graph cache to hold as
 # many) what is remembered as built starts over.
 SHAPES_REMEMBERED = 1024
+
+# Bytes a prefill pass of several rows holds per row, query and key: mlx-lm's
+# boolean mask, padded, and the additive mask made from it.
+MASK_BYTES = 4
 
 # rows, queries, keys and whether it is regular (causal as it is) or bucketed
 Key = tuple[int, int, int, bool]
@@ -103,6 +110,7 @@ class AttentionShapes:
         self._built: set[Key] = set()
         self._geometries: set[Geometry] = set()
         self._bias: tuple[tuple, mx.array] | None = None  # the last mask built, for the next layers
+        self.unpadded = False  # whether a prefill ran mlx's own attention (see working_set)
 
     def install(self) -> None:
         """Route mlx's fused attention through this (models call it by module attribute)."""
@@ -137,6 +145,7 @@ class AttentionShapes:
                   mask: Any = None, **rest: Any) -> mx.array:  # fmt: skip
         fused = self._fused
         if any(value is not None for value in rest.values()) or not _supported(q, v):
+            self.unpadded = self.unpadded or q.shape[2] > 1
             return fused(q, k, v, scale=scale, mask=mask, **rest)
         rows, queries, keys = q.shape[0], q.shape[2], k.shape[2]
         self._geometries.add((q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.dtype))
@@ -155,6 +164,15 @@ class AttentionShapes:
             return fused(q, k, v, scale=scale, mask=mask)[:, :, before : before + queries]
         bias = self._padded_mask(mask, queries, keys, tq, tk, q.dtype)
         return fused(q, k, v, scale=scale, mask=bias)[:, :, :queries]
+
+    def working_set(self, kv_per_token: float) -> tuple[float, float] | None:
+        """What a prefill pass's attention holds, per prompt row, where every
+        prefill so far ran through here: bytes per query and key (the masks of
+        several rows; cuDNN's fused attention keeps no scores), and per key (the
+        padded keys and values: measured on CUDA, every layer's copies are held
+        at once, as much as the KV cache). None where some prefill ran mlx's
+        own attention: then what it holds is measured (`engine.memory_probe`)."""
+        return None if self.unpadded else (MASK_BYTES, kv_per_token)
 
     def _remember(self, key: Key) -> None:
         if key not in self._built and len(self._built) >= SHAPES_REMEMBERED:

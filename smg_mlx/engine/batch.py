@@ -117,8 +117,9 @@ class Batch:
         # attention would pass for what much longer prompts cost.
         with self.attention.bypassed() if self.attention is not None else nullcontext():
             self.memory, self.speed = memory_probe.measure(
-                self.model, self._stream, config.prefill_step_size, group
-            )
+                self.model, self._stream, config.prefill_step_size, group,
+                self.attention.working_set if self.attention is not None else None,
+            )  # fmt: skip
         # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = StepClock(self.speed).seconds(
             config.prefill_step_size, memory_probe.PROBE_CONTEXT

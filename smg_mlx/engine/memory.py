@@ -13,11 +13,12 @@ What a state of the batch costs, in bytes:
   token). Merging a new group into a lane or dropping finished rows copies
   that lane's cache once more, one lane at a time;
 - the prefill working set: B prompts prefilled together in chunks of C tokens,
-  the last of them attending to L tokens, take B x C x (a + b x L)
-  (activations and logits per chunk token, attention scores per chunk token
-  and context token). The lanes prefill one after the other: the larger
-  lane's set counts. A prompt that starts from a cached prefix prefills only
-  the rest.
+  the last of them attending to L tokens, take B x (C x (a + b x L) + c x (L + C))
+  (activations and logits per chunk token, attention scores or masks per chunk
+  token and context token, and copies of the keys a row attends to, where
+  attention runs on padded copies: `engine.attention_shapes`). The lanes
+  prefill one after the other: the larger lane's set counts. A prompt that
+  starts from a cached prefix prefills only the rest.
 
 A request is admitted only when the batch with it, at its longest, fits; a
 prompt prefills in chunks no larger than what fits.
@@ -35,8 +36,6 @@ from smg_mlx.engine.types import Request
 KV_BLOCK = 256
 # Chunks are halved down to this many tokens at the most.
 MIN_CHUNK = 128
-# The prefix cache keeps room for the batch prefilling in chunks this long.
-ALLOWANCE_CHUNK = 512
 # Estimates are multiplied by this, and by LEARN_FACTOR after each out-of-memory error.
 SAFETY = 1.1
 LEARN_FACTOR = 1.25
@@ -66,6 +65,7 @@ class MemoryModel:
     kv_per_token: float  # one sequence's KV cache, per token
     prefill_per_token: float  # prefill working set per chunk token...
     prefill_per_context: float  # ...plus this for each token it attends to
+    prefill_row_per_key: float = 0.0  # and a prompt's copies of the keys it attends to, per key
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,9 @@ class MemoryPlanner:
             tokens = min(chunk, max(s.prefill for s in lane))
             context = max(s.prompt for s in lane)
             per_token = self.model.prefill_per_token + self.model.prefill_per_context * context
-            most = max(most, rows * tokens * per_token)
+            # the keys the last chunk attends to, padded by up to a chunk
+            copies = self.model.prefill_row_per_key * (context + tokens)
+            most = max(most, rows * (tokens * per_token + copies))
         return most * self.safety
 
     def need(self, costs: list[Cost], chunk: int | None = None, extra: int = 0) -> float:
@@ -131,12 +133,10 @@ class MemoryPlanner:
 
     def prefix_allowance(self, costs: list[Cost]) -> int:
         """What the prefix cache may hold beside these costs, prefilling in
-        chunks of ALLOWANCE_CHUNK, and keeping room for the cache of the longest
-        to be copied in when it ends."""
-        longest = max((s.total for s in costs), default=0)
-        copy = longest * self.model.kv_per_token * self.safety
-        need = self.need(costs, min(ALLOWANCE_CHUNK, self.max_chunk))
-        return max(0, int(self.budget - need - copy))
+        full chunks (smaller ones would cost every prompt more passes). A
+        sequence that ends is copied in as its lane's rows are: the lane's
+        copy (`kv_bytes`) has room for both."""
+        return max(0, int(self.budget - self.need(costs, self.max_chunk)))
 
     def fits(self, costs: list[Cost], extra: int = 0) -> bool:
         """Whether the costs fit beside `extra` bytes of the prefix cache."""

@@ -7,6 +7,10 @@ each time. The longer one's chunks are timed on a second run, each at a
 longer context: what a prompt token costs to prefill, and how that grows
 with the context.
 
+Where the attention's working set is known instead (`engine.attention_shapes`
+says so on CUDA, where a peak's noise would pass for a slope), only what a
+chunk token costs is measured: the larger of the two passes' sets.
+
 The probe is sized to take a couple of seconds: short passes tell
 how long a prompt token takes, and a model that is slow on this device (a
 large one on a CPU) is measured in smaller chunks, down to SMALLEST_CHUNK
@@ -21,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import mlx.core as mx
@@ -169,10 +173,13 @@ def _probe_chunk(per_token: float, max_chunk: int) -> int:
 def measure(
     model: nn.Module, stream: mx.Stream, max_chunk: int,
     group: mx.distributed.Group | None = None,
+    attention: Callable[[float], tuple[float, float] | None] | None = None,
 ) -> tuple[MemoryModel, PrefillSpeed]:  # fmt: skip
     """The model's weights, KV bytes per token and prefill working set; and
     what prefilling costs in time. With a `group` of ranks (each holding a
-    part of the model), every rank probes alike: their passes are collectives."""
+    part of the model), every rank probes alike: their passes are collectives.
+    `attention`, given the KV bytes per token, tells what a prefill's
+    attention holds per query and key, and per key, where it knows."""
     started = time.perf_counter()
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     kv_per_token = _kv_per_token(model, stream)
@@ -193,18 +200,24 @@ def measure(
         peak, _ = _one_prompt(model, stream, n, chunk)
         spent[n] = peak - n * kv_per_token
     speed = _speed(_one_prompt(model, stream, long, chunk)[1], chunk)
-    per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))
-    per_chunk_token = max(0.0, spent[short] / chunk - per_context * short)
+    known = attention(kv_per_token) if attention is not None else None
+    if known is None:
+        per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))
+        per_chunk_token = max(0.0, spent[short] / chunk - per_context * short)
+        per_key = 0.0
+    else:
+        per_context, per_key = known
+        per_chunk_token = max(0.0, *spent.values()) / chunk
     mx.clear_cache()
-    found = MemoryModel(weights, kv_per_token, per_chunk_token, per_context)
+    found = MemoryModel(weights, kv_per_token, per_chunk_token, per_context, per_key)
     log.info(
         "prefill: %.3f ms per prompt token, and %.3f us more per token of context",
         speed.per_token * 1e3, speed.per_context * 1e6,
     )  # fmt: skip
     log.info(
         "memory: weights %s, KV %s per token, prefill %s per chunk token and %s more per "
-        "token of context (measured in %.1fs)",
+        "token of context, %s per key a prompt attends to (measured in %.1fs)",
         format_bytes(weights), format_bytes(kv_per_token), format_bytes(per_chunk_token),
-        format_bytes(per_context), time.perf_counter() - started,
+        format_bytes(per_context), format_bytes(per_key), time.perf_counter() - started,
     )  # fmt: skip
     return found, speed
