@@ -94,7 +94,6 @@ def test_the_prefix_cache_gives_way_before_work_waits():
     assert p.prefix_allowance([*running, Cost(1000, 20_000, 0)]) < allowance
 
 
-
 def test_a_full_prefix_cache_still_leaves_a_long_prompt_full_chunks():
     p = planner(2000)
     costs = [Cost(20_000, 20_100, 4096)]
