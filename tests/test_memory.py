@@ -31,11 +31,19 @@ def planner(budget_mib: int, **options) -> MemoryPlanner:
     return MemoryPlanner(MODEL, budget_mib * MIB, **options)
 
 
-def test_the_batch_cache_costs_its_longest_row_for_every_row():
+def test_the_batch_cache_costs_its_longest_row_for_every_row_alive():
     p = planner(1000)
-    long_and_short = p.kv_bytes([Cost(10, 10_000, 0), Cost(10, 100, 0)])
-    two_long = p.kv_bytes([Cost(10, 10_000, 0), Cost(10, 10_000, 0)])
-    assert long_and_short == two_long > 2 * p.kv_bytes([Cost(10, 10_000, 0)]) * 0.99
+    one_long = p.kv_bytes([Cost(10, 10_000, 0)])
+    assert p.kv_bytes([Cost(10, 10_000, 0)] * 2) == pytest.approx(2 * one_long)
+    # A chat ends while a stream beside it is short: it is charged the
+    # stream's length then, not what the stream may grow to.
+    assert p.kv_bytes([Cost(10, 10_000, 0), Cost(10, 100, 0)]) == one_long
+    # Far along, the stream is long while the chat lives: the chat costs a long row.
+    far = Cost(10, 10_000, 0, generated=9000)
+    assert p.kv_bytes([far, Cost(10, 100, 0)]) > 1.7 * one_long
+    # A prompt still to prefill lives as many passes as it has tokens left.
+    prompt = Cost(5000, 5100, 5000)
+    assert p.kv_bytes([Cost(10, 10_000, 0), prompt]) > 1.9 * one_long
 
 
 def test_each_lane_costs_its_own_longest_row():
@@ -72,9 +80,12 @@ def test_a_request_waits_when_the_batch_with_it_would_not_fit():
     running = [Cost(1000, 20_000, 0)]
     assert p.fits(running)
     assert not p.fits([*running, Cost(1000, 20_000, 1000)])
-    # A short one too: beside a long row it costs a long row.
-    assert not p.fits([*running, Cost(100, 200, 100)])
-    assert p.fits([Cost(100, 200, 0), Cost(100, 200, 100)])
+    # A short one waits beside a long row that has grown long...
+    grown = [Cost(1000, 20_000, 0, generated=18_000)]
+    assert p.fits(grown)
+    assert not p.fits([*grown, Cost(100, 200, 100)])
+    # ...and starts beside one that is short while it lives.
+    assert p.fits([*running, Cost(100, 200, 100)])
 
 
 def test_long_prompts_prefill_in_smaller_chunks_and_alone():
@@ -193,6 +204,31 @@ def test_a_prompt_that_can_never_fit_is_refused_at_once(start_worker, model_dir,
     # A prompt that fits, asking for more than fits: it stops where memory ends.
     fitting = generate(w.stub, prompt(longest - 20), max_tokens=1000, ignore_eos=True)
     assert len(fitting.tokens) == 20 and fitting.complete.finish_reason == "length"
+
+
+def test_chats_beside_long_streams_start_while_they_are_short(
+    start_worker, model_dir, unbounded_outputs
+):
+    # Three streams that may each grow to nearly the longest sequence: charged
+    # at that length, a chat beside them would wait for one to end. While the
+    # streams are short, a chat that ends soon costs little, so chats start
+    # and end while all three run.
+    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_outputs))
+    engine = w.worker.engine
+    grow = engine.longest_sequence - 50
+    with ThreadPoolExecutor(6) as pool:
+        streams = [
+            pool.submit(generate, w.stub, prompt(40, 20 + i), max_tokens=grow, ignore_eos=True)
+            for i in range(3)
+        ]
+        assert wait_until(lambda: engine.running == 3, 30)
+        chats = [
+            pool.submit(generate, w.stub, prompt(40, 23 + i), max_tokens=16, ignore_eos=True)
+            for i in range(3)
+        ]
+        assert all(len(chat.result().tokens) == 16 for chat in chats)
+        assert not any(stream.done() for stream in streams)
+        assert all(len(stream.result().tokens) == grow for stream in streams)
 
 
 def test_a_budget_below_the_model_is_refused_at_start(spawn, model_dir):

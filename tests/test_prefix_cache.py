@@ -414,16 +414,11 @@ def test_an_entry_stays_while_memory_allows_and_goes_when_a_request_needs_the_ro
     assert generate(w.stub, ids + [7], max_tokens=8).complete.cached_tokens == 0
 
 
-def test_chats_beside_a_long_request_are_not_charged_its_length(start_worker, model_dir, pair):
-    # A tiny step budget makes a 1,200-token prompt long: it runs in a lane of its
-    # own, and chats in the other lane cost their own length only, so all six run
-    # at once and end while the long request still generates. Charged the long
-    # request's length, two at a time would fit, and the last would end after it.
-    w = start_worker(
-        model_dir, step_budget_seconds=1e-6, memory_budget_bytes=_budget_for(pair, 7)
-    )
+def _chats_end_while_it_runs(w, long_prompt: list[int]):
+    """Send `long_prompt` (500 tokens out) and, once it decodes, six chats of
+    250 tokens: all six end while it still runs. Returns its response."""
     with ThreadPoolExecutor(7) as pool:
-        long = pool.submit(generate, w.stub, prompt(1200, 13), max_tokens=500, ignore_eos=True)
+        long = pool.submit(generate, w.stub, long_prompt, max_tokens=500, ignore_eos=True)
         engine = w.worker.engine
         assert wait_until(lambda: engine.running == 1 and not engine.prefilling, 30)
         chats = [
@@ -432,4 +427,32 @@ def test_chats_beside_a_long_request_are_not_charged_its_length(start_worker, mo
         ]
         assert all(len(chat.result().tokens) == 250 for chat in chats)
         assert not long.done()
-        assert len(long.result().tokens) == 500
+        response = long.result()
+    assert len(response.tokens) == 500
+    return response
+
+
+def test_chats_beside_a_long_request_are_not_charged_its_length(start_worker, model_dir, pair):
+    # A tiny step budget makes a 1,200-token prompt long: it runs in a lane of its
+    # own, and chats in the other lane cost their own length only, so all six run
+    # at once and end while the long request still generates. Charged the long
+    # request's length, two at a time would fit, and the last would end after it.
+    w = start_worker(
+        model_dir, step_budget_seconds=1e-6, memory_budget_bytes=_budget_for(pair, 7)
+    )
+    _chats_end_while_it_runs(w, prompt(1200, 13))
+
+
+def test_chats_beside_a_long_history_resent_from_the_cache_start_at_once(
+    start_worker, model_dir, pair
+):
+    # The history has little to prefill once cached, but is long: in the chats'
+    # lane each chat's row would be padded to its length, so few would fit
+    # beside it. In the long prompts' lane all six run while it generates.
+    w = start_worker(
+        model_dir, step_budget_seconds=1e-6, memory_budget_bytes=_budget_for(pair, 7)
+    )
+    history = prompt(1200, 30)
+    first = generate(w.stub, history, max_tokens=8)
+    resent = _chats_end_while_it_runs(w, history + first.tokens + prompt(8, 31))
+    assert resent.complete.cached_tokens == len(history) + len(first.tokens)

@@ -281,13 +281,14 @@ def test_a_shape_far_slower_than_the_clock_expects_gets_a_smaller_chunk_from_the
     assert s.schedule(deeper, 0).chunk == deeper_chunk
 
 
-# Three streams of up to 8000 tokens each, in a budget where a request that may
-# grow to 22k tokens fits alone but not beside them.
-STREAMS = [decoding(4000, max_tokens=4000)] * 3
+# Three streams growing to 14,000 tokens each, in a budget where a request that
+# may grow to 22k tokens fits alone but not beside them (they grow long while
+# it lives).
+STREAMS = [decoding(4000, max_tokens=10_000)] * 3
 
 
 def test_a_request_that_does_not_fit_lets_smaller_ones_pass():
-    s = make(budget_mib=250)
+    s = make(budget_mib=230)
     s.add([req(1, 5000, max_tokens=17_000), req(2, 200)], now=0)
     plan = s.schedule(STREAMS, 0, now=0)
     assert keys(plan.admit) == [2]
@@ -295,7 +296,7 @@ def test_a_request_that_does_not_fit_lets_smaller_ones_pass():
 
 
 def test_an_aged_request_that_does_not_fit_holds_back_younger_ones():
-    s = make(budget_mib=250)
+    s = make(budget_mib=230)
     s.add([req(1, 5000, max_tokens=17_000)], now=0)
     s.add([req(2, 200)], now=AGING_SECONDS)
     plan = s.schedule(STREAMS, 0, now=AGING_SECONDS + 0.1)
@@ -406,12 +407,23 @@ class Read:
     deadline = 100.0
 
 
-def test_a_request_from_a_cached_prefix_is_short_and_keeps_its_entry():
+def test_a_long_history_from_the_cache_goes_to_the_long_lane_where_it_is_free():
+    # 10 tokens to prefill, but 40k long: beside chats it would pad their rows.
     s = make(prefixes=Cached(39_990))
     s.add([req(1, 40_000)], now=0)
     plan = s.schedule([], 0, now=0)
-    assert keys(plan.admit) == [1] and plan.long == ()  # 10 tokens to prefill
+    assert keys(plan.admit) == [1] and plan.long == (1,)
     assert plan.keep == (7,)
+    # Beside a long prompt prefilling it starts at once all the same, in the short lane.
+    busy = make(prefixes=Cached(39_990))
+    busy.add([req(1, 40_000)], now=0)
+    plan = busy.schedule([prefilling(20_000, done=4096, long=True)], 0, now=0)
+    assert keys(plan.admit) == [1] and plan.long == ()
+    # An exact repeat has only its last token to run: the long lane runs once.
+    repeat = make(prefixes=Cached(39_999))
+    repeat.add([req(1, 40_000)], now=0)
+    plan = repeat.schedule([], 0, now=0)
+    assert plan.long == (1,) and plan.long_chunks == ()
 
 
 def test_the_entry_a_request_reuses_counts_against_memory_while_it_starts():

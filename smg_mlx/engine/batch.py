@@ -66,6 +66,12 @@ class _Slot:
         return self.start + self.processed
 
     @property
+    def decoded(self) -> int:
+        """Tokens generated since it was inserted (after an error, its prompt
+        holds those generated before)."""
+        return len(self.generated) - len(self.inserted.prompt) + len(self.request.spec.prompt)
+
+    @property
     def remaining(self) -> int:
         """Prompt tokens still to prefill, the last one aside."""
         return len(self.inserted.prompt) - 1 - self.context if self.prefilling else 0
@@ -235,6 +241,7 @@ class Batch:
                     len(slot.request.spec.prompt) + slot.request.spec.max_tokens,
                     slot.remaining + 1 if slot.prefilling else 0,
                     slot.lane == LONG,
+                    slot.decoded,
                 ),
                 slot.remaining,
                 slot.context,

@@ -9,9 +9,14 @@ What a state of the batch costs, in bytes:
 - the weights, and the prefix cache (which gives way before work waits);
 - the KV caches. Each lane (`engine.scheduler`: short prompts and long ones)
   is an mlx-lm batch that keeps one rectangular cache, as long as its longest
-  row, so a lane of R rows that may grow to T tokens reserves R x T x (KV per
-  token). Merging a new group into a lane or dropping finished rows copies
-  that lane's cache once more, one lane at a time;
+  row, for every row alive. A row lives at most as many passes of its lane as
+  it has tokens left to process (each pass processes at least one of every
+  row's), and grows by one token a pass once prefilled: a lane reserves, at
+  its largest over its rows' lives, the rows still alive x the longest of
+  them x (KV per token). A chat beside a long stream is charged the stream's
+  length while the chat lives, not the length the stream may reach. Merging
+  a new group into a lane or dropping finished rows copies that lane's cache
+  once more, one lane at a time;
 - the prefill working set: B prompts prefilled together in chunks of C tokens,
   the last of them attending to L tokens, take B x (C x (a + b x L) + c x (L + C))
   (activations and logits per chunk token, attention scores or masks per chunk
@@ -76,10 +81,22 @@ class Cost:
     total: int  # prompt plus max_tokens: the longest it can grow
     prefill: int  # prompt tokens still to prefill (0: all processed)
     long: bool = False  # in the long prompts' lane
+    generated: int = 0  # tokens generated after `prompt`
 
     @property
     def prefilling(self) -> bool:
         return self.prefill > 0
+
+    @property
+    def length(self) -> int:
+        """The most tokens its cache holds now (a prompt counted whole)."""
+        return self.prompt + self.generated
+
+    @property
+    def passes(self) -> int:
+        """The most passes of its lane it stays for: each processes at least
+        one of its tokens, and one more hands out the last."""
+        return self.prefill + self.total - self.length + 1
 
 
 class MemoryPlanner:
@@ -100,11 +117,7 @@ class MemoryPlanner:
 
     def kv_bytes(self, costs: Iterable[Cost]) -> float:
         """The lanes' caches at their largest, one lane's copy included."""
-        lanes = [0.0, 0.0]
-        for long, lane in enumerate(_lanes(costs)):
-            if lane:
-                longest = math.ceil(max(s.total for s in lane) / KV_BLOCK) * KV_BLOCK
-                lanes[long] = len(lane) * longest * self.model.kv_per_token
+        lanes = [_lane_tokens(lane) * self.model.kv_per_token for lane in _lanes(costs)]
         return (sum(lanes) + max(lanes)) * self.safety
 
     def prefill_bytes(self, costs: Iterable[Cost], chunk: int) -> float:
@@ -176,6 +189,20 @@ def _lanes(costs: Iterable[Cost]) -> tuple[list[Cost], list[Cost]]:
     for s in costs:
         lanes[s.long].append(s)
     return lanes
+
+
+def _lane_tokens(lane: list[Cost]) -> int:
+    """The most rows x tokens a lane's cache holds over its rows' lives (see
+    the module's docstring). The cache is at its largest just before a row
+    leaves: then every row that lives longer is alive, the longest of them no
+    longer than its total nor than the longest now grown by a token a pass."""
+    most = rows = total = length = 0
+    for s in sorted(lane, key=lambda s: s.passes, reverse=True):
+        rows += 1
+        total, length = max(total, s.total), max(length, s.length)
+        longest = min(total, length + s.passes - 1)
+        most = max(most, rows * math.ceil(longest / KV_BLOCK) * KV_BLOCK)
+    return most
 
 
 def cost(request: Request, cached: int = 0, long: bool = False) -> Cost:

@@ -21,7 +21,11 @@ prefills is `engine.step_plan`'s; the order requests are considered in,
   prefilled have left adds up to no more than a long prompt (padded to each
   other, more would be a long prompt's work that a chat arriving behind them
   waits for). Their lane comes first in each step's budget; the long prompt's
-  attention shapes stay those of a batch of one, which repeat.
+  attention shapes stay those of a batch of one, which repeat. A prompt with
+  little to prefill that is long all the same (a history resent from the
+  prefix cache) goes to the long lane where no long prompt is prefilling:
+  in the short one it would pad every chat's row to its length. Where one
+  is, it starts in the short lane rather than wait.
 - **Equal lengths only**, for a model whose outputs padding would change
   (`engine.batch_check`): short prompts prefill side by side only while they
   have as many tokens left to prefill, so that mlx-lm pads none of them.
@@ -139,10 +143,10 @@ class Scheduler:
         prefilling = [r for r in running if r.cost.prefilling]
         # Prompt tokens past which a prompt is long.
         long = LONG_PROMPT_STEPS * self.steps.row_chunk(1, 0, builds=False, lane=LONG)
-        admitted, refused, for_memory = self._admit(running, prefilling, long, now)
-        starting_long = [w for w in admitted if w.prefill > long]
-        starting_short = [w for w in admitted if w.prefill <= long]
-        costs = [r.cost for r in running] + [w.cost(w.prefill > long) for w in admitted]
+        admitted, to_long, refused, for_memory = self._admit(running, prefilling, long, now)
+        starting_long = [w for w in admitted if w.request.key in to_long]
+        starting_short = [w for w in admitted if w.request.key not in to_long]
+        costs = [r.cost for r in running] + [w.cost(w.request.key in to_long) for w in admitted]
         keep = tuple({w.reuse.entry for w in admitted if w.reuse.entry is not None})
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
@@ -158,7 +162,7 @@ class Scheduler:
             default=0,
         )
         longs = [(r.remaining, r.context) for r in prefilling if r.long and r.remaining] + [
-            (w.prefill - 1, w.cached) for w in starting_long
+            (w.prefill - 1, w.cached) for w in starting_long if w.prefill > 1
         ]
         chunk, long_chunks = self.steps.plan(
             needs, context, bool(shorts or starting_short), longs[0] if longs else None,
@@ -179,12 +183,12 @@ class Scheduler:
 
     def _admit(
         self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float
-    ) -> tuple[list[Waiting], tuple[Request, ...], int]:
-        """Who starts now."""
+    ) -> tuple[list[Waiting], set[int], tuple[Request, ...], int]:
+        """Who starts now, and the keys of those that go to the long lane."""
         costs = [r.cost for r in running]
         slots = self.batch_size - len(costs)
         if slots <= 0:
-            return [], (), 0
+            return [], set(), (), 0
         rows = self.prefill_rows - sum(not r.long for r in prefilling)  # the short lane's
         longs = sum(r.long for r in prefilling)
         # A long prompt whose last chunk ran joins its lane's decoding rows at
@@ -195,6 +199,7 @@ class Scheduler:
         # How many tokens each short prompt being prefilled has left.
         left = {r.remaining for r in prefilling if not r.long and r.remaining}
         admitted: list[Waiting] = []
+        to_long: set[int] = set()
         refused: list[Request] = []
         too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
         for_memory = 0
@@ -208,7 +213,13 @@ class Scheduler:
             if self._room.fetching(waiting, now):
                 continue
             self._room.refresh(waiting)
-            long = waiting.prefill > long_tokens
+            long = waiting.prefill > long_tokens or (
+                # Little to prefill, as a long history resent from the cache: in the
+                # short lane it would pad every chat's row to its length.
+                len(waiting.request.spec.prompt) > long_tokens
+                and longs < LONG_PREFILLS_AT_ONCE
+                and not finishing
+            )
             new = waiting.cost(long)
             entry = waiting.reuse.entry
             # The entry it reuses stays through this turn beside its copy in the batch.
@@ -236,6 +247,8 @@ class Scheduler:
             costs.append(new)
             pinned = pins
             admitted.append(self._room.take(waiting))
+            if long:
+                to_long.add(waiting.request.key)
             slots -= 1
             longs += long
             rows -= not long
@@ -249,7 +262,7 @@ class Scheduler:
                     waiting.request.request_id, waiting.prefill, now - waiting.arrived,
                     len(self._room),
                 )  # fmt: skip
-        return admitted, tuple(refused), for_memory
+        return admitted, to_long, tuple(refused), for_memory
 
 
 def _at_least(a: Cost, b: Cost) -> bool:
