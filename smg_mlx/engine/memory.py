@@ -25,7 +25,7 @@ What a state of the batch costs, in bytes:
   prefill one after the other: the larger lane's set counts. A prompt that
   starts from a cached prefix prefills only the rest.
 
-A request is admitted only when the batch with it, at its longest, fits; a
+A request is admitted only when the batch with it, at its largest, fits; a
 prompt prefills in chunks no larger than what fits.
 """
 

@@ -247,8 +247,6 @@ class Scheduler:
             costs.append(new)
             pinned = pins
             admitted.append(self._room.take(waiting))
-            if long:
-                to_long.add(waiting.request.key)
             slots -= 1
             longs += long
             rows -= not long
@@ -256,6 +254,7 @@ class Scheduler:
             if not long and waiting.prefill > 1:
                 left.add(waiting.prefill - 1)
             if long:
+                to_long.add(waiting.request.key)
                 log.info(
                     "request %r: a long prompt starts (%d tokens to prefill) after %.1fs; "
                     "%d request(s) wait",
