@@ -439,3 +439,18 @@ def test_prefills_in_few_attention_shapes_answer_as_prefills_in_their_own(
     assert mx.clear_cache is clear
     assert mx.set_cache_limit(limit) == limit  # the bound went with the engine
     assert len({t for answer in plain for t in answer}) > 4  # the model's output varies
+
+
+def test_a_chats_first_token_goes_out_before_the_long_prompts_chunks_of_its_step(chunked_core):
+    inbox, sink = chunked_core
+    inbox.submit(Request(1, spec(prompt(1500, 1), max_tokens=4)))
+    assert sink.next_report().admitted == (1,)
+    inbox.submit(Request(2, spec(prompt(8, 2), max_tokens=4)))
+    reports = run_until_ended(sink, {1, 2})
+    start = next(i for i, r in enumerate(reports) if 2 in r.admitted)
+    first = next(i for i, r in enumerate(reports) if any(e.key == 2 for e in r.events))
+    # Its prompt took one step; its first token went out early in the next,
+    # not after one more step of the long prompt's chunks.
+    assert len([r for r in reports[start:first] if r.step_seconds is not None]) == 1
+    assert reports[first].step_seconds is None
+    assert reports[first].events[0].first

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -54,6 +55,9 @@ class _Slot:
     started: bool = False  # BatchGenerator has begun its prefill
     prefilling: bool = True  # its prompt is not all processed yet
     fresh: bool = True  # no token yet
+    # Its first token went out in the pass that sampled it; mlx-lm returns
+    # it a pass later, to be passed over then.
+    ahead: bool = False
     generated: list[int] = field(default_factory=list)
 
     @property
@@ -75,6 +79,15 @@ class _Slot:
     def remaining(self) -> int:
         """Prompt tokens still to prefill, the last one aside."""
         return len(self.inserted.prompt) - 1 - self.context if self.prefilling else 0
+
+
+class _Sampled(NamedTuple):
+    """A token mlx-lm has sampled but not returned yet (see `Batch._first_tokens`)."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: None = None
 
 
 class Batch:
@@ -411,6 +424,7 @@ class Batch:
         generator.prefill_step_size = chunk
         with self._buffers():
             prefilling, responses = generator.next()
+        decoding = []  # the rows that moved into the decoding rows in this pass
         for r in prefilling:
             slot = self._slots.get((lane, r.uid))
             if slot is not None:
@@ -418,9 +432,29 @@ class Batch:
                 slot.started = True
                 slot.prefilling = not r.end_of_prompt
                 slot.processed = r.progress[0]
-        logprobs = self._logprobs(lane, responses)
+                if r.end_of_prompt:
+                    decoding.append(r.uid)
+        sampled = []
+        for r in responses:
+            slot = self._slots[lane, r.uid]
+            if slot.ahead:  # went out a pass ago (a token that could not end its request)
+                slot.ahead = False
+            else:
+                sampled.append(r)
+        events = self._tokens(lane, sampled)
+        for r in responses:
+            if r.finish_reason is not None:
+                self._forget((lane, r.uid))
+                if self.prefixes is not None:
+                    # The cache holds every token of `all_tokens`, the last
+                    # generated one included.
+                    self.prefixes.keep(r.all_tokens, r.prompt_cache)
+        return events + self._first_tokens(lane, decoding)
+
+    def _tokens(self, lane: int, sampled: list) -> list[Event]:
+        """The events of the tokens mlx-lm sampled for the lane's rows."""
         events = []
-        for r, chosen in zip(responses, logprobs, strict=True):
+        for r, chosen in zip(sampled, self._logprobs(lane, sampled), strict=True):
             slot = self._slots[lane, r.uid]
             slot.generated.append(r.token)
             events.append(
@@ -434,13 +468,28 @@ class Batch:
                 )
             )
             slot.fresh = False
-            if r.finish_reason is not None:
-                self._forget((lane, r.uid))
-                if self.prefixes is not None:
-                    # The cache holds every token of `all_tokens`, the last
-                    # generated one included.
-                    self.prefixes.keep(r.all_tokens, r.prompt_cache)
         return events
+
+    def _first_tokens(self, lane: int, uids: list[int]) -> list[Event]:
+        """The first tokens of the rows with `uids`, which moved into the
+        lane's decoding rows in this pass: mlx-lm samples each there but
+        returns it only after the next pass (it starts that pass before it
+        waits for this one's tokens), which would hold a chat's first token
+        back behind a whole step of long prompts' chunks. A token that ends
+        its request is left to mlx-lm, which ends it then."""
+        if not uids:
+            return []
+        rows = self._lanes[lane]._generation_batch  # mlx-lm's decoding rows
+        tokens = rows._next_tokens.tolist()
+        where = {uid: i for i, uid in enumerate(rows.uids)}
+        sampled = []
+        for uid in uids:
+            slot, i = self._slots[lane, uid], where[uid]
+            _, _, stop = slot.options
+            if slot.inserted.max_tokens > 1 and not stop.advance(tokens[i]):
+                slot.ahead = True
+                sampled.append(_Sampled(uid, tokens[i], rows._next_logprobs[i]))
+        return self._tokens(lane, sampled)
 
     def reset(self) -> list[Request]:
         """After a step failed (out of memory), start over with an empty batch:
