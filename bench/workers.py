@@ -32,7 +32,6 @@ def ours_command(model_dir: Path, port: int, workload: Workload) -> list[str]:
         "--host", "127.0.0.1", "--port", str(port),
         "--completion-batch-size", str(workload.completion_batch_size),
         "--prefill-batch-size", str(workload.prefill_batch_size),
-        "--prefill-step-size", str(workload.prefill_step_size),
         "--log-level", "warning",
     ]  # fmt: skip
 

@@ -34,7 +34,8 @@ class Workload:
     # batch shape the level reaches is compiled and allocated before timing.
     warmup_per_slot: int = 1
     min_warmup: int = 4
-    # Both servers and the raw engine get the same BatchGenerator limits.
+    # Both servers and the raw engine get the same BatchGenerator limits, but
+    # the prefill chunk: ours picks its own for the backend.
     completion_batch_size: int = 64
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048

@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-step-size",
         type=_positive,
         default=engine.prefill_step_size,
-        help="most prompt tokens one prompt prefills per step; long prompts take several "
-        "(%(default)s)",
+        help="most prompt tokens one prompt prefills per pass over the model; long prompts "
+        "take several (default: 4096 on CUDA, 2048 otherwise)",
     )
     serve.add_argument(
         "--step-budget-ms",

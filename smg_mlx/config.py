@@ -39,7 +39,8 @@ class EngineConfig:
     model_path: Path
     completion_batch_size: int = 32  # most sequences decoded together
     prefill_batch_size: int = 8  # most prompts prefilled together
-    prefill_step_size: int = 2048  # prompt tokens per prefill step, at most
+    # Prompt tokens a prompt prefills in one pass, at most (None: the backend's, engine.batch).
+    prefill_step_size: int | None = None
     # How long an engine step may take while it prefills (see `engine.step_plan`):
     # a running stream's pause between tokens, against how fast long prompts go.
     step_budget_seconds: float = 0.15

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from smg_mlx.engine.attention_shapes import MASK_BYTES, AttentionShapes, shape_key
+from smg_mlx.engine.attention_shapes import MASK_BYTES, AttentionShapes, shape_key, windows_for
 
 OWN = mx.fast.scaled_dot_product_attention  # mlx's, as no wrapper has it yet
 
@@ -20,6 +20,17 @@ def test_one_row_runs_causal_as_the_full_chunk_at_its_window_end():
     crossing = shape_key(1, 2048, 16_384 + 100, True, windows)  # spans two windows: masked
     assert crossing == (1, 2048, 20_480, False)
     assert not shape_key(4, 2048, 4096, False, windows)[3]  # several rows come with a mask
+
+
+def test_a_chunk_larger_than_mlx_lms_keeps_its_window_for_what_fits_it():
+    assert windows_for(2048) == (512, 2048)
+    assert windows_for(4096) == (512, 2048, 4096)
+    shapes = AttentionShapes(4096)
+    # A turn of 4,095 tokens after 28,864: to the 4,096 boundary, then the rest.
+    assert shapes.attended(1, 32_768 - 28_864, 28_864) == 4096
+    assert shapes.attended(1, 191, 32_768) == 512
+    assert shapes.attended(1, 1000, 8192 + 1024) == 2048  # not padded to 4,096
+    assert shapes.attended(3, 300, 1000) == 512  # several rows: the query bucket
 
 
 @pytest.fixture

@@ -454,3 +454,16 @@ def test_a_chats_first_token_goes_out_before_the_long_prompts_chunks_of_its_step
     assert len([r for r in reports[start:first] if r.step_seconds is not None]) == 1
     assert reports[first].step_seconds is None
     assert reports[first].events[0].first
+
+
+def test_the_prefill_chunk_is_the_backends_unless_one_is_given(model_dir, monkeypatch):
+    def max_chunk(**config) -> int:
+        batch = Batch(EngineConfig(model_path=model_dir, **config))
+        batch.close()
+        return batch.max_chunk
+
+    assert max_chunk() == 2048
+    # Where every pass costs a fixed time besides its tokens' (CUDA): fewer, larger.
+    monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
+    assert max_chunk() == 4096
+    assert max_chunk(prefill_step_size=1024) == 1024

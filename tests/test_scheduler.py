@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from smg_mlx.engine.attention_shapes import shape_key, windows_for
 from smg_mlx.engine.memory import Cost, MemoryModel, MemoryPlanner
 from smg_mlx.engine.scheduler import LONG_PROMPT_STEPS, Plan, Running, Scheduler
 from smg_mlx.engine.step_clock import PrefillSpeed
-from smg_mlx.engine.step_plan import MIN_STEP_TOKENS, SHORT, Builds, Passes, chunk_sizes
+from smg_mlx.engine.step_plan import MIN_STEP_TOKENS, SHORT, Attended, Builds, Passes, chunk_sizes
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
 from smg_mlx.engine.waiting_room import AGING_SECONDS, Prefixes, Reuse
 
@@ -21,11 +22,12 @@ SPEED = PrefillSpeed(per_token=4e-5, per_context=4e-9)
 
 def make(budget_mib: int = 10_000, *, step_ms: float = 100, rows: int = 8, batch: int = 32,
          speed: PrefillSpeed = SPEED, builds: Builds | None = None,
-         prefixes: Prefixes | None = None, equal_lengths: bool = False) -> Scheduler:  # fmt: skip
+         attended: Attended | None = None, prefixes: Prefixes | None = None,
+         equal_lengths: bool = False) -> Scheduler:  # fmt: skip
     planner = MemoryPlanner(MODEL, budget_mib * MIB, max_chunk=2048, prefill_rows=rows)
     return Scheduler(planner, speed, batch_size=batch, prefill_rows=rows,
-                     step_seconds=step_ms / 1000, builds=builds, prefixes=prefixes,
-                     equal_lengths=equal_lengths)  # fmt: skip
+                     step_seconds=step_ms / 1000, builds=builds, attended=attended,
+                     prefixes=prefixes, equal_lengths=equal_lengths)  # fmt: skip
 
 
 def req(key: int, length: int, max_tokens: int = 16) -> Request:
@@ -365,6 +367,34 @@ def test_where_shapes_cost_a_build_a_first_seen_shape_does_not_shrink_later_chun
     assert further.expected_seconds <= s.steps.step_seconds or further.chunk < first.chunk
     clock = s.steps.clocks[SHORT]
     assert further.expected_seconds > clock.seconds(further.chunk, context + 4 * 2048)
+
+
+def test_where_attention_runs_padded_each_turn_of_a_long_history_keeps_to_the_budget():
+    windows = windows_for(2048)
+
+    def attended(rows: int, tokens: int, context: int) -> int:
+        return shape_key(rows, tokens, context + tokens, rows == 1, windows)[1]
+
+    def device(tokens: int, context: int) -> float:
+        """What a pass takes where attention runs its padded queries (CUDA)."""
+        queries = attended(1, tokens, context)
+        return tokens * SPEED.per_token + queries * SPEED.per_context * (context + tokens / 2)
+
+    s = make(step_ms=150, attended=attended)
+    context = 20_000
+    for _ in range(4):  # turns of 2,100 tokens: each ends in a short, padded chunk
+        end, done = context + 2100, context
+        while done < end - 1:
+            plan = s.schedule([prefilling(end, done=done, long=True)], 0)
+            passes = []
+            for chunk in plan.long_chunks:
+                tokens = min(chunk, end - 1 - done)
+                passes.append(device(tokens, done) if tokens > 0 else 0.0)
+                done += max(tokens, 0)
+            s.observe(Passes(long=tuple(passes)), 1)
+            assert sum(passes) <= s.steps.step_seconds  # a running stream's pause
+            assert abs(plan.expected_seconds - sum(passes)) <= 0.05 * sum(passes)
+        context = end + 32
 
 
 def test_no_long_prompt_starts_in_the_step_where_the_one_before_ends():

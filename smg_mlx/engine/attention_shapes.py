@@ -46,6 +46,10 @@ from smg_mlx.engine.step_plan import SHAPE_BUILD_STEP_TOKENS
 log = logging.getLogger(__name__)
 
 QUERY_BUCKET = 256  # the smallest query bucket
+# A window between the smallest and the largest chunk: a follow-up's new
+# tokens, or a chunk of a prompt beside others, run in it rather than padded
+# to the largest chunk.
+MIDDLE_WINDOW = 2048
 KEY_BUCKET = 4096  # key buckets are multiples of this, or of an eighth of the length's power of two
 # The warm-up builds shapes up to the model's context, or this (later ones on first use).
 PREBUILT_CONTEXT = 65536
@@ -77,9 +81,10 @@ def key_bucket(n: int) -> int:
 def windows_for(max_chunk: int) -> tuple[int, ...]:
     """The regular windows, smallest first, for prefill chunks of at most
     `max_chunk`: the smallest chunk the step plan gives one row where shapes
-    cost builds, and its largest power-of-two one."""
+    cost builds, MIDDLE_WINDOW, and its largest power-of-two one."""
     largest = 1 << (max_chunk.bit_length() - 1)
-    return tuple(sorted({min(SHAPE_BUILD_STEP_TOKENS, largest), largest}))
+    sizes = (SHAPE_BUILD_STEP_TOKENS, MIDDLE_WINDOW, largest)
+    return tuple(sorted({min(size, largest) for size in sizes}))
 
 
 def shape_key(rows: int, queries: int, keys: int, causal: bool, windows: Sequence[int]) -> Key:
@@ -136,6 +141,10 @@ class AttentionShapes:
         after `context` would build a graph first."""
         key = shape_key(rows, queries, context + queries, rows == 1, self.windows)
         return key not in self._built
+
+    def attended(self, rows: int, queries: int, context: int) -> int:
+        """The queries a row of such a pass runs attention for, padding included."""
+        return shape_key(rows, queries, context + queries, rows == 1, self.windows)[1]
 
     def forget(self) -> None:
         """A step ended: the mask kept for its layers is not needed."""

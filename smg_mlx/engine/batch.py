@@ -39,6 +39,9 @@ from smg_mlx.model_config import DEFAULT_CONTEXT_LENGTH, named_context_length
 
 log = logging.getLogger(__name__)
 
+# The largest prefill chunk by default: mlx-lm's, and on CUDA twice that.
+CHUNK, CUDA_CHUNK = 2048, 4096
+
 
 @dataclass(slots=True)
 class _Slot:
@@ -105,7 +108,11 @@ class Batch:
         # Where each new attention shape costs a build (mlx's CUDA backend),
         # prefills run in few shapes, from the first pass on.
         builds = self.shape_builds
-        self.attention = AttentionShapes(config.prefill_step_size) if builds else None
+        # The most prompt tokens a prompt prefills in one pass. Where every
+        # pass costs a fixed time besides its tokens' (CUDA), larger chunks
+        # take fewer passes to prefill a turn of a long conversation.
+        self.max_chunk = config.prefill_step_size or (CUDA_CHUNK if builds else CHUNK)
+        self.attention = AttentionShapes(self.max_chunk) if builds else None
         if self.attention is not None:
             self.attention.install()
         # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.buffer_cache`).
@@ -136,12 +143,12 @@ class Batch:
         # attention would pass for what much longer prompts cost.
         with self.attention.bypassed() if self.attention is not None else nullcontext():
             self.memory, self.speed = memory_probe.measure(
-                self.model, self._stream, config.prefill_step_size, group,
+                self.model, self._stream, self.max_chunk, group,
                 self.attention.working_set if self.attention is not None else None,
             )  # fmt: skip
         # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = StepClock(self.speed).seconds(
-            config.prefill_step_size, memory_probe.PROBE_CONTEXT
+            self.max_chunk, memory_probe.PROBE_CONTEXT
         )
         mx.reset_peak_memory()
         log.info(
@@ -158,7 +165,7 @@ class Batch:
                 self.model,
                 completion_batch_size=self.batch_size,
                 prefill_batch_size=self.prefill_rows,
-                prefill_step_size=self._config.prefill_step_size,
+                prefill_step_size=self.max_chunk,
                 stream=self._stream,
             )
             for _ in (SHORT, LONG)

@@ -93,7 +93,9 @@ class EngineCore:
             budget = memory_probe.budget(
                 self.config.memory_budget_bytes, self.config.memory_budget_share
             )
-            planner = self._planner(batch.memory, budget, channel, batch.prefill_rows)
+            planner = self._planner(
+                batch.memory, budget, channel, batch.prefill_rows, batch.max_chunk
+            )
             self._check_budget(planner)
             batch.bound_buffer_cache(planner)
             if channel is not None:
@@ -105,6 +107,7 @@ class EngineCore:
                 prefill_rows=batch.prefill_rows,
                 step_seconds=self.config.step_budget_seconds,
                 builds=batch.attention.builds if batch.attention is not None else None,
+                attended=batch.attention.attended if batch.attention is not None else None,
                 prefixes=batch.prefixes,
                 equal_lengths=batch.mode is Mode.EQUAL_LENGTHS,
             )
@@ -164,8 +167,9 @@ class EngineCore:
                      choice.seconds)  # fmt: skip
 
     def _planner(
-        self, model: MemoryModel, budget: int, channel: Channel | None, prefill_rows: int
-    ) -> MemoryPlanner:
+        self, model: MemoryModel, budget: int, channel: Channel | None, prefill_rows: int,
+        max_chunk: int,
+    ) -> MemoryPlanner:  # fmt: skip
         """The budget planner; with several ranks, for the most constrained of them."""
         if channel is not None:
             models, budgets = zip(*channel.gather((model, budget)), strict=True)
@@ -175,7 +179,7 @@ class EngineCore:
         return MemoryPlanner(
             model,
             budget,
-            max_chunk=self.config.prefill_step_size,
+            max_chunk=max_chunk,
             prefill_rows=prefill_rows,
         )
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from smg_mlx.engine.memory import Cost, MemoryPlanner, cost
 from smg_mlx.engine.step_clock import PrefillSpeed
-from smg_mlx.engine.step_plan import LONG, Builds, Passes, StepPlan
+from smg_mlx.engine.step_plan import LONG, Attended, Builds, Passes, StepPlan
 from smg_mlx.engine.types import Request
 from smg_mlx.engine.waiting_room import AGING_SECONDS, Prefixes, Waiting, WaitingRoom
 
@@ -102,11 +102,12 @@ class Scheduler:
         prefill_rows: int,
         step_seconds: float,
         builds: Builds | None = None,
+        attended: Attended | None = None,
         prefixes: Prefixes | None = None,
         equal_lengths: bool = False,
     ) -> None:
         self.planner = planner
-        self.steps = StepPlan(speed, planner.max_chunk, step_seconds, builds)
+        self.steps = StepPlan(speed, planner.max_chunk, step_seconds, builds, attended)
         self.batch_size = batch_size
         self.prefill_rows = prefill_rows
         # Short prompts prefill side by side only with as many tokens left.

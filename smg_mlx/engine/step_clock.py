@@ -3,8 +3,10 @@
 Pure arithmetic, no MLX. A pass (one call of a lane's BatchGenerator; a step
 runs one or more) decodes the lane's running sequences once and prefills a
 chunk of each of its prompts being prefilled; its prefill part costs about
-`tokens x (a + b x context)` seconds: `a` for each prompt token (the weights'
-matrix work), `b` for each token of context it attends to. The start-up probe
+`tokens x a + queries x b x context` seconds: `a` for each prompt token (the
+weights' matrix work), `b` for each token of context each query attends to
+(the queries are its tokens, or more where attention runs padded, see
+`engine.attention_shapes`). The start-up probe
 (`engine.memory_probe`) measures `a` and `b`; the passes the engine then runs
 correct them, since a probe of short prompts cannot see what a long context
 or a first-seen batch shape costs on this device. The correction is kept for
@@ -63,30 +65,34 @@ class StepClock:
         recent = self._corrections.get(_range(context))
         return statistics.median(recent) if recent else 1.0
 
-    def _probe_seconds(self, tokens: int, context: int) -> float:
-        return tokens * (self.speed.per_token + self.speed.per_context * context)
+    def _probe_seconds(self, tokens: int, context: int, queries: int | None) -> float:
+        queries = tokens if queries is None else queries
+        return tokens * self.speed.per_token + queries * self.speed.per_context * context
 
-    def prefill_seconds(self, tokens: int, context: int) -> float:
+    def prefill_seconds(self, tokens: int, context: int, queries: int | None = None) -> float:
         """Prefilling `tokens` prompt tokens (all rows together) at `context`
-        tokens of context (the middle of the chunk)."""
-        return self._probe_seconds(tokens, context) * self.correction(context)
+        tokens of context (the middle of the chunk), attention running
+        `queries` queries (None: the tokens)."""
+        return self._probe_seconds(tokens, context, queries) * self.correction(context)
 
-    def seconds(self, tokens: int, context: int) -> float:
+    def seconds(self, tokens: int, context: int, queries: int | None = None) -> float:
         """A whole pass: decoding the lane's rows, and prefilling as above."""
-        return self.decode_seconds + self.prefill_seconds(tokens, context)
+        return self.decode_seconds + self.prefill_seconds(tokens, context, queries)
 
-    def observe(self, tokens: int, context: int, seconds: float, new_shape: bool = False) -> None:
-        """A pass that prefilled `tokens` at `context` took `seconds`; with
-        `new_shape`, it first built kernels for its shape: what it took past
-        the prediction is that build's cost, not the tokens'."""
+    def observe(self, tokens: int, context: int, seconds: float, new_shape: bool = False,
+                queries: int | None = None) -> None:  # fmt: skip
+        """A pass that prefilled `tokens` at `context` (attention running
+        `queries` queries) took `seconds`; with `new_shape`, it first built
+        kernels for its shape: what it took past the prediction is that
+        build's cost, not the tokens'."""
         if tokens <= 0:
             self.decode_seconds += DECODE_WEIGHT * (seconds - self.decode_seconds)
             return
         if new_shape:
-            extra = max(seconds - self.seconds(tokens, context), 0.0)
+            extra = max(seconds - self.seconds(tokens, context, queries), 0.0)
             self.build_seconds += BUILD_WEIGHT * (extra - self.build_seconds)
             return
-        predicted = self._probe_seconds(tokens, context)
+        predicted = self._probe_seconds(tokens, context, queries)
         if predicted <= 0:
             return
         low, high = CORRECTION_RANGE

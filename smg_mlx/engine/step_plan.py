@@ -23,10 +23,14 @@ model. The rules:
   cache length is a multiple of it: the same attention shapes come back step
   after step and prompt after prompt. On mlx's CUDA backend, which builds a
   cuDNN graph for each new one, such chunks run as they are and other passes
-  in a few padded shapes (`engine.attention_shapes`); a pass that still meets
-  a shape not built yet counts that cost (as the clock has measured it)
-  against the budget, and does not teach the clock that its tokens cost that
-  much, which would shrink the chunks into yet more new shapes.
+  in a few padded shapes (`engine.attention_shapes`). There the clocks count
+  a pass's attention by the queries it runs, padding included: a prompt's
+  short last chunk costs about as much attention as the window it is padded
+  to, and counted by its tokens it would make the full chunks look slow. A
+  pass that still meets a shape not built yet counts that cost (as the clock
+  has measured it) against the budget, and does not teach the clock that its
+  tokens cost that much, which would shrink the chunks into yet more new
+  shapes.
 - **A long prompt's last pass.** mlx-lm moves a prompt into its decoding rows
   in the pass after its last chunk; that pass joins the step of the last
   chunk where the budget holds it (until it runs, no other long prompt may
@@ -69,6 +73,9 @@ Shape = tuple[int, int, int]
 # Whether a pass of (rows, tokens a row, context before) builds kernels first
 # (engine.attention_shapes).
 Builds = Callable[[int, int, int], bool]
+# The queries a row of such a pass runs attention for, padding included
+# (engine.attention_shapes).
+Attended = Callable[[int, int, int], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +122,15 @@ def aligned(chunk: int, length: int) -> int:
 class StepPlan:
     """Each step's passes, planned and then learnt from. Engine thread only."""
 
-    def __init__(self, speed: PrefillSpeed, max_chunk: int, step_seconds: float,
-                 builds: Builds | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, speed: PrefillSpeed, max_chunk: int, step_seconds: float,
+        builds: Builds | None = None, attended: Attended | None = None,
+    ) -> None:  # fmt: skip
         # Each lane's passes are timed, and learnt from, on their own.
         self.clocks = (StepClock(speed), StepClock(speed))
         self.step_seconds = step_seconds
         self.builds = builds
+        self.attended = attended
         self.min_step_tokens = SHAPE_BUILD_STEP_TOKENS if builds else MIN_STEP_TOKENS
         self._sizes = chunk_sizes(max_chunk)
         # The planned step's passes in each lane, with what each prefills.
@@ -188,8 +198,14 @@ class StepPlan:
         """Whether a pass prefilling `part` builds kernels first (None: no prefill)."""
         if self.builds is None or part is None or part.shape is None:
             return False
-        rows, chunk, context = part.shape
-        return self.builds(rows, min(chunk, part.tokens // rows), context)
+        return self.builds(*_per_row(part))
+
+    def _queries(self, part: Part) -> int | None:
+        """The queries `part`'s attention runs, padding included (None: its tokens)."""
+        if self.attended is None or part.shape is None:
+            return None
+        rows, tokens, context = _per_row(part)
+        return rows * self.attended(rows, tokens, context)
 
     def pass_seconds(self, lane: int, part: Part | None) -> float:
         """What a pass of `lane` takes: its decoding rows, and `part`'s
@@ -197,7 +213,7 @@ class StepPlan:
         clock = self.clocks[lane]
         if part is None:
             return clock.decode_seconds
-        seconds = clock.seconds(part.tokens, part.context)
+        seconds = clock.seconds(part.tokens, part.context, self._queries(part))
         return seconds + clock.build_seconds if self._is_new(part) else seconds
 
     def prefill_seconds(self, tokens: int, context: int) -> float:
@@ -273,8 +289,15 @@ class StepPlan:
             self.clocks[lane].observe(0, 0, seconds)
             return
         new = part in self._new
-        self.clocks[lane].observe(part.tokens, part.context, seconds, new_shape=new)
+        clock = self.clocks[lane]
+        clock.observe(part.tokens, part.context, seconds, new, self._queries(part))
         if not new and part.fills and seconds > SLOW_STEP * self.step_seconds:
             if len(self._slow) >= SLOW_REMEMBERED:
                 self._slow.clear()
             self._slow[part.shape] += 1
+
+
+def _per_row(part: Part) -> tuple[int, int, int]:
+    """`part`'s prompt rows, the tokens each prefills, and the context before."""
+    rows, chunk, context = part.shape
+    return rows, min(chunk, part.tokens // rows), context
