@@ -48,7 +48,16 @@ def byte_size(text: str) -> int:
     prefix = (prefix or "").lower()
     decimal = prefix and not binary and text.strip().lower().endswith("b")
     base = 1000 if decimal else 1024
-    return int(float(number) * base ** _POWERS[prefix])
+    size = int(float(number) * base ** _POWERS[prefix])
+    if size == 0 and float(number) != 0:  # read as 0, it would turn a cache off
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
+    return size
+
+
+def _directory(text: str) -> Path:
+    if not text.strip():  # Path("") is the current directory
+        raise argparse.ArgumentTypeError("expected a directory, got an empty path")
+    return Path(text)
 
 
 def memory_budget(text: str) -> tuple[int | None, float | None]:
@@ -239,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--prompt-cache-dir",
-        type=Path,
+        type=_directory,
         metavar="PATH",
         help="where the prefix cache keeps entries on disk: those that leave memory, and "
         "those worth keeping across a restart, read back where that is faster than "
@@ -249,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-cache-disk-bytes",
         type=byte_size,
         metavar="SIZE",
-        help="the most disk the prefix cache may use in --prompt-cache-dir for this model; "
+        help="the most disk the prefix cache may use in --prompt-cache-dir for this model "
+        "(at start-up, other models' folders there that no worker uses go until the "
+        "directory fits it); "
         f"0 turns the disk tier off (default: {DISK_CACHE_SHARE * 100:.0f}%% of the free space, at "
         f"most {DISK_CACHE_MOST >> 30}GiB)",
     )

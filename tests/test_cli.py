@@ -110,6 +110,8 @@ def test_sizes_take_units(text, expected):
     [
         (["--prompt-cache-bytes", "lots"], "expected a size such as 4GiB"),
         (["--prompt-cache-bytes", "4i"], "expected a size such as 4GiB"),
+        (["--prompt-cache-bytes", "0.5"], "'0.5' is less than one byte"),  # not off
+        (["--prompt-cache-dir", ""], "expected a directory, got an empty path"),
         (["--max-response-bytes", "1KiB"], "expected a size of at least 64KiB, got '1KiB'"),
         (["--max-pending", "-1"], "expected a whole number, 0 or more, got '-1'"),
         (["--completion-batch-size", "x"], "expected a whole number of at least 1, got 'x'"),

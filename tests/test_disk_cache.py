@@ -8,8 +8,10 @@ must not change whether a prefix came from memory, from disk or was prefilled.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,7 +19,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine import kv_files
+from smg_mlx.engine import fingerprint, kv_files
+from smg_mlx.engine.disk_folder import Folder
 
 from helpers import generate, prompt, wait_until
 
@@ -160,6 +163,19 @@ def test_an_unusable_directory_logs_one_warning_and_the_worker_serves(
     assert len(warnings) == 1 and str(blocker) in warnings[0].getMessage()
 
 
+def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_disk_bytes=1024)
+        for key in (1, 2):
+            same_as_cold(w, cold, prompt(400, key))
+        w.stop()  # a graceful stop, with time to write
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("smg_mlx")]
+    assert len(warnings) == 1 and "does not fit --prompt-cache-disk-bytes" in warnings[0]
+    assert not files(tmp_path)
+
+
 def test_a_second_worker_on_the_same_directory_says_why_it_goes_without(
     start_worker, model_dir, cold, tmp_path, caplog
 ):
@@ -264,3 +280,40 @@ def test_a_file_cut_anywhere_is_refused(tmp_path):
             kv_files.read(path)
         with pytest.raises(kv_files.BadFile):
             kv_files.read_key(path)
+
+
+def test_weights_rewritten_in_a_few_places_are_another_model(tmp_path, monkeypatch):
+    # Large files are sampled, not read whole: bytes between the samples changed
+    # (a few tensors of an adapter fused in) still make another fingerprint.
+    for name, value in (("WHOLE_BELOW", 1024), ("HEAD_BYTES", 256), ("SAMPLES", 4),
+                        ("SAMPLE_BYTES", 64)):  # fmt: skip
+        monkeypatch.setattr(fingerprint, name, value)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * 64)
+    before = fingerprint.fingerprint([tmp_path], ["v"])
+    time.sleep(0.05)  # written later, as a fine-tune is
+    with open(weights, "r+b") as f:
+        f.seek(3000)  # between the samples
+        f.write(b"\xff" * 16)
+    assert len(weights.read_bytes()) == 256 * 64
+    assert fingerprint.fingerprint([tmp_path], ["v"]) != before
+
+
+def test_other_models_folders_no_worker_uses_go_oldest_first_past_the_bound(
+    model_dir, tmp_path, caplog
+):
+    folders = [tmp_path / name for name in ("old", "newer", "in-use")]
+    for age, folder in enumerate(folders):
+        folder.mkdir()
+        (folder / "model.json").write_text("{}")
+        (folder / "x.kv").write_bytes(bytes(600_000))
+        os.utime(folder / "x.kv", (1000 + age, 1000 + age))  # last used long ago, in order
+    lock = Folder._take_lock(folders[2])  # another worker serves that model
+    with caplog.at_level(logging.INFO):
+        folder = Folder(tmp_path, [model_dir], ["v"], 1_500_000, lambda: None)
+        assert folder.opened().error is None
+    folder.close(release_lock=True)
+    os.close(lock)
+    # 1.8 MB of other models' entries in a directory of 1.5 MB: the oldest went.
+    assert [f.exists() for f in folders] == [False, True, True]
+    assert "another model's entries last used" in caplog.text

@@ -4,7 +4,9 @@ an Inbox in, a Sink out, as any front door (or a follower rank) uses it."""
 from __future__ import annotations
 
 import json
+import logging
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ import pytest
 from smg_mlx.config import EngineConfig
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine import attention_shapes, warm_up
+from smg_mlx.engine import core as core_module
 from smg_mlx.engine.batch import Batch
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
@@ -467,3 +470,17 @@ def test_the_prefill_chunk_is_the_backends_unless_one_is_given(model_dir, monkey
     monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
     assert max_chunk() == 4096
     assert max_chunk(prefill_step_size=1024) == 1024
+
+
+def test_a_long_prefill_logs_its_progress(model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(core_module, "PROGRESS_SECONDS", 0.0)  # every step
+    inbox = Inbox()
+    with caplog.at_level(logging.INFO, logger="smg_mlx.engine.core"):
+        sink, thread = start_core(model_dir, inbox, step_budget_seconds=1e-6)
+        inbox.submit(Request(1, spec(prompt(1500, 1), max_tokens=2), "doc-1"))
+        sink.events_of(1)
+        inbox.stop()
+        thread.join(TIMEOUT)
+    lines = re.finditer(r"'doc-1': (\d+) of 1500 prompt tokens prefilled", caplog.text)
+    done = [int(line.group(1)) for line in lines]
+    assert len(done) > 3 and done == sorted(done) and done[-1] < 1500

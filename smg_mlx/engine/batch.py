@@ -195,6 +195,14 @@ class Batch:
         """Requests whose prompt is not all processed."""
         return sum(slot.started and slot.prefilling for slot in self._slots.values())
 
+    def prefills(self) -> list[tuple[str, int, int]]:
+        """(request id, tokens in its cache, prompt tokens) of each prompt prefilling."""
+        return [
+            (slot.request.request_id, slot.context, len(slot.inserted.prompt))
+            for slot in self._slots.values()
+            if slot.started and slot.prefilling
+        ]
+
     @property
     def waiting(self) -> int:
         """Requests admitted that BatchGenerator has not started yet."""

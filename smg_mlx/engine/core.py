@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import astuple
 from typing import TYPE_CHECKING
@@ -61,6 +62,9 @@ FLUSH_SECONDS = 15.0
 # How often a loop with nothing to run looks again at requests waiting for
 # their prefix to be read from disk (a finished read wakes it sooner).
 READ_WAIT_SECONDS = 0.05
+# A prompt still prefilling after this long logs how far it has come, and again
+# as often: a long context on a small machine takes minutes.
+PROGRESS_SECONDS = 10.0
 
 
 class EngineCore:
@@ -113,8 +117,12 @@ class EngineCore:
             )
             if disk is not None:
                 batch.prefixes.attach(disk, scheduler.steps.prefill_seconds)
+            elif batch.prefixes is None:
+                log.info("the prompt cache is off (--prompt-cache-bytes 0)")
             elif group is not None and self.config.prompt_cache_dir is not None:
                 log.info("the prompt cache's disk tier is off: the model is split over ranks")
+            elif self.config.prompt_cache_disk_bytes == 0:
+                log.info("the prompt cache's disk tier is off (--prompt-cache-disk-bytes 0)")
             if batch.prefixes is not None:
                 batch.prefixes.room = planner.prefix_allowance([])
                 batch.prefixes.reset_counts()
@@ -201,6 +209,20 @@ class EngineCore:
 
     # ---- rank 0 (or the only rank) ----
 
+    @staticmethod
+    def _progress(batch: Batch, due: float) -> float:
+        """Log how far the prompts prefilling have come, if it is `due`; when
+        to next (PROGRESS_SECONDS on from now while none prefills)."""
+        now = time.monotonic()
+        prefills = batch.prefills()
+        if not prefills:
+            return now + PROGRESS_SECONDS
+        if now < due:
+            return due
+        for request_id, done, total in prefills:
+            log.info("request %r: %d of %d prompt tokens prefilled", request_id, done, total)
+        return now + PROGRESS_SECONDS
+
     def _lead(self, batch: Batch, scheduler: Scheduler, channel: Channel | None) -> None:
         inbox, sink = self.inbox, self.sink
         window = self.config.burst_window_seconds
@@ -214,6 +236,7 @@ class EngineCore:
         bursts = BurstGatherer(window, batch.prefill_rows)
         failures = 0  # failed steps since the last good one
         sent: list[Event] = []  # the step's short-lane events, sent before its long lane ran
+        progress_at = time.monotonic() + PROGRESS_SECONDS  # the next prefill progress line
 
         def early(short: list[Event]) -> None:
             sent.extend(short)
@@ -259,6 +282,7 @@ class EngineCore:
                     )
                 if turn.stop:
                     return
+                progress_at = self._progress(batch, progress_at)
                 if idle:
                     # With followers, an idle rank 0 still sends a turn now and
                     # then, so that they can tell it from a dead one; it also

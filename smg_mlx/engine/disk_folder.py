@@ -37,6 +37,7 @@ import numpy as np
 from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE
 from smg_mlx.engine import kv_files
 from smg_mlx.engine.fingerprint import fingerprint
+from smg_mlx.engine.memory import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ class Folder:
                 free = shutil.disk_usage(path).free + sum(f[-1] for f in opened.files)
                 max_bytes = min(int(free * DISK_CACHE_SHARE), DISK_CACHE_MOST)
             opened.max_bytes = max_bytes
+            self._prune(path, max_bytes, sum(f[-1] for f in opened.files))
             opened.write_rate = self._probe(path)
             opened.path = path
         except OSError as exc:
@@ -211,6 +213,43 @@ class Folder:
             opened.error = str(exc) if isinstance(exc, _Locked) else repr(exc)
         opened.seconds = time.perf_counter() - began
         return opened
+
+    def _prune(self, ours: Path, max_bytes: int, held: int) -> None:
+        """Delete other models' folders that no worker uses, least recently
+        used first, until the directory holds at most `max_bytes` with this
+        model's `held`: models served here before would otherwise fill the
+        disk one bound at a time."""
+        others = []
+        for folder in self.directory.iterdir():
+            try:
+                if folder == ours or not (folder / "model.json").is_file():
+                    continue
+                files = [f.stat() for f in folder.iterdir() if f.is_file()]
+            except OSError:
+                continue  # going, or not ours to read
+            size = sum(f.st_size for f in files)
+            others.append((max(f.st_mtime for f in files), size, folder))
+            held += size
+        for used, size, folder in sorted(others):
+            if held <= max_bytes:
+                break
+            try:
+                lock = self._take_lock(folder)
+            except (_Locked, OSError):
+                continue  # another worker serves that model
+            try:
+                shutil.rmtree(folder)
+            except OSError as exc:
+                log.warning("prompt cache: cannot delete %s: %s", folder, exc)
+                continue
+            finally:
+                os.close(lock)
+            held -= size
+            log.info(
+                "prompt cache: deleted %s (%s), another model's entries last used %s, to keep "
+                "the directory within %s", folder, format_bytes(size),
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(used)), format_bytes(max_bytes),
+            )  # fmt: skip
 
     @staticmethod
     def _take_lock(path: Path) -> int:

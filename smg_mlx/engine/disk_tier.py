@@ -120,6 +120,7 @@ class DiskTier:
         self._reads: dict[str, Read] = {}  # by file name
         self._copying: list[Read] = []
         self._full_warned = False
+        self._cap_warned = False
         versions = (FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
                     str(mx.default_device()))  # fmt: skip
         self._folder = Folder(self.directory, model_dirs, versions, max_bytes, wake)
@@ -290,6 +291,13 @@ class DiskTier:
     def _room_for(self, nbytes: int) -> bool:
         """Make room under the size bound, and check the device's free space."""
         if nbytes > self._max_bytes:
+            if not self._cap_warned:
+                log.warning(
+                    "prompt cache: an entry of %s does not fit --prompt-cache-disk-bytes (%s): "
+                    "entries that large stay in memory only",
+                    format_bytes(nbytes), format_bytes(self._max_bytes),
+                )  # fmt: skip
+                self._cap_warned = True
             return False
         self._evict(nbytes + sum(w.nbytes for w in self._writes.values()))
         free = self._folder.free_bytes()
@@ -356,7 +364,7 @@ class DiskTier:
 
     def _fail(self, read: Read) -> None:
         """A read that failed: a bad file is deleted, the request prefills."""
-        log.warning("prompt cache: ignored %s: %s", read.name, read.error)
+        log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
         if isinstance(read.error, kv_files.BadFile):
             self.stats.corrupt += 1
         self.tree.remove(read.entry)
@@ -405,13 +413,18 @@ class DiskTier:
         if self.open and seconds > 0:
             self._candidates.clear()
             end = time.monotonic() + seconds
-            for entry in memory.tree:
+            entries, started = list(memory.tree), 0
+            for entry in entries:
                 self._drain(memory, end, MAX_QUEUED_WRITES - 1)
                 if time.monotonic() >= end:
                     break
                 self._start_write(entry)
+                started += 1
             self._drain(memory, end, 0)
-            left = sum(not e.value.written and self._worth(e) for e in memory.tree)
+            # Those the time given left unwritten (others were not worth it,
+            # or not to be written: covered, too large, no room).
+            late = entries[started:]
+            left = len(self._writes) + sum(not e.value.written and self._worth(e) for e in late)
             if left:
                 log.warning("prompt cache: %d entries not written to disk in the %.0fs given",
                             left, seconds)  # fmt: skip

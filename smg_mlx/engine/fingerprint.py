@@ -5,10 +5,11 @@ fingerprint covers the model directory's files (config, tokenizer, weights,
 and an adapter's), the versions of mlx and mlx-lm (their kernels round
 differently) and the device kind. Small files are hashed whole; large ones
 (weights) by their size, their first MiB (a safetensors header names every
-tensor) and samples spread over the rest: fine-tuned weights of the same
-shapes differ in almost every byte, and an 8B model is fingerprinted in
-milliseconds rather than the seconds a full hash takes. No MLX here: it runs
-on the disk tier's thread.
+tensor), samples spread over the rest, and the time they were last written:
+an 8B model is fingerprinted in milliseconds rather than the seconds a full
+hash takes. Fully fine-tuned weights differ in almost every byte, but a few
+tensors changed (an adapter fused in) may miss every sample, while writing
+them changes the file's time. No MLX here: it runs on the disk tier's thread.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ SAMPLE_BYTES = 64 << 10
 
 
 def _file(digest: hashlib._Hash, path: Path) -> None:
-    size = path.stat().st_size
+    stat = path.stat()
+    size = stat.st_size
     digest.update(f"{path.name}\0{size}\0".encode())
     with open(path, "rb") as f:
         if size < WHOLE_BELOW:
             digest.update(f.read())
             return
+        digest.update(f"{stat.st_mtime_ns}\0".encode())
         digest.update(f.read(HEAD_BYTES))
         for i in range(1, SAMPLES + 1):
             f.seek((size - SAMPLE_BYTES) * i // SAMPLES)

@@ -257,10 +257,10 @@ class Scheduler:
             if long:
                 to_long.add(waiting.request.key)
                 log.info(
-                    "request %r: a long prompt starts (%d tokens to prefill) after %.1fs; "
-                    "%d request(s) wait",
-                    waiting.request.request_id, waiting.prefill, now - waiting.arrived,
-                    len(self._room),
+                    "request %r: a long prompt starts (%d of %d tokens to prefill) after "
+                    "%.1fs; %d request(s) wait",
+                    waiting.request.request_id, waiting.prefill,
+                    len(waiting.request.spec.prompt), now - waiting.arrived, len(self._room),
                 )  # fmt: skip
         return admitted, to_long, tuple(refused), for_memory
 
