@@ -484,3 +484,28 @@ def test_a_long_prefill_logs_its_progress(model_dir, monkeypatch, caplog):
     lines = re.finditer(r"'doc-1': (\d+) of 1500 prompt tokens prefilled", caplog.text)
     done = [int(line.group(1)) for line in lines]
     assert len(done) > 3 and done == sorted(done) and done[-1] < 1500
+
+
+def test_a_stream_grown_long_moves_out_of_the_chats_lane_and_goes_on_as_alone(chunked_core):
+    inbox, sink = chunked_core
+    inbox.submit(Request(1, spec(prompt(8, 1), max_tokens=900)))
+    alone = [e.token for e in sink.events_of(1)]
+    inbox.submit(Request(2, spec(prompt(8, 1), max_tokens=900)))
+    streamed = [e.token for e in sink.events_of(2, count=700)]  # long by now
+    stream_kv = sink.last.memory.kv
+    chats = (3, 4, 5)
+    for key in chats:
+        inbox.submit(Request(key, spec(prompt(20, key), max_tokens=30)))
+    tokens: dict[int, list[int]] = {key: [] for key in (2, *chats)}
+    beside = []  # the batch's KV while the chats run
+    while len(tokens[2]) + len(streamed) < 900:
+        report = sink.next_report()
+        for e in report.events:
+            tokens[e.key] += [e.token] if e.token is not None else []
+        if all(0 < len(tokens[key]) < 30 for key in chats):
+            beside.append(report.memory.kv)
+    # In the stream's lane, mlx-lm would pad each chat's cache to its length
+    # (4x the stream's alone); in a lane of their own they hold their own.
+    assert beside and max(beside) < 2.5 * stream_kv
+    assert streamed + tokens[2] == alone and len(set(alone)) > 3
+    assert all(len(tokens[key]) == 30 for key in chats)

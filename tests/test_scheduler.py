@@ -491,3 +491,30 @@ def test_with_equal_lengths_only_short_prompts_prefill_together_at_one_length():
     free = make()
     free.add([req(1, 300), req(2, 100), req(3, 300), req(4, 100)], now=0)
     assert keys(free.schedule([], 0, now=0).admit) == [2, 4, 1, 3]
+
+
+def stream(key: int, length: int, left: int = 10_000) -> Running:
+    """A sequence decoding in the short lane, `length` tokens in its cache, `left` to go."""
+    return Running(Cost(length, length + left, 0), 0, length, key)
+
+
+def test_a_stream_grown_long_leaves_the_chats_lane_while_the_long_lane_prefills_nothing():
+    s = make()
+    long_tokens = LONG_PROMPT_STEPS * s.steps.row_chunk(1, 0)
+    grown, chat = stream(1, long_tokens + 10), stream(2, 60, left=20)
+    assert s.schedule([grown, chat], 0, now=0).move == (1,)
+    assert s.schedule([grown], 0, now=0).move == ()  # alone: no chat to spare its padding
+    assert s.schedule([stream(1, long_tokens - 10), chat], 0, now=0).move == ()  # not long yet
+    busy = prefilling(3 * long_tokens, done=long_tokens, long=True)
+    assert s.schedule([grown, chat, busy], 0, now=0).move == ()  # it would be padded to that
+
+
+def test_a_stream_moves_sooner_where_chats_wait_for_the_memory_its_padding_holds():
+    s = make(budget_mib=140)
+    running = [stream(1, 3000, left=100)]
+    s.add([req(key, 200) for key in range(2, 10)], now=0)
+    plan = s.schedule(running, 0, now=0)
+    assert plan.waiting_for_memory and plan.move == (1,)
+    moved = [Running(Cost(3001, 3100, 0, True), 0, 3000, 1)]  # as the batch then holds it
+    chats = [Running(Cost(200, 216, 0, generated=1), 0, 200, 2 + i) for i in range(len(plan.admit))]
+    assert keys(s.schedule(moved + chats, 0, now=0).admit) == list(range(2 + len(chats), 10))

@@ -396,6 +396,47 @@ class Batch:
                 events.append(Event(slot.key, finish_reason="abort"))
         return events
 
+    def move(self, keys: Iterable[int]) -> list[Event]:
+        """Move these decoding requests to the long prompts' lane, each row
+        with its cache as it is: put in again there, with the token mlx-lm
+        has sampled for it still to process, which goes out now (unless it
+        went out early). A request that token ends stays where it is."""
+        events = []
+        for key in keys:
+            lane, uid = self._uids[key]
+            slot = self._slots[lane, uid]
+            rows = self._lanes[lane]._generation_batch  # mlx-lm's decoding rows
+            i = rows.uids.index(uid)
+            token = rows._next_tokens[i].item()
+            _, _, stop = slot.options
+            sent = len(slot.generated) + (not slot.ahead)
+            if sent >= slot.request.spec.max_tokens or (not slot.ahead and stop.advance(token)):
+                continue
+            if not slot.ahead:
+                events += self._tokens(lane, [_Sampled(uid, token, rows._next_logprobs[i])])
+            cache, tokens = self._lanes[lane].remove([uid], return_prompt_caches=True)[uid]
+            del self._slots[lane, uid]
+            sampler, processors, stop = slot.options
+            (moved,) = self._lanes[LONG].insert(
+                [[token]],
+                max_tokens=[slot.request.spec.max_tokens - len(slot.generated)],
+                caches=[cache],
+                all_tokens=[list(tokens)],
+                samplers=[sampler],
+                logits_processors=[processors],
+                stop_sequences=[stop],
+            )
+            slot.lane, slot.start, slot.processed = LONG, len(tokens), 0
+            slot.prefilling, slot.ahead = True, False
+            slot.inserted = replace(
+                slot.inserted,
+                prompt=(*tokens, token),
+                max_tokens=slot.request.spec.max_tokens - len(slot.generated),
+            )
+            self._slots[LONG, moved] = slot
+            self._uids[key] = (LONG, moved)
+        return events
+
     def step(
         self,
         chunk: int,

@@ -364,8 +364,9 @@ class EngineCore:
             plan.chunk,
             plan.long_chunks,
             plan.expected_seconds,
+            move=plan.move,
         )
-        changes = remove or drop or plan.admit or plan.refuse
+        changes = remove or drop or plan.admit or plan.refuse or plan.move
         steady = not changes and not batch.prefilling and not batch.waiting
         self._turn = turn if steady else None
         return turn, events
@@ -460,6 +461,7 @@ class EngineCore:
         # Drops first: they name entries as they were when rank 0 decided.
         batch.drop_cached(turn.drop_cached)
         events = batch.remove(turn.remove)
+        events += batch.move(turn.move)
         events += batch.admit(list(turn.admit), turn.long)
         return events
 

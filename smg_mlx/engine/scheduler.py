@@ -80,6 +80,7 @@ class Plan:
 
     admit: tuple[Request, ...] = ()  # start now, in this order
     long: tuple[int, ...] = ()  # keys of those admitted that go to the long lane
+    move: tuple[int, ...] = ()  # keys of decoding sequences that move to the long lane
     refuse: tuple[Request, ...] = ()  # can never fit in memory
     chunk: int | None = None  # the short lane's chunk per prompt row; None: no step
     long_chunks: tuple[int, ...] = ()  # the long lane's chunks, one call each (see _long_parts)
@@ -147,7 +148,10 @@ class Scheduler:
         admitted, to_long, refused, for_memory = self._admit(running, prefilling, long, now)
         starting_long = [w for w in admitted if w.request.key in to_long]
         starting_short = [w for w in admitted if w.request.key not in to_long]
-        costs = [r.cost for r in running] + [w.cost(w.request.key in to_long) for w in admitted]
+        starting = [w.cost(w.request.key in to_long) for w in admitted]
+        move = self._to_move(running, starting, long, for_memory)
+        running = [_moved(r) if r.key in move else r for r in running]
+        costs = [r.cost for r in running] + starting
         keep = tuple({w.reuse.entry for w in admitted if w.reuse.entry is not None})
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
@@ -172,6 +176,7 @@ class Scheduler:
         return Plan(
             admit=tuple(w.request for w in admitted),
             long=tuple(w.request.key for w in starting_long),
+            move=move,
             refuse=refused,
             chunk=chunk,
             long_chunks=long_chunks,
@@ -181,6 +186,34 @@ class Scheduler:
             prefill_bytes=self.planner.prefill_bytes(costs, max((chunk, *long_chunks))),
             waiting_for_memory=for_memory,
         )
+
+    def _to_move(
+        self, running: Sequence[Running], starting: list[Cost], long_tokens: int, for_memory: int
+    ) -> tuple[int, ...]:
+        """The key of a decoding sequence of the short lane to move to the long
+        lane now, if any. mlx-lm pads every row of a lane to its longest: a
+        stream grown long makes each chat beside it attend over, and hold
+        memory for, as many tokens. It moves once it is long (as a prompt of
+        its length would be), or sooner where requests wait for memory its
+        padding holds; only while the long lane prefills nothing (it would be
+        padded to that prompt) and the batch fits with it there."""
+        shorts = [r for r in running if not r.long] + [c for c in starting if not c.long]
+        if any(r.long and r.cost.prefilling for r in running) or any(c.long for c in starting):
+            return ()
+        grown = [r for r in running if not r.long and not r.cost.prefilling]
+        if len(shorts) < 2 and not for_memory or not grown:
+            return ()
+        stream = max(grown, key=lambda r: r.cost.length)
+        costs = [r.cost for r in running] + starting
+        moved = [_moved(r).cost if r is stream else r.cost for r in running] + starting
+        if not self.planner.fits(moved):
+            return ()
+        if stream.cost.length > long_tokens or (
+            for_memory and self.planner.need(moved) < self.planner.need(costs)
+        ):
+            log.info("a stream of %d tokens moves to the long lane", stream.cost.length)
+            return (stream.key,)
+        return ()
 
     def _admit(
         self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float
@@ -270,3 +303,10 @@ def _at_least(a: Cost, b: Cost) -> bool:
     return a.long == b.long and a.total >= b.total and a.prefill >= b.prefill and (
         a.prompt >= b.prompt
     )
+
+
+def _moved(r: Running) -> Running:
+    """A decoding sequence as it is once moved to the long lane: its tokens
+    the prompt of a request put in again, its last one still to process."""
+    cost = Cost(r.cost.length + 1, r.cost.total, 1, True)
+    return Running(cost, 0, r.cost.length, r.key)

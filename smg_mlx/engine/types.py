@@ -169,3 +169,4 @@ class Turn:
     long_chunks: tuple[int, ...] = ()  # the long lane's chunks this step, a call each
     expected_seconds: float = 0.0  # how long its step may take (the watchdog's measure)
     stop: bool = False
+    move: tuple[int, ...] = ()  # keys of decoding requests that move to the long prompts' lane
