@@ -435,6 +435,10 @@ class Batch:
             )
             self._slots[LONG, moved] = slot
             self._uids[key] = (LONG, moved)
+            log.info(
+                "request %r: its %d tokens move to the long prompts' lane, away from the "
+                "short ones", slot.request.request_id, len(slot.inserted.prompt),
+            )  # fmt: skip
         return events
 
     def step(

@@ -211,7 +211,6 @@ class Scheduler:
         if stream.cost.length > long_tokens or (
             for_memory and self.planner.need(moved) < self.planner.need(costs)
         ):
-            log.info("a stream of %d tokens moves to the long lane", stream.cost.length)
             return (stream.key,)
         return ()
 
