@@ -83,6 +83,11 @@ class _Slot:
         """Prompt tokens still to prefill, the last one aside."""
         return len(self.inserted.prompt) - 1 - self.context if self.prefilling else 0
 
+    def ends_with(self, token: int) -> bool:
+        """Whether `token`, sent next, ends the request: its last, or a stop token."""
+        _, _, stop = self.options
+        return len(self.generated) + 1 >= self.request.spec.max_tokens or stop.advance(token)
+
 
 class _Sampled(NamedTuple):
     """A token mlx-lm has sampled but not returned yet (see `Batch._first_tokens`)."""
@@ -408,18 +413,17 @@ class Batch:
             rows = self._lanes[lane]._generation_batch  # mlx-lm's decoding rows
             i = rows.uids.index(uid)
             token = rows._next_tokens[i].item()
-            _, _, stop = slot.options
-            sent = len(slot.generated) + (not slot.ahead)
-            if sent >= slot.request.spec.max_tokens or (not slot.ahead and stop.advance(token)):
-                continue
-            if not slot.ahead:
+            if not slot.ahead:  # (one that went out early could not end its request)
+                if slot.ends_with(token):
+                    continue
                 events += self._tokens(lane, [_Sampled(uid, token, rows._next_logprobs[i])])
             cache, tokens = self._lanes[lane].remove([uid], return_prompt_caches=True)[uid]
             del self._slots[lane, uid]
             sampler, processors, stop = slot.options
+            left = slot.request.spec.max_tokens - len(slot.generated)
             (moved,) = self._lanes[LONG].insert(
                 [[token]],
-                max_tokens=[slot.request.spec.max_tokens - len(slot.generated)],
+                max_tokens=[left],
                 caches=[cache],
                 all_tokens=[list(tokens)],
                 samplers=[sampler],
@@ -428,11 +432,7 @@ class Batch:
             )
             slot.lane, slot.start, slot.processed = LONG, len(tokens), 0
             slot.prefilling, slot.ahead = True, False
-            slot.inserted = replace(
-                slot.inserted,
-                prompt=(*tokens, token),
-                max_tokens=slot.request.spec.max_tokens - len(slot.generated),
-            )
+            slot.inserted = replace(slot.inserted, prompt=(*tokens, token), max_tokens=left)
             self._slots[LONG, moved] = slot
             self._uids[key] = (LONG, moved)
             log.info(
@@ -545,8 +545,7 @@ class Batch:
         sampled = []
         for uid in uids:
             slot, i = self._slots[lane, uid], where[uid]
-            _, _, stop = slot.options
-            if slot.inserted.max_tokens > 1 and not stop.advance(tokens[i]):
+            if not slot.ends_with(tokens[i]):
                 slot.ahead = True
                 sampled.append(_Sampled(uid, tokens[i], rows._next_logprobs[i]))
         return self._tokens(lane, sampled)

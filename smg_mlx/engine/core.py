@@ -214,12 +214,11 @@ class EngineCore:
         """Log how far the prompts prefilling have come, if it is `due`; when
         to next (PROGRESS_SECONDS on from now while none prefills)."""
         now = time.monotonic()
-        prefills = batch.prefills()
-        if not prefills:
+        if not batch.prefilling:
             return now + PROGRESS_SECONDS
         if now < due:
             return due
-        for request_id, done, total in prefills:
+        for request_id, done, total in batch.prefills():
             log.info("request %r: %d of %d prompt tokens prefilled", request_id, done, total)
         return now + PROGRESS_SECONDS
 

@@ -289,8 +289,9 @@ class StepPlan:
             self.clocks[lane].observe(0, 0, seconds)
             return
         new = part in self._new
-        clock = self.clocks[lane]
-        clock.observe(part.tokens, part.context, seconds, new, self._queries(part))
+        self.clocks[lane].observe(
+            part.tokens, part.context, seconds, new_shape=new, queries=self._queries(part)
+        )
         if not new and part.fills and seconds > SLOW_STEP * self.step_seconds:
             if len(self._slow) >= SLOW_REMEMBERED:
                 self._slow.clear()
