@@ -12,23 +12,27 @@ OWN = mx.fast.scaled_dot_product_attention  # mlx's, as no wrapper has it yet
 
 
 def test_one_row_runs_causal_as_the_full_chunk_at_its_window_end():
-    windows = (512, 2048)
+    windows = windows_for(2048)
     follow_ups = {shape_key(1, n, 32_768 + 64 + n, True, windows) for n in (30, 200, 440)}
     assert follow_ups == {(1, 512, 33_280, True)}
     assert shape_key(1, 1000, 32_768 + 1100, True, windows) == (1, 2048, 34_816, True)
     assert shape_key(1, 2048, 16_384, True, windows) == (1, 2048, 16_384, True)  # planned
-    crossing = shape_key(1, 2048, 16_384 + 100, True, windows)  # spans two windows: masked
-    assert crossing == (1, 2048, 20_480, False)
+    # A last piece across a boundary: the spanning window, ending on the smallest's grid.
+    assert shape_key(1, 2048, 16_384 + 100, True, windows) == (1, 2560, 16_896, True)
+    crossing = shape_key(1, 2500, 16_384 + 100, True, windows)  # more than a chunk: masked
+    assert crossing == (1, 4096, 20_480, False)
+    assert shape_key(1, 600, 700, True, windows) == (1, 2048, 2048, True)  # not before key 0
     assert not shape_key(4, 2048, 4096, False, windows)[3]  # several rows come with a mask
 
 
 def test_a_chunk_larger_than_mlx_lms_keeps_its_window_for_what_fits_it():
-    assert windows_for(2048) == (512, 2048)
-    assert windows_for(4096) == (512, 2048, 4096)
+    assert [w.queries for w in windows_for(2048)] == [512, 2048, 2560]
+    assert [w.queries for w in windows_for(4096)] == [512, 2048, 4096, 4608]
     shapes = AttentionShapes(4096)
-    # A turn of 4,095 tokens after 28,864: to the 4,096 boundary, then the rest.
+    # A turn of 4,096 tokens after 28,864, in one pass across the 32,768
+    # boundary: as many queries as to the boundary (4,096) and the rest (512).
+    assert shapes.attended(1, 4096, 28_864) == 4608
     assert shapes.attended(1, 32_768 - 28_864, 28_864) == 4096
-    assert shapes.attended(1, 191, 32_768) == 512
     assert shapes.attended(1, 1000, 8192 + 1024) == 2048  # not padded to 4,096
     assert shapes.attended(3, 300, 1000) == 512  # several rows: the query bucket
 
@@ -57,7 +61,8 @@ def test_padded_attention_equals_attention_in_its_own_shape(shapes):
     for n, (batch, queries, keys, mask) in enumerate([
         (1, 200, 1000, "causal"),  # padded to the window's end
         (1, 512, 1024, "causal"),  # a full chunk
-        (1, 400, 1100, "causal"),  # across two windows: masked
+        (1, 400, 1100, "causal"),  # across two windows: the spanning one
+        (1, 900, 1100, "causal"),  # more than a chunk: masked
         (1, 40, 90, None),
         (3, 50, 300, rows),
         (3, 50, 300, mx.where(rows, 0.0, -1e9).astype(mx.bfloat16)),

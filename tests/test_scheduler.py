@@ -201,7 +201,7 @@ def test_a_short_prompt_prefilling_beside_a_long_one_does_not_shrink_the_long_on
     s = make(step_ms=300)
     long = prefilling(100_000, done=2048, long=True)
     beside = s.schedule([long, prefilling(3000, done=1000)], 0)
-    assert beside.chunk == 1048  # the short one catches up with the grid
+    assert beside.chunk == 1999  # the short one's last 1,999 tokens: one pass
     assert beside.long_chunks[0] == 2048
 
 
@@ -395,6 +395,18 @@ def test_where_attention_runs_padded_each_turn_of_a_long_history_keeps_to_the_bu
             assert sum(passes) <= s.steps.step_seconds  # a running stream's pause
             assert abs(plan.expected_seconds - sum(passes)) <= 0.05 * sum(passes)
         context = end + 32
+
+
+def test_a_turns_new_tokens_after_a_cached_history_take_one_pass_wherever_they_end():
+    windows = windows_for(2048)
+    s = make(step_ms=1000, attended=lambda rows, tokens, context: shape_key(
+        rows, tokens, context + tokens, rows == 1, windows)[1])  # fmt: skip
+    history = 20_000 + 32  # not on the chunks' grid
+    for lane in (False, True):
+        turn = s.schedule([prefilling(history + 2000, done=history, long=lane)], 0)
+        assert (turn.long_chunks[:1] if lane else (turn.chunk,)) == (1999,)
+    # More than a chunk to go: first to the grid, as ever.
+    assert s.schedule([prefilling(history + 3000, done=history)], 0).chunk == 448
 
 
 def test_no_long_prompt_starts_in_the_step_where_the_one_before_ends():

@@ -9,13 +9,17 @@ takes one of few shapes instead:
 
 - **regular**: one row, causal, its queries within one window (an aligned
   span of the step plan's smallest or largest chunk length: the step plan
-  cuts prompts so, and a short follow-up fits one too). Keys and values are
-  padded at the end to the window's end, queries at the end by as many and
-  in front to the window's length: causal attention lines the last query up
-  with the last key, so each real query sees what it saw, and the call runs
-  causal as a full chunk at the window's end: one shape per window, whatever
-  the lengths. Its inputs are made contiguous: the graph is keyed by their
-  strides too, and the keys' would follow the cache buffer's spare room.
+  cuts prompts so, and a short follow-up fits one too), or within the
+  spanning window: the largest chunk and the smallest, ending on a multiple
+  of the smallest, which holds a prompt's last piece of up to a chunk
+  wherever it starts (the step plan prefills that in one pass rather than
+  two). Keys and values are padded at the end to the window's end, queries
+  at the end by as many and in front to the window's length: causal
+  attention lines the last query up with the last key, so each real query
+  sees what it saw, and the call runs causal as a full chunk at the window's
+  end: one shape per window and end, whatever the lengths. Its inputs are
+  made contiguous: the graph is keyed by their strides too, and the keys'
+  would follow the cache buffer's spare room.
 - **bucketed**: any other call (several rows, which come with a mask array).
   Queries are padded to a power of two (at least QUERY_BUCKET), keys and
   values to the next key bucket, and an additive mask gives each real query
@@ -37,7 +41,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
@@ -63,6 +67,18 @@ MASK_BYTES = 4
 
 # rows, queries, keys and whether it is regular (causal as it is) or bucketed
 Key = tuple[int, int, int, bool]
+
+
+class Window(NamedTuple):
+    """A regular window: its queries, and the multiple its keys end on."""
+
+    queries: int
+    step: int
+
+    def ends(self, context: int) -> range:
+        """The key lengths it runs at, up to `context` and the window past it."""
+        first = -(-self.queries // self.step) * self.step
+        return range(first, context + self.step, self.step)
 # heads, kv heads, key and value head sizes, dtype
 Geometry = tuple[int, int, int, int, Any]
 
@@ -78,23 +94,25 @@ def key_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def windows_for(max_chunk: int) -> tuple[int, ...]:
-    """The regular windows, smallest first, for prefill chunks of at most
-    `max_chunk`: the smallest chunk the step plan gives one row where shapes
-    cost builds, MIDDLE_WINDOW, and its largest power-of-two one."""
+def windows_for(max_chunk: int) -> tuple[Window, ...]:
+    """The regular windows, fewest queries first, for prefill chunks of at
+    most `max_chunk`: the smallest chunk the step plan gives one row where
+    shapes cost builds, MIDDLE_WINDOW, its largest power-of-two one, and the
+    spanning window (the largest and the smallest, on the smallest's grid)."""
     largest = 1 << (max_chunk.bit_length() - 1)
-    sizes = (SHAPE_BUILD_STEP_TOKENS, MIDDLE_WINDOW, largest)
-    return tuple(sorted({min(size, largest) for size in sizes}))
+    wanted = (SHAPE_BUILD_STEP_TOKENS, MIDDLE_WINDOW, largest)
+    sizes = sorted({min(size, largest) for size in wanted})
+    return (*(Window(size, size) for size in sizes), Window(largest + sizes[0], sizes[0]))
 
 
-def shape_key(rows: int, queries: int, keys: int, causal: bool, windows: Sequence[int]) -> Key:
-    """The shape a prefill attention call runs in: regular in the smallest of
+def shape_key(rows: int, queries: int, keys: int, causal: bool, windows: Sequence[Window]) -> Key:
+    """The shape a prefill attention call runs in: regular in the first of
     `windows` that holds all its queries, else bucketed."""
     if rows == 1 and causal:
         for window in windows:
-            end = -(-keys // window) * window
-            if queries + end - keys <= window:
-                return (rows, window, end, True)
+            end = -(-keys // window.step) * window.step
+            if queries + end - keys <= window.queries <= end:
+                return (rows, window.queries, end, True)
     return (rows, query_bucket(queries), key_bucket(keys), False)
 
 
@@ -224,8 +242,8 @@ class AttentionShapes:
         queries = [QUERY_BUCKET]
         while queries[-1] < query_bucket(self.max_chunk):
             queries.append(queries[-1] * 2)
-        shapes = [(1, window, end, True) for window in self.windows
-                  for end in range(window, context + window, window)]  # fmt: skip
+        shapes = [(1, window.queries, end, True) for window in self.windows
+                  for end in window.ends(context)]  # fmt: skip
         shapes += [(rows, tq, key_bucket(1), False)
                    for rows in range(2, prefill_rows + 1) for tq in queries]  # fmt: skip
         todo = [shape for shape in shapes if shape not in self._built]

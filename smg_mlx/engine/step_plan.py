@@ -21,9 +21,12 @@ model. The rules:
   times), that shape gets a smaller chunk from then on.
 - **Few shapes.** Chunks are powers of two, and each ends where the batch's
   cache length is a multiple of it: the same attention shapes come back step
-  after step and prompt after prompt. On mlx's CUDA backend, which builds a
-  cuDNN graph for each new one, such chunks run as they are and other passes
-  in a few padded shapes (`engine.attention_shapes`). There the clocks count
+  after step and prompt after prompt. Only the prompts' last piece, where it
+  is no more than a chunk, goes in one pass wherever it ends: a pass costs a
+  fixed time besides its tokens, and a resent history's new tokens would
+  otherwise take two. On mlx's CUDA backend, which builds a cuDNN graph for
+  each new shape, passes run in a few padded shapes
+  (`engine.attention_shapes`). There the clocks count
   a pass's attention by the queries it runs, padding included: a prompt's
   short last chunk costs about as much attention as the window it is padded
   to, and counted by its tokens it would make the full chunks look slow. A
@@ -119,6 +122,12 @@ def aligned(chunk: int, length: int) -> int:
     return chunk - length % chunk
 
 
+def piece(size: int, length: int, left: int) -> int:
+    """The chunk a pass of at most `size` tokens after `length` takes, with
+    `left` to go: all of them where they fit, else to the next multiple."""
+    return left if left <= size else aligned(size, length)
+
+
 class StepPlan:
     """Each step's passes, planned and then learnt from. Engine thread only."""
 
@@ -150,7 +159,7 @@ class StepPlan:
         chunk = largest
         parts: tuple[Part | None, ...] = (None,) if short_lane else ()
         if short:
-            chunk = aligned(min(chunk, self.row_chunk(len(short), context)), context)
+            chunk = piece(min(chunk, self.row_chunk(len(short), context)), context, max(short))
             part = min(chunk, max(short))  # every row is padded to the longest one's part
             parts = (Part(len(short) * part, context + part // 2, (len(short), chunk, context)),)
         spent = sum(self.pass_seconds(SHORT, part) for part in parts)
@@ -248,7 +257,7 @@ class StepPlan:
         parts: list[Part | None] = []
         size = min(largest, self.row_chunk(1, context, spent=spent, lane=LONG))
         while remaining > 0:
-            chunk = aligned(size, context)
+            chunk = piece(size, context, remaining)
             tokens = min(chunk, remaining)
             part = Part(tokens, context + tokens // 2, (1, chunk, context))
             seconds = self.pass_seconds(LONG, part)
