@@ -68,6 +68,9 @@ MASK_BYTES = 4
 # rows, queries, keys and whether it is regular (causal as it is) or bucketed
 Key = tuple[int, int, int, bool]
 
+# heads, kv heads, key and value head sizes, dtype
+Geometry = tuple[int, int, int, int, Any]
+
 
 class Window(NamedTuple):
     """A regular window: its queries, and the multiple its keys end on."""
@@ -79,8 +82,6 @@ class Window(NamedTuple):
         """The key lengths it runs at, up to `context` and the window past it."""
         first = -(-self.queries // self.step) * self.step
         return range(first, context + self.step, self.step)
-# heads, kv heads, key and value head sizes, dtype
-Geometry = tuple[int, int, int, int, Any]
 
 
 def query_bucket(n: int) -> int:

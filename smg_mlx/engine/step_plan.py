@@ -25,15 +25,14 @@ model. The rules:
   is no more than a chunk, goes in one pass wherever it ends: a pass costs a
   fixed time besides its tokens, and a resent history's new tokens would
   otherwise take two. On mlx's CUDA backend, which builds a cuDNN graph for
-  each new shape, passes run in a few padded shapes
-  (`engine.attention_shapes`). There the clocks count
-  a pass's attention by the queries it runs, padding included: a prompt's
-  short last chunk costs about as much attention as the window it is padded
-  to, and counted by its tokens it would make the full chunks look slow. A
-  pass that still meets a shape not built yet counts that cost (as the clock
-  has measured it) against the budget, and does not teach the clock that its
-  tokens cost that much, which would shrink the chunks into yet more new
-  shapes.
+  each new shape, passes run in a few padded shapes (`engine.attention_shapes`).
+  There the clocks count a pass's attention by the queries it runs, padding
+  included: a prompt's short last chunk costs about as much attention as the
+  window it is padded to, and counted by its tokens it would make the full
+  chunks look slow. A pass that still meets a shape not built yet counts that
+  cost (as the clock has measured it) against the budget, and does not teach
+  the clock that its tokens cost that much, which would shrink the chunks
+  into yet more new shapes.
 - **A long prompt's last pass.** mlx-lm moves a prompt into its decoding rows
   in the pass after its last chunk; that pass joins the step of the last
   chunk where the budget holds it (until it runs, no other long prompt may
