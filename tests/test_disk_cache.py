@@ -121,6 +121,22 @@ def test_a_corrupted_file_is_ignored_and_deleted(
     assert wait_until(lambda: stats(w).corrupt == 1)
 
 
+def test_a_prompt_whose_best_file_is_bad_is_served_from_the_next_best(
+    start_worker, model_dir, cold, tmp_path
+):
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    history = A + generate(w.stub, A, max_tokens=8).tokens
+    generate(w.stub, A[:300] + prompt(50, 6), max_tokens=8)  # shares 300 tokens with A
+    w.stop()
+    best = max(files(tmp_path), key=lambda f: f.stat().st_size)  # the file holding A
+    data = bytearray(best.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    best.write_bytes(bytes(data))
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    assert same_as_cold(w, cold, history + [7]).complete.cached_tokens == 300
+    assert stats(w).corrupt == 1
+
+
 def test_a_truncated_file_is_ignored_and_deleted_at_start(
     start_worker, model_dir, cold, tmp_path, caplog
 ):

@@ -397,6 +397,12 @@ def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, mod
         assert again.tokens == first.tokens
 
 
+def test_a_fresh_worker_holds_only_what_its_clients_sent(start_worker, model_dir):
+    w = start_worker(model_dir)
+    generate(w.stub, prompt(100, 16), max_tokens=4)
+    assert w.worker.engine.cache.memory_entries == 1  # the warm-up's are gone
+
+
 def test_an_entry_stays_while_memory_allows_and_goes_when_a_request_needs_the_room(
     start_worker, model_dir, pair
 ):

@@ -446,6 +446,7 @@ class Cached:
 
 class Read:
     done = False
+    failed = False
     deadline = 100.0
 
 

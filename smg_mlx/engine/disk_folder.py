@@ -98,6 +98,10 @@ class Read:
         self.seconds = 0.0  # reading the file
         self.copy_seconds = 0.0  # copying it into MLX
 
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
 
 class _Locked(Exception):
     """The folder is another worker's."""

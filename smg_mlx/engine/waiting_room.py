@@ -8,7 +8,8 @@ Requests put back after an error go ahead of every arrival.
 What the prefix cache spares a request is read when it arrives and again,
 where the cache has changed since, when it is considered; a request whose
 prefix the cache's disk tier holds more of than memory waits while it is read
-back (`Prefixes.fetch`), at most until the read's deadline.
+back (`Prefixes.fetch`), at most until the read's deadline; where the read
+fails, for the next file that holds more than memory.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class Fetch(Protocol):
     @property
     def done(self) -> bool:
         """Read and in memory, or failed."""
+
+    @property
+    def failed(self) -> bool:
+        """Done without the entry (its file was bad or unreadable, and is gone)."""
 
     @property
     def deadline(self) -> float:
@@ -143,7 +148,12 @@ class WaitingRoom:
         if not fetch.done and now < fetch.deadline:
             return True
         waiting.fetch = None
-        return False
+        if not fetch.failed:
+            return False
+        # Another file may still hold more of the prompt than memory does.
+        self.refresh(waiting)
+        waiting.fetch = self._prefixes.fetch(waiting.request.spec.prompt, waiting.reuse)
+        return waiting.fetch is not None
 
     def refresh(self, waiting: Waiting) -> None:
         """What the prefix cache spares `waiting` now, if it may have changed."""
