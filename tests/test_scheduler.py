@@ -399,14 +399,22 @@ def test_where_attention_runs_padded_each_turn_of_a_long_history_keeps_to_the_bu
 
 def test_a_turns_new_tokens_after_a_cached_history_take_one_pass_wherever_they_end():
     windows = windows_for(2048)
-    s = make(step_ms=1000, attended=lambda rows, tokens, context: shape_key(
-        rows, tokens, context + tokens, rows == 1, windows)[1])  # fmt: skip
+
+    def attended(rows: int, tokens: int, context: int) -> int:
+        return shape_key(rows, tokens, context + tokens, rows == 1, windows)[1]
+
     history = 20_000 + 32  # not on the chunks' grid
+    s = make(step_ms=1000, attended=attended)
     for lane in (False, True):
         turn = s.schedule([prefilling(history + 2000, done=history, long=lane)], 0)
         assert (turn.long_chunks[:1] if lane else (turn.chunk,)) == (1999,)
     # More than a chunk to go: first to the grid, as ever.
     assert s.schedule([prefilling(history + 3000, done=history)], 0).chunk == 448
+    # Where the one pass would not fit the step budget (its attention padded to
+    # the spanning window), first to the grid too.
+    tight = make(step_ms=150, attended=attended)
+    turn = tight.schedule([prefilling(history + 2000, done=history)], 0)
+    assert turn.chunk == 448 and turn.expected_seconds <= 0.15
 
 
 def test_no_long_prompt_starts_in_the_step_where_the_one_before_ends():

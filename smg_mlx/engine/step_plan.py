@@ -121,12 +121,6 @@ def aligned(chunk: int, length: int) -> int:
     return chunk - length % chunk
 
 
-def piece(size: int, length: int, left: int) -> int:
-    """The chunk a pass of at most `size` tokens after `length` takes, with
-    `left` to go: all of them where they fit, else to the next multiple."""
-    return left if left <= size else aligned(size, length)
-
-
 class StepPlan:
     """Each step's passes, planned and then learnt from. Engine thread only."""
 
@@ -158,7 +152,8 @@ class StepPlan:
         chunk = largest
         parts: tuple[Part | None, ...] = (None,) if short_lane else ()
         if short:
-            chunk = piece(min(chunk, self.row_chunk(len(short), context)), context, max(short))
+            size = min(chunk, self.row_chunk(len(short), context))
+            chunk = self._piece(SHORT, len(short), size, context, max(short), 0.0)
             part = min(chunk, max(short))  # every row is padded to the longest one's part
             parts = (Part(len(short) * part, context + part // 2, (len(short), chunk, context)),)
         spent = sum(self.pass_seconds(SHORT, part) for part in parts)
@@ -201,6 +196,20 @@ class StepPlan:
             if spent + self.pass_seconds(lane, part) <= self.step_seconds:
                 return size
         return floor
+
+    def _piece(
+        self, lane: int, rows: int, size: int, context: int, left: int, spent: float
+    ) -> int:
+        """The chunk of a pass of `rows` prompt rows of `lane` at `context`,
+        at most `size`, with `left` tokens to go: all of them where they fit
+        and the budget (after `spent` seconds) holds the pass, else to the
+        next multiple of `size`."""
+        chunk = aligned(size, context)
+        if chunk < left <= size:
+            whole = Part(rows * left, context + left // 2, (rows, left, context))
+            if spent + self.pass_seconds(lane, whole) <= self.step_seconds:
+                return left
+        return chunk
 
     def _is_new(self, part: Part | None) -> bool:
         """Whether a pass prefilling `part` builds kernels first (None: no prefill)."""
@@ -256,7 +265,7 @@ class StepPlan:
         parts: list[Part | None] = []
         size = min(largest, self.row_chunk(1, context, spent=spent, lane=LONG))
         while remaining > 0:
-            chunk = piece(size, context, remaining)
+            chunk = self._piece(LONG, 1, size, context, remaining, spent)
             tokens = min(chunk, remaining)
             part = Part(tokens, context + tokens // 2, (1, chunk, context))
             seconds = self.pass_seconds(LONG, part)
