@@ -28,6 +28,7 @@ def test_one_row_runs_causal_as_the_full_chunk_at_its_window_end():
 def test_a_chunk_larger_than_mlx_lms_keeps_its_window_for_what_fits_it():
     assert [w.queries for w in windows_for(2048)] == [512, 2048, 2560]
     assert [w.queries for w in windows_for(4096)] == [512, 2048, 4096, 4608]
+    assert [w.queries for w in windows_for(128)] == [128]  # no spanning window: 2x the graphs
     shapes = AttentionShapes(4096)
     # A turn of 4,096 tokens after 28,864, in one pass across the 32,768
     # boundary: as many queries as to the boundary (4,096) and the rest (512).

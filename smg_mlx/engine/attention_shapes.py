@@ -99,11 +99,14 @@ def windows_for(max_chunk: int) -> tuple[Window, ...]:
     """The regular windows, fewest queries first, for prefill chunks of at
     most `max_chunk`: the smallest chunk the step plan gives one row where
     shapes cost builds, MIDDLE_WINDOW, its largest power-of-two one, and the
-    spanning window (the largest and the smallest, on the smallest's grid)."""
+    spanning window (the largest and the smallest, on the smallest's grid;
+    none where the chunk is that small: its shapes would pass the graphs kept,
+    SHAPES_REMEMBERED)."""
     largest = 1 << (max_chunk.bit_length() - 1)
     wanted = (SHAPE_BUILD_STEP_TOKENS, MIDDLE_WINDOW, largest)
     sizes = sorted({min(size, largest) for size in wanted})
-    return (*(Window(size, size) for size in sizes), Window(largest + sizes[0], sizes[0]))
+    spanning = [Window(largest + sizes[0], sizes[0])] if len(sizes) > 1 else []
+    return (*(Window(size, size) for size in sizes), *spanning)
 
 
 def shape_key(rows: int, queries: int, keys: int, causal: bool, windows: Sequence[Window]) -> Key:
