@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -195,17 +195,20 @@ class Batch:
         """Requests being prefilled or decoded; BatchGenerator queues the rest."""
         return self._started
 
+    def _prefilling(self) -> Iterator[_Slot]:
+        """The slots whose prompt BatchGenerator has begun and not finished."""
+        return (slot for slot in self._slots.values() if slot.started and slot.prefilling)
+
     @property
     def prefilling(self) -> int:
         """Requests whose prompt is not all processed."""
-        return sum(slot.started and slot.prefilling for slot in self._slots.values())
+        return sum(1 for _ in self._prefilling())
 
     def prefills(self) -> list[tuple[str, int, int]]:
         """(request id, tokens in its cache, prompt tokens) of each prompt prefilling."""
         return [
             (slot.request.request_id, slot.context, len(slot.inserted.prompt))
-            for slot in self._slots.values()
-            if slot.started and slot.prefilling
+            for slot in self._prefilling()
         ]
 
     @property
@@ -410,13 +413,12 @@ class Batch:
         for key in keys:
             lane, uid = self._uids[key]
             slot = self._slots[lane, uid]
-            rows = self._lanes[lane]._generation_batch  # mlx-lm's decoding rows
-            i = rows.uids.index(uid)
-            token = rows._next_tokens[i].item()
+            (pending,) = self._pending(lane, [uid])
+            token = pending.token
             if not slot.ahead:  # (one that went out early could not end its request)
                 if slot.ends_with(token):
                     continue
-                events += self._tokens(lane, [_Sampled(uid, token, rows._next_logprobs[i])])
+                events += self._tokens(lane, [pending])
             cache, tokens = self._lanes[lane].remove([uid], return_prompt_caches=True)[uid]
             del self._slots[lane, uid]
             sampler, processors, stop = slot.options
@@ -539,16 +541,21 @@ class Batch:
         its request is left to mlx-lm, which ends it then."""
         if not uids:
             return []
+        sampled = []
+        for pending in self._pending(lane, uids):
+            slot = self._slots[lane, pending.uid]
+            if not slot.ends_with(pending.token):
+                slot.ahead = True
+                sampled.append(pending)
+        return self._tokens(lane, sampled)
+
+    def _pending(self, lane: int, uids: list[int]) -> list[_Sampled]:
+        """The tokens mlx-lm has sampled for these decoding rows of the lane
+        and not returned yet (its own state: read here alone)."""
         rows = self._lanes[lane]._generation_batch  # mlx-lm's decoding rows
         tokens = rows._next_tokens.tolist()
         where = {uid: i for i, uid in enumerate(rows.uids)}
-        sampled = []
-        for uid in uids:
-            slot, i = self._slots[lane, uid], where[uid]
-            if not slot.ends_with(tokens[i]):
-                slot.ahead = True
-                sampled.append(_Sampled(uid, tokens[i], rows._next_logprobs[i]))
-        return self._tokens(lane, sampled)
+        return [_Sampled(uid, tokens[where[uid]], rows._next_logprobs[where[uid]]) for uid in uids]
 
     def reset(self) -> list[Request]:
         """After a step failed (out of memory), start over with an empty batch:

@@ -203,11 +203,12 @@ class Folder:
                     file.unlink(missing_ok=True)
                     continue
                 opened.files.append((file.name, header, tokens, size))
+            held = sum(f[-1] for f in opened.files)
             if max_bytes is None:
-                free = shutil.disk_usage(path).free + sum(f[-1] for f in opened.files)
+                free = shutil.disk_usage(path).free + held
                 max_bytes = min(int(free * DISK_CACHE_SHARE), DISK_CACHE_MOST)
             opened.max_bytes = max_bytes
-            self._prune(path, max_bytes, sum(f[-1] for f in opened.files))
+            self._prune(path, max_bytes, held)
             opened.write_rate = self._probe(path)
             opened.path = path
         except OSError as exc:

@@ -201,7 +201,7 @@ class Scheduler:
         if any(r.long and r.cost.prefilling for r in running) or any(c.long for c in starting):
             return ()
         grown = [r for r in running if not r.long and not r.cost.prefilling]
-        if len(shorts) < 2 and not for_memory or not grown:
+        if not grown or (len(shorts) < 2 and not for_memory):
             return ()
         stream = max(grown, key=lambda r: r.cost.length)
         costs = [r.cost for r in running] + starting
