@@ -17,7 +17,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine.memory_tier import MemoryTier
+from smg_mlx.engine.memory_tier import MemoryTier, Pace
+from smg_mlx.engine.prefix_cache import PrefixCache
 
 from helpers import collect, generate, prompt, request, wait_until
 
@@ -372,6 +373,82 @@ def test_entries_a_request_reuses_stay_and_those_carried_by_a_running_row_go_fir
     assert entries[0].id not in store.over(0, keep={entries[0].id})
     store.carry(entries[2], -1)
     assert store.over(3 * size) == [entries[0].id]
+
+
+def take_turns(cache: PrefixCache, sessions: int, turns: int, first: int, more: int) -> list[int]:
+    """Conversations taking turns, each sending its history and `more` new
+    tokens (`first` on its first turn) and answering 7 tokens, the cache held
+    to its cap as the engine holds it; how many were served their whole
+    history from memory at each turn."""
+    histories: list[list[int]] = [[] for _ in range(sessions)]
+    served = []
+    for turn in range(turns):
+        served.append(0)
+        for s, history in enumerate(histories):
+            new = more if turn else first
+            sent = history + [s * 10_000 + turn * 1_000 + i for i in range(new)]
+            _, cached, _, pace = cache.start_from(sent)
+            served[-1] += bool(history) and cached == len(history)
+            history[:] = sent + [7] * 7
+            cache.keep(history, kv(history), pace)
+            cache.drop(cache.over(cache.memory.max_bytes)[0])
+    return served
+
+
+def test_conversations_taking_turns_past_memory_keep_those_that_fit_served():
+    """Four conversations take turns, their histories outgrowing memory. Least
+    recently used alone drops each one just before its turn comes back (none
+    served from turn 4 on); those memory serves keep their entries."""
+    unit = sum(c.nbytes for c in kv([1]))  # the arrays of up to 256 tokens
+    # Each history takes 1, 2, 2, 3, 3, 4 then 4 units after turns 1-7: the turn
+    # that outgrows memory drops one served entry (the least recently used).
+    served = take_turns(PrefixCache(10 * unit), 4, 7, first=249, more=121)
+    assert served == [0, 4, 4, 3, 3, 2, 2]
+
+
+def test_conversations_past_memory_from_their_first_turn_keep_those_that_fit_served():
+    """Six conversations, memory for three: least recently used serves none
+    ever. Those coming back to find their entries gone (their keys are
+    remembered) have their new entries dropped first, so three are served."""
+    unit = sum(c.nbytes for c in kv([1]))
+    served = take_turns(PrefixCache(3 * unit), 6, 5, first=200, more=4)
+    assert served == [0, 0, 3, 3, 3]
+
+
+def test_a_worker_whose_cache_holds_two_of_four_sessions_serves_two(
+    start_worker, model_dir, pair
+):
+    """Four sessions take turns, the cache (no disk tier) holding two of their entries."""
+    cached, _ = pair
+    engine = cached.worker.engine
+    before = engine.cache.memory_bytes
+    generate(cached.stub, prompt(320, 40), max_tokens=2)
+    wait_until(lambda: engine.cache.memory_bytes != before)
+    largest = engine.cache.memory_bytes - before  # an entry as long as the histories grow
+    w = start_worker(model_dir, prompt_cache_bytes=largest * 5 // 2)
+    histories = [prompt(300, 41 + s) for s in range(4)]
+    served = []
+    for _ in range(5):
+        served.append(0)
+        for history in histories:
+            sent = history + [5, 6, 7]
+            out = generate(w.stub, sent, max_tokens=2)
+            served[-1] += out.complete.cached_tokens == len(history)
+            history[:] = sent + out.tokens
+    # From the third turn on (the second finds its entries gone, and learns who returns).
+    # Least recently used alone drops each entry just before its turn: none served.
+    assert served[2:] == [2, 2, 2]
+
+
+def test_a_returning_conversation_that_stays_away_counts_as_new_again():
+    store = MemoryTier()
+    old, new = list(range(100)), list(range(200, 300))
+    returning, _ = store.insert(old, kv(old), pace=Pace(1.0, served=True))
+    fresh, _ = store.insert(new, kv(new))  # a new conversation, kept later
+    half = store.nbytes // 2
+    assert store.over(half) == [fresh.id]
+    returning.value.used -= 11  # no turn for 11 s: over 3 times its pace, and 10 s
+    assert store.over(half) == [returning.id]  # now the least recently used of new ones
 
 
 # ---- what a tight memory budget leaves the cache ----

@@ -28,6 +28,7 @@ from smg_mlx.engine import (
 )
 from smg_mlx.engine.attention_shapes import AttentionShapes
 from smg_mlx.engine.memory import Cost, MemoryPlanner
+from smg_mlx.engine.memory_tier import Pace
 from smg_mlx.engine.prefix_cache import PrefixCache
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
 from smg_mlx.engine.scheduler import Running
@@ -54,6 +55,7 @@ class _Slot:
     cached: int  # prompt tokens reused from the prefix cache (as its client is told)
     start: int  # tokens in its cache when it was inserted
     carries: Entry | None  # the prefix-cache entry whose whole key its row holds
+    pace: Pace | None  # its conversation's turn (`PrefixCache.start_from`)
     processed: int = 0  # prompt tokens prefilled since
     started: bool = False  # BatchGenerator has begun its prefill
     prefilling: bool = True  # its prompt is not all processed yet
@@ -312,11 +314,12 @@ class Batch:
         """Seconds until the prefix cache has work for the engine thread (None: none waits)."""
         return self.prefixes.due() if self.prefixes is not None else None
 
-    def _start_from(self, prompt: tuple[int, ...]) -> tuple[list | None, int, Entry | None]:
-        """The cache to start `prompt` from (None: a fresh one), the tokens it
-        holds, and the prefix-cache entry it came from."""
+    def _start_from(
+        self, prompt: tuple[int, ...]
+    ) -> tuple[list | None, int, Entry | None, Pace | None]:
+        """See `PrefixCache.start_from` (a fresh cache without one)."""
         if self.prefixes is None:
-            return None, 0, None
+            return None, 0, None, None
         return self.prefixes.start_from(prompt)
 
     def _options(self, request: Request) -> tuple:
@@ -353,25 +356,25 @@ class Batch:
         starts = [self._start_from(prompt) for prompt in prompts]
         samplers, processors, stops = zip(*(options for _, options, _ in accepted), strict=True)
         uids = self._lanes[lane].insert(
-            [list(p[n:]) for p, (_, n, _) in zip(prompts, starts, strict=True)],
+            [list(p[n:]) for p, (_, n, _, _) in zip(prompts, starts, strict=True)],
             max_tokens=[request.spec.max_tokens for request, _, _ in accepted],
-            caches=[cache for cache, _, _ in starts],
+            caches=[cache for cache, _, _, _ in starts],
             # The tokens already in each cache (a new list: mlx-lm appends to it).
-            all_tokens=[list(p[:n]) for p, (_, n, _) in zip(prompts, starts, strict=True)],
+            all_tokens=[list(p[:n]) for p, (_, n, _, _) in zip(prompts, starts, strict=True)],
             samplers=list(samplers),
             logits_processors=list(processors),
             stop_sequences=list(stops),
         )
-        for uid, (request, options, resumed), (_, cached, entry) in zip(
+        for uid, (request, options, resumed), (_, cached, entry, pace) in zip(
             uids, accepted, starts, strict=True
         ):
             # Its row will hold all of the entry: the entry can go first if memory runs short.
             carries = entry if entry is not None and cached == entry.length else None
             if carries is not None:
                 self.prefixes.carry(carries, 1)
-            slot = _Slot(request, lane, request.spec, options, cached, cached, carries)
+            slot = _Slot(request, lane, request.spec, options, cached, cached, carries, pace)
             if resumed is not None:  # as the client knows it: tokens sent, cache reuse
-                slot.request, slot.cached = resumed.request, resumed.cached
+                slot.request, slot.cached, slot.pace = resumed.request, resumed.cached, resumed.pace
                 slot.fresh, slot.generated = resumed.fresh, resumed.generated
             self._slots[lane, uid] = slot
             self._uids[request.key] = (lane, uid)
@@ -400,7 +403,7 @@ class Batch:
                 cache, tokens = kept.get(uid) or (None, ())
                 # What an aborted sequence computed is as good as a finished one's.
                 if self.prefixes is not None and cache is not None and len(tokens) > slot.cached:
-                    self.prefixes.keep(tokens, cache)
+                    self.prefixes.keep(tokens, cache, slot.pace)
                 events.append(Event(slot.key, finish_reason="abort"))
         return events
 
@@ -506,11 +509,11 @@ class Batch:
         events = self._tokens(lane, sampled)
         for r in responses:
             if r.finish_reason is not None:
-                self._forget((lane, r.uid))
+                slot = self._forget((lane, r.uid))
                 if self.prefixes is not None:
                     # The cache holds every token of `all_tokens`, the last
                     # generated one included.
-                    self.prefixes.keep(r.all_tokens, r.prompt_cache)
+                    self.prefixes.keep(r.all_tokens, r.prompt_cache, slot.pace)
         return events + self._first_tokens(lane, decoding)
 
     def _tokens(self, lane: int, sampled: list) -> list[Event]:

@@ -9,8 +9,20 @@ What the tier may hold is decided elsewhere (`engine.memory`: whatever the
 memory budget leaves beside the batch); `over` names what to drop to get
 there: entries whose whole key a running request carries in the batch first
 (it holds a copy, and the entry it leaves when it ends serves all they serve),
-then the least recently used. An optional cap (`--prompt-cache-bytes`) bounds
-the tier besides.
+then new conversations' entries, then returning ones' that memory did not
+serve, then returning ones' it served. An optional cap (`--prompt-cache-bytes`)
+bounds the tier besides.
+
+A conversation is returning when most of its prompt extends an entry's key, one
+held or one dropped for room (`gone` remembers their keys). Least recently used
+alone fails sessions that take turns with more history than memory holds: each
+session's entry is the oldest when its turn comes, so each is dropped just
+before it is wanted, and none is served. Here the sessions memory serves keep
+their entries, and one that missed has its new entry dropped first (most
+recently kept first among those): kept, it would push out a session coming
+back sooner. Memory so serves as many sessions as it holds. A returning
+conversation that stays away OVERDUE times as long as it took between turns
+counts as new again, so finished conversations do not hold memory for long.
 
 Stored entries are never mutated: a lookup returns new cache objects over the
 same MLX arrays (which are immutable values; BatchGenerator copies them into
@@ -22,7 +34,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
@@ -30,6 +42,20 @@ from mlx_lm.models.cache import ArraysCache, CacheList
 from smg_mlx.engine.token_tree import Entry, TokenTree
 
 LayerCache = Any  # one layer's mlx-lm cache object
+
+OVERDUE = 3.0
+# However quickly a conversation came back, it counts as returning this long.
+MIN_OVERDUE_SECONDS = 10.0
+# Tokens of the keys of entries dropped for room remembered, at most.
+GONE_TOKENS = 1 << 20
+
+
+class Pace(NamedTuple):
+    """A returning conversation's turn: the seconds since its last, and
+    whether memory served it."""
+
+    seconds: float
+    served: bool
 
 
 def detached(layer: LayerCache) -> LayerCache:
@@ -45,14 +71,27 @@ def detached(layer: LayerCache) -> LayerCache:
 class Held:
     """A memory entry's cache and what the tiers know of it."""
 
-    __slots__ = ("cache", "carried", "loaded", "written", "since")
+    __slots__ = ("cache", "carried", "loaded", "written", "since", "used", "waited", "pace")
 
-    def __init__(self, cache: list[LayerCache], loaded: bool) -> None:
+    def __init__(self, cache: list[LayerCache], loaded: bool, pace: Pace | None) -> None:
         self.cache = cache
         self.carried = 0  # running requests whose batch rows hold its whole key
         self.loaded = loaded  # read back from disk, and not yet reused since
         self.written = loaded  # a copy is on disk
         self.since = time.monotonic()  # when it was kept
+        self.used = self.since  # when it was last kept or reused
+        self.waited = 0.0  # seconds it had waited unused before that
+        self.pace = pace  # the turn that made it, a returning conversation's (None: a new one's)
+
+    def rank(self, now: float) -> tuple[int, float]:
+        """Where it stands among entries to drop for room, first first (see
+        the module's notes; least recently used first unless said)."""
+        if self.carried:
+            return 1, 0.0
+        pace = self.pace
+        if pace is None or now - self.used > max(OVERDUE * pace.seconds, MIN_OVERDUE_SECONDS):
+            return 2, 0.0
+        return (4, 0.0) if pace.served else (3, -self.since)
 
 
 class MemoryTier:
@@ -61,6 +100,7 @@ class MemoryTier:
     def __init__(self, max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes  # the optional cap; None: the memory budget alone
         self.tree = TokenTree()
+        self.gone = TokenTree()  # keys of entries dropped for room: when each was last used
         self.version = 0  # changes whenever an entry comes or goes
         self.evicted = 0  # entries dropped for room
 
@@ -89,6 +129,8 @@ class MemoryTier:
         if entry is None:
             return None, 0, None
         self.tree.touch(entry)
+        held, now = entry.value, time.monotonic()
+        held.waited, held.used = now - held.used, now
         cache = [detached(c) for c in entry.value.cache]
         if n < entry.length:
             for layer in cache:
@@ -98,19 +140,24 @@ class MemoryTier:
     # ---- insert ----
 
     def insert(
-        self, tokens: Sequence[int], cache: list[LayerCache], loaded: bool = False
+        self,
+        tokens: Sequence[int],
+        cache: list[LayerCache],
+        loaded: bool = False,
+        pace: Pace | None = None,
     ) -> tuple[Entry | None, list[Entry]]:
         """Keep `cache`, which holds the keys and values of exactly `tokens`
-        (`loaded`: read back from disk). Returns its entry (None when a longer
-        entry already serves all it would) and the entries it replaced or made
-        redundant, which have left.
+        (`loaded`: read back from disk; `pace`: the turn that made it, see
+        `returning`). Returns its entry (None when a longer entry already
+        serves all it would) and the entries it replaced or made redundant,
+        which have left.
 
         What is kept is decided by the tokens alone, so every rank of a model
         split over several keeps the same; what to drop for memory is decided
         apart (`over`, `drop`), by the rank that decides."""
         if not tokens or not cache:
             return None, []
-        held = Held(cache, loaded)
+        held = Held(cache, loaded, pace)
         nbytes = sum(c.nbytes for c in cache)
         trimmable = all(c.is_trimmable() for c in cache)
         entry, removed = self.tree.insert(tokens, held, nbytes, trimmable)
@@ -122,6 +169,21 @@ class MemoryTier:
             mx.async_eval([c.state for c in cache])
         return entry, removed
 
+    def returning(self, prompt: Sequence[int], cached: int, entry: Entry | None) -> Pace | None:
+        """The turn of a prompt that started from `entry` with `cached` tokens
+        (just looked up), when most of it extends an entry's key: served,
+        from a memory entry; not served, from one read back from disk or
+        dropped for room (whose key is then forgotten: the prompt's own entry
+        takes over). None: a new conversation."""
+        if entry is not None and 2 * cached > len(prompt) and not entry.value.loaded:
+            return Pace(entry.value.waited, served=True)
+        found = self.gone.longest(prompt)
+        if found is None or 2 * found[0] <= len(prompt):
+            return None
+        ghost = found[1]
+        self.gone.remove(ghost)
+        return Pace(time.monotonic() - ghost.value, served=False)
+
     def carry(self, entry: Entry, delta: int) -> None:
         """A running request's batch row begins (+1) or stops (-1) holding all of `entry`."""
         entry.value.carried += delta
@@ -130,18 +192,20 @@ class MemoryTier:
 
     def over(self, limit: int, keep: Collection[int] = ()) -> list[int]:
         """The entries to drop to hold at most `limit` bytes (and the cap), but
-        those in `keep`: any larger than the cap alone, then those a running
-        request carries, then the least recently used. Asked at every turn
-        that plans, so it looks no further than it must."""
+        those in `keep`: any larger than the cap alone, then as `Held.rank`
+        says. Asked at every turn that plans, so it looks no further than it
+        must."""
         cap = self.max_bytes
         if cap is not None:
             limit = min(limit, cap)
         if self.nbytes <= limit:
             return []
-        def group(entry: Entry) -> int:
-            return 0 if cap is not None and entry.nbytes > cap else 1 if entry.value.carried else 2
+        now = time.monotonic()
 
-        # A stable sort: least recently used first within each group.
+        def group(entry: Entry) -> tuple[int, float]:
+            return (0, 0.0) if cap is not None and entry.nbytes > cap else entry.value.rank(now)
+
+        # A stable sort: least recently used first where ranks tie.
         ordered = sorted((e for e in self.tree if e.id not in keep), key=group)
         dropped, held = [], self.nbytes
         for entry in ordered:
@@ -160,13 +224,24 @@ class MemoryTier:
         entries dropped."""
         gone = self.entries(ids)
         for entry in gone:
+            self.gone.insert(self.tree.tokens(entry), entry.value.used, entry.length, True)
             self.tree.remove(entry)
+        for ghost in self.gone:  # the oldest keys go first
+            if self.gone.nbytes <= GONE_TOKENS:
+                break
+            self.gone.remove(ghost)
         self.evicted += len(gone)
         self.version += bool(gone)
         return gone
 
+    def begin(self) -> None:
+        """Start anew after the warm-up: nothing dropped, nor remembered as dropped."""
+        self.evicted = 0
+        self.gone = TokenTree()
+
     def clear(self) -> None:
         """Drop everything (its tree holds cycles: freed now, not at a collection)."""
-        for entry in self.tree:
-            self.tree.remove(entry)
+        for tree in (self.tree, self.gone):
+            for entry in tree:
+                tree.remove(entry)
         self.version += 1

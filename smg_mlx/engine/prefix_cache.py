@@ -27,7 +27,7 @@ from dataclasses import asdict
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.disk_folder import Read
 from smg_mlx.engine.disk_tier import DiskTier
-from smg_mlx.engine.memory_tier import LayerCache, MemoryTier
+from smg_mlx.engine.memory_tier import LayerCache, MemoryTier, Pace
 from smg_mlx.engine.token_tree import Entry
 from smg_mlx.engine.types import CacheStats
 from smg_mlx.engine.waiting_room import Reuse
@@ -89,23 +89,28 @@ class PrefixCache:
 
     def start_from(
         self, prompt: Sequence[int]
-    ) -> tuple[list[LayerCache] | None, int, Entry | None]:
+    ) -> tuple[list[LayerCache] | None, int, Entry | None, Pace | None]:
         """The cache to start `prompt` from (None: a fresh one), the tokens it
-        holds, and the entry it came from."""
+        holds, the entry it came from, and its conversation's turn (None: a
+        new conversation), which the entry it leaves keeps."""
         cache, n, entry = self.memory.lookup(prompt, MIN_REUSED_TOKENS)
+        pace = self.memory.returning(prompt, n, entry)
         if entry is None:
-            return None, 0, None
+            return None, 0, None, pace
         log.debug("prefix cache hit: %d of %d prompt tokens", n, len(prompt))
         if entry.value.loaded:  # its first use since it came back from disk
             entry.value.loaded = False
             self._disk_tokens += n
         else:
             self._memory_tokens += n
-        return cache, n, entry
+        return cache, n, entry, pace
 
-    def keep(self, tokens: Sequence[int], cache: list[LayerCache]) -> None:
-        """A sequence ended (or was aborted) holding the keys and values of `tokens`."""
-        entry, removed = self.memory.insert(tokens, cache)
+    def keep(
+        self, tokens: Sequence[int], cache: list[LayerCache], pace: Pace | None = None
+    ) -> None:
+        """A sequence ended (or was aborted) holding the keys and values of
+        `tokens` (`pace`: its turn, as `start_from` gave it)."""
+        entry, removed = self.memory.insert(tokens, cache, pace=pace)
         if self.disk is not None:
             self.disk.superseded(removed)
             if entry is not None:
@@ -160,7 +165,7 @@ class PrefixCache:
     def reset_counts(self) -> None:
         """Start counting anew (after the warm-up)."""
         self._memory_tokens = self._disk_tokens = 0
-        self.memory.evicted = 0
+        self.memory.begin()
 
     def close(self, flush_seconds: float) -> None:
         """Write what is worth keeping to disk (at most `flush_seconds`), then
