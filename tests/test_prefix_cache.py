@@ -415,16 +415,34 @@ def test_conversations_past_memory_from_their_first_turn_keep_those_that_fit_ser
     assert served == [0, 0, 3, 3, 3]
 
 
+def _entry_bytes(pair, length: int, offset: int) -> int:
+    """The bytes a worker's cache entry of a `length`-token prompt takes (measured
+    on `pair`'s worker with the cache)."""
+    cached, _ = pair
+    engine = cached.worker.engine
+    before = engine.cache.memory_bytes
+    generate(cached.stub, prompt(length, offset), max_tokens=2)
+    assert wait_until(lambda: engine.cache.memory_bytes != before)
+    return engine.cache.memory_bytes - before
+
+
+def test_the_cache_keeps_to_its_cap_once_the_worker_is_idle(start_worker, model_dir, pair):
+    size = _entry_bytes(pair, 300, 50)
+    cap = size * 5 // 2
+    w = start_worker(model_dir, prompt_cache_bytes=cap)
+    for offset in range(51, 54):
+        generate(w.stub, prompt(300, offset), max_tokens=2)
+    # The last request's entry came after the worker last planned: it must not wait
+    # for the next request to be held to the cap.
+    assert wait_until(lambda: w.worker.engine.cache.memory_entries == 2)
+    assert w.worker.engine.cache.memory_bytes <= cap
+
+
 def test_a_worker_whose_cache_holds_two_of_four_sessions_serves_two(
     start_worker, model_dir, pair
 ):
     """Four sessions take turns, the cache (no disk tier) holding two of their entries."""
-    cached, _ = pair
-    engine = cached.worker.engine
-    before = engine.cache.memory_bytes
-    generate(cached.stub, prompt(320, 40), max_tokens=2)
-    wait_until(lambda: engine.cache.memory_bytes != before)
-    largest = engine.cache.memory_bytes - before  # an entry as long as the histories grow
+    largest = _entry_bytes(pair, 320, 40)  # as long as the histories grow
     w = start_worker(model_dir, prompt_cache_bytes=largest * 5 // 2)
     histories = [prompt(300, 41 + s) for s in range(4)]
     served = []

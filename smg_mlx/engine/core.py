@@ -275,14 +275,17 @@ class EngineCore:
                 events += stepped
                 seconds = passes.seconds if passes is not None else None
                 idle = not batch.size and not scheduler
-                if events or seconds is not None or turn.admit or tended:
+                if events or seconds is not None or turn.admit or turn.drop_cached or tended:
                     sink.step(
                         self._report(batch, scheduler, events, seconds, rows, turn.admit, idle=idle)
                     )
                 if turn.stop:
                     return
                 progress_at = self._progress(batch, progress_at)
-                if idle:
+                # Requests that ended (or were aborted) left their entries after
+                # this turn planned: one more turn holds the cache to what memory
+                # and its cap allow before the worker waits.
+                if idle and not (finished or turn.remove):
                     # With followers, an idle rank 0 still sends a turn now and
                     # then, so that they can tell it from a dead one; it also
                     # wakes for the prefix cache's writes to disk.
