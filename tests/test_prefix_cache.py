@@ -387,10 +387,10 @@ def take_turns(cache: PrefixCache, sessions: int, turns: int, first: int, more: 
         for s, history in enumerate(histories):
             new = more if turn else first
             sent = history + [s * 10_000 + turn * 1_000 + i for i in range(new)]
-            _, cached, _, pace = cache.start_from(sent)
-            served[-1] += bool(history) and cached == len(history)
+            start = cache.start_from(sent)
+            served[-1] += bool(history) and start.tokens == len(history)
             history[:] = sent + [7] * 7
-            cache.keep(history, kv(history), pace)
+            cache.keep(history, kv(history), start.pace)
             cache.drop(cache.over(cache.memory.max_bytes)[0])
     return served
 

@@ -29,7 +29,7 @@ from smg_mlx.engine import (
 from smg_mlx.engine.attention_shapes import AttentionShapes
 from smg_mlx.engine.memory import Cost, MemoryPlanner
 from smg_mlx.engine.memory_tier import Pace
-from smg_mlx.engine.prefix_cache import PrefixCache
+from smg_mlx.engine.prefix_cache import PrefixCache, Start
 from smg_mlx.engine.sampling import SamplerCache, StopTokens
 from smg_mlx.engine.scheduler import Running
 from smg_mlx.engine.step_clock import StepClock
@@ -55,7 +55,7 @@ class _Slot:
     cached: int  # prompt tokens reused from the prefix cache (as its client is told)
     start: int  # tokens in its cache when it was inserted
     carries: Entry | None  # the prefix-cache entry whose whole key its row holds
-    pace: Pace | None  # its conversation's turn (`PrefixCache.start_from`)
+    pace: Pace | None  # its conversation's turn (`prefix_cache.Start`)
     processed: int = 0  # prompt tokens prefilled since
     started: bool = False  # BatchGenerator has begun its prefill
     prefilling: bool = True  # its prompt is not all processed yet
@@ -314,13 +314,9 @@ class Batch:
         """Seconds until the prefix cache has work for the engine thread (None: none waits)."""
         return self.prefixes.due() if self.prefixes is not None else None
 
-    def _start_from(
-        self, prompt: tuple[int, ...]
-    ) -> tuple[list | None, int, Entry | None, Pace | None]:
+    def _start_from(self, prompt: tuple[int, ...]) -> Start:
         """See `PrefixCache.start_from` (a fresh cache without one)."""
-        if self.prefixes is None:
-            return None, 0, None, None
-        return self.prefixes.start_from(prompt)
+        return self.prefixes.start_from(prompt) if self.prefixes is not None else Start()
 
     def _options(self, request: Request) -> tuple:
         spec = request.spec
@@ -356,23 +352,22 @@ class Batch:
         starts = [self._start_from(prompt) for prompt in prompts]
         samplers, processors, stops = zip(*(options for _, options, _ in accepted), strict=True)
         uids = self._lanes[lane].insert(
-            [list(p[n:]) for p, (_, n, _, _) in zip(prompts, starts, strict=True)],
+            [list(p[s.tokens :]) for p, s in zip(prompts, starts, strict=True)],
             max_tokens=[request.spec.max_tokens for request, _, _ in accepted],
-            caches=[cache for cache, _, _, _ in starts],
+            caches=[s.cache for s in starts],
             # The tokens already in each cache (a new list: mlx-lm appends to it).
-            all_tokens=[list(p[:n]) for p, (_, n, _, _) in zip(prompts, starts, strict=True)],
+            all_tokens=[list(p[: s.tokens]) for p, s in zip(prompts, starts, strict=True)],
             samplers=list(samplers),
             logits_processors=list(processors),
             stop_sequences=list(stops),
         )
-        for uid, (request, options, resumed), (_, cached, entry, pace) in zip(
-            uids, accepted, starts, strict=True
-        ):
+        for uid, (request, options, resumed), start in zip(uids, accepted, starts, strict=True):
+            cached, entry = start.tokens, start.entry
             # Its row will hold all of the entry: the entry can go first if memory runs short.
             carries = entry if entry is not None and cached == entry.length else None
             if carries is not None:
                 self.prefixes.carry(carries, 1)
-            slot = _Slot(request, lane, request.spec, options, cached, cached, carries, pace)
+            slot = _Slot(request, lane, request.spec, options, cached, cached, carries, start.pace)
             if resumed is not None:  # as the client knows it: tokens sent, cache reuse
                 slot.request, slot.cached, slot.pace = resumed.request, resumed.cached, resumed.pace
                 slot.fresh, slot.generated = resumed.fresh, resumed.generated

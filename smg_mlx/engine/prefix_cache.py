@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
+from typing import NamedTuple
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.disk_folder import Read
@@ -51,6 +52,17 @@ def open_disk_tier(config: EngineConfig, wake: Callable[[], None]) -> DiskTier |
     if config.adapter_path is not None:
         directories.append(config.adapter_path)
     return DiskTier(config.prompt_cache_dir, config.prompt_cache_disk_bytes, directories, wake)
+
+
+class Start(NamedTuple):
+    """Where a prompt starts: the cache (None: a fresh one), the tokens it
+    holds, the entry it came from, and its conversation's turn (None: a new
+    conversation), which the entry it leaves keeps."""
+
+    cache: list[LayerCache] | None = None
+    tokens: int = 0
+    entry: Entry | None = None
+    pace: Pace | None = None
 
 
 class PrefixCache:
@@ -87,23 +99,19 @@ class PrefixCache:
 
     # ---- the batch ----
 
-    def start_from(
-        self, prompt: Sequence[int]
-    ) -> tuple[list[LayerCache] | None, int, Entry | None, Pace | None]:
-        """The cache to start `prompt` from (None: a fresh one), the tokens it
-        holds, the entry it came from, and its conversation's turn (None: a
-        new conversation), which the entry it leaves keeps."""
+    def start_from(self, prompt: Sequence[int]) -> Start:
+        """Where `prompt` starts."""
         cache, n, entry = self.memory.lookup(prompt, MIN_REUSED_TOKENS)
         pace = self.memory.returning(prompt, n, entry)
         if entry is None:
-            return None, 0, None, pace
+            return Start(pace=pace)
         log.debug("prefix cache hit: %d of %d prompt tokens", n, len(prompt))
         if entry.value.loaded:  # its first use since it came back from disk
             entry.value.loaded = False
             self._disk_tokens += n
         else:
             self._memory_tokens += n
-        return cache, n, entry, pace
+        return Start(cache, n, entry, pace)
 
     def keep(
         self, tokens: Sequence[int], cache: list[LayerCache], pace: Pace | None = None
