@@ -72,6 +72,11 @@ Key = tuple[int, int, int, bool]
 Geometry = tuple[int, int, int, int, Any]
 
 
+def round_up(n: int, step: int) -> int:
+    """The least multiple of `step` that is at least `n`."""
+    return -(-n // step) * step
+
+
 class Window(NamedTuple):
     """A regular window: its queries, and the multiple its keys end on."""
 
@@ -80,8 +85,7 @@ class Window(NamedTuple):
 
     def ends(self, context: int) -> range:
         """The key lengths it runs at, up to `context` and the window past it."""
-        first = -(-self.queries // self.step) * self.step
-        return range(first, context + self.step, self.step)
+        return range(round_up(self.queries, self.step), context + self.step, self.step)
 
 
 def query_bucket(n: int) -> int:
@@ -92,7 +96,7 @@ def query_bucket(n: int) -> int:
 def key_bucket(n: int) -> int:
     """The padded key length for `n` keys (at most an eighth more past 32k)."""
     step = max(KEY_BUCKET, (1 << (n - 1).bit_length()) // 8)
-    return -(-n // step) * step
+    return round_up(n, step)
 
 
 def windows_for(max_chunk: int) -> tuple[Window, ...]:
@@ -114,7 +118,7 @@ def shape_key(rows: int, queries: int, keys: int, causal: bool, windows: Sequenc
     `windows` that holds all its queries, else bucketed."""
     if rows == 1 and causal:
         for window in windows:
-            end = -(-keys // window.step) * window.step
+            end = round_up(keys, window.step)
             if queries + end - keys <= window.queries <= end:
                 return (rows, window.queries, end, True)
     return (rows, query_bucket(queries), key_bucket(keys), False)

@@ -89,6 +89,12 @@ class Part:
     context: int
     shape: Shape
 
+    @classmethod
+    def of(cls, rows: int, tokens: int, chunk: int, context: int) -> Part:
+        """A pass of `rows` prompt rows prefilling `tokens` each, in chunks
+        of `chunk`, after `context` tokens."""
+        return cls(rows * tokens, context + tokens // 2, (rows, chunk, context))
+
     @property
     def fills(self) -> bool:
         """Whether its rows fill the chunk: only then it tells what that chunk costs."""
@@ -155,7 +161,7 @@ class StepPlan:
             size = min(chunk, self.row_chunk(len(short), context))
             chunk = self._piece(SHORT, len(short), size, context, max(short), 0.0)
             part = min(chunk, max(short))  # every row is padded to the longest one's part
-            parts = (Part(len(short) * part, context + part // 2, (len(short), chunk, context)),)
+            parts = (Part.of(len(short), part, chunk, context),)
         spent = sum(self.pass_seconds(SHORT, part) for part in parts)
         long_parts = self.long_parts(*long, largest, spent) if long else ()
         # A pass after the prompt's last chunk (None) prefills nothing: any chunk will do.
@@ -206,7 +212,7 @@ class StepPlan:
         next multiple of `size`."""
         chunk = aligned(size, context)
         if chunk < left <= size:
-            whole = Part(rows * left, context + left // 2, (rows, left, context))
+            whole = Part.of(rows, left, left, context)
             if spent + self.pass_seconds(lane, whole) <= self.step_seconds:
                 return left
         return chunk
@@ -267,7 +273,7 @@ class StepPlan:
         while remaining > 0:
             chunk = self._piece(LONG, 1, size, context, remaining, spent)
             tokens = min(chunk, remaining)
-            part = Part(tokens, context + tokens // 2, (1, chunk, context))
+            part = Part.of(1, tokens, chunk, context)
             seconds = self.pass_seconds(LONG, part)
             if parts and (size < largest or spent + seconds > self.step_seconds):
                 break
