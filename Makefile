@@ -49,8 +49,11 @@ serve: install
 lint: install
 	$(PY) -m ruff check smg_mlx tests bench proto
 
+# Two processes: most tests wait on workers more than they compute.
+TEST_JOBS ?= 2
+
 test: lint $(WHEELS)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 # Engine ceiling vs this worker vs the peer worker; BENCH_ARGS=--short for a quick run.
 bench: install
