@@ -7,11 +7,13 @@ must not change whether a prefix came from memory, from disk or was prefilled.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -151,6 +153,24 @@ def test_a_truncated_file_is_ignored_and_deleted_at_start(
     assert not path.exists()
 
 
+def test_a_file_with_a_damaged_header_costs_only_its_own_entry(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    histories = [ids + generate(w.stub, ids, max_tokens=8).tokens for ids in (A, prompt(400, 2))]
+    w.stop()
+    damaged, kept = files(tmp_path)
+    data = damaged.read_bytes()
+    damaged.write_bytes(data.replace(b'"nbytes"', b'"nbyTes"', 1))  # one bit flipped
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        cached = [same_as_cold(w, cold, h + [7]).complete.cached_tokens for h in histories]
+    assert sorted(cached) == [0, len(histories[0])]  # the other entry still serves
+    assert f"ignored and deleted {damaged.name}" in caplog.text
+    assert "memory tier alone" not in caplog.text
+    assert not damaged.exists() and kept.exists()
+
+
 def test_another_models_entries_are_never_used(start_worker, tmp_path):
     # A fine-tune written over the same path: same config, other weights.
     model = build_model(tmp_path / "model")
@@ -177,6 +197,21 @@ def test_an_unusable_directory_logs_one_warning_and_the_worker_serves(
     assert got.complete.cached_tokens == len(A) + len(first.tokens)  # memory still serves
     warnings = [r for r in caplog.records if "memory tier alone" in r.getMessage()]
     assert len(warnings) == 1 and str(blocker) in warnings[0].getMessage()
+
+
+def test_a_nearly_full_disk_is_not_written_to_at_all(model_dir, tmp_path, monkeypatch):
+    # The disk's speed is measured by writing to it: not where that would fill it.
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100 << 20))
+
+    def probe(path: Path) -> float:
+        raise AssertionError("the disk was written to")
+
+    monkeypatch.setattr(Folder, "_probe", staticmethod(probe))
+    folder = Folder(tmp_path, [model_dir], ["v"], None, lambda: None)
+    error = folder.opened().error
+    folder.close(release_lock=True)
+    assert error is not None and "100.0 MiB free" in error  # the tier's one warning says why
 
 
 def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(
@@ -298,6 +333,19 @@ def test_a_file_cut_anywhere_is_refused(tmp_path):
             kv_files.read_key(path)
 
 
+@pytest.mark.parametrize(
+    "field, value", [("tokens", 10**13), ("tokens", "5"), ("trimmable", None), ("arrays", {})]
+)
+def test_a_header_whose_fields_are_not_what_is_written_is_refused(tmp_path, field, value):
+    header, arrays = kv_files.export(_caches()[:1], tokens=5, trimmable=True)
+    mx.eval(arrays)
+    path = tmp_path / "entry.kv"
+    kv_files.write(path, replace(header, **{field: value}), range(5), kv_files.buffers(arrays))
+    for read in (kv_files.read_key, kv_files.read):  # refused, not read as far as it says
+        with pytest.raises(kv_files.BadFile):
+            read(path)
+
+
 def test_weights_rewritten_in_a_few_places_are_another_model(tmp_path, monkeypatch):
     # Large files are sampled, not read whole: bytes between the samples changed
     # (a few tensors of an adapter fused in) still make another fingerprint.
@@ -307,29 +355,48 @@ def test_weights_rewritten_in_a_few_places_are_another_model(tmp_path, monkeypat
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(bytes(range(256)) * 64)
     before = fingerprint.fingerprint([tmp_path], ["v"])
+    written = weights.stat()
     time.sleep(0.05)  # written later, as a fine-tune is
     with open(weights, "r+b") as f:
         f.seek(3000)  # between the samples
         f.write(b"\xff" * 16)
+    os.utime(weights, ns=(written.st_atime_ns, written.st_mtime_ns))  # as `cp -p` would
     assert len(weights.read_bytes()) == 256 * 64
+    assert fingerprint.fingerprint([tmp_path], ["v"]) != before
+
+
+def test_files_that_cannot_change_the_model_leave_its_fingerprint(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    before = fingerprint.fingerprint([tmp_path], ["v"])
+    (tmp_path / ".DS_Store").write_bytes(b"finder")  # a folder looked at on a Mac
+    (tmp_path / "README.md").write_text("# a model card")
+    assert fingerprint.fingerprint([tmp_path], ["v"]) == before
+    (tmp_path / "tokenizer.json").write_text("{}")
     assert fingerprint.fingerprint([tmp_path], ["v"]) != before
 
 
 def test_other_models_folders_no_worker_uses_go_oldest_first_past_the_bound(
     model_dir, tmp_path, caplog
 ):
-    folders = [tmp_path / name for name in ("old", "newer", "in-use")]
-    for age, folder in enumerate(folders):
+    def folder_of(key: str, age: int, *others: str) -> Path:
+        """A folder as another model's worker leaves it, last used `age` s after 1970."""
+        folder = tmp_path / key[:24]
         folder.mkdir()
-        (folder / "model.json").write_text("{}")
-        (folder / "x.kv").write_bytes(bytes(600_000))
-        os.utime(folder / "x.kv", (1000 + age, 1000 + age))  # last used long ago, in order
-    lock = Folder._take_lock(folders[2])  # another worker serves that model
+        (folder / "model.json").write_text(json.dumps({"fingerprint": key}))
+        for name in ("x.kv", *others):
+            (folder / name).write_bytes(bytes(600_000))
+            os.utime(folder / name, (age, age))
+        return folder
+
+    old, newer, in_use = (folder_of(f"{i}" * 64, 1000 + i) for i in range(3))
+    # Older still, but not ours to delete: a name or a file no worker makes.
+    foreign = [folder_of("important", 10), folder_of("a" * 64, 10, "thesis.pdf")]
+    lock = Folder._take_lock(in_use)  # another worker serves that model
     with caplog.at_level(logging.INFO):
         folder = Folder(tmp_path, [model_dir], ["v"], 1_500_000, lambda: None)
         assert folder.opened().error is None
     folder.close(release_lock=True)
     os.close(lock)
     # 1.8 MB of other models' entries in a directory of 1.5 MB: the oldest went.
-    assert [f.exists() for f in folders] == [False, True, True]
+    assert [f.exists() for f in (old, newer, in_use, *foreign)] == [False] + [True] * 4
     assert "another model's entries last used" in caplog.text

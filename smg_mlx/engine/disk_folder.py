@@ -19,12 +19,14 @@ synced write of PROBE_BYTES measures the disk.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -43,6 +45,13 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 PROBE_BYTES = 32 << 20
+# No write leaves less free space than this on the device.
+RESERVE_BYTES = 1 << 30
+# What a model's folder holds, and nothing else: a folder holding anything
+# more is not deleted for room, whatever its name.
+FOLDER_FILES = {"model.json", "lock"}
+FOLDER_SUFFIXES = {SUFFIX, ".tmp"}
+FOLDER_NAME = re.compile(r"[0-9a-f]{24}")
 
 
 def file_name(tokens: Sequence[int]) -> str:
@@ -198,8 +207,8 @@ class Folder:
             for file in files:  # least recently used first
                 try:
                     header, tokens, size = kv_files.read_key(file)
-                except (kv_files.BadFile, OSError) as exc:
-                    opened.bad.append((file.name, str(exc)))
+                except Exception as exc:  # noqa: BLE001 - whatever is wrong, only this file's
+                    opened.bad.append((file.name, str(exc) or repr(exc)))
                     file.unlink(missing_ok=True)
                     continue
                 opened.files.append((file.name, header, tokens, size))
@@ -209,6 +218,9 @@ class Folder:
                 max_bytes = min(int(free * DISK_CACHE_SHARE), DISK_CACHE_MOST)
             opened.max_bytes = max_bytes
             self._prune(path, max_bytes, held)
+            free = shutil.disk_usage(path).free
+            if free < PROBE_BYTES + RESERVE_BYTES:
+                raise OSError(errno.ENOSPC, f"only {format_bytes(free)} free", str(path))
             opened.write_rate = self._probe(path)
             opened.path = path
         except OSError as exc:
@@ -227,9 +239,9 @@ class Folder:
         others = []
         for folder in self.directory.iterdir():
             try:
-                if folder == ours or not (folder / "model.json").is_file():
+                if folder == ours or not _cache_folder(folder):
                     continue
-                files = [f.stat() for f in folder.iterdir() if f.is_file()]
+                files = [f.stat() for f in folder.iterdir()]
             except OSError:
                 continue  # going, or not ours to read
             size = sum(f.st_size for f in files)
@@ -315,3 +327,21 @@ class Folder:
             read.error = exc
         read.seconds = time.perf_counter() - began
         return read
+
+
+def _cache_folder(folder: Path) -> bool:
+    """Whether `folder` is a model's folder of a prompt cache, as `_open` makes them."""
+    if not FOLDER_NAME.fullmatch(folder.name) or not folder.is_dir():
+        return False
+    try:
+        fingerprint = json.loads((folder / "model.json").read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (
+        isinstance(fingerprint, str)
+        and fingerprint.startswith(folder.name)
+        and all(
+            f.is_file() and (f.name in FOLDER_FILES or f.suffix in FOLDER_SUFFIXES)
+            for f in folder.iterdir()
+        )
+    )

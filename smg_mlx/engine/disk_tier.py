@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx_lm
 
 from smg_mlx.engine import kv_files
-from smg_mlx.engine.disk_folder import Folder, Opened, Read, Write, file_name
+from smg_mlx.engine.disk_folder import RESERVE_BYTES, Folder, Opened, Read, Write, file_name
 from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.memory_tier import MemoryTier
 from smg_mlx.engine.token_tree import Entry, TokenTree
@@ -49,8 +49,6 @@ FORMAT = "smg-mlx prompt cache 1"
 WRITE_AFTER = 2.0
 # Fewer tokens are not worth a file (nor a read).
 MIN_TOKENS = 64
-# No write leaves less free space than this on the device.
-RESERVE_BYTES = 1 << 30
 # Writes queued at once; spilled entries' bytes in memory awaiting their write.
 MAX_QUEUED_WRITES = 4
 SPILL_BACKLOG = 1 << 30

@@ -5,11 +5,14 @@ fingerprint covers the model directory's files (config, tokenizer, weights,
 and an adapter's), the versions of mlx and mlx-lm (their kernels round
 differently) and the device kind. Small files are hashed whole; large ones
 (weights) by their size, their first MiB (a safetensors header names every
-tensor), samples spread over the rest, and the time they were last written:
-an 8B model is fingerprinted in milliseconds rather than the seconds a full
-hash takes. Fully fine-tuned weights differ in almost every byte, but a few
-tensors changed (an adapter fused in) may miss every sample, while writing
-them changes the file's time. No MLX here: it runs on the disk tier's thread.
+tensor), samples spread over the rest, and the times they were last written
+and last changed: an 8B model is fingerprinted in milliseconds rather than
+the seconds a full hash takes. Fully fine-tuned weights differ in almost
+every byte, but a few tensors changed (an adapter fused in) may miss every
+sample, while writing them changes the file's times (a written time put back,
+as `cp -p` does, changes the other). Hidden files (a Finder's .DS_Store) and
+Markdown (a model card) cannot change the model and are left out, so adding
+them keeps the cache warm. No MLX here: it runs on the disk tier's thread.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _file(digest: hashlib._Hash, path: Path) -> None:
         if size < WHOLE_BELOW:
             digest.update(f.read())
             return
-        digest.update(f"{stat.st_mtime_ns}\0".encode())
+        digest.update(f"{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0".encode())
         digest.update(f.read(HEAD_BYTES))
         for i in range(1, SAMPLES + 1):
             f.seek((size - SAMPLE_BYTES) * i // SAMPLES)
@@ -46,6 +49,7 @@ def fingerprint(directories: Iterable[Path], versions: Iterable[str]) -> str:
     for version in versions:
         digest.update(f"{version}\0".encode())
     for directory in directories:
-        for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
-            _file(digest, path)
+        for path in sorted(Path(directory).iterdir()):
+            if path.is_file() and not path.name.startswith(".") and path.suffix != ".md":
+                _file(digest, path)
     return digest.hexdigest()

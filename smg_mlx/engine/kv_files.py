@@ -37,6 +37,7 @@ _TRAILER = struct.Struct("<IQ")  # CRC-32, file length
 _TOKEN = np.dtype("<u4")
 # Cache classes are restored from mlx-lm's own modules only.
 _CACHE_MODULES = "mlx_lm."
+_HEADER_FIELDS = ("layers", "arrays", "tokens", "trimmable")  # Header's, in its order
 
 
 class BadFile(ValueError):
@@ -196,12 +197,43 @@ def _header(f: Any) -> tuple[Header, bytes, bytes]:
     raw = _read_exactly(f, length, "header")
     try:
         fields = json.loads(raw)
-        if fields["byteorder"] != sys.byteorder:
-            raise BadFile("written on a machine of the other byte order")
-        header = Header(fields["layers"], fields["arrays"], fields["tokens"], fields["trimmable"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except ValueError as exc:
         raise BadFile(f"its header is unreadable ({exc})") from None
+    header = _checked(fields)
+    # The rest is read only when the file is as long as the header says.
+    if os.fstat(f.fileno()).st_size != _expected_length(header, f.tell()):
+        raise BadFile(f"{os.fstat(f.fileno()).st_size} bytes long, not what its header says")
     return header, magic + length_bytes, raw
+
+
+def _checked(fields: Any) -> Header:
+    """The header `fields` hold, each field as `write` writes it: the checksum
+    covers the header only once the whole file is read."""
+    if not isinstance(fields, dict) or not {"byteorder", *_HEADER_FIELDS} <= fields.keys():
+        raise BadFile("its header lacks fields")
+    if fields["byteorder"] != sys.byteorder:
+        raise BadFile("written on a machine of the other byte order")
+    arrays = fields["arrays"]
+    if not (
+        isinstance(fields["layers"], list)
+        and _count(fields["tokens"])
+        and isinstance(fields["trimmable"], bool)
+        and isinstance(arrays, list)
+        and all(
+            isinstance(a, dict)
+            and isinstance(a.get("dtype"), str)
+            and isinstance(a.get("shape"), list)
+            and all(_count(n) for n in a["shape"])
+            and _count(a.get("nbytes"))
+            for a in arrays
+        )
+    ):
+        raise BadFile("its header is malformed")
+    return Header(*(fields[name] for name in _HEADER_FIELDS))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _tokens(f: Any, header: Header) -> bytes:
@@ -221,11 +253,9 @@ def read_key(path: Path) -> tuple[Header, tuple[int, ...], int]:
     """The header and tokens of the entry in `path`, and the file's length,
     checked against the header (the data itself is checked by `read`)."""
     with open(path, "rb") as f:
-        header, _, raw = _header(f)
+        header, _, _ = _header(f)
         tokens = _tokens(f, header)
         size = os.fstat(f.fileno()).st_size
-        if size != _expected_length(header, len(MAGIC) + _LENGTH.size + len(raw)):
-            raise BadFile(f"{size} bytes long, not what its header says")
     return header, _token_ids(tokens), size
 
 
