@@ -57,7 +57,7 @@ def byte_size(text: str) -> int:
 def _directory(text: str) -> Path:
     if not text.strip():  # Path("") is the current directory
         raise argparse.ArgumentTypeError("expected a directory, got an empty path")
-    return Path(text)
+    return Path(text).expanduser().absolute()  # logged as it is used
 
 
 def memory_budget(text: str) -> tuple[int | None, float | None]:

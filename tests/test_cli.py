@@ -186,6 +186,8 @@ def test_a_path_written_as_one_stays_one(tmp_path, monkeypatch):
     assert serve_args("../x").model == tmp_path / ".." / "x"
     assert serve_args("--model", "~/x").model == Path.home() / "x"
     assert serve_args("models/x").model == Path("models/x")  # may be a repo id
+    for given, used in (("cache", tmp_path / "cache"), ("~/c", Path.home() / "c")):
+        assert serve_args("--demo", "--prompt-cache-dir", given).prompt_cache_dir == used
 
 
 def test_demo_model_help_shows_every_default():
