@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -218,7 +219,19 @@ def test_router_sees_the_worker_healthy_only_when_ready(model_dir, tmp_path, mon
         starting.join(60)
         assert wait_until(router.worker_healthy, 30)
         body = {"model": NAME, "prompt": "Hi", "max_tokens": 3, **GREEDY}
-        assert router.post("/v1/completions", body)["usage"]["completion_tokens"] == 3
+        answers = []
+
+        def answered() -> bool:
+            try:
+                answers.append(router.post("/v1/completions", body))
+            except urllib.error.HTTPError as err:
+                # The router fetches the tokenizer once the worker is healthy,
+                # and says "tokenizer_not_ready ... retry shortly" until then.
+                assert err.code == 503 and "tokenizer_not_ready" in err.read().decode()
+            return bool(answers)
+
+        assert wait_until(answered, 10)
+        assert answers[0]["usage"]["completion_tokens"] == 3
     finally:
         release.set()
         router.stop()
