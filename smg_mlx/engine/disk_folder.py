@@ -239,13 +239,14 @@ class Folder:
         others = []
         for folder in self.directory.iterdir():
             try:
-                if folder == ours or not _cache_folder(folder):
+                files = _cache_files(folder) if folder != ours else None
+                if files is None:
                     continue
-                files = [f.stat() for f in folder.iterdir()]
+                stats = [f.stat() for f in files]
             except OSError:
                 continue  # going, or not ours to read
-            size = sum(f.st_size for f in files)
-            others.append((max(f.st_mtime for f in files), size, folder))
+            size = sum(f.st_size for f in stats)
+            others.append((max(f.st_mtime for f in stats), size, folder))
             held += size
         for used, size, folder in sorted(others):
             if held <= max_bytes:
@@ -329,19 +330,22 @@ class Folder:
         return read
 
 
-def _cache_folder(folder: Path) -> bool:
-    """Whether `folder` is a model's folder of a prompt cache, as `_open` makes them."""
+def _cache_files(folder: Path) -> list[os.DirEntry] | None:
+    """The files of `folder` if it is a model's folder of a prompt cache, as
+    `_open` makes them, else None."""
     if not FOLDER_NAME.fullmatch(folder.name) or not folder.is_dir():
-        return False
+        return None
     try:
         fingerprint = json.loads((folder / "model.json").read_text()).get("fingerprint")
     except (OSError, ValueError, AttributeError):
-        return False
-    return (
-        isinstance(fingerprint, str)
-        and fingerprint.startswith(folder.name)
-        and all(
-            f.is_file() and (f.name in FOLDER_FILES or f.suffix in FOLDER_SUFFIXES)
-            for f in folder.iterdir()
-        )
+        return None
+    if not isinstance(fingerprint, str) or not fingerprint.startswith(folder.name):
+        return None
+    with os.scandir(folder) as listing:
+        files = list(listing)
+    ours = all(
+        f.is_file()
+        and (f.name in FOLDER_FILES or os.path.splitext(f.name)[1] in FOLDER_SUFFIXES)
+        for f in files
     )
+    return files if ours else None

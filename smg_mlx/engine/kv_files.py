@@ -201,8 +201,9 @@ def _header(f: Any) -> tuple[Header, bytes, bytes]:
         raise BadFile(f"its header is unreadable ({exc})") from None
     header = _checked(fields)
     # The rest is read only when the file is as long as the header says.
-    if os.fstat(f.fileno()).st_size != _expected_length(header, f.tell()):
-        raise BadFile(f"{os.fstat(f.fileno()).st_size} bytes long, not what its header says")
+    size = os.fstat(f.fileno()).st_size
+    if size != _expected_length(header, f.tell()):
+        raise BadFile(f"{size} bytes long, not what its header says")
     return header, magic + length_bytes, raw
 
 
