@@ -34,6 +34,7 @@ _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 # Smaller message limits would refuse ordinary requests and responses.
 MIN_MESSAGE_BYTES = 64 << 10
 MAX_PORT = 65535
+MAX_SIZE = 1 << 60
 
 
 def byte_size(text: str) -> int:
@@ -48,9 +49,14 @@ def byte_size(text: str) -> int:
     prefix = (prefix or "").lower()
     decimal = prefix and not binary and text.strip().lower().endswith("b")
     base = 1000 if decimal else 1024
-    size = int(float(number) * base ** _POWERS[prefix])
-    if size == 0 and float(number) != 0:  # read as 0, it would turn a cache off
+    exact = float(number) * base ** _POWERS[prefix]
+    if exact > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than any machine has")
+    size = int(exact)
+    if size == 0 and exact != 0:  # read as 0, it would turn a cache off
         raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
+    if size != exact and not prefix:
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}")
     return size
 
 

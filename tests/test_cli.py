@@ -111,6 +111,9 @@ def test_sizes_take_units(text, expected):
         (["--prompt-cache-bytes", "lots"], "expected a size such as 4GiB"),
         (["--prompt-cache-bytes", "4i"], "expected a size such as 4GiB"),
         (["--prompt-cache-bytes", "0.5"], "'0.5' is less than one byte"),  # not off
+        (["--prompt-cache-bytes", "1.5"], "expected a whole number of bytes, got '1.5'"),
+        (["--memory-budget", "99999999999999999999999GiB"], "more than any machine has"),
+        (["--prompt-cache-disk-bytes", "9" * 400], "more than any machine has"),
         (["--prompt-cache-dir", ""], "expected a directory, got an empty path"),
         (["--max-response-bytes", "1KiB"], "expected a size of at least 64KiB, got '1KiB'"),
         (["--max-pending", "-1"], "expected a whole number, 0 or more, got '-1'"),
