@@ -509,3 +509,46 @@ def test_a_stream_grown_long_moves_out_of_the_chats_lane_and_goes_on_as_alone(ch
     assert beside and max(beside) < 2.5 * stream_kv
     assert streamed + tokens[2] == alone and len(set(alone)) > 3
     assert all(len(tokens[key]) == 30 for key in chats)
+
+
+class Replacing(Recorder):
+    """A closed loop's clients at their quickest: when a wave of requests ends,
+    one is replaced in the very call that reports the end, the others a moment
+    later (as a client's replacements arrive over a few milliseconds)."""
+
+    def __init__(self, inbox: Inbox, wave: list[int], replacements: list[Request]) -> None:
+        super().__init__()
+        self._inbox, self._wave, self._replacements = inbox, set(wave), replacements
+
+    def step(self, report: StepReport) -> None:
+        ended = {e.key for e in report.events if e.ends}
+        if self._wave and ended >= self._wave:
+            self._wave = set()
+            first, *rest = self._replacements
+            self._inbox.submit(first)
+            threading.Timer(0.05, lambda: [self._inbox.submit(r) for r in rest]).start()
+        super().step(report)
+
+
+def test_replacements_of_a_wave_that_ended_start_together(model_dir):
+    # Started one by one, they would stay out of step for good: each group costs
+    # a prefill pass of its own, which halved throughput on a GPU.
+    inbox = Inbox()
+    wave = [Request(k, spec(prompt(12, k), max_tokens=4)) for k in (1, 2, 3, 4)]
+    replacements = [Request(k, spec(prompt(12, k), max_tokens=4)) for k in (11, 12, 13, 14)]
+    sink = Replacing(inbox, [r.key for r in wave], replacements)
+    core = EngineCore(EngineConfig(model_path=model_dir, burst_window_seconds=0.3), inbox, sink)
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    try:
+        assert sink.ready.wait(TIMEOUT)
+        for r in wave:
+            inbox.submit(r)
+        admitted: list[set[int]] = []  # each admission's keys
+        while not admitted or not admitted[-1] & {11, 12, 13, 14}:
+            if keys := set(sink.next_report().admitted):
+                admitted.append(keys)
+        assert admitted == [{1, 2, 3, 4}, {11, 12, 13, 14}]
+    finally:
+        inbox.stop()
+        thread.join(TIMEOUT)

@@ -492,6 +492,34 @@ def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, mod
         assert again.tokens == first.tokens
 
 
+def test_prompts_near_the_memory_limit_start_from_their_entries(start_worker, tmp_path_factory):
+    # Much KV per token beside little else: a prompt's entry and its row's copy of
+    # it do not both fit, and the entry leaves once copied. Before, such a prompt
+    # waited for room that never came and, once it had waited 10 s, held back
+    # every request behind it.
+    model = build_model(
+        tmp_path_factory.mktemp("models") / "wide-kv",
+        ["--layers", "4", "--kv-heads", "4", "--head-dim", "64"],
+    )
+    budget = (model / "model.safetensors").stat().st_size + (18 << 20)
+    w = start_worker(model, memory_budget_bytes=budget)
+    cold = start_worker(model, prompt_cache_bytes=0)
+    longest = w.worker.engine.memory.longest_sequence
+
+    def within(stub, ids: list[int], max_tokens: int):
+        return collect(stub.Generate(request(ids, max_tokens=max_tokens), timeout=30))
+
+    for share in (0.8, 0.9, 0.97):
+        ids = prompt(longest - 1, int(100 * share))
+        within(w.stub, ids, 1)
+        cut = ids[: int(share * longest)]
+        out = within(w.stub, cut, longest - len(cut))
+        assert out.complete.cached_tokens == len(cut) - 1
+        assert out.tokens == within(cold.stub, cut, longest - len(cut)).tokens
+        assert within(w.stub, prompt(10, 18), 4).complete.finish_reason == "length"
+        assert within(w.stub, cut, 1).complete.cached_tokens == len(cut) - 1
+
+
 def test_a_fresh_worker_holds_only_what_its_clients_sent(start_worker, model_dir):
     w = start_worker(model_dir)
     generate(w.stub, prompt(100, 16), max_tokens=4)

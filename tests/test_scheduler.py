@@ -477,13 +477,18 @@ def test_a_long_history_from_the_cache_goes_to_the_long_lane_where_it_is_free():
     assert plan.long == (1,) and plan.long_chunks == ()
 
 
-def test_the_entry_a_request_reuses_counts_against_memory_while_it_starts():
-    def admits(entry_mib: int) -> bool:
+def test_the_entry_a_request_reuses_stays_beside_it_where_memory_holds_both():
+    def plan(entry_mib: int) -> Plan:
         s = make(150, prefixes=Cached(9_000, entry_mib * MIB))
         s.add([req(1, 9_016)], now=0)
-        return bool(s.schedule([], 0, now=0).admit)
+        return s.schedule([], 0, now=0)
 
-    assert admits(10) and not admits(40)
+    both = plan(10)
+    assert keys(both.admit) == [1] and both.keep == (7,) and both.release == ()
+    # No room for both: it starts all the same, from its entry, which stays
+    # until its row has a copy and leaves the cache then.
+    one = plan(40)
+    assert keys(one.admit) == [1] and one.keep == (7,) and one.release == (7,)
 
 
 def test_a_request_waits_for_its_prefix_from_disk_until_read_or_its_deadline():

@@ -210,11 +210,14 @@ class EngineCore:
     # ---- rank 0 (or the only rank) ----
 
     @staticmethod
-    def _progress(batch: Batch, due: float) -> float:
+    def _progress(batch: Batch, due: float | None) -> float | None:
         """Log how far the prompts prefilling have come, if it is `due`; when
-        to next (PROGRESS_SECONDS on from now while none prefills)."""
-        now = time.monotonic()
+        to next (None while none prefills: a prefill is timed from its start,
+        not from the last line before the worker went idle)."""
         if not batch.prefilling:
+            return None
+        now = time.monotonic()
+        if due is None:
             return now + PROGRESS_SECONDS
         if now < due:
             return due
@@ -235,15 +238,21 @@ class EngineCore:
         bursts = BurstGatherer(window, batch.prefill_rows)
         failures = 0  # failed steps since the last good one
         sent: list[Event] = []  # the step's short-lane events, sent before its long lane ran
-        progress_at = time.monotonic() + PROGRESS_SECONDS  # the next prefill progress line
+        progress_at: float | None = None  # the next prefill progress line
 
         def early(short: list[Event]) -> None:
             sent.extend(short)
             sink.step(self._report(batch, scheduler, short))
 
+        settle = False  # the last turn ended requests and left the batch idle
+        reported_waits = 0  # requests waiting for memory, as last reported
         try:
             while True:
-                requests, aborts = inbox.take()
+                # A settling turn plans without taking what arrived: the requests
+                # that ended left their entries after the last turn planned, and it
+                # holds the cache to what memory and its cap allow. What arrives
+                # meanwhile is the burst of their replacements, gathered below.
+                requests, aborts = ([], set()) if settle else inbox.take()
                 tended = batch.tend_prefixes()
                 turn, events = self._decide(batch, scheduler, requests, aborts)
                 if watchdog is not None:
@@ -275,17 +284,21 @@ class EngineCore:
                 events += stepped
                 seconds = passes.seconds if passes is not None else None
                 idle = not batch.size and not scheduler
-                if events or seconds is not None or turn.admit or turn.drop_cached or tended:
+                # A turn reports what it changed, and who waits for memory when that changed.
+                waits = self._plan.waiting_for_memory
+                changed = turn.admit or turn.drop_cached or tended or waits != reported_waits
+                if events or seconds is not None or changed:
+                    reported_waits = waits
                     sink.step(
                         self._report(batch, scheduler, events, seconds, rows, turn.admit, idle=idle)
                     )
                 if turn.stop:
                     return
                 progress_at = self._progress(batch, progress_at)
-                # Requests that ended (or were aborted) left their entries after
-                # this turn planned: one more turn holds the cache to what memory
-                # and its cap allow before the worker waits.
-                if idle and not (finished or turn.remove):
+                settle = idle and bool(finished or turn.remove)
+                if settle:
+                    continue
+                if idle:
                     # With followers, an idle rank 0 still sends a turn now and
                     # then, so that they can tell it from a dead one; it also
                     # wakes for the prefix cache's writes to disk.
@@ -367,6 +380,7 @@ class EngineCore:
             plan.long_chunks,
             plan.expected_seconds,
             move=plan.move,
+            release=plan.release,
         )
         changes = remove or drop or plan.admit or plan.refuse or plan.move
         steady = not changes and not batch.prefilling and not batch.waiting
@@ -465,6 +479,7 @@ class EngineCore:
         events = batch.remove(turn.remove)
         events += batch.move(turn.move)
         events += batch.admit(list(turn.admit), turn.long)
+        batch.drop_cached(turn.release)
         return events
 
     @staticmethod

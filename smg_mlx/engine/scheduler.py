@@ -33,7 +33,9 @@ prefills is `engine.step_plan`'s; the order requests are considered in,
   budget (`MemoryPlanner`). One that does not fit waits without holding back
   smaller ones behind it; one that can never fit is refused. A request that
   starts from a cached prefix counts only the rest as prefill, and the entry
-  it reuses stays in the prefix cache through the turn it starts in.
+  it reuses stays in the prefix cache through the turn it starts in; where
+  the batch has no room for both, the entry leaves the cache once the request
+  has its copy (a request that fits alone never waits for its own entry).
 - **No starvation.** A request that has waited AGING_SECONDS goes ahead of
   every younger one; if it still cannot start for memory, for a free slot or
   for the short prompts being prefilled, nothing younger starts before it.
@@ -86,6 +88,7 @@ class Plan:
     long_chunks: tuple[int, ...] = ()  # the long lane's chunks, one call each (see _long_parts)
     prefix_allowance: int = 0  # bytes the prefix cache may keep
     keep: tuple[int, ...] = ()  # prefix-cache entries the requests admitted reuse
+    release: tuple[int, ...] = ()  # of those, the ones that leave once they are copied
     expected_seconds: float = 0.0  # how long the step should take
     prefill_bytes: float = 0.0  # the step's prefill working set (estimated)
     waiting_for_memory: int = 0  # requests seen waiting for memory alone
@@ -145,7 +148,9 @@ class Scheduler:
         prefilling = [r for r in running if r.cost.prefilling]
         # Prompt tokens past which a prompt is long.
         long = LONG_PROMPT_STEPS * self.steps.row_chunk(1, 0, builds=False, lane=LONG)
-        admitted, to_long, refused, for_memory = self._admit(running, prefilling, long, now)
+        admitted, to_long, released, refused, for_memory = self._admit(
+            running, prefilling, long, now
+        )
         starting_long = [w for w in admitted if w.request.key in to_long]
         starting_short = [w for w in admitted if w.request.key not in to_long]
         starting = [w.cost(w.request.key in to_long) for w in admitted]
@@ -182,6 +187,7 @@ class Scheduler:
             long_chunks=long_chunks,
             prefix_allowance=allowance,
             keep=keep,
+            release=released,
             expected_seconds=self.steps.planned_seconds(),
             prefill_bytes=self.planner.prefill_bytes(costs, max((chunk, *long_chunks))),
             waiting_for_memory=for_memory,
@@ -216,12 +222,13 @@ class Scheduler:
 
     def _admit(
         self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float
-    ) -> tuple[list[Waiting], set[int], tuple[Request, ...], int]:
-        """Who starts now, and the keys of those that go to the long lane."""
+    ) -> tuple[list[Waiting], set[int], tuple[int, ...], tuple[Request, ...], int]:
+        """Who starts now, the keys of those that go to the long lane, and the
+        prefix-cache entries that leave once copied."""
         costs = [r.cost for r in running]
         slots = self.batch_size - len(costs)
         if slots <= 0:
-            return [], set(), (), 0
+            return [], set(), (), (), 0
         rows = self.prefill_rows - sum(not r.long for r in prefilling)  # the short lane's
         longs = sum(r.long for r in prefilling)
         # A long prompt whose last chunk ran joins its lane's decoding rows at
@@ -237,6 +244,7 @@ class Scheduler:
         too_big: list[Cost] = []  # what did not fit: anything at least as big waits too
         for_memory = 0
         pinned: dict[int, int] = {}  # prefix-cache entries the admitted reuse: their bytes
+        released: set[int] = set()  # entries that leave once the admitted have copied them
         for waiting in self._room.ranked(long_tokens, now):
             if slots <= 0:
                 break
@@ -271,14 +279,28 @@ class Scheduler:
                     break
                 continue
             fits = self.planner.fits([*costs, new], sum(pins.values()))
+            # Without room for the entry beside it, its row's copy is all it
+            # needs of the entry, which leaves the cache then.
+            release = not fits and entry is not None and entry not in pinned
+            if release:
+                fits, pins = self.planner.fits([*costs, new], sum(pinned.values())), pinned
             if any(_at_least(new, c) for c in too_big) or not fits:
                 for_memory += 1
                 too_big.append(new)
                 if aged:
+                    if not waiting.held_back:
+                        waiting.held_back = True
+                        log.warning(
+                            "request %r has waited %.0fs for memory beside %d running "
+                            "request(s); it starts before any younger one",
+                            waiting.request.request_id, now - waiting.arrived, len(running),
+                        )  # fmt: skip
                     break  # it holds its place: nothing younger starts before it
                 continue
             costs.append(new)
             pinned = pins
+            if release:
+                released.add(entry)
             admitted.append(self._room.take(waiting))
             slots -= 1
             longs += long
@@ -294,7 +316,7 @@ class Scheduler:
                     waiting.request.request_id, waiting.prefill,
                     len(waiting.request.spec.prompt), now - waiting.arrived, len(self._room),
                 )  # fmt: skip
-        return admitted, to_long, tuple(refused), for_memory
+        return admitted, to_long, tuple(released), tuple(refused), for_memory
 
 
 def _at_least(a: Cost, b: Cost) -> bool:

@@ -170,3 +170,5 @@ class Turn:
     expected_seconds: float = 0.0  # how long its step may take (the watchdog's measure)
     stop: bool = False
     move: tuple[int, ...] = ()  # keys of decoding requests that move to the long prompts' lane
+    # prompt-cache entries dropped once the requests admitted have copied them
+    release: tuple[int, ...] = ()

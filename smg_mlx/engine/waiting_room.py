@@ -88,6 +88,7 @@ class Waiting:
     reuse: Reuse  # what the prefix cache spares it (as of `version`)
     version: int
     fetch: Fetch | None = None  # its prefix being read back from disk
+    held_back: bool = False  # it has waited for memory long enough to hold back younger ones
 
     @property
     def cached(self) -> int:
