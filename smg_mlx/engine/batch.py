@@ -459,7 +459,7 @@ class Batch:
         events, short, long = [], None, []
         if SHORT in held:
             started = time.perf_counter()
-            events = self._next(SHORT, chunk)
+            events = self._next(SHORT, chunk, early=LONG in held)
             if both:  # its decoding, left running, is timed as its own
                 mx.synchronize(self._stream)
             short = time.perf_counter() - started
@@ -468,7 +468,7 @@ class Batch:
         if LONG in held:
             for size in long_chunks or (chunk,):
                 started = time.perf_counter()
-                events += self._next(LONG, size)
+                events += self._next(LONG, size, early=True)
                 long.append(time.perf_counter() - started)
             if both:
                 started = time.perf_counter()
@@ -478,8 +478,10 @@ class Batch:
             self.attention.forget()
         return events, Passes(short, tuple(long))
 
-    def _next(self, lane: int, chunk: int) -> list[Event]:
-        """One call of a lane's BatchGenerator, prefilling at most `chunk` tokens a row."""
+    def _next(self, lane: int, chunk: int, early: bool) -> list[Event]:
+        """One call of a lane's BatchGenerator, prefilling at most `chunk` tokens a
+        row; `early`: the first tokens of rows it moves into decoding go out now
+        (`_first_tokens`), else with its next call, as mlx-lm hands them over."""
         generator = self._lanes[lane]
         generator.prefill_step_size = chunk
         with self._buffers():
@@ -509,7 +511,7 @@ class Batch:
                     # The cache holds every token of `all_tokens`, the last
                     # generated one included.
                     self.prefixes.keep(r.all_tokens, r.prompt_cache, slot.pace)
-        return events + self._first_tokens(lane, decoding)
+        return events + (self._first_tokens(lane, decoding) if early else [])
 
     def _tokens(self, lane: int, sampled: list) -> list[Event]:
         """The events of the tokens mlx-lm sampled for the lane's rows."""
@@ -535,8 +537,11 @@ class Batch:
         lane's decoding rows in this pass: mlx-lm samples each there but
         returns it only after the next pass (it starts that pass before it
         waits for this one's tokens), which would hold a chat's first token
-        back behind a whole step of long prompts' chunks. A token that ends
-        its request is left to mlx-lm, which ends it then."""
+        back behind a whole step of long prompts' chunks. Reading them waits
+        for the pass: the device then idles while the next one is prepared,
+        which a step of short prompts alone (its next pass as short) does not
+        pay for. A token that ends its request is left to mlx-lm, which ends
+        it then."""
         if not uids:
             return []
         sampled = []
