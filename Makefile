@@ -23,7 +23,7 @@ PORT ?= 50051
 MODEL ?=
 SERVE_ARGS ?=
 
-.PHONY: install stubs serve test lint bench soak clean
+.PHONY: install stubs serve test lint bench bench-gate soak clean
 
 install: $(STAMP)
 
@@ -58,6 +58,12 @@ test: lint $(WHEELS)
 # Engine ceiling vs this worker vs the peer worker; BENCH_ARGS=--short for a quick run.
 bench: install
 	$(PY) -m bench $(BENCH_ARGS)
+
+# The throughput gate (bench/gate.py): engine vs ours side by side, then the mixed
+# run; exit status 1 when a ratio falls short. Meant for a GPU, e.g.
+# make bench-gate MLX_EXTRA=cuda13 BENCH_ARGS="--shape qwen3-0.6b"
+bench-gate: install
+	$(PY) -m bench --gate $(BENCH_ARGS)
 
 # Long soak (not part of `make test`): thousands of requests with random
 # cancellations, then the exit-code and settings-memory tests at larger sizes.

@@ -6,10 +6,10 @@ import argparse
 import shlex
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench import machine, model, report
+from bench import gate, machine, model, report
 from bench.agent import Agent, format_agent, run_agent, run_followups
 from bench.long_prompts import run_long_prompts
 from bench.mixed import Mixed, format_mixed, run_mixed
@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="subset of engine,ours,peer,2ranks (2ranks: ours with the model split over two "
         "ranks on this host, mlx.launch over loopback)",
     )
-    p.add_argument("--concurrency", default="1,4,16,64", help="levels, comma-separated")
+    p.add_argument(
+        "--concurrency", help="levels, comma-separated (default 1,4,16,64; the gate's 1,16,64)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument(
@@ -72,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warmup",
         type=int,
-        default=1,
-        help="untimed requests per slot before each level (2 on GPUs: more batch shapes)",
+        help="untimed requests per slot before each level (default 1, the gate's 2; 2 on "
+        "GPUs: more batch shapes)",
     )
     p.add_argument("--model", type=Path, help="an existing model directory (default: build one)")
     p.add_argument(
@@ -119,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--agent-cache-bytes",
         help="--prompt-cache-bytes for the agent workload's default setting, e.g. 8MiB "
         "(memory for about one session, so that the disk tier serves the rest)",
+    )
+    p.add_argument(
+        "--gate",
+        action="store_true",
+        help="instead of the table: the throughput gate (bench/gate.py): engine and ours at "
+        "--concurrency (interleaved --rounds, default 3; ours one worker throughout), then "
+        "the --mixed run (default 16 long prompts); each ratio against its threshold; exit "
+        "status 1 when one falls short",
     )
     p.add_argument(
         "--followups",
@@ -168,16 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    levels = parse_levels(args.concurrency)
+    default_levels = ",".join(map(str, gate.DEFAULT_LEVELS)) if args.gate else "1,4,16,64"
+    levels = parse_levels(args.concurrency or default_levels)
     workload = Workload(
         prompt_tokens=args.prompt_tokens,
         gen_tokens=args.gen_tokens,
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
-        warmup_per_slot=args.warmup,
+        warmup_per_slot=args.warmup or (2 if args.gate else 1),
     )
     if args.short:
         workload = replace(workload, **SHORT)
+    if args.gate:  # one stream's level need not take minutes: its ratio is plain sooner
+        workload = replace(workload, min_requests=16)
     if args.requests:
         workload = replace(workload, min_requests=args.requests)
     if max(levels) > workload.completion_batch_size:
@@ -188,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         progress(f"model: {args.shape} (built once under {args.work_dir / 'models'})")
         model_dir = model.ensure_model(args.shape, args.work_dir / "models")
+    if args.gate:
+        return _gate(args, model_dir, argv, levels, workload)
     if args.long_prompts:
         return _long_prompts(args, model_dir, argv)
     if args.mixed:
@@ -291,6 +306,45 @@ def _mixed(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) ->
     _write(args, argv, model_dir, mixed=result)
     chats_failed = result["mixed"]["chats_failed"] + result["idle"]["chats_failed"]
     return 1 if result["long_errors"] or chats_failed else 0
+
+
+def _gate(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
+          levels: list[int], workload: Workload) -> int:  # fmt: skip
+    opts = Options(
+        systems=["engine", "ours"],
+        levels=levels,
+        workload=workload,
+        model_dir=model_dir.resolve(),
+        work_dir=args.work_dir.resolve(),
+        start_timeout_s=args.start_timeout,
+        rounds=args.rounds or 3,
+        worker_args=tuple(shlex.split(args.worker_args)),
+        one_worker=True,
+    )
+    results, systems = run_all(opts)
+    print(report.format_table(results))
+    checks = gate.throughput_checks(results, levels)
+    mixed = Mixed(
+        longs=args.mixed or 16,
+        long_tokens=args.long_prompt_tokens,
+        long_gen_tokens=args.long_gen_tokens,
+        chat_tokens=args.chat_tokens,
+        chat_gen_tokens=args.chat_gen_tokens,
+        chat_interval_s=args.chat_interval,
+    )
+    progress(f"mixed: {mixed.longs} x {mixed.long_tokens} tokens beside a stream and chats")
+    extra = shlex.split(args.worker_args)
+    mixed_result = run_mixed(model_dir.resolve(), args.work_dir.resolve(), mixed, extra,
+                             args.start_timeout)  # fmt: skip
+    print()
+    print(format_mixed(mixed_result))
+    checks += gate.mixed_checks(mixed_result, gate.step_budget_seconds(extra))
+    print()
+    print(gate.format_checks(checks))
+    _write(args, argv, model_dir, workload=workload.to_dict(), systems=systems,
+           results=[r.to_dict() for r in results], mixed=mixed_result,
+           checks=[{**asdict(c), "met": c.met} for c in checks])  # fmt: skip
+    return 0 if all(c.met for c in checks) else 1
 
 
 def _run_agent(args: argparse.Namespace, model_dir: Path) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bench import peer
 from bench.grpc_client import run_closed_loop
+from bench.long_prompts import metric
 from bench.stats import LevelResult, RequestRecord, summarize
 from bench.workers import WorkerProcess, free_port, ours_command, two_ranks_command
 from bench.workload import Level, Workload
@@ -33,6 +34,9 @@ class Options:
     start_timeout_s: float = 600.0
     rounds: int = 1  # interleaved rounds per level, pooled
     worker_args: tuple[str, ...] = ()  # more flags for ours
+    # One worker per system for every level and round (the gate: a worker as it
+    # runs for hours), instead of a fresh one per round.
+    one_worker: bool = False
 
 
 def _span(indices: range) -> str:
@@ -59,12 +63,14 @@ def _worker_process(name: str, opts: Options, log: Path) -> tuple[WorkerProcess,
     port = free_port()
     if name == "ours":
         command = ours_command(opts.model_dir, port, opts.workload)
+        metrics_port = free_port()
+        command += ["--metrics-port", str(metrics_port)]
         # Its prompt cache's files stay with the bench's, not in the user's cache,
         # and start empty: no earlier round's or run's entries help this one.
         cache_dir = opts.work_dir / "prompt-cache"
         shutil.rmtree(cache_dir, ignore_errors=True)
         command += ["--prompt-cache-dir", str(cache_dir), *opts.worker_args]
-        env, info = None, {}
+        env, info = None, {"metrics_port": metrics_port}
     elif name == "2ranks":
         command = two_ranks_command(opts.model_dir, port, opts.workload)
         env, info = None, {}
@@ -76,21 +82,59 @@ def _worker_process(name: str, opts: Options, log: Path) -> tuple[WorkerProcess,
     return WorkerProcess(name, command, port, log, env), info
 
 
-def _worker_round(
-    name: str, opts: Options, level: Level
-) -> tuple[list[RequestRecord], float, dict]:
-    """One round of one level over gRPC, on a worker started for it and stopped after
-    (a paused worker would still hold its accelerator memory)."""
-    c, tag = level.concurrency, f"{level.concurrency}-{level.round}"
-    log = opts.work_dir / "logs" / f"{name}-c{c}-r{level.round}-{time.strftime('%H%M%S')}.log"
+def _started(name: str, opts: Options, tag: str) -> tuple[WorkerProcess, dict]:
+    """The worker, SERVING, and what the JSON records of it."""
+    log = opts.work_dir / "logs" / f"{name}-{tag}-{time.strftime('%H%M%S')}.log"
     worker, info = _worker_process(name, opts, log)
-    with worker as w:
-        started = time.monotonic()
-        w.wait_serving(opts.start_timeout_s)
-        progress(f"{name}: SERVING after {time.monotonic() - started:.1f}s")
-        run_closed_loop(w.address, opts.workload, c, level.warmup, f"w{tag}")
-        records, wall = run_closed_loop(w.address, opts.workload, c, level.timed, f"t{tag}")
-    info["exit_code"] = w.process.returncode
+    started = time.monotonic()
+    try:
+        worker.wait_serving(opts.start_timeout_s)
+    except BaseException:
+        worker.stop()
+        raise
+    progress(f"{name}: SERVING after {time.monotonic() - started:.1f}s")
+    return worker, info
+
+
+def _steps(info: dict) -> tuple[float, float, float] | None:
+    """Our worker's steps so far: how many, their seconds and their rows, from its
+    metrics (None for a worker without them)."""
+    port = info.get("metrics_port")
+    if port is None:
+        return None
+    names = ("engine_step_duration_seconds_count", "engine_step_duration_seconds_sum",
+             "engine_batch_size_sum")  # fmt: skip
+    values = [metric(port, f"smg_mlx_{name}") for name in names]
+    return None if None in values else tuple(values)
+
+
+def _worker_round(
+    name: str, opts: Options, level: Level, kept: dict[str, tuple[WorkerProcess, dict]]
+) -> tuple[list[RequestRecord], float, dict]:
+    """One round of one level over gRPC, on the worker kept in `kept` (started
+    there on first use) or else on one started for it and stopped after (a
+    paused worker would still hold its accelerator memory)."""
+    c, tag = level.concurrency, f"{level.concurrency}-{level.round}"
+    if opts.one_worker and name not in kept:
+        kept[name] = _started(name, opts, "all")
+    worker, info = kept[name] if opts.one_worker else _started(name, opts, f"c{c}-r{level.round}")
+    try:
+        run_closed_loop(worker.address, opts.workload, c, level.warmup, f"w{tag}")
+        before = _steps(info)
+        records, wall = run_closed_loop(worker.address, opts.workload, c, level.timed, f"t{tag}")
+        if before is not None and (after := _steps(info)) is not None:
+            steps, seconds, rows = (b - a for a, b in zip(before, after, strict=True))
+            stats = {"concurrency": c, "round": level.round, "steps": steps,
+                     "rows_per_step": rows / max(1, steps)}  # fmt: skip
+            stats["step_ms"] = 1e3 * seconds / max(1, steps)
+            stats["stepping_share"] = seconds / wall  # the rest: the loop, gRPC, waiting
+            progress(f"{name} c={c}: {steps:.0f} steps of {stats['step_ms']:.1f} ms, "
+                     f"{stats['rows_per_step']:.1f} rows each, stepping "
+                     f"{100 * stats['stepping_share']:.0f}% of the time")  # fmt: skip
+            info.setdefault("step_stats", []).append(stats)
+    finally:
+        if not opts.one_worker:
+            info["exit_code"] = worker.stop()
     return records, wall, info
 
 
@@ -103,6 +147,19 @@ def run_all(
     systems measured minutes apart would compare the drift as well. One
     system that fails is reported as failed and the rest still run;
     `on_progress` sees the results after each level."""
+    kept: dict[str, tuple[WorkerProcess, dict]] = {}  # with `one_worker`
+    try:
+        return _run_levels(opts, on_progress, kept)
+    finally:
+        for worker, info in kept.values():
+            info["exit_code"] = worker.stop()
+
+
+def _run_levels(
+    opts: Options,
+    on_progress: Callable[[list[LevelResult], dict], None] | None,
+    kept: dict[str, tuple[WorkerProcess, dict]],
+) -> tuple[list[LevelResult], dict]:
     systems: dict[str, dict] = {name: {} for name in opts.systems}
     results: list[LevelResult] = []
     pooled: dict[str, tuple[list[RequestRecord], float]] = {}
@@ -118,9 +175,13 @@ def run_all(
                 if name == "engine":
                     records, wall, info = _engine_round(opts, level)
                     stats = {**info.pop("batch_stats"), "round": level.round}
+                    steps = stats["decode_steps"]
+                    step_ms = 1e3 * wall / max(1, steps)
+                    progress(f"engine c={c}: {steps} decoding steps of {step_ms:.1f} ms, "
+                             f"{stats['tokens_per_step']:.1f} tokens each")  # fmt: skip
                     systems[name].setdefault("batch_stats", []).append(stats)
                 else:
-                    records, wall, info = _worker_round(name, opts, level)
+                    records, wall, info = _worker_round(name, opts, level, kept)
             except Exception as exc:  # noqa: BLE001 - reported, then the others run
                 progress(f"{name}: FAILED: {exc!r}")
                 systems[name]["error"] = repr(exc)

@@ -1,0 +1,108 @@
+"""The throughput gate (`python -m bench --gate`, `make bench-gate`): no engine change skips it.
+
+Two parts, on one machine, in one run:
+
+1. the raw mlx-lm engine and our worker side by side at each concurrency level,
+   rounds interleaved (`bench.runner`), our worker with its default flags and
+   kept running across levels as in production: ours' tok/s over the engine's;
+2. the mixed run (`bench.mixed`): long prompts queued beside a running stream
+   and a chat a second: the stream's longest pause and the chats' TTFT p50,
+   over the step budget the worker was given (a step is what a stream waits
+   for at most while prompts prefill).
+
+Every threshold is a ratio of two figures of this run: machines differ by tens
+of percent, so no absolute time would hold across them. Each is printed
+against its bound, and the exit status is 1 when one falls short. It is a
+benchmark, not a test: it says something only on the machine it is meant for
+(a GPU), and CI has none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.stats import LevelResult
+
+# ours/engine tok/s at least this, by concurrency level (the last one for levels above).
+THROUGHPUT = ((1, 1.0), (4, 0.95))
+# The mixed run, in step budgets: the stream's longest pause, and the chats' TTFT p50.
+STREAM_PAUSE_STEPS = 250 / 150
+CHAT_TTFT_STEPS = 500 / 150
+DEFAULT_LEVELS = (1, 16, 64)
+STEP_BUDGET_FLAG = "--step-budget-ms"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One figure against its bound."""
+
+    name: str
+    value: float | None  # None: not measured (a system or phase failed)
+    bound: float
+    most: bool = False  # the bound is a ceiling, not a floor
+
+    @property
+    def met(self) -> bool:
+        if self.value is None:
+            return False
+        return self.value <= self.bound if self.most else self.value >= self.bound
+
+    def line(self) -> str:
+        value = "not measured" if self.value is None else f"{self.value:.2f}"
+        sign = "<=" if self.most else ">="
+        verdict = "ok    " if self.met else "FAILED"
+        return f"{verdict} {self.name}: {value} ({sign} {self.bound:.2f})"
+
+
+def throughput_bound(concurrency: int) -> float:
+    bound = THROUGHPUT[0][1]
+    for level, value in THROUGHPUT:
+        if concurrency >= level:
+            bound = value
+    return bound
+
+
+def throughput_checks(results: list[LevelResult], levels: list[int]) -> list[Check]:
+    """ours/engine tok/s at each level."""
+    by = {(r.system, r.concurrency): r for r in results}
+    checks = []
+    for c in levels:
+        ours, engine = by.get(("ours", c)), by.get(("engine", c))
+        ok = ours is not None and engine is not None and engine.tok_s > 0 and not ours.errors
+        value = ours.tok_s / engine.tok_s if ok else None
+        checks.append(Check(f"ours/engine tok/s at concurrency {c}", value, throughput_bound(c)))
+    return checks
+
+
+def step_budget_seconds(worker_args: list[str]) -> float:
+    """The step budget the mixed run's worker was given (its default otherwise)."""
+    from smg_mlx.config import EngineConfig
+
+    for i, arg in enumerate(worker_args):
+        if arg == STEP_BUDGET_FLAG and i + 1 < len(worker_args):
+            return float(worker_args[i + 1]) / 1000
+        if arg.startswith(STEP_BUDGET_FLAG + "="):
+            return float(arg.split("=", 1)[1]) / 1000
+    return EngineConfig.step_budget_seconds
+
+
+def mixed_checks(result: dict, step_seconds: float) -> list[Check]:
+    """The stream's longest pause and the chats' TTFT p50 during the mixed phase."""
+    mixed = result["mixed"]
+
+    def steps(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds / step_seconds
+
+    pause = steps(mixed["stream_longest_gap_s"])
+    failed = result["long_errors"] or mixed["chats_failed"] or result["stream_ended_early"]
+    return [
+        Check("mixed: the stream's longest pause, in step budgets", pause, STREAM_PAUSE_STEPS,
+              most=True),
+        Check("mixed: chats' TTFT p50, in step budgets",
+              None if failed else steps(mixed["chat_ttft_p50_s"]), CHAT_TTFT_STEPS, most=True),
+    ]  # fmt: skip
+
+
+def format_checks(checks: list[Check]) -> str:
+    verdict = "passed" if all(c.met for c in checks) else "FAILED"
+    return "\n".join([*(c.line() for c in checks), f"gate {verdict}"])
