@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,8 +22,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine import fingerprint, kv_files
-from smg_mlx.engine.disk_folder import Folder
+from smg_mlx.engine import disk_folder, fingerprint, kv_files
+from smg_mlx.engine.disk_folder import Folder, file_name
 
 from helpers import generate, prompt, wait_until
 
@@ -169,6 +170,62 @@ def test_a_file_with_a_damaged_header_costs_only_its_own_entry(
     assert f"ignored and deleted {damaged.name}" in caplog.text
     assert "memory tier alone" not in caplog.text
     assert not damaged.exists() and kept.exists()
+
+
+def test_a_fifo_among_the_entries_is_refused_at_start_and_the_rest_serve(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, path = _written(start_worker, model_dir, tmp_path)
+    fifo = path.with_name("0" * 32 + ".kv")
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == len(history)
+    lines = [r.getMessage() for r in caplog.records if fifo.name in r.getMessage()]
+    assert len(lines) == 1 and "a FIFO, not a regular file" in lines[0]
+    assert not os.path.lexists(fifo)
+
+
+def test_an_entry_replaced_by_a_fifo_costs_only_its_own_hit(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    histories = [ids + generate(w.stub, ids, max_tokens=8).tokens for ids in (A, prompt(400, 2))]
+    w.stop()
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    fifo = files(tmp_path)[0].with_name(file_name(histories[0]))
+    fifo.unlink()
+    os.mkfifo(fifo)  # after indexing: the request for it reads it
+    with caplog.at_level(logging.WARNING):
+        assert same_as_cold(w, cold, histories[0] + [7]).complete.cached_tokens == 0
+        got = same_as_cold(w, cold, histories[1] + [7])
+    assert got.complete.cached_tokens == len(histories[1])  # not stuck behind the FIFO
+    lines = [r.getMessage() for r in caplog.records if fifo.name in r.getMessage()]
+    assert len(lines) == 1 and "a FIFO, not a regular file" in lines[0]
+    assert wait_until(lambda: not os.path.lexists(fifo))
+
+
+def test_a_folder_slow_to_open_does_not_hold_the_worker_back(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch
+):
+    history, _ = _written(start_worker, model_dir, tmp_path)
+    stuck = threading.Event()
+    read_key = kv_files.read_key
+
+    def slow(*args):
+        stuck.wait(60)  # a disk that hangs while the folder is indexed
+        return read_key(*args)
+
+    monkeypatch.setattr(kv_files, "read_key", slow)
+    monkeypatch.setattr(disk_folder, "OPEN_SECONDS", 0.5, raising=False)
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)  # SERVING meanwhile
+        same_as_cold(w, cold, prompt(100, 3))
+    assert "is not open after 0.5s" in caplog.text
+    stuck.set()  # the indexing ends: the tier joins
+    assert wait_until(lambda: stats(w).disk_entries == 1)
+    assert same_as_cold(w, cold, history + [7]).complete.cached_tokens == len(history)
 
 
 def test_another_models_entries_are_never_used(start_worker, tmp_path):

@@ -13,8 +13,10 @@ Opening the folder: the model's fingerprint names it (`engine.fingerprint`),
 so other models' entries are never found; a lock keeps a second worker of
 the same model out (it serves without the tier and says why); leftovers of a
 write a crash cut short are deleted; each entry's header is read and checked
-against its length (a truncated file is deleted with a log line); and a
-synced write of PROBE_BYTES measures the disk.
+against its length (a truncated file, or anything there that is not a regular
+file, is deleted with a log line); and a synced write of PROBE_BYTES measures
+the disk. The worker waits OPEN_SECONDS at most for all that: a folder slower
+to open joins when it is done.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 PROBE_BYTES = 32 << 20
+# Start-up waits this long at most for the folder to open: a disk that hangs
+# must not keep the worker from serving.
+OPEN_SECONDS = 30.0
 # No write leaves less free space than this on the device.
 RESERVE_BYTES = 1 << 30
 # What a model's folder holds, and nothing else: a folder holding anything
@@ -124,7 +129,9 @@ class Folder:
         """Starts opening the folder (see `opened`); `wake` is called from the
         threads after each job they finish."""
         self.directory = directory
-        self.path: Path | None = None  # once opened
+        self.path: Path | None = None  # set by the opening, before it is reported
+        self.open_seconds = OPEN_SECONDS
+        self._open_by = time.monotonic() + OPEN_SECONDS
         self._lock: int | None = None
         self._wake = wake
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -138,11 +145,13 @@ class Folder:
 
     # ---- the engine thread ----
 
-    def opened(self) -> Opened:
-        """Wait for the folder to open (the first job to finish)."""
-        opened = self._done.get()
-        self.path = opened.path
-        return opened
+    def opened(self) -> Opened | None:
+        """Wait for the folder to open (the first job to finish), until
+        OPEN_SECONDS after it began; None: not yet (`finished` reports it)."""
+        try:
+            return self._done.get(timeout=max(self._open_by - time.monotonic(), 0.0))
+        except queue.Empty:
+            return None
 
     def write(self, write: Write) -> None:
         self._to_writer.put((self._write, (write, self.path / write.name)))
@@ -153,7 +162,7 @@ class Folder:
     def read(self, read: Read) -> None:
         self._to_reader.put((self._read, (read, self.path / read.name)))
 
-    def finished(self, timeout: float | None = None) -> list[Write | Read]:
+    def finished(self, timeout: float | None = None) -> list[Write | Read | Opened]:
         """The jobs finished since the last call; with `timeout`, waits that
         long for one if none has."""
         jobs = []
@@ -201,15 +210,14 @@ class Folder:
             )
             for leftover in path.glob("*.tmp"):  # a write a crash cut short
                 leftover.unlink(missing_ok=True)
-            files = sorted(path.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
+            files = _entry_files(path)
             if len(files) > 1000:
                 log.info("prompt cache: indexing %d files in %s", len(files), path)
             for file in files:  # least recently used first
                 try:
                     header, tokens, size = kv_files.read_key(file)
                 except Exception as exc:  # noqa: BLE001 - whatever is wrong, only this file's
-                    opened.bad.append((file.name, str(exc) or repr(exc)))
-                    file.unlink(missing_ok=True)
+                    opened.bad.append((file.name, _discard(file, str(exc) or repr(exc))))
                     continue
                 opened.files.append((file.name, header, tokens, size))
             held = sum(f[-1] for f in opened.files)
@@ -222,7 +230,7 @@ class Folder:
             if free < PROBE_BYTES + RESERVE_BYTES:
                 raise OSError(errno.ENOSPC, f"only {format_bytes(free)} free", str(path))
             opened.write_rate = self._probe(path)
-            opened.path = path
+            opened.path = self.path = path
         except OSError as exc:
             opened.error = f"{exc.strerror or exc} ({exc.filename or self.directory})"
         except Exception as exc:  # noqa: BLE001 - the lock, or what the folder held
@@ -323,11 +331,34 @@ class Folder:
         began = time.perf_counter()
         try:
             read.data = kv_files.read(path)
-            os.utime(path)  # its last use, for the next start's order
+            os.utime(path, follow_symlinks=False)  # its last use, for the next start's order
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
             read.error = exc
         read.seconds = time.perf_counter() - began
         return read
+
+
+def _entry_files(path: Path) -> list[Path]:
+    """The entries' files in `path`, least recently used first (by their own
+    times: a link is not followed)."""
+    found = []
+    with os.scandir(path) as listing:
+        for file in listing:
+            if file.name.endswith(SUFFIX):
+                try:
+                    found.append((file.stat(follow_symlinks=False).st_mtime, file.name))
+                except OSError:
+                    continue  # gone meanwhile
+    return [path / name for _, name in sorted(found)]
+
+
+def _discard(file: Path, why: str) -> str:
+    """Delete the bad entry `file`; `why`, and why it stays if it does."""
+    try:
+        file.unlink(missing_ok=True)
+    except OSError as exc:  # a directory: not ours to delete
+        return f"{why} (it stays: {exc.strerror})"
+    return why
 
 
 def _cache_files(folder: Path) -> list[os.DirEntry] | None:

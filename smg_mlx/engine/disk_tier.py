@@ -125,10 +125,18 @@ class DiskTier:
 
     def ready(self, prefill_seconds: Callable[[int, int], float]) -> None:
         """Wait until the folder is open (or found unusable): a restarted worker
-        finds its entries from its first request on. `prefill_seconds` says
+        finds its entries from its first request on. A folder that takes longer
+        than the folder's `open_seconds` joins once it is open (`tick`). `prefill_seconds` says
         what prefilling n tokens after c takes, to weigh reads against."""
         self.prefill_seconds = prefill_seconds
-        self._opened(self._folder.opened())
+        opened = self._folder.opened()
+        if opened is not None:
+            self._opened(opened)
+        else:
+            log.warning(
+                "prompt cache: %s is not open after %gs; serving without the disk tier "
+                "until it is", self.directory, self._folder.open_seconds,
+            )  # fmt: skip
 
     @property
     def busy(self) -> bool:
@@ -165,8 +173,10 @@ class DiskTier:
         for job in finished:
             if isinstance(job, Write):
                 self._written(job, memory)
-            else:
+            elif isinstance(job, Read):
                 self._fetched(job)
+            else:  # the folder, open after start-up stopped waiting for it
+                self._opened(job)
         self._copy(memory)
         now = time.monotonic()
         while self._candidates and now - self._candidates[0][0] >= WRITE_AFTER:
@@ -180,7 +190,7 @@ class DiskTier:
 
     def offer(self, entry: Entry) -> None:
         """`entry` was just kept in memory: a candidate for writing, later."""
-        if not self.off:
+        if self.open:
             self._candidates.append((entry.value.since, entry.id))
 
     def spill(self, entries: Sequence[Entry]) -> None:

@@ -26,10 +26,12 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import mlx.core as mx
 import numpy as np
+
+from smg_mlx.engine import safe_files
 
 MAGIC = b"SMGKV01\n"
 _LENGTH = struct.Struct("<Q")
@@ -250,10 +252,19 @@ def _expected_length(header: Header, header_end: int) -> int:
     return header_end + header.tokens * _TOKEN.itemsize + header.data_bytes + _TRAILER.size
 
 
+def _open(path: Path) -> BinaryIO:
+    """`path` opened for reading, if it is a regular file (anything else in
+    the folder, a FIFO or a link, is not an entry: refused at once)."""
+    try:
+        return safe_files.open_file(path)
+    except safe_files.NotRegular as exc:
+        raise BadFile(str(exc)) from None
+
+
 def read_key(path: Path) -> tuple[Header, tuple[int, ...], int]:
     """The header and tokens of the entry in `path`, and the file's length,
     checked against the header (the data itself is checked by `read`)."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         header, _, _ = _header(f)
         tokens = _tokens(f, header)
         size = os.fstat(f.fileno()).st_size
@@ -262,7 +273,7 @@ def read_key(path: Path) -> tuple[Header, tuple[int, ...], int]:
 
 def read(path: Path) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
     """The whole entry in `path`, its checksum verified."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         header, first, raw = _header(f)
         crc = zlib.crc32(raw, zlib.crc32(first))
         tokens = _tokens(f, header)
