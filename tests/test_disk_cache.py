@@ -228,6 +228,58 @@ def test_a_folder_slow_to_open_does_not_hold_the_worker_back(
     assert same_as_cold(w, cold, history + [7]).complete.cached_tokens == len(history)
 
 
+@pytest.mark.parametrize("link", ["lock", "folder"])
+def test_a_link_in_place_of_the_lock_or_the_folder_is_never_followed(
+    start_worker, model_dir, cold, tmp_path, caplog, link
+):
+    _, path = _written(start_worker, model_dir, tmp_path / "cache")
+    folder = path.parent
+    elsewhere = tmp_path / "elsewhere"  # files a worker run as root must leave alone
+    elsewhere.mkdir()
+    for name in ("lock", "model.json"):
+        (elsewhere / name).write_text("precious")
+    if link == "lock":
+        (folder / "lock").unlink()
+        (folder / "lock").symlink_to(elsewhere / "lock")
+    else:
+        shutil.rmtree(folder)
+        folder.symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+        history = A + same_as_cold(w, cold, A).tokens
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == len(history)  # memory serves on
+    assert sorted(os.listdir(elsewhere)) == ["lock", "model.json"]
+    assert all((elsewhere / name).read_text() == "precious" for name in ("lock", "model.json"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "is a symbolic link" in warnings[0]
+    assert "memory tier alone" in warnings[0]
+
+
+def test_files_the_worker_writes_replace_links_and_never_write_through_them(
+    start_worker, model_dir, cold, tmp_path
+):
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+    w.stop()
+    folder = next((tmp_path / "cache").iterdir())
+    victims = [tmp_path / "victim-1", tmp_path / "victim-2"]
+    for victim in victims:
+        victim.write_text("precious")
+    (folder / "model.json").unlink()
+    (folder / "model.json").symlink_to(victims[0])
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+    history = A + generate(cold.stub, A, max_tokens=8).tokens
+    entry = folder / file_name(history)
+    entry.with_suffix(".tmp").symlink_to(victims[1])  # the name its write goes through
+    same_as_cold(w, cold, A)
+    assert wait_until(lambda: entry.exists(), 15)
+    assert [v.read_bytes() for v in victims] == [b"precious"] * 2
+    assert not (folder / "model.json").is_symlink() and not entry.is_symlink()
+    w.stop()
+    again = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+    assert same_as_cold(again, cold, history + [7]).complete.cached_tokens == len(history)
+
+
 def test_another_models_entries_are_never_used(start_worker, tmp_path):
     # A fine-tune written over the same path: same config, other weights.
     model = build_model(tmp_path / "model")

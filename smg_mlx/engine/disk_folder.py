@@ -11,7 +11,10 @@ numpy buffers for the engine thread to copy into MLX (`kv_files.Rebuild`).
 
 Opening the folder: the model's fingerprint names it (`engine.fingerprint`),
 so other models' entries are never found; a lock keeps a second worker of
-the same model out (it serves without the tier and says why); leftovers of a
+the same model out (it serves without the tier and says why); nothing there
+is followed through a link (`engine.safe_files`: a link in place of the
+folder or its lock leaves the tier off, one in place of a file the worker
+writes whole is replaced); leftovers of a
 write a crash cut short are deleted; each entry's header is read and checked
 against its length (a truncated file, or anything there that is not a regular
 file, is deleted with a log line); and a synced write of PROBE_BYTES measures
@@ -39,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE
-from smg_mlx.engine import kv_files
+from smg_mlx.engine import kv_files, safe_files
 from smg_mlx.engine.fingerprint import fingerprint
 from smg_mlx.engine.memory import format_bytes
 
@@ -202,12 +205,11 @@ class Folder:
         try:
             key = fingerprint(model_dirs, versions)
             path = self.directory / key[:24]
-            path.mkdir(parents=True, exist_ok=True)
+            safe_files.make_folder(path)
             self._lock = self._take_lock(path)
-            (path / "model.json").write_text(
-                json.dumps({"model": [str(d) for d in model_dirs], "fingerprint": key,
-                            "versions": versions}, indent=1)  # fmt: skip
-            )
+            with safe_files.create(path / "model.json") as f:
+                f.write(json.dumps({"model": [str(d) for d in model_dirs], "fingerprint": key,
+                                    "versions": versions}, indent=1).encode())  # fmt: skip
             for leftover in path.glob("*.tmp"):  # a write a crash cut short
                 leftover.unlink(missing_ok=True)
             files = _entry_files(path)
@@ -231,11 +233,13 @@ class Folder:
                 raise OSError(errno.ENOSPC, f"only {format_bytes(free)} free", str(path))
             opened.write_rate = self._probe(path)
             opened.path = self.path = path
+        except (_Locked, safe_files.Unsafe) as exc:
+            opened.error = str(exc)
         except OSError as exc:
             opened.error = f"{exc.strerror or exc} ({exc.filename or self.directory})"
-        except Exception as exc:  # noqa: BLE001 - the lock, or what the folder held
+        except Exception as exc:  # noqa: BLE001 - whatever the folder held
             log.debug("opening the prompt cache's folder failed", exc_info=True)
-            opened.error = str(exc) if isinstance(exc, _Locked) else repr(exc)
+            opened.error = repr(exc)
         opened.seconds = time.perf_counter() - began
         return opened
 
@@ -279,7 +283,7 @@ class Folder:
 
     @staticmethod
     def _take_lock(path: Path) -> int:
-        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = safe_files.open_fd(path / "lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -300,7 +304,7 @@ class Folder:
         block = os.urandom(1 << 20)
         began = time.perf_counter()
         try:
-            with open(probe, "wb") as f:
+            with safe_files.create(probe) as f:
                 for _ in range(PROBE_BYTES // len(block)):
                     f.write(block)
                 f.flush()
@@ -367,15 +371,16 @@ def _cache_files(folder: Path) -> list[os.DirEntry] | None:
     if not FOLDER_NAME.fullmatch(folder.name) or not folder.is_dir():
         return None
     try:
-        fingerprint = json.loads((folder / "model.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
+        with safe_files.open_file(folder / "model.json") as f:
+            fingerprint = json.loads(f.read()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):  # safe_files.Unsafe is an OSError
         return None
     if not isinstance(fingerprint, str) or not fingerprint.startswith(folder.name):
         return None
     with os.scandir(folder) as listing:
         files = list(listing)
     ours = all(
-        f.is_file()
+        f.is_file(follow_symlinks=False)
         and (f.name in FOLDER_FILES or os.path.splitext(f.name)[1] in FOLDER_SUFFIXES)
         for f in files
     )

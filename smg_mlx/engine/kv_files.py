@@ -166,7 +166,7 @@ def write(path: Path, header: Header, tokens: Sequence[int], data: list[memoryvi
     temporary = path.with_suffix(".tmp")
     crc, length = 0, 0
     try:
-        with open(temporary, "wb") as f:
+        with safe_files.create(temporary) as f:
             for part in parts:
                 f.write(part)
                 crc = zlib.crc32(part, crc)
@@ -257,7 +257,7 @@ def _open(path: Path) -> BinaryIO:
     the folder, a FIFO or a link, is not an entry: refused at once)."""
     try:
         return safe_files.open_file(path)
-    except safe_files.NotRegular as exc:
+    except safe_files.Unsafe as exc:
         raise BadFile(str(exc)) from None
 
 
