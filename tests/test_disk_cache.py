@@ -12,8 +12,10 @@ import logging
 import os
 import shutil
 import signal
+import struct
 import threading
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -294,6 +296,49 @@ def test_another_models_entries_are_never_used(start_worker, tmp_path):
     assert len(files(tmp_path / "cache")) == 1  # its own folder is still empty
 
 
+def test_an_entry_copied_from_another_models_folder_is_not_used(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    other = build_model(tmp_path / "other", ["--seed", "1"])  # same shapes, other weights
+    history, foreign = _written(start_worker, other, tmp_path / "cache")
+    start_worker(model_dir, prompt_cache_dir=tmp_path / "cache").stop()  # makes this one's folder
+    (ours,) = [f for f in (tmp_path / "cache").iterdir() if f != foreign.parent]
+    copy = Path(shutil.copy2(foreign, ours))
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == 0
+    lines = [r.getMessage() for r in caplog.records if copy.name in r.getMessage()]
+    assert len(lines) == 1 and "another model made it" in lines[0]
+    assert not copy.exists() and foreign.exists()
+
+
+def _as_first_format(path: Path) -> None:
+    """Rewrite the entry in `path` as the first format wrote it: no model in
+    its header, and a checksum that matches."""
+    data = path.read_bytes()
+    (length,) = struct.unpack_from("<Q", data, 8)
+    head = json.loads(data[16 : 16 + length])
+    head.pop("model", None)
+    raw = json.dumps(head).encode()
+    body = b"SMGKV01\n" + struct.pack("<Q", len(raw)) + raw + data[16 + length : -12]
+    path.write_bytes(body + struct.pack("<IQ", zlib.crc32(body), len(body) + 12))
+
+
+def test_an_entry_of_the_first_format_is_taken_for_another_models(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, path = _written(start_worker, model_dir, tmp_path)
+    _as_first_format(path)  # it named no model: whose it is cannot be told
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == 0
+    lines = [r.getMessage() for r in caplog.records if path.name in r.getMessage()]
+    assert len(lines) == 1 and "ignored and deleted" in lines[0]
+    assert not path.exists()
+
+
 def test_an_unusable_directory_logs_one_warning_and_the_worker_serves(
     start_worker, model_dir, cold, tmp_path, caplog
 ):
@@ -415,8 +460,8 @@ def test_every_kind_of_layer_cache_comes_back_as_it_was(tmp_path):
     header, arrays = kv_files.export(cache, tokens=5, trimmable=False)
     mx.eval(arrays)
     path = tmp_path / "entry.kv"
-    kv_files.write(path, header, list(range(5)), kv_files.buffers(arrays))
-    read_header, tokens, data = kv_files.read(path)
+    kv_files.write(path, "m", header, list(range(5)), kv_files.buffers(arrays))
+    read_header, tokens, data = kv_files.read(path, "m")
     assert tokens == tuple(range(5))
     rebuild = kv_files.Rebuild(read_header, data)
     while not rebuild.done:
@@ -432,14 +477,14 @@ def test_a_file_cut_anywhere_is_refused(tmp_path):
     header, arrays = kv_files.export(cache, tokens=5, trimmable=True)
     mx.eval(arrays)
     path = tmp_path / "entry.kv"
-    size = kv_files.write(path, header, list(range(5)), kv_files.buffers(arrays))
+    size = kv_files.write(path, "m", header, list(range(5)), kv_files.buffers(arrays))
     whole = path.read_bytes()
     for cut in (4, 20, size // 2, size - 1):
         path.write_bytes(whole[:cut])
         with pytest.raises(kv_files.BadFile):
-            kv_files.read(path)
+            kv_files.read(path, "m")
         with pytest.raises(kv_files.BadFile):
-            kv_files.read_key(path)
+            kv_files.read_key(path, "m")
 
 
 @pytest.mark.parametrize(
@@ -449,10 +494,10 @@ def test_a_header_whose_fields_are_not_what_is_written_is_refused(tmp_path, fiel
     header, arrays = kv_files.export(_caches()[:1], tokens=5, trimmable=True)
     mx.eval(arrays)
     path = tmp_path / "entry.kv"
-    kv_files.write(path, replace(header, **{field: value}), range(5), kv_files.buffers(arrays))
+    kv_files.write(path, "m", replace(header, **{field: value}), range(5), kv_files.buffers(arrays))
     for read in (kv_files.read_key, kv_files.read):  # refused, not read as far as it says
         with pytest.raises(kv_files.BadFile):
-            read(path)
+            read(path, "m")
 
 
 def test_weights_rewritten_in_a_few_places_are_another_model(tmp_path, monkeypatch):

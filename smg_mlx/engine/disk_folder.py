@@ -133,6 +133,7 @@ class Folder:
         threads after each job they finish."""
         self.directory = directory
         self.path: Path | None = None  # set by the opening, before it is reported
+        self.model = ""  # the model's fingerprint, which every file carries: likewise
         self.open_seconds = OPEN_SECONDS
         self._open_by = time.monotonic() + OPEN_SECONDS
         self._lock: int | None = None
@@ -157,13 +158,13 @@ class Folder:
             return None
 
     def write(self, write: Write) -> None:
-        self._to_writer.put((self._write, (write, self.path / write.name)))
+        self._to_writer.put((self._write, (write, self.path / write.name, self.model)))
 
     def delete(self, name: str) -> None:
         self.write(Write(name))
 
     def read(self, read: Read) -> None:
-        self._to_reader.put((self._read, (read, self.path / read.name)))
+        self._to_reader.put((self._read, (read, self.path / read.name, self.model)))
 
     def finished(self, timeout: float | None = None) -> list[Write | Read | Opened]:
         """The jobs finished since the last call; with `timeout`, waits that
@@ -203,7 +204,7 @@ class Folder:
         opened = Opened()
         began = time.perf_counter()
         try:
-            key = fingerprint(model_dirs, versions)
+            key = self.model = fingerprint(model_dirs, versions)
             path = self.directory / key[:24]
             safe_files.make_folder(path)
             self._lock = self._take_lock(path)
@@ -217,7 +218,7 @@ class Folder:
                 log.info("prompt cache: indexing %d files in %s", len(files), path)
             for file in files:  # least recently used first
                 try:
-                    header, tokens, size = kv_files.read_key(file)
+                    header, tokens, size = kv_files.read_key(file, key)
                 except Exception as exc:  # noqa: BLE001 - whatever is wrong, only this file's
                     opened.bad.append((file.name, _discard(file, str(exc) or repr(exc))))
                     continue
@@ -314,13 +315,13 @@ class Folder:
         return PROBE_BYTES / max(time.perf_counter() - began, 1e-6)
 
     @staticmethod
-    def _write(write: Write, path: Path) -> Write:
+    def _write(write: Write, path: Path, model: str) -> Write:
         began = time.perf_counter()
         try:
             if write.header is None:
                 path.unlink(missing_ok=True)
             elif not write.cancelled:
-                write.size = kv_files.write(path, write.header, write.tokens, write.views)
+                write.size = kv_files.write(path, model, write.header, write.tokens, write.views)
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
             write.error = exc
         finally:
@@ -331,10 +332,10 @@ class Folder:
         return write
 
     @staticmethod
-    def _read(read: Read, path: Path) -> Read:
+    def _read(read: Read, path: Path, model: str) -> Read:
         began = time.perf_counter()
         try:
-            read.data = kv_files.read(path)
+            read.data = kv_files.read(path, model)
             os.utime(path, follow_symlinks=False)  # its last use, for the next start's order
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
             read.error = exc

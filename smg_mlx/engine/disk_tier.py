@@ -16,8 +16,9 @@ and the engine thread copies what they read into MLX a few arrays a turn.
   and where memory has room for it. The worker knows its prefill speed from
   start-up (`engine.memory_probe`) and learns the disk's from its own reads.
 - **Safety.** A folder per model fingerprint, locked (`engine.disk_folder`);
-  files written whole and checksummed (`engine.kv_files`): one that fails its
-  check is deleted with a log line, never loaded. The folder stays under its
+  files written whole, checksummed and carrying the fingerprint
+  (`engine.kv_files`): one that fails its check, or that another model made,
+  is deleted with a log line, never loaded. The folder stays under its
   size bound, least recently used first; an unusable directory (missing and
   not creatable, read-only, full) logs one warning and the worker serves on
   with memory alone.
@@ -44,7 +45,7 @@ from smg_mlx.engine.token_tree import Entry, TokenTree
 
 log = logging.getLogger(__name__)
 
-FORMAT = "smg-mlx prompt cache 1"
+FORMAT = "smg-mlx prompt cache 2"
 # An entry is written once it has stayed in memory this long unreplaced.
 WRITE_AFTER = 2.0
 # Fewer tokens are not worth a file (nor a read).

@@ -1,11 +1,13 @@
 """One prefix-cache entry as a file: its tokens and its per-layer caches.
 
-Layout: MAGIC, the header's length (8 bytes), the header (JSON: the layers'
-cache classes and states, with each array named by its index, and each
-array's dtype, shape and size), the tokens (4 bytes each), the arrays' bytes
+Layout: MAGIC, the header's length (8 bytes), the header (JSON: the
+fingerprint of the model that made it, the layers' cache classes and states,
+with each array named by its index, and each array's dtype, shape and size),
+the tokens (4 bytes each), the arrays' bytes
 one after another, then a trailer: the CRC-32 of everything before it and the
 file's whole length. A file whose trailer does not match (torn by a crash,
-truncated, corrupted) is refused, never loaded as KV.
+truncated, corrupted), or that another model made (copied from its folder),
+or of an older format (which named no model), is refused, never loaded as KV.
 
 Three halves run on two threads: `export` and `Rebuild` on the engine thread
 (they use MLX), `write`, `read_key` and `read` on the disk tier's own threads
@@ -33,7 +35,7 @@ import numpy as np
 
 from smg_mlx.engine import safe_files
 
-MAGIC = b"SMGKV01\n"
+MAGIC = b"SMGKV02\n"  # 01 named no model
 _LENGTH = struct.Struct("<Q")
 _TRAILER = struct.Struct("<IQ")  # CRC-32, file length
 _TOKEN = np.dtype("<u4")
@@ -150,11 +152,15 @@ def _cache_class(name: str) -> type:
 # ---- the disk tier's threads: bytes ----
 
 
-def write(path: Path, header: Header, tokens: Sequence[int], data: list[memoryview]) -> int:
-    """Write the entry to `path` (whole, or not at all: through a temporary
-    file renamed into place); returns the file's length."""
+def write(
+    path: Path, model: str, header: Header, tokens: Sequence[int], data: list[memoryview]
+) -> int:
+    """Write the entry that `model` (a fingerprint) made to `path` (whole, or
+    not at all: through a temporary file renamed into place); returns the
+    file's length."""
     head = json.dumps(
         {
+            "model": model,
             "byteorder": sys.byteorder,
             "layers": header.layers,
             "arrays": header.arrays,
@@ -187,8 +193,9 @@ def _read_exactly(f: Any, n: int, what: str) -> bytes:
     return data
 
 
-def _header(f: Any) -> tuple[Header, bytes, bytes]:
-    """The header, and the raw bytes read for it (for the checksum)."""
+def _header(f: Any, model: str) -> tuple[Header, bytes, bytes]:
+    """The header of an entry `model` made, and the raw bytes read for it
+    (for the checksum)."""
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
         raise BadFile("not a prompt-cache file of this version")
@@ -201,7 +208,7 @@ def _header(f: Any) -> tuple[Header, bytes, bytes]:
         fields = json.loads(raw)
     except ValueError as exc:
         raise BadFile(f"its header is unreadable ({exc})") from None
-    header = _checked(fields)
+    header = _checked(fields, model)
     # The rest is read only when the file is as long as the header says.
     size = os.fstat(f.fileno()).st_size
     if size != _expected_length(header, f.tell()):
@@ -209,11 +216,14 @@ def _header(f: Any) -> tuple[Header, bytes, bytes]:
     return header, magic + length_bytes, raw
 
 
-def _checked(fields: Any) -> Header:
-    """The header `fields` hold, each field as `write` writes it: the checksum
-    covers the header only once the whole file is read."""
-    if not isinstance(fields, dict) or not {"byteorder", *_HEADER_FIELDS} <= fields.keys():
+def _checked(fields: Any, model: str) -> Header:
+    """The header `fields` hold, each field as `write` writes it, if `model`
+    made the entry: the checksum covers the header only once the whole file
+    is read."""
+    if not isinstance(fields, dict) or not {"model", "byteorder", *_HEADER_FIELDS} <= fields.keys():
         raise BadFile("its header lacks fields")
+    if fields["model"] != model:
+        raise BadFile(f"another model made it (fingerprint {str(fields['model'])[:24]!r})")
     if fields["byteorder"] != sys.byteorder:
         raise BadFile("written on a machine of the other byte order")
     arrays = fields["arrays"]
@@ -261,20 +271,22 @@ def _open(path: Path) -> BinaryIO:
         raise BadFile(str(exc)) from None
 
 
-def read_key(path: Path) -> tuple[Header, tuple[int, ...], int]:
+def read_key(path: Path, model: str) -> tuple[Header, tuple[int, ...], int]:
     """The header and tokens of the entry in `path`, and the file's length,
-    checked against the header (the data itself is checked by `read`)."""
+    checked against the header (the data itself is checked by `read`); a
+    file `model` did not make is refused."""
     with _open(path) as f:
-        header, _, _ = _header(f)
+        header, _, _ = _header(f, model)
         tokens = _tokens(f, header)
         size = os.fstat(f.fileno()).st_size
     return header, _token_ids(tokens), size
 
 
-def read(path: Path) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
-    """The whole entry in `path`, its checksum verified."""
+def read(path: Path, model: str) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
+    """The whole entry in `path`, its checksum verified; a file `model` did
+    not make is refused."""
     with _open(path) as f:
-        header, first, raw = _header(f)
+        header, first, raw = _header(f, model)
         crc = zlib.crc32(raw, zlib.crc32(first))
         tokens = _tokens(f, header)
         crc = zlib.crc32(tokens, crc)
