@@ -142,6 +142,46 @@ def test_a_prompt_whose_best_file_is_bad_is_served_from_the_next_best(
     assert stats(w).corrupt == 1
 
 
+def test_a_bad_file_claiming_to_extend_a_good_one_never_costs_the_good_one(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, good = _written(start_worker, model_dir, tmp_path)
+    kept = good.read_bytes()
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    longer = history + [7] + generate(w.stub, history + [7], max_tokens=8).tokens
+    w.stop()  # its entry extends the first, whose file it replaced
+    assert wait_until(lambda: not good.exists())
+    bad = good.with_name(file_name(longer))
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    good.write_bytes(kept)  # as a crash before the replaced file's deletion leaves it
+    with caplog.at_level(logging.INFO):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        got = same_as_cold(w, cold, history + [9])
+    assert got.complete.cached_tokens == len(history)
+    bad_lines = [r.getMessage() for r in caplog.records if bad.name in r.getMessage()]
+    assert len(bad_lines) == 1 and "checksum" in bad_lines[0]
+    assert good.name not in caplog.text and good.exists() and not bad.exists()
+
+
+def test_a_file_that_a_longer_good_one_extends_is_deleted_with_a_line_at_start(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, shorter = _written(start_worker, model_dir, tmp_path)
+    kept = shorter.read_bytes()
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    longer = history + [7] + generate(w.stub, history + [7], max_tokens=8).tokens
+    w.stop()
+    assert wait_until(lambda: not shorter.exists())  # replaced by the longer one
+    shorter.write_bytes(kept)
+    with caplog.at_level(logging.INFO):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        assert same_as_cold(w, cold, longer + [9]).complete.cached_tokens == len(longer)
+    assert f"deleted {shorter.name}: a longer entry holds all its tokens" in caplog.text
+    assert wait_until(lambda: not shorter.exists())
+
+
 def test_a_truncated_file_is_ignored_and_deleted_at_start(
     start_worker, model_dir, cold, tmp_path, caplog
 ):

@@ -213,16 +213,7 @@ class Folder:
                                     "versions": versions}, indent=1).encode())  # fmt: skip
             for leftover in path.glob("*.tmp"):  # a write a crash cut short
                 leftover.unlink(missing_ok=True)
-            files = _entry_files(path)
-            if len(files) > 1000:
-                log.info("prompt cache: indexing %d files in %s", len(files), path)
-            for file in files:  # least recently used first
-                try:
-                    header, tokens, size = kv_files.read_key(file, key)
-                except Exception as exc:  # noqa: BLE001 - whatever is wrong, only this file's
-                    opened.bad.append((file.name, _discard(file, str(exc) or repr(exc))))
-                    continue
-                opened.files.append((file.name, header, tokens, size))
+            self._index(path, key, opened)
             held = sum(f[-1] for f in opened.files)
             if max_bytes is None:
                 free = shutil.disk_usage(path).free + held
@@ -243,6 +234,28 @@ class Folder:
             opened.error = repr(exc)
         opened.seconds = time.perf_counter() - began
         return opened
+
+    @staticmethod
+    def _index(path: Path, model: str, opened: Opened) -> None:
+        """Read the key of every entry in `path`, least recently used first,
+        into `opened`. A file whose tokens extend another's is read whole and
+        checked first: indexing it deletes the other (it serves all the other
+        served), and a bad file must never cost a good one."""
+        files = _entry_files(path)
+        if len(files) > 1000:
+            log.info("prompt cache: indexing %d files in %s", len(files), path)
+        for file in files:
+            try:
+                opened.files.append((file.name, *_key(file, model)))
+            except Exception as exc:  # noqa: BLE001 - whatever is wrong, only this file's
+                _discard(file, exc, opened)
+        extending = _extending(opened.files)
+        for entry in [f for f in opened.files if f[0] in extending]:
+            try:
+                kv_files.verify(path / entry[0], model)
+            except Exception as exc:  # noqa: BLE001 - likewise
+                _discard(path / entry[0], exc, opened)
+                opened.files.remove(entry)
 
     def _prune(self, ours: Path, max_bytes: int, held: int) -> None:
         """Delete other models' folders that no worker uses, least recently
@@ -357,13 +370,36 @@ def _entry_files(path: Path) -> list[Path]:
     return [path / name for _, name in sorted(found)]
 
 
-def _discard(file: Path, why: str) -> str:
-    """Delete the bad entry `file`; `why`, and why it stays if it does."""
+def _key(file: Path, model: str) -> tuple[kv_files.Header, tuple[int, ...], int]:
+    """`kv_files.read_key`, and the file's name checked against its tokens."""
+    header, tokens, size = kv_files.read_key(file, model)
+    if file.name != file_name(tokens):
+        raise kv_files.BadFile("its tokens are not those of its name")
+    return header, tokens, size
+
+
+def _extending(files: Sequence[tuple[str, kv_files.Header, tuple[int, ...], int]]) -> set[str]:
+    """The names of the trimmable entries among `files` whose tokens extend
+    another entry's (sorted, an entry's extensions follow it)."""
+    keys = sorted((tokens, name, header.trimmable) for name, header, tokens, _ in files)
+    found = set()
+    for i, (shorter, _, _) in enumerate(keys):
+        for tokens, name, trimmable in keys[i + 1 :]:
+            if tokens[: len(shorter)] != shorter:
+                break
+            if trimmable:
+                found.add(name)
+    return found
+
+
+def _discard(file: Path, why: Exception, opened: Opened) -> None:
+    """Delete the bad entry `file`; `opened` says why (and why it stays, if it does)."""
+    said = str(why) or repr(why)
     try:
         file.unlink(missing_ok=True)
     except OSError as exc:  # a directory: not ours to delete
-        return f"{why} (it stays: {exc.strerror})"
-    return why
+        said += f" (it stays: {exc.strerror})"
+    opened.bad.append((file.name, said))
 
 
 def _cache_files(folder: Path) -> list[os.DirEntry] | None:

@@ -249,7 +249,7 @@ class DiskTier:
             return
         self._max_bytes, self._read_rate = opened.max_bytes, opened.write_rate
         for name, header, tokens, size in opened.files:
-            self._index(tokens, name, size, header.trimmable)
+            self._index(tokens, name, size, header.trimmable, logging.INFO)
         self._evict(0)
         self.open = True
         log.info(
@@ -264,13 +264,18 @@ class DiskTier:
         self.off, self.open = True, False
         self._candidates.clear()
 
-    def _index(self, tokens: tuple[int, ...], name: str, size: int, trimmable: bool) -> None:
+    def _index(
+        self, tokens: tuple[int, ...], name: str, size: int, trimmable: bool,
+        level: int = logging.DEBUG,
+    ) -> None:  # fmt: skip
+        """Index a good file; delete those it makes redundant, logging each at
+        `level` (routine after a write; at start-up, what a crash left)."""
         entry, removed = self.tree.insert(tokens, _File(name), size, trimmable)
-        if entry is None:  # a longer file serves all it would
-            self._folder.delete(name)
-        for old in removed:
-            if old.value.name != name:  # not the file just replaced in place
-                self._folder.delete(old.value.name)
+        redundant = [name] if entry is None else []  # a longer file serves all it would
+        redundant += [old.value.name for old in removed if old.value.name != name]
+        for old in redundant:
+            log.log(level, "prompt cache: deleted %s: a longer entry holds all its tokens", old)
+            self._folder.delete(old)
         self._count()
 
     def _count(self) -> None:

@@ -3,17 +3,17 @@
 Layout: MAGIC, the header's length (8 bytes), the header (JSON: the
 fingerprint of the model that made it, the layers' cache classes and states,
 with each array named by its index, and each array's dtype, shape and size),
-the tokens (4 bytes each), the arrays' bytes
-one after another, then a trailer: the CRC-32 of everything before it and the
-file's whole length. A file whose trailer does not match (torn by a crash,
-truncated, corrupted), or that another model made (copied from its folder),
-or of an older format (which named no model), is refused, never loaded as KV.
+the tokens (4 bytes each), the arrays' bytes one after another, then a
+trailer: the CRC-32 of everything before it and the file's whole length. A
+file whose trailer does not match (torn by a crash, truncated, corrupted),
+that another model made (copied from its folder), or of an older format
+(which named no model) is refused, never loaded as KV.
 
 Three halves run on two threads: `export` and `Rebuild` on the engine thread
-(they use MLX), `write`, `read_key` and `read` on the disk tier's own threads
-(plain bytes and numpy: no MLX object is made or used there; `write` reads
-the arrays' memory through buffers the engine thread exported, and the engine
-thread keeps the arrays alive until the write is done).
+(they use MLX), `write`, `read_key`, `read` and `verify` on the disk tier's
+own threads (plain bytes and numpy: no MLX object is made or used there;
+`write` reads the arrays' memory through buffers the engine thread exported,
+and the engine thread keeps the arrays alive until the write is done).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ MAGIC = b"SMGKV02\n"  # 01 named no model
 _LENGTH = struct.Struct("<Q")
 _TRAILER = struct.Struct("<IQ")  # CRC-32, file length
 _TOKEN = np.dtype("<u4")
+_CHUNK = 4 << 20  # what `verify` reads at a time
 # Cache classes are restored from mlx-lm's own modules only.
 _CACHE_MODULES = "mlx_lm."
 _HEADER_FIELDS = ("layers", "arrays", "tokens", "trimmable")  # Header's, in its order
@@ -186,6 +187,13 @@ def write(
     return length
 
 
+def _read_into(f: Any, view: memoryview, crc: int) -> int:
+    """Fill `view` from `f`; the checksum `crc` carried on over it."""
+    if f.readinto(view) != len(view):
+        raise BadFile("truncated in its arrays")
+    return zlib.crc32(view, crc)
+
+
 def _read_exactly(f: Any, n: int, what: str) -> bytes:
     data = f.read(n)
     if len(data) != n:
@@ -285,18 +293,32 @@ def read_key(path: Path, model: str) -> tuple[Header, tuple[int, ...], int]:
 def read(path: Path, model: str) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
     """The whole entry in `path`, its checksum verified; a file `model` did
     not make is refused."""
+    return _whole(path, model, keep=True)
+
+
+def verify(path: Path, model: str) -> None:
+    """Check the entry in `path` as `read` does, keeping nothing: a large
+    entry is read through a small buffer."""
+    _whole(path, model, keep=False)
+
+
+def _whole(path: Path, model: str, keep: bool) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
+    """The whole entry in `path`, its checksum verified (its arrays only if `keep`)."""
     with _open(path) as f:
         header, first, raw = _header(f, model)
         crc = zlib.crc32(raw, zlib.crc32(first))
         tokens = _tokens(f, header)
         crc = zlib.crc32(tokens, crc)
         data = []
+        scratch = memoryview(np.empty(0 if keep else _CHUNK, np.uint8))
         for spec in header.arrays:
-            buffer = np.empty(spec["nbytes"], np.uint8)
-            if f.readinto(memoryview(buffer)) != spec["nbytes"]:
-                raise BadFile("truncated in its arrays")
-            crc = zlib.crc32(buffer, crc)
-            data.append(buffer)
+            size = spec["nbytes"]
+            if keep:
+                data.append(np.empty(size, np.uint8))
+                crc = _read_into(f, memoryview(data[-1]), crc)
+                continue
+            for start in range(0, size, len(scratch)):
+                crc = _read_into(f, scratch[: min(len(scratch), size - start)], crc)
         trailer = f.read(_TRAILER.size + 1)
         if len(trailer) != _TRAILER.size:
             raise BadFile("truncated or with bytes past its end")
