@@ -7,6 +7,7 @@ must not change whether a prefix came from memory, from disk or was prefilled.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine import disk_folder, fingerprint, kv_files
+from smg_mlx.engine import disk_folder, disk_tier, fingerprint, kv_files
 from smg_mlx.engine.disk_folder import Folder, file_name
 
 from helpers import generate, prompt, wait_until
@@ -406,6 +407,56 @@ def test_a_nearly_full_disk_is_not_written_to_at_all(model_dir, tmp_path, monkey
     error = folder.opened().error
     folder.close(release_lock=True)
     assert error is not None and "100.0 MiB free" in error  # the tier's one warning says why
+
+
+def test_a_cache_folder_deleted_while_in_use_is_made_again_with_one_warning(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    # Memory holds about one entry: each new one pushes the last out, to disk.
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache", prompt_cache_bytes=300_000)
+    history = A + same_as_cold(w, cold, A).tokens
+    for key in (2, 3):
+        same_as_cold(w, cold, prompt(400, key))
+    assert wait_until(lambda: len(files(tmp_path)) >= 2, 10)
+    shutil.rmtree(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING):
+        got = same_as_cold(w, cold, history + [7])  # its file went with the folder
+        again = history + [7] + got.tokens
+        for key in (4, 5):
+            same_as_cold(w, cold, prompt(400, key))  # spill to the folder made again
+        assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
+        served = same_as_cold(w, cold, again + [9]).complete.cached_tokens
+    assert got.complete.cached_tokens == 0 and served == len(again)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "was deleted; making it again" in warnings[0]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])  # no inodes left; a failing disk
+def test_writes_that_fail_say_so_once_and_writing_resumes(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch, code
+):
+    write, failed = kv_files.write, []
+
+    def failing(*args):
+        if failed is not None:
+            failed.append(args[0])
+            raise OSError(code, os.strerror(code), str(args[0]))
+        return write(*args)
+
+    monkeypatch.setattr(kv_files, "write", failing)
+    monkeypatch.setattr(disk_tier, "RETRY_SECONDS", 0.2, raising=False)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_bytes=300_000)
+    with caplog.at_level(logging.WARNING):
+        for key in range(1, 7):
+            same_as_cold(w, cold, prompt(400, key))  # each pushes the last to disk
+            time.sleep(0.3)
+        assert len(failed) >= 3
+        failed = None
+        for key in range(7, 9):
+            same_as_cold(w, cold, prompt(400, key))
+        assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and os.strerror(code) in warnings[0]
 
 
 def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(

@@ -120,6 +120,13 @@ class Read:
         return self.error is not None
 
 
+class Remade:
+    """The folder, deleted under the worker, made again (or why it could not be)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+
 class _Locked(Exception):
     """The folder is another worker's."""
 
@@ -134,6 +141,7 @@ class Folder:
         self.directory = directory
         self.path: Path | None = None  # set by the opening, before it is reported
         self.model = ""  # the model's fingerprint, which every file carries: likewise
+        self._about = b""  # model.json: likewise
         self.open_seconds = OPEN_SECONDS
         self._open_by = time.monotonic() + OPEN_SECONDS
         self._lock: int | None = None
@@ -166,7 +174,7 @@ class Folder:
     def read(self, read: Read) -> None:
         self._to_reader.put((self._read, (read, self.path / read.name, self.model)))
 
-    def finished(self, timeout: float | None = None) -> list[Write | Read | Opened]:
+    def finished(self, timeout: float | None = None) -> list[Write | Read | Opened | Remade]:
         """The jobs finished since the last call; with `timeout`, waits that
         long for one if none has."""
         jobs = []
@@ -177,6 +185,14 @@ class Folder:
         except queue.Empty:
             pass
         return jobs
+
+    def remake(self) -> None:
+        """Make the folder again (it was deleted under the worker); a `Remade`
+        job reports it, before any write queued after this call."""
+        self._to_writer.put((self._remake, ()))
+
+    def missing(self) -> bool:
+        return not self.path.is_dir()
 
     def free_bytes(self) -> int:
         try:
@@ -206,11 +222,9 @@ class Folder:
         try:
             key = self.model = fingerprint(model_dirs, versions)
             path = self.directory / key[:24]
-            safe_files.make_folder(path)
-            self._lock = self._take_lock(path)
-            with safe_files.create(path / "model.json") as f:
-                f.write(json.dumps({"model": [str(d) for d in model_dirs], "fingerprint": key,
-                                    "versions": versions}, indent=1).encode())  # fmt: skip
+            self._about = json.dumps({"model": [str(d) for d in model_dirs], "fingerprint": key,
+                                      "versions": versions}, indent=1).encode()  # fmt: skip
+            self._make(path)
             for leftover in path.glob("*.tmp"):  # a write a crash cut short
                 leftover.unlink(missing_ok=True)
             self._index(path, key, opened)
@@ -225,15 +239,36 @@ class Folder:
                 raise OSError(errno.ENOSPC, f"only {format_bytes(free)} free", str(path))
             opened.write_rate = self._probe(path)
             opened.path = self.path = path
-        except (_Locked, safe_files.Unsafe) as exc:
-            opened.error = str(exc)
-        except OSError as exc:
-            opened.error = f"{exc.strerror or exc} ({exc.filename or self.directory})"
         except Exception as exc:  # noqa: BLE001 - whatever the folder held
-            log.debug("opening the prompt cache's folder failed", exc_info=True)
-            opened.error = repr(exc)
+            opened.error = self._why(exc)
         opened.seconds = time.perf_counter() - began
         return opened
+
+    def _make(self, path: Path) -> None:
+        """Make the folder `path` if need be, take its lock and say whose it is."""
+        safe_files.make_folder(path)
+        self._lock = self._take_lock(path)
+        with safe_files.create(path / "model.json") as f:
+            f.write(self._about)
+
+    def _remake(self) -> Remade:
+        remade = Remade()
+        try:
+            os.close(self._lock)  # the deleted folder's
+            self._lock = None
+            self._make(self.path)
+        except Exception as exc:  # noqa: BLE001 - reported on the engine thread
+            remade.error = self._why(exc)
+        return remade
+
+    def _why(self, exc: Exception) -> str:
+        """What went wrong, as the tier's one warning says it."""
+        if isinstance(exc, (_Locked, safe_files.Unsafe)):
+            return str(exc)
+        if isinstance(exc, OSError):
+            return f"{exc.strerror or exc} ({exc.filename or self.directory})"
+        log.debug("opening or making the prompt cache's folder failed", exc_info=True)
+        return repr(exc)
 
     @staticmethod
     def _index(path: Path, model: str, opened: Opened) -> None:

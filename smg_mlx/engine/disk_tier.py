@@ -18,15 +18,16 @@ and the engine thread copies what they read into MLX a few arrays a turn.
 - **Safety.** A folder per model fingerprint, locked (`engine.disk_folder`);
   files written whole, checksummed and carrying the fingerprint
   (`engine.kv_files`): one that fails its check, or that another model made,
-  is deleted with a log line, never loaded. The folder stays under its
-  size bound, least recently used first; an unusable directory (missing and
-  not creatable, read-only, full) logs one warning and the worker serves on
-  with memory alone.
+  is deleted with a log line, never loaded. The folder stays under its size
+  bound, least recently used first; an unusable directory (missing and not
+  creatable, read-only, full) logs one warning and the worker serves on with
+  memory alone. Writes that fail later (a full disk, no inodes left, a
+  failing device) log one warning and are tried again every RETRY_SECONDS; a
+  folder deleted under the worker is made again, with one warning.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from collections import deque
@@ -38,7 +39,15 @@ import mlx.core as mx
 import mlx_lm
 
 from smg_mlx.engine import kv_files
-from smg_mlx.engine.disk_folder import RESERVE_BYTES, Folder, Opened, Read, Write, file_name
+from smg_mlx.engine.disk_folder import (
+    RESERVE_BYTES,
+    Folder,
+    Opened,
+    Read,
+    Remade,
+    Write,
+    file_name,
+)
 from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.memory_tier import MemoryTier
 from smg_mlx.engine.token_tree import Entry, TokenTree
@@ -65,6 +74,8 @@ WAIT_FACTOR = 2.0
 MIN_WAIT = 1.0
 # Engine-thread time a turn spends copying read entries into MLX.
 COPY_SECONDS = 0.02
+# After a write fails, none starts for this long.
+RETRY_SECONDS = 10.0
 
 
 @dataclass
@@ -120,6 +131,8 @@ class DiskTier:
         self._copying: list[Read] = []
         self._full_warned = False
         self._cap_warned = False
+        self._retry_at: float | None = None  # writes failed: none starts before then
+        self._remaking = False  # the folder was deleted: it is being made again
         versions = (FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
                     str(mx.default_device()))  # fmt: skip
         self._folder = Folder(self.directory, model_dirs, versions, max_bytes, wake)
@@ -148,7 +161,8 @@ class DiskTier:
         """Seconds until the next write falls due (None: none waits)."""
         if not self.open or not self._candidates:
             return None
-        return max(0.0, self._candidates[0][0] + WRITE_AFTER - time.monotonic())
+        due = max(self._candidates[0][0] + WRITE_AFTER, self._retry_at or 0.0)
+        return max(0.0, due - time.monotonic())
 
     @property
     def pending_bytes(self) -> int:
@@ -176,6 +190,8 @@ class DiskTier:
                 self._written(job, memory)
             elif isinstance(job, Read):
                 self._fetched(job)
+            elif isinstance(job, Remade):
+                self._remade(job)
             else:  # the folder, open after start-up stopped waiting for it
                 self._opened(job)
         self._copy(memory)
@@ -282,7 +298,11 @@ class DiskTier:
         self.stats.disk_entries, self.stats.disk_bytes = len(self.tree), self.tree.nbytes
 
     def _writable(self) -> bool:
-        return self.open and len(self._writes) < MAX_QUEUED_WRITES
+        return (
+            self.open
+            and len(self._writes) < MAX_QUEUED_WRITES
+            and (self._retry_at is None or time.monotonic() >= self._retry_at)
+        )
 
     def _covered(self, tokens: tuple[int, ...], trimmable: bool) -> bool:
         """Whether a file already serves every prompt an entry of `tokens` would."""
@@ -316,6 +336,8 @@ class DiskTier:
         self._evict(nbytes + sum(w.nbytes for w in self._writes.values()))
         free = self._folder.free_bytes()
         if free - nbytes < RESERVE_BYTES:
+            if self._gone():
+                return False
             if not self._full_warned:
                 log.warning(
                     "prompt cache: %s has %s free; not writing entries until there is more",
@@ -346,17 +368,50 @@ class DiskTier:
         if write.cancelled and not write.size:
             return
         if write.error is not None:
-            if getattr(write.error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("prompt cache: %s is full: %s", self._folder.path, write.error)
-            else:
-                self._turn_off(f"cannot write to {self._folder.path}: {write.error}")
+            if not self._gone():
+                self._write_failed(write.error)
             return
+        if self._retry_at is not None:
+            log.info("prompt cache: writing to %s again", self._folder.path)
+            self._retry_at = None
         self.stats.written += 1
         self.stats.written_bytes += write.size
         self.stats.write_seconds += write.seconds
         if write.entry is not None:
             write.entry.value.written = True
         self._index(write.tokens, write.name, write.size, write.header.trimmable)
+
+    def _write_failed(self, error: Exception) -> None:
+        """A write failed (a full disk, no inodes, a failing device): one
+        warning until one succeeds again, and none starts for RETRY_SECONDS."""
+        if self._retry_at is None:
+            log.warning(
+                "prompt cache: cannot write to %s (%s); entries stay in memory only until "
+                "a write succeeds (tried again every %gs)", self._folder.path, error, RETRY_SECONDS,
+            )  # fmt: skip
+        self._retry_at = time.monotonic() + RETRY_SECONDS
+
+    def _gone(self) -> bool:
+        """Whether the folder was deleted under the worker: then it is made
+        again (once, with one warning), and the index, whose files went with
+        it, emptied."""
+        if self._remaking:
+            return True
+        if not self._folder.missing():
+            return False
+        log.warning("prompt cache: %s was deleted; making it again (its entries are lost)",
+                    self._folder.path)  # fmt: skip
+        self._remaking = True
+        for entry in self.tree:
+            self.tree.remove(entry)
+        self._count()
+        self._folder.remake()
+        return True
+
+    def _remade(self, remade: Remade) -> None:
+        self._remaking = False
+        if remade.error is not None:
+            self._turn_off(f"cannot make {self._folder.path} again: {remade.error}")
 
     def _fetched(self, read: Read) -> None:
         read.entry.value.reading = False
@@ -377,13 +432,16 @@ class DiskTier:
         self._copying.append(read)
 
     def _fail(self, read: Read) -> None:
-        """A read that failed: a bad file is deleted, the request prefills."""
-        log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
-        if isinstance(read.error, kv_files.BadFile):
-            self.stats.corrupt += 1
-        self.tree.remove(read.entry)
-        self._folder.delete(read.name)
-        self._count()
+        """A read that failed: a bad file is deleted, the request prefills.
+        Nothing is said of a file no longer indexed (its folder deleted, or
+        a newer file made it redundant meanwhile)."""
+        if not self._gone() and self.tree.get(read.entry.id) is read.entry:
+            log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
+            if isinstance(read.error, kv_files.BadFile):
+                self.stats.corrupt += 1
+            self.tree.remove(read.entry)
+            self._folder.delete(read.name)
+            self._count()
         self._finish(read)
 
     def _finish(self, read: Read) -> None:
