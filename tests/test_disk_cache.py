@@ -59,6 +59,12 @@ def stats(worker):
     return worker.worker.engine.cache
 
 
+def logged(caplog, naming: str = "", level: int = logging.NOTSET) -> list[str]:
+    """The log lines captured that name `naming`, at `level` or above."""
+    said = (r.getMessage() for r in caplog.records if r.levelno >= level)
+    return [line for line in said if naming in line]
+
+
 def test_entries_memory_drops_are_spilled_and_read_back(start_worker, model_dir, cold, tmp_path):
     # Memory holds about one entry: each new one pushes the last out, to disk.
     w = start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_bytes=300_000)
@@ -143,44 +149,46 @@ def test_a_prompt_whose_best_file_is_bad_is_served_from_the_next_best(
     assert stats(w).corrupt == 1
 
 
+def _two_turns(start_worker, model: Path, directory: Path) -> tuple[list[int], Path, Path]:
+    """A conversation's two turns served and stopped, both files left as a
+    crash between writing the second and deleting the first leaves them:
+    the first turn's history, its file and the second's (which extends it)."""
+    history, first = _written(start_worker, model, directory)
+    kept = first.read_bytes()
+    w = start_worker(model, prompt_cache_dir=directory)
+    longer = history + [7] + generate(w.stub, history + [7], max_tokens=8).tokens
+    w.stop()
+    assert wait_until(lambda: not first.exists())  # replaced by the second
+    first.write_bytes(kept)
+    return history, first, first.with_name(file_name(longer))
+
+
 def test_a_bad_file_claiming_to_extend_a_good_one_never_costs_the_good_one(
     start_worker, model_dir, cold, tmp_path, caplog
 ):
-    history, good = _written(start_worker, model_dir, tmp_path)
-    kept = good.read_bytes()
-    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
-    longer = history + [7] + generate(w.stub, history + [7], max_tokens=8).tokens
-    w.stop()  # its entry extends the first, whose file it replaced
-    assert wait_until(lambda: not good.exists())
-    bad = good.with_name(file_name(longer))
+    history, good, bad = _two_turns(start_worker, model_dir, tmp_path)
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0xFF
     bad.write_bytes(bytes(data))
-    good.write_bytes(kept)  # as a crash before the replaced file's deletion leaves it
     with caplog.at_level(logging.INFO):
         w = start_worker(model_dir, prompt_cache_dir=tmp_path)
         got = same_as_cold(w, cold, history + [9])
     assert got.complete.cached_tokens == len(history)
-    bad_lines = [r.getMessage() for r in caplog.records if bad.name in r.getMessage()]
-    assert len(bad_lines) == 1 and "checksum" in bad_lines[0]
+    lines = logged(caplog, bad.name)
+    assert len(lines) == 1 and "checksum" in lines[0]
     assert good.name not in caplog.text and good.exists() and not bad.exists()
 
 
 def test_a_file_that_a_longer_good_one_extends_is_deleted_with_a_line_at_start(
     start_worker, model_dir, cold, tmp_path, caplog
 ):
-    history, shorter = _written(start_worker, model_dir, tmp_path)
-    kept = shorter.read_bytes()
-    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
-    longer = history + [7] + generate(w.stub, history + [7], max_tokens=8).tokens
-    w.stop()
-    assert wait_until(lambda: not shorter.exists())  # replaced by the longer one
-    shorter.write_bytes(kept)
+    history, shorter, longer = _two_turns(start_worker, model_dir, tmp_path)
     with caplog.at_level(logging.INFO):
         w = start_worker(model_dir, prompt_cache_dir=tmp_path)
-        assert same_as_cold(w, cold, longer + [9]).complete.cached_tokens == len(longer)
+        got = same_as_cold(w, cold, history + [7, 9])
+    assert got.complete.cached_tokens == len(history) + 1  # from the longer one, cut back
     assert f"deleted {shorter.name}: a longer entry holds all its tokens" in caplog.text
-    assert wait_until(lambda: not shorter.exists())
+    assert wait_until(lambda: not shorter.exists()) and longer.exists()
 
 
 def test_a_truncated_file_is_ignored_and_deleted_at_start(
@@ -225,7 +233,7 @@ def test_a_fifo_among_the_entries_is_refused_at_start_and_the_rest_serve(
         w = start_worker(model_dir, prompt_cache_dir=tmp_path)
         got = same_as_cold(w, cold, history + [7])
     assert got.complete.cached_tokens == len(history)
-    lines = [r.getMessage() for r in caplog.records if fifo.name in r.getMessage()]
+    lines = logged(caplog, fifo.name)
     assert len(lines) == 1 and "a FIFO, not a regular file" in lines[0]
     assert not os.path.lexists(fifo)
 
@@ -244,7 +252,7 @@ def test_an_entry_replaced_by_a_fifo_costs_only_its_own_hit(
         assert same_as_cold(w, cold, histories[0] + [7]).complete.cached_tokens == 0
         got = same_as_cold(w, cold, histories[1] + [7])
     assert got.complete.cached_tokens == len(histories[1])  # not stuck behind the FIFO
-    lines = [r.getMessage() for r in caplog.records if fifo.name in r.getMessage()]
+    lines = logged(caplog, fifo.name)
     assert len(lines) == 1 and "a FIFO, not a regular file" in lines[0]
     assert wait_until(lambda: not os.path.lexists(fifo))
 
@@ -294,7 +302,7 @@ def test_a_link_in_place_of_the_lock_or_the_folder_is_never_followed(
     assert got.complete.cached_tokens == len(history)  # memory serves on
     assert sorted(os.listdir(elsewhere)) == ["lock", "model.json"]
     assert all((elsewhere / name).read_text() == "precious" for name in ("lock", "model.json"))
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = logged(caplog, level=logging.WARNING)
     assert len(warnings) == 1 and "is a symbolic link" in warnings[0]
     assert "memory tier alone" in warnings[0]
 
@@ -349,7 +357,7 @@ def test_an_entry_copied_from_another_models_folder_is_not_used(
         w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
         got = same_as_cold(w, cold, history + [7])
     assert got.complete.cached_tokens == 0
-    lines = [r.getMessage() for r in caplog.records if copy.name in r.getMessage()]
+    lines = logged(caplog, copy.name)
     assert len(lines) == 1 and "another model made it" in lines[0]
     assert not copy.exists() and foreign.exists()
 
@@ -375,7 +383,7 @@ def test_an_entry_of_the_first_format_is_taken_for_another_models(
         w = start_worker(model_dir, prompt_cache_dir=tmp_path)
         got = same_as_cold(w, cold, history + [7])
     assert got.complete.cached_tokens == 0
-    lines = [r.getMessage() for r in caplog.records if path.name in r.getMessage()]
+    lines = logged(caplog, path.name)
     assert len(lines) == 1 and "ignored and deleted" in lines[0]
     assert not path.exists()
 
@@ -427,7 +435,7 @@ def test_a_cache_folder_deleted_while_in_use_is_made_again_with_one_warning(
         assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
         served = same_as_cold(w, cold, again + [9]).complete.cached_tokens
     assert got.complete.cached_tokens == 0 and served == len(again)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = logged(caplog, level=logging.WARNING)
     assert len(warnings) == 1 and "was deleted; making it again" in warnings[0]
 
 
@@ -455,7 +463,7 @@ def test_writes_that_fail_say_so_once_and_writing_resumes(
         for key in range(7, 9):
             same_as_cold(w, cold, prompt(400, key))
         assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = logged(caplog, level=logging.WARNING)
     assert len(warnings) == 1 and os.strerror(code) in warnings[0]
 
 

@@ -14,12 +14,14 @@ so other models' entries are never found; a lock keeps a second worker of
 the same model out (it serves without the tier and says why); nothing there
 is followed through a link (`engine.safe_files`: a link in place of the
 folder or its lock leaves the tier off, one in place of a file the worker
-writes whole is replaced); leftovers of a
-write a crash cut short are deleted; each entry's header is read and checked
-against its length (a truncated file, or anything there that is not a regular
-file, is deleted with a log line); and a synced write of PROBE_BYTES measures
-the disk. The worker waits OPEN_SECONDS at most for all that: a folder slower
-to open joins when it is done.
+writes whole is replaced); leftovers of a write a crash cut short are
+deleted; each entry's header is read and checked against its length and its
+model (a truncated file, another model's, or anything there that is not a
+regular file is deleted with a log line), and an entry whose tokens extend
+another's is checked whole; a synced write of PROBE_BYTES measures the disk.
+The worker waits OPEN_SECONDS at most for all that: a folder slower to open
+joins when it is done. A folder deleted under the worker is made again
+(`remake`).
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ class Folder:
         self._to_writer.put((self._remake, ()))
 
     def missing(self) -> bool:
+        """Whether the folder is gone (deleted under the worker)."""
         return not self.path.is_dir()
 
     def free_bytes(self) -> int:

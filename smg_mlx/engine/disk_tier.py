@@ -139,9 +139,10 @@ class DiskTier:
 
     def ready(self, prefill_seconds: Callable[[int, int], float]) -> None:
         """Wait until the folder is open (or found unusable): a restarted worker
-        finds its entries from its first request on. A folder that takes longer
-        than the folder's `open_seconds` joins once it is open (`tick`). `prefill_seconds` says
-        what prefilling n tokens after c takes, to weigh reads against."""
+        finds its entries from its first request on. One that takes longer
+        than its `open_seconds` joins once it is open (`tick`).
+        `prefill_seconds` says what prefilling n tokens after c takes, to
+        weigh reads against."""
         self.prefill_seconds = prefill_seconds
         opened = self._folder.opened()
         if opened is not None:
