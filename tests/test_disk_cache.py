@@ -7,12 +7,16 @@ must not change whether a prefix came from memory, from disk or was prefilled.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import signal
+import struct
+import threading
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,8 +25,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine import fingerprint, kv_files
-from smg_mlx.engine.disk_folder import Folder
+from smg_mlx.engine import disk_folder, disk_tier, fingerprint, kv_files
+from smg_mlx.engine.disk_folder import Folder, file_name
 
 from helpers import generate, prompt, wait_until
 
@@ -53,6 +57,12 @@ def same_as_cold(worker, cold, ids: list[int], max_tokens: int = 8):
 
 def stats(worker):
     return worker.worker.engine.cache
+
+
+def logged(caplog, naming: str = "", level: int = logging.NOTSET) -> list[str]:
+    """The log lines captured that name `naming`, at `level` or above."""
+    said = (r.getMessage() for r in caplog.records if r.levelno >= level)
+    return [line for line in said if naming in line]
 
 
 def test_entries_memory_drops_are_spilled_and_read_back(start_worker, model_dir, cold, tmp_path):
@@ -139,6 +149,48 @@ def test_a_prompt_whose_best_file_is_bad_is_served_from_the_next_best(
     assert stats(w).corrupt == 1
 
 
+def _two_turns(start_worker, model: Path, directory: Path) -> tuple[list[int], Path, Path]:
+    """A conversation's two turns served and stopped, both files left as a
+    crash between writing the second and deleting the first leaves them:
+    the first turn's history, its file and the second's (which extends it)."""
+    history, first = _written(start_worker, model, directory)
+    kept = first.read_bytes()
+    w = start_worker(model, prompt_cache_dir=directory)
+    longer = history + [7] + generate(w.stub, history + [7], max_tokens=8).tokens
+    w.stop()
+    assert wait_until(lambda: not first.exists())  # replaced by the second
+    first.write_bytes(kept)
+    return history, first, first.with_name(file_name(longer))
+
+
+def test_a_bad_file_claiming_to_extend_a_good_one_never_costs_the_good_one(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, good, bad = _two_turns(start_worker, model_dir, tmp_path)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        got = same_as_cold(w, cold, history + [9])
+    assert got.complete.cached_tokens == len(history)
+    lines = logged(caplog, bad.name)
+    assert len(lines) == 1 and "checksum" in lines[0]
+    assert good.name not in caplog.text and good.exists() and not bad.exists()
+
+
+def test_a_file_that_a_longer_good_one_extends_is_deleted_with_a_line_at_start(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, shorter, longer = _two_turns(start_worker, model_dir, tmp_path)
+    with caplog.at_level(logging.INFO):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        got = same_as_cold(w, cold, history + [7, 9])
+    assert got.complete.cached_tokens == len(history) + 1  # from the longer one, cut back
+    assert f"deleted {shorter.name}: a longer entry holds all its tokens" in caplog.text
+    assert wait_until(lambda: not shorter.exists()) and longer.exists()
+
+
 def test_a_truncated_file_is_ignored_and_deleted_at_start(
     start_worker, model_dir, cold, tmp_path, caplog
 ):
@@ -171,6 +223,114 @@ def test_a_file_with_a_damaged_header_costs_only_its_own_entry(
     assert not damaged.exists() and kept.exists()
 
 
+def test_a_fifo_among_the_entries_is_refused_at_start_and_the_rest_serve(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, path = _written(start_worker, model_dir, tmp_path)
+    fifo = path.with_name("0" * 32 + ".kv")
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == len(history)
+    lines = logged(caplog, fifo.name)
+    assert len(lines) == 1 and "a FIFO, not a regular file" in lines[0]
+    assert not os.path.lexists(fifo)
+
+
+def test_an_entry_replaced_by_a_fifo_costs_only_its_own_hit(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    histories = [ids + generate(w.stub, ids, max_tokens=8).tokens for ids in (A, prompt(400, 2))]
+    w.stop()
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    fifo = files(tmp_path)[0].with_name(file_name(histories[0]))
+    fifo.unlink()
+    os.mkfifo(fifo)  # after indexing: the request for it reads it
+    with caplog.at_level(logging.WARNING):
+        assert same_as_cold(w, cold, histories[0] + [7]).complete.cached_tokens == 0
+        got = same_as_cold(w, cold, histories[1] + [7])
+    assert got.complete.cached_tokens == len(histories[1])  # not stuck behind the FIFO
+    lines = logged(caplog, fifo.name)
+    assert len(lines) == 1 and "a FIFO, not a regular file" in lines[0]
+    assert wait_until(lambda: not os.path.lexists(fifo))
+
+
+def test_a_folder_slow_to_open_does_not_hold_the_worker_back(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch
+):
+    history, _ = _written(start_worker, model_dir, tmp_path)
+    stuck = threading.Event()
+    read_key = kv_files.read_key
+
+    def slow(*args):
+        stuck.wait(60)  # a disk that hangs while the folder is indexed
+        return read_key(*args)
+
+    monkeypatch.setattr(kv_files, "read_key", slow)
+    monkeypatch.setattr(disk_folder, "OPEN_SECONDS", 0.5, raising=False)
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)  # SERVING meanwhile
+        same_as_cold(w, cold, prompt(100, 3))
+    assert "is not open after 0.5s" in caplog.text
+    stuck.set()  # the indexing ends: the tier joins
+    assert wait_until(lambda: stats(w).disk_entries == 1)
+    assert same_as_cold(w, cold, history + [7]).complete.cached_tokens == len(history)
+
+
+@pytest.mark.parametrize("link", ["lock", "folder"])
+def test_a_link_in_place_of_the_lock_or_the_folder_is_never_followed(
+    start_worker, model_dir, cold, tmp_path, caplog, link
+):
+    _, path = _written(start_worker, model_dir, tmp_path / "cache")
+    folder = path.parent
+    elsewhere = tmp_path / "elsewhere"  # files a worker run as root must leave alone
+    elsewhere.mkdir()
+    for name in ("lock", "model.json"):
+        (elsewhere / name).write_text("precious")
+    if link == "lock":
+        (folder / "lock").unlink()
+        (folder / "lock").symlink_to(elsewhere / "lock")
+    else:
+        shutil.rmtree(folder)
+        folder.symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+        history = A + same_as_cold(w, cold, A).tokens
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == len(history)  # memory serves on
+    assert sorted(os.listdir(elsewhere)) == ["lock", "model.json"]
+    assert all((elsewhere / name).read_text() == "precious" for name in ("lock", "model.json"))
+    warnings = logged(caplog, level=logging.WARNING)
+    assert len(warnings) == 1 and "is a symbolic link" in warnings[0]
+    assert "memory tier alone" in warnings[0]
+
+
+def test_files_the_worker_writes_replace_links_and_never_write_through_them(
+    start_worker, model_dir, cold, tmp_path
+):
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+    w.stop()
+    folder = next((tmp_path / "cache").iterdir())
+    victims = [tmp_path / "victim-1", tmp_path / "victim-2"]
+    for victim in victims:
+        victim.write_text("precious")
+    (folder / "model.json").unlink()
+    (folder / "model.json").symlink_to(victims[0])
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+    history = A + generate(cold.stub, A, max_tokens=8).tokens
+    entry = folder / file_name(history)
+    entry.with_suffix(".tmp").symlink_to(victims[1])  # the name its write goes through
+    same_as_cold(w, cold, A)
+    assert wait_until(lambda: entry.exists(), 15)
+    assert [v.read_bytes() for v in victims] == [b"precious"] * 2
+    assert not (folder / "model.json").is_symlink() and not entry.is_symlink()
+    w.stop()
+    again = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+    assert same_as_cold(again, cold, history + [7]).complete.cached_tokens == len(history)
+
+
 def test_another_models_entries_are_never_used(start_worker, tmp_path):
     # A fine-tune written over the same path: same config, other weights.
     model = build_model(tmp_path / "model")
@@ -183,6 +343,49 @@ def test_another_models_entries_are_never_used(start_worker, tmp_path):
     assert got.complete.cached_tokens == 0
     assert got.tokens == generate(fresh.stub, history + [7], max_tokens=8).tokens
     assert len(files(tmp_path / "cache")) == 1  # its own folder is still empty
+
+
+def test_an_entry_copied_from_another_models_folder_is_not_used(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    other = build_model(tmp_path / "other", ["--seed", "1"])  # same shapes, other weights
+    history, foreign = _written(start_worker, other, tmp_path / "cache")
+    start_worker(model_dir, prompt_cache_dir=tmp_path / "cache").stop()  # makes this one's folder
+    (ours,) = [f for f in (tmp_path / "cache").iterdir() if f != foreign.parent]
+    copy = Path(shutil.copy2(foreign, ours))
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == 0
+    lines = logged(caplog, copy.name)
+    assert len(lines) == 1 and "another model made it" in lines[0]
+    assert not copy.exists() and foreign.exists()
+
+
+def _as_first_format(path: Path) -> None:
+    """Rewrite the entry in `path` as the first format wrote it: no model in
+    its header, and a checksum that matches."""
+    data = path.read_bytes()
+    (length,) = struct.unpack_from("<Q", data, 8)
+    head = json.loads(data[16 : 16 + length])
+    head.pop("model", None)
+    raw = json.dumps(head).encode()
+    body = b"SMGKV01\n" + struct.pack("<Q", len(raw)) + raw + data[16 + length : -12]
+    path.write_bytes(body + struct.pack("<IQ", zlib.crc32(body), len(body) + 12))
+
+
+def test_an_entry_of_the_first_format_is_taken_for_another_models(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, path = _written(start_worker, model_dir, tmp_path)
+    _as_first_format(path)  # it named no model: whose it is cannot be told
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == 0
+    lines = logged(caplog, path.name)
+    assert len(lines) == 1 and "ignored and deleted" in lines[0]
+    assert not path.exists()
 
 
 def test_an_unusable_directory_logs_one_warning_and_the_worker_serves(
@@ -212,6 +415,56 @@ def test_a_nearly_full_disk_is_not_written_to_at_all(model_dir, tmp_path, monkey
     error = folder.opened().error
     folder.close(release_lock=True)
     assert error is not None and "100.0 MiB free" in error  # the tier's one warning says why
+
+
+def test_a_cache_folder_deleted_while_in_use_is_made_again_with_one_warning(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    # Memory holds about one entry: each new one pushes the last out, to disk.
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache", prompt_cache_bytes=300_000)
+    history = A + same_as_cold(w, cold, A).tokens
+    for key in (2, 3):
+        same_as_cold(w, cold, prompt(400, key))
+    assert wait_until(lambda: len(files(tmp_path)) >= 2, 10)
+    shutil.rmtree(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING):
+        got = same_as_cold(w, cold, history + [7])  # its file went with the folder
+        again = history + [7] + got.tokens
+        for key in (4, 5):
+            same_as_cold(w, cold, prompt(400, key))  # spill to the folder made again
+        assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
+        served = same_as_cold(w, cold, again + [9]).complete.cached_tokens
+    assert got.complete.cached_tokens == 0 and served == len(again)
+    warnings = logged(caplog, level=logging.WARNING)
+    assert len(warnings) == 1 and "was deleted; making it again" in warnings[0]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])  # no inodes left; a failing disk
+def test_writes_that_fail_say_so_once_and_writing_resumes(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch, code
+):
+    write, failed = kv_files.write, []
+
+    def failing(*args):
+        if failed is not None:
+            failed.append(args[0])
+            raise OSError(code, os.strerror(code), str(args[0]))
+        return write(*args)
+
+    monkeypatch.setattr(kv_files, "write", failing)
+    monkeypatch.setattr(disk_tier, "RETRY_SECONDS", 0.2, raising=False)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_bytes=300_000)
+    with caplog.at_level(logging.WARNING):
+        for key in range(1, 7):
+            same_as_cold(w, cold, prompt(400, key))  # each pushes the last to disk
+            time.sleep(0.3)
+        assert len(failed) >= 3
+        failed = None
+        for key in range(7, 9):
+            same_as_cold(w, cold, prompt(400, key))
+        assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
+    warnings = logged(caplog, level=logging.WARNING)
+    assert len(warnings) == 1 and os.strerror(code) in warnings[0]
 
 
 def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(
@@ -306,8 +559,8 @@ def test_every_kind_of_layer_cache_comes_back_as_it_was(tmp_path):
     header, arrays = kv_files.export(cache, tokens=5, trimmable=False)
     mx.eval(arrays)
     path = tmp_path / "entry.kv"
-    kv_files.write(path, header, list(range(5)), kv_files.buffers(arrays))
-    read_header, tokens, data = kv_files.read(path)
+    kv_files.write(path, "m", header, list(range(5)), kv_files.buffers(arrays))
+    read_header, tokens, data = kv_files.read(path, "m")
     assert tokens == tuple(range(5))
     rebuild = kv_files.Rebuild(read_header, data)
     while not rebuild.done:
@@ -323,14 +576,14 @@ def test_a_file_cut_anywhere_is_refused(tmp_path):
     header, arrays = kv_files.export(cache, tokens=5, trimmable=True)
     mx.eval(arrays)
     path = tmp_path / "entry.kv"
-    size = kv_files.write(path, header, list(range(5)), kv_files.buffers(arrays))
+    size = kv_files.write(path, "m", header, list(range(5)), kv_files.buffers(arrays))
     whole = path.read_bytes()
     for cut in (4, 20, size // 2, size - 1):
         path.write_bytes(whole[:cut])
         with pytest.raises(kv_files.BadFile):
-            kv_files.read(path)
+            kv_files.read(path, "m")
         with pytest.raises(kv_files.BadFile):
-            kv_files.read_key(path)
+            kv_files.read_key(path, "m")
 
 
 @pytest.mark.parametrize(
@@ -340,10 +593,10 @@ def test_a_header_whose_fields_are_not_what_is_written_is_refused(tmp_path, fiel
     header, arrays = kv_files.export(_caches()[:1], tokens=5, trimmable=True)
     mx.eval(arrays)
     path = tmp_path / "entry.kv"
-    kv_files.write(path, replace(header, **{field: value}), range(5), kv_files.buffers(arrays))
+    kv_files.write(path, "m", replace(header, **{field: value}), range(5), kv_files.buffers(arrays))
     for read in (kv_files.read_key, kv_files.read):  # refused, not read as far as it says
         with pytest.raises(kv_files.BadFile):
-            read(path)
+            read(path, "m")
 
 
 def test_weights_rewritten_in_a_few_places_are_another_model(tmp_path, monkeypatch):

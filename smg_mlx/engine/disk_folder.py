@@ -11,10 +11,17 @@ numpy buffers for the engine thread to copy into MLX (`kv_files.Rebuild`).
 
 Opening the folder: the model's fingerprint names it (`engine.fingerprint`),
 so other models' entries are never found; a lock keeps a second worker of
-the same model out (it serves without the tier and says why); leftovers of a
-write a crash cut short are deleted; each entry's header is read and checked
-against its length (a truncated file is deleted with a log line); and a
-synced write of PROBE_BYTES measures the disk.
+the same model out (it serves without the tier and says why); nothing there
+is followed through a link (`engine.safe_files`: a link in place of the
+folder or its lock leaves the tier off, one in place of a file the worker
+writes whole is replaced); leftovers of a write a crash cut short are
+deleted; each entry's header is read and checked against its length and its
+model (a truncated file, another model's, or anything there that is not a
+regular file is deleted with a log line), and an entry whose tokens extend
+another's is checked whole; a synced write of PROBE_BYTES measures the disk.
+The worker waits OPEN_SECONDS at most for all that: a folder slower to open
+joins when it is done. A folder deleted under the worker is made again
+(`remake`).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE
-from smg_mlx.engine import kv_files
+from smg_mlx.engine import kv_files, safe_files
 from smg_mlx.engine.fingerprint import fingerprint
 from smg_mlx.engine.memory import format_bytes
 
@@ -45,6 +52,9 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 PROBE_BYTES = 32 << 20
+# Start-up waits this long at most for the folder to open: a disk that hangs
+# must not keep the worker from serving.
+OPEN_SECONDS = 30.0
 # No write leaves less free space than this on the device.
 RESERVE_BYTES = 1 << 30
 # What a model's folder holds, and nothing else: a folder holding anything
@@ -112,6 +122,13 @@ class Read:
         return self.error is not None
 
 
+class Remade:
+    """The folder, deleted under the worker, made again (or why it could not be)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+
 class _Locked(Exception):
     """The folder is another worker's."""
 
@@ -124,7 +141,11 @@ class Folder:
         """Starts opening the folder (see `opened`); `wake` is called from the
         threads after each job they finish."""
         self.directory = directory
-        self.path: Path | None = None  # once opened
+        self.path: Path | None = None  # set by the opening, before it is reported
+        self.model = ""  # the model's fingerprint, which every file carries: likewise
+        self._about = b""  # model.json: likewise
+        self.open_seconds = OPEN_SECONDS
+        self._open_by = time.monotonic() + OPEN_SECONDS
         self._lock: int | None = None
         self._wake = wake
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -138,22 +159,24 @@ class Folder:
 
     # ---- the engine thread ----
 
-    def opened(self) -> Opened:
-        """Wait for the folder to open (the first job to finish)."""
-        opened = self._done.get()
-        self.path = opened.path
-        return opened
+    def opened(self) -> Opened | None:
+        """Wait for the folder to open (the first job to finish), until
+        OPEN_SECONDS after it began; None: not yet (`finished` reports it)."""
+        try:
+            return self._done.get(timeout=max(self._open_by - time.monotonic(), 0.0))
+        except queue.Empty:
+            return None
 
     def write(self, write: Write) -> None:
-        self._to_writer.put((self._write, (write, self.path / write.name)))
+        self._to_writer.put((self._write, (write, self.path / write.name, self.model)))
 
     def delete(self, name: str) -> None:
         self.write(Write(name))
 
     def read(self, read: Read) -> None:
-        self._to_reader.put((self._read, (read, self.path / read.name)))
+        self._to_reader.put((self._read, (read, self.path / read.name, self.model)))
 
-    def finished(self, timeout: float | None = None) -> list[Write | Read]:
+    def finished(self, timeout: float | None = None) -> list[Write | Read | Opened | Remade]:
         """The jobs finished since the last call; with `timeout`, waits that
         long for one if none has."""
         jobs = []
@@ -164,6 +187,15 @@ class Folder:
         except queue.Empty:
             pass
         return jobs
+
+    def remake(self) -> None:
+        """Make the folder again (it was deleted under the worker); a `Remade`
+        job reports it, before any write queued after this call."""
+        self._to_writer.put((self._remake, ()))
+
+    def missing(self) -> bool:
+        """Whether the folder is gone (deleted under the worker)."""
+        return not self.path.is_dir()
 
     def free_bytes(self) -> int:
         try:
@@ -191,27 +223,14 @@ class Folder:
         opened = Opened()
         began = time.perf_counter()
         try:
-            key = fingerprint(model_dirs, versions)
+            key = self.model = fingerprint(model_dirs, versions)
             path = self.directory / key[:24]
-            path.mkdir(parents=True, exist_ok=True)
-            self._lock = self._take_lock(path)
-            (path / "model.json").write_text(
-                json.dumps({"model": [str(d) for d in model_dirs], "fingerprint": key,
-                            "versions": versions}, indent=1)  # fmt: skip
-            )
+            self._about = json.dumps({"model": [str(d) for d in model_dirs], "fingerprint": key,
+                                      "versions": versions}, indent=1).encode()  # fmt: skip
+            self._make(path)
             for leftover in path.glob("*.tmp"):  # a write a crash cut short
                 leftover.unlink(missing_ok=True)
-            files = sorted(path.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
-            if len(files) > 1000:
-                log.info("prompt cache: indexing %d files in %s", len(files), path)
-            for file in files:  # least recently used first
-                try:
-                    header, tokens, size = kv_files.read_key(file)
-                except Exception as exc:  # noqa: BLE001 - whatever is wrong, only this file's
-                    opened.bad.append((file.name, str(exc) or repr(exc)))
-                    file.unlink(missing_ok=True)
-                    continue
-                opened.files.append((file.name, header, tokens, size))
+            self._index(path, key, opened)
             held = sum(f[-1] for f in opened.files)
             if max_bytes is None:
                 free = shutil.disk_usage(path).free + held
@@ -222,14 +241,59 @@ class Folder:
             if free < PROBE_BYTES + RESERVE_BYTES:
                 raise OSError(errno.ENOSPC, f"only {format_bytes(free)} free", str(path))
             opened.write_rate = self._probe(path)
-            opened.path = path
-        except OSError as exc:
-            opened.error = f"{exc.strerror or exc} ({exc.filename or self.directory})"
-        except Exception as exc:  # noqa: BLE001 - the lock, or what the folder held
-            log.debug("opening the prompt cache's folder failed", exc_info=True)
-            opened.error = str(exc) if isinstance(exc, _Locked) else repr(exc)
+            opened.path = self.path = path
+        except Exception as exc:  # noqa: BLE001 - whatever the folder held
+            opened.error = self._why(exc)
         opened.seconds = time.perf_counter() - began
         return opened
+
+    def _make(self, path: Path) -> None:
+        """Make the folder `path` if need be, take its lock and say whose it is."""
+        safe_files.make_folder(path)
+        self._lock = self._take_lock(path)
+        with safe_files.create(path / "model.json") as f:
+            f.write(self._about)
+
+    def _remake(self) -> Remade:
+        remade = Remade()
+        try:
+            os.close(self._lock)  # the deleted folder's
+            self._lock = None
+            self._make(self.path)
+        except Exception as exc:  # noqa: BLE001 - reported on the engine thread
+            remade.error = self._why(exc)
+        return remade
+
+    def _why(self, exc: Exception) -> str:
+        """What went wrong, as the tier's one warning says it."""
+        if isinstance(exc, (_Locked, safe_files.Unsafe)):
+            return str(exc)
+        if isinstance(exc, OSError):
+            return f"{exc.strerror or exc} ({exc.filename or self.directory})"
+        log.debug("opening or making the prompt cache's folder failed", exc_info=True)
+        return repr(exc)
+
+    @staticmethod
+    def _index(path: Path, model: str, opened: Opened) -> None:
+        """Read the key of every entry in `path`, least recently used first,
+        into `opened`. A file whose tokens extend another's is read whole and
+        checked first: indexing it deletes the other (it serves all the other
+        served), and a bad file must never cost a good one."""
+        files = _entry_files(path)
+        if len(files) > 1000:
+            log.info("prompt cache: indexing %d files in %s", len(files), path)
+        for file in files:
+            try:
+                opened.files.append((file.name, *_key(file, model)))
+            except Exception as exc:  # noqa: BLE001 - whatever is wrong, only this file's
+                _discard(file, exc, opened)
+        extending = _extending(opened.files)
+        for entry in [f for f in opened.files if f[0] in extending]:
+            try:
+                kv_files.verify(path / entry[0], model)
+            except Exception as exc:  # noqa: BLE001 - likewise
+                _discard(path / entry[0], exc, opened)
+                opened.files.remove(entry)
 
     def _prune(self, ours: Path, max_bytes: int, held: int) -> None:
         """Delete other models' folders that no worker uses, least recently
@@ -271,7 +335,7 @@ class Folder:
 
     @staticmethod
     def _take_lock(path: Path) -> int:
-        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = safe_files.open_fd(path / "lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -292,7 +356,7 @@ class Folder:
         block = os.urandom(1 << 20)
         began = time.perf_counter()
         try:
-            with open(probe, "wb") as f:
+            with safe_files.create(probe) as f:
                 for _ in range(PROBE_BYTES // len(block)):
                     f.write(block)
                 f.flush()
@@ -302,13 +366,13 @@ class Folder:
         return PROBE_BYTES / max(time.perf_counter() - began, 1e-6)
 
     @staticmethod
-    def _write(write: Write, path: Path) -> Write:
+    def _write(write: Write, path: Path, model: str) -> Write:
         began = time.perf_counter()
         try:
             if write.header is None:
                 path.unlink(missing_ok=True)
             elif not write.cancelled:
-                write.size = kv_files.write(path, write.header, write.tokens, write.views)
+                write.size = kv_files.write(path, model, write.header, write.tokens, write.views)
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
             write.error = exc
         finally:
@@ -319,15 +383,61 @@ class Folder:
         return write
 
     @staticmethod
-    def _read(read: Read, path: Path) -> Read:
+    def _read(read: Read, path: Path, model: str) -> Read:
         began = time.perf_counter()
         try:
-            read.data = kv_files.read(path)
-            os.utime(path)  # its last use, for the next start's order
+            read.data = kv_files.read(path, model)
+            os.utime(path, follow_symlinks=False)  # its last use, for the next start's order
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
             read.error = exc
         read.seconds = time.perf_counter() - began
         return read
+
+
+def _entry_files(path: Path) -> list[Path]:
+    """The entries' files in `path`, least recently used first (by their own
+    times: a link is not followed)."""
+    found = []
+    with os.scandir(path) as listing:
+        for file in listing:
+            if file.name.endswith(SUFFIX):
+                try:
+                    found.append((file.stat(follow_symlinks=False).st_mtime, file.name))
+                except OSError:
+                    continue  # gone meanwhile
+    return [path / name for _, name in sorted(found)]
+
+
+def _key(file: Path, model: str) -> tuple[kv_files.Header, tuple[int, ...], int]:
+    """`kv_files.read_key`, and the file's name checked against its tokens."""
+    header, tokens, size = kv_files.read_key(file, model)
+    if file.name != file_name(tokens):
+        raise kv_files.BadFile("its tokens are not those of its name")
+    return header, tokens, size
+
+
+def _extending(files: Sequence[tuple[str, kv_files.Header, tuple[int, ...], int]]) -> set[str]:
+    """The names of the trimmable entries among `files` whose tokens extend
+    another entry's (sorted, an entry's extensions follow it)."""
+    keys = sorted((tokens, name, header.trimmable) for name, header, tokens, _ in files)
+    found = set()
+    for i, (shorter, _, _) in enumerate(keys):
+        for tokens, name, trimmable in keys[i + 1 :]:
+            if tokens[: len(shorter)] != shorter:
+                break
+            if trimmable:
+                found.add(name)
+    return found
+
+
+def _discard(file: Path, why: Exception, opened: Opened) -> None:
+    """Delete the bad entry `file`; `opened` says why (and why it stays, if it does)."""
+    said = str(why) or repr(why)
+    try:
+        file.unlink(missing_ok=True)
+    except OSError as exc:  # a directory: not ours to delete
+        said += f" (it stays: {exc.strerror})"
+    opened.bad.append((file.name, said))
 
 
 def _cache_files(folder: Path) -> list[os.DirEntry] | None:
@@ -336,15 +446,16 @@ def _cache_files(folder: Path) -> list[os.DirEntry] | None:
     if not FOLDER_NAME.fullmatch(folder.name) or not folder.is_dir():
         return None
     try:
-        fingerprint = json.loads((folder / "model.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
+        with safe_files.open_file(folder / "model.json") as f:
+            fingerprint = json.loads(f.read()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):  # safe_files.Unsafe is an OSError
         return None
     if not isinstance(fingerprint, str) or not fingerprint.startswith(folder.name):
         return None
     with os.scandir(folder) as listing:
         files = list(listing)
     ours = all(
-        f.is_file()
+        f.is_file(follow_symlinks=False)
         and (f.name in FOLDER_FILES or os.path.splitext(f.name)[1] in FOLDER_SUFFIXES)
         for f in files
     )

@@ -16,16 +16,18 @@ and the engine thread copies what they read into MLX a few arrays a turn.
   and where memory has room for it. The worker knows its prefill speed from
   start-up (`engine.memory_probe`) and learns the disk's from its own reads.
 - **Safety.** A folder per model fingerprint, locked (`engine.disk_folder`);
-  files written whole and checksummed (`engine.kv_files`): one that fails its
-  check is deleted with a log line, never loaded. The folder stays under its
-  size bound, least recently used first; an unusable directory (missing and
-  not creatable, read-only, full) logs one warning and the worker serves on
-  with memory alone.
+  files written whole, checksummed and carrying the fingerprint
+  (`engine.kv_files`): one that fails its check, or that another model made,
+  is deleted with a log line, never loaded. The folder stays under its size
+  bound, least recently used first; an unusable directory (missing and not
+  creatable, read-only, full) logs one warning and the worker serves on with
+  memory alone. Writes that fail later (a full disk, no inodes left, a
+  failing device) log one warning and are tried again every RETRY_SECONDS; a
+  folder deleted under the worker is made again, with one warning.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from collections import deque
@@ -37,14 +39,22 @@ import mlx.core as mx
 import mlx_lm
 
 from smg_mlx.engine import kv_files
-from smg_mlx.engine.disk_folder import RESERVE_BYTES, Folder, Opened, Read, Write, file_name
+from smg_mlx.engine.disk_folder import (
+    RESERVE_BYTES,
+    Folder,
+    Opened,
+    Read,
+    Remade,
+    Write,
+    file_name,
+)
 from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.memory_tier import MemoryTier
 from smg_mlx.engine.token_tree import Entry, TokenTree
 
 log = logging.getLogger(__name__)
 
-FORMAT = "smg-mlx prompt cache 1"
+FORMAT = "smg-mlx prompt cache 2"
 # An entry is written once it has stayed in memory this long unreplaced.
 WRITE_AFTER = 2.0
 # Fewer tokens are not worth a file (nor a read).
@@ -64,6 +74,8 @@ WAIT_FACTOR = 2.0
 MIN_WAIT = 1.0
 # Engine-thread time a turn spends copying read entries into MLX.
 COPY_SECONDS = 0.02
+# After a write fails, none starts for this long.
+RETRY_SECONDS = 10.0
 
 
 @dataclass
@@ -119,16 +131,27 @@ class DiskTier:
         self._copying: list[Read] = []
         self._full_warned = False
         self._cap_warned = False
+        self._retry_at: float | None = None  # writes failed: none starts before then
+        self._remaking = False  # the folder was deleted: it is being made again
         versions = (FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
                     str(mx.default_device()))  # fmt: skip
         self._folder = Folder(self.directory, model_dirs, versions, max_bytes, wake)
 
     def ready(self, prefill_seconds: Callable[[int, int], float]) -> None:
         """Wait until the folder is open (or found unusable): a restarted worker
-        finds its entries from its first request on. `prefill_seconds` says
-        what prefilling n tokens after c takes, to weigh reads against."""
+        finds its entries from its first request on. One that takes longer
+        than its `open_seconds` joins once it is open (`tick`).
+        `prefill_seconds` says what prefilling n tokens after c takes, to
+        weigh reads against."""
         self.prefill_seconds = prefill_seconds
-        self._opened(self._folder.opened())
+        opened = self._folder.opened()
+        if opened is not None:
+            self._opened(opened)
+        else:
+            log.warning(
+                "prompt cache: %s is not open after %gs; serving without the disk tier "
+                "until it is", self.directory, self._folder.open_seconds,
+            )  # fmt: skip
 
     @property
     def busy(self) -> bool:
@@ -139,7 +162,8 @@ class DiskTier:
         """Seconds until the next write falls due (None: none waits)."""
         if not self.open or not self._candidates:
             return None
-        return max(0.0, self._candidates[0][0] + WRITE_AFTER - time.monotonic())
+        due = max(self._candidates[0][0] + WRITE_AFTER, self._retry_at or 0.0)
+        return max(0.0, due - time.monotonic())
 
     @property
     def pending_bytes(self) -> int:
@@ -165,8 +189,12 @@ class DiskTier:
         for job in finished:
             if isinstance(job, Write):
                 self._written(job, memory)
-            else:
+            elif isinstance(job, Read):
                 self._fetched(job)
+            elif isinstance(job, Remade):
+                self._remade(job)
+            else:  # the folder, open after start-up stopped waiting for it
+                self._opened(job)
         self._copy(memory)
         now = time.monotonic()
         while self._candidates and now - self._candidates[0][0] >= WRITE_AFTER:
@@ -180,7 +208,7 @@ class DiskTier:
 
     def offer(self, entry: Entry) -> None:
         """`entry` was just kept in memory: a candidate for writing, later."""
-        if not self.off:
+        if self.open:
             self._candidates.append((entry.value.since, entry.id))
 
     def spill(self, entries: Sequence[Entry]) -> None:
@@ -238,7 +266,7 @@ class DiskTier:
             return
         self._max_bytes, self._read_rate = opened.max_bytes, opened.write_rate
         for name, header, tokens, size in opened.files:
-            self._index(tokens, name, size, header.trimmable)
+            self._index(tokens, name, size, header.trimmable, logging.INFO)
         self._evict(0)
         self.open = True
         log.info(
@@ -253,20 +281,29 @@ class DiskTier:
         self.off, self.open = True, False
         self._candidates.clear()
 
-    def _index(self, tokens: tuple[int, ...], name: str, size: int, trimmable: bool) -> None:
+    def _index(
+        self, tokens: tuple[int, ...], name: str, size: int, trimmable: bool,
+        level: int = logging.DEBUG,
+    ) -> None:  # fmt: skip
+        """Index a good file; delete those it makes redundant, logging each at
+        `level` (routine after a write; at start-up, what a crash left)."""
         entry, removed = self.tree.insert(tokens, _File(name), size, trimmable)
-        if entry is None:  # a longer file serves all it would
-            self._folder.delete(name)
-        for old in removed:
-            if old.value.name != name:  # not the file just replaced in place
-                self._folder.delete(old.value.name)
+        redundant = [name] if entry is None else []  # a longer file serves all it would
+        redundant += [old.value.name for old in removed if old.value.name != name]
+        for old in redundant:
+            log.log(level, "prompt cache: deleted %s: a longer entry holds all its tokens", old)
+            self._folder.delete(old)
         self._count()
 
     def _count(self) -> None:
         self.stats.disk_entries, self.stats.disk_bytes = len(self.tree), self.tree.nbytes
 
     def _writable(self) -> bool:
-        return self.open and len(self._writes) < MAX_QUEUED_WRITES
+        return (
+            self.open
+            and len(self._writes) < MAX_QUEUED_WRITES
+            and (self._retry_at is None or time.monotonic() >= self._retry_at)
+        )
 
     def _covered(self, tokens: tuple[int, ...], trimmable: bool) -> bool:
         """Whether a file already serves every prompt an entry of `tokens` would."""
@@ -300,6 +337,8 @@ class DiskTier:
         self._evict(nbytes + sum(w.nbytes for w in self._writes.values()))
         free = self._folder.free_bytes()
         if free - nbytes < RESERVE_BYTES:
+            if self._gone():
+                return False
             if not self._full_warned:
                 log.warning(
                     "prompt cache: %s has %s free; not writing entries until there is more",
@@ -330,17 +369,50 @@ class DiskTier:
         if write.cancelled and not write.size:
             return
         if write.error is not None:
-            if getattr(write.error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("prompt cache: %s is full: %s", self._folder.path, write.error)
-            else:
-                self._turn_off(f"cannot write to {self._folder.path}: {write.error}")
+            if not self._gone():
+                self._write_failed(write.error)
             return
+        if self._retry_at is not None:
+            log.info("prompt cache: writing to %s again", self._folder.path)
+            self._retry_at = None
         self.stats.written += 1
         self.stats.written_bytes += write.size
         self.stats.write_seconds += write.seconds
         if write.entry is not None:
             write.entry.value.written = True
         self._index(write.tokens, write.name, write.size, write.header.trimmable)
+
+    def _write_failed(self, error: Exception) -> None:
+        """A write failed (a full disk, no inodes, a failing device): one
+        warning until one succeeds again, and none starts for RETRY_SECONDS."""
+        if self._retry_at is None:
+            log.warning(
+                "prompt cache: cannot write to %s (%s); entries stay in memory only until "
+                "a write succeeds (tried again every %gs)", self._folder.path, error, RETRY_SECONDS,
+            )  # fmt: skip
+        self._retry_at = time.monotonic() + RETRY_SECONDS
+
+    def _gone(self) -> bool:
+        """Whether the folder was deleted under the worker: then it is made
+        again (once, with one warning), and the index, whose files went with
+        it, emptied."""
+        if self._remaking:
+            return True
+        if not self._folder.missing():
+            return False
+        log.warning("prompt cache: %s was deleted; making it again (its entries are lost)",
+                    self._folder.path)  # fmt: skip
+        self._remaking = True
+        for entry in self.tree:
+            self.tree.remove(entry)
+        self._count()
+        self._folder.remake()
+        return True
+
+    def _remade(self, remade: Remade) -> None:
+        self._remaking = False
+        if remade.error is not None:
+            self._turn_off(f"cannot make {self._folder.path} again: {remade.error}")
 
     def _fetched(self, read: Read) -> None:
         read.entry.value.reading = False
@@ -361,13 +433,16 @@ class DiskTier:
         self._copying.append(read)
 
     def _fail(self, read: Read) -> None:
-        """A read that failed: a bad file is deleted, the request prefills."""
-        log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
-        if isinstance(read.error, kv_files.BadFile):
-            self.stats.corrupt += 1
-        self.tree.remove(read.entry)
-        self._folder.delete(read.name)
-        self._count()
+        """A read that failed: a bad file is deleted, the request prefills.
+        Nothing is said of a file no longer indexed (its folder deleted, or
+        a newer file made it redundant meanwhile)."""
+        if not self._gone() and self.tree.get(read.entry.id) is read.entry:
+            log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
+            if isinstance(read.error, kv_files.BadFile):
+                self.stats.corrupt += 1
+            self.tree.remove(read.entry)
+            self._folder.delete(read.name)
+            self._count()
         self._finish(read)
 
     def _finish(self, read: Read) -> None:

@@ -1,17 +1,19 @@
 """One prefix-cache entry as a file: its tokens and its per-layer caches.
 
-Layout: MAGIC, the header's length (8 bytes), the header (JSON: the layers'
-cache classes and states, with each array named by its index, and each
-array's dtype, shape and size), the tokens (4 bytes each), the arrays' bytes
-one after another, then a trailer: the CRC-32 of everything before it and the
-file's whole length. A file whose trailer does not match (torn by a crash,
-truncated, corrupted) is refused, never loaded as KV.
+Layout: MAGIC, the header's length (8 bytes), the header (JSON: the
+fingerprint of the model that made it, the layers' cache classes and states,
+with each array named by its index, and each array's dtype, shape and size),
+the tokens (4 bytes each), the arrays' bytes one after another, then a
+trailer: the CRC-32 of everything before it and the file's whole length. A
+file whose trailer does not match (torn by a crash, truncated, corrupted),
+that another model made (copied from its folder), or of an older format
+(which named no model) is refused, never loaded as KV.
 
 Three halves run on two threads: `export` and `Rebuild` on the engine thread
-(they use MLX), `write`, `read_key` and `read` on the disk tier's own threads
-(plain bytes and numpy: no MLX object is made or used there; `write` reads
-the arrays' memory through buffers the engine thread exported, and the engine
-thread keeps the arrays alive until the write is done).
+(they use MLX), `write`, `read_key`, `read` and `verify` on the disk tier's
+own threads (plain bytes and numpy: no MLX object is made or used there;
+`write` reads the arrays' memory through buffers the engine thread exported,
+and the engine thread keeps the arrays alive until the write is done).
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import mlx.core as mx
 import numpy as np
 
-MAGIC = b"SMGKV01\n"
+from smg_mlx.engine import safe_files
+
+MAGIC = b"SMGKV02\n"  # 01 named no model
 _LENGTH = struct.Struct("<Q")
 _TRAILER = struct.Struct("<IQ")  # CRC-32, file length
 _TOKEN = np.dtype("<u4")
+_CHUNK = 4 << 20  # what `verify` reads at a time
 # Cache classes are restored from mlx-lm's own modules only.
 _CACHE_MODULES = "mlx_lm."
 _HEADER_FIELDS = ("layers", "arrays", "tokens", "trimmable")  # Header's, in its order
@@ -148,11 +153,15 @@ def _cache_class(name: str) -> type:
 # ---- the disk tier's threads: bytes ----
 
 
-def write(path: Path, header: Header, tokens: Sequence[int], data: list[memoryview]) -> int:
-    """Write the entry to `path` (whole, or not at all: through a temporary
-    file renamed into place); returns the file's length."""
+def write(
+    path: Path, model: str, header: Header, tokens: Sequence[int], data: list[memoryview]
+) -> int:
+    """Write the entry that `model` (a fingerprint) made to `path` (whole, or
+    not at all: through a temporary file renamed into place); returns the
+    file's length."""
     head = json.dumps(
         {
+            "model": model,
             "byteorder": sys.byteorder,
             "layers": header.layers,
             "arrays": header.arrays,
@@ -164,7 +173,7 @@ def write(path: Path, header: Header, tokens: Sequence[int], data: list[memoryvi
     temporary = path.with_suffix(".tmp")
     crc, length = 0, 0
     try:
-        with open(temporary, "wb") as f:
+        with safe_files.create(temporary) as f:
             for part in parts:
                 f.write(part)
                 crc = zlib.crc32(part, crc)
@@ -178,6 +187,13 @@ def write(path: Path, header: Header, tokens: Sequence[int], data: list[memoryvi
     return length
 
 
+def _read_into(f: Any, view: memoryview, crc: int) -> int:
+    """Fill `view` from `f`; the checksum `crc` carried on over it."""
+    if f.readinto(view) != len(view):
+        raise BadFile("truncated in its arrays")
+    return zlib.crc32(view, crc)
+
+
 def _read_exactly(f: Any, n: int, what: str) -> bytes:
     data = f.read(n)
     if len(data) != n:
@@ -185,8 +201,9 @@ def _read_exactly(f: Any, n: int, what: str) -> bytes:
     return data
 
 
-def _header(f: Any) -> tuple[Header, bytes, bytes]:
-    """The header, and the raw bytes read for it (for the checksum)."""
+def _header(f: Any, model: str) -> tuple[Header, bytes, bytes]:
+    """The header of an entry `model` made, and the raw bytes read for it
+    (for the checksum)."""
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
         raise BadFile("not a prompt-cache file of this version")
@@ -199,7 +216,7 @@ def _header(f: Any) -> tuple[Header, bytes, bytes]:
         fields = json.loads(raw)
     except ValueError as exc:
         raise BadFile(f"its header is unreadable ({exc})") from None
-    header = _checked(fields)
+    header = _checked(fields, model)
     # The rest is read only when the file is as long as the header says.
     size = os.fstat(f.fileno()).st_size
     if size != _expected_length(header, f.tell()):
@@ -207,11 +224,14 @@ def _header(f: Any) -> tuple[Header, bytes, bytes]:
     return header, magic + length_bytes, raw
 
 
-def _checked(fields: Any) -> Header:
-    """The header `fields` hold, each field as `write` writes it: the checksum
-    covers the header only once the whole file is read."""
-    if not isinstance(fields, dict) or not {"byteorder", *_HEADER_FIELDS} <= fields.keys():
+def _checked(fields: Any, model: str) -> Header:
+    """The header `fields` hold, each field as `write` writes it, if `model`
+    made the entry: the checksum covers the header only once the whole file
+    is read."""
+    if not isinstance(fields, dict) or not {"model", "byteorder", *_HEADER_FIELDS} <= fields.keys():
         raise BadFile("its header lacks fields")
+    if fields["model"] != model:
+        raise BadFile(f"another model made it (fingerprint {str(fields['model'])[:24]!r})")
     if fields["byteorder"] != sys.byteorder:
         raise BadFile("written on a machine of the other byte order")
     arrays = fields["arrays"]
@@ -250,30 +270,55 @@ def _expected_length(header: Header, header_end: int) -> int:
     return header_end + header.tokens * _TOKEN.itemsize + header.data_bytes + _TRAILER.size
 
 
-def read_key(path: Path) -> tuple[Header, tuple[int, ...], int]:
+def _open(path: Path) -> BinaryIO:
+    """`path` opened for reading, if it is a regular file (anything else in
+    the folder, a FIFO or a link, is not an entry: refused at once)."""
+    try:
+        return safe_files.open_file(path)
+    except safe_files.Unsafe as exc:
+        raise BadFile(str(exc)) from None
+
+
+def read_key(path: Path, model: str) -> tuple[Header, tuple[int, ...], int]:
     """The header and tokens of the entry in `path`, and the file's length,
-    checked against the header (the data itself is checked by `read`)."""
-    with open(path, "rb") as f:
-        header, _, _ = _header(f)
+    checked against the header (the data itself is checked by `read`); a
+    file `model` did not make is refused."""
+    with _open(path) as f:
+        header, _, _ = _header(f, model)
         tokens = _tokens(f, header)
         size = os.fstat(f.fileno()).st_size
     return header, _token_ids(tokens), size
 
 
-def read(path: Path) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
-    """The whole entry in `path`, its checksum verified."""
-    with open(path, "rb") as f:
-        header, first, raw = _header(f)
+def read(path: Path, model: str) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
+    """The whole entry in `path`, its checksum verified; a file `model` did
+    not make is refused."""
+    return _whole(path, model, keep=True)
+
+
+def verify(path: Path, model: str) -> None:
+    """Check the entry in `path` as `read` does, keeping nothing: a large
+    entry is read through a small buffer."""
+    _whole(path, model, keep=False)
+
+
+def _whole(path: Path, model: str, keep: bool) -> tuple[Header, tuple[int, ...], list[np.ndarray]]:
+    """The whole entry in `path`, its checksum verified (its arrays only if `keep`)."""
+    with _open(path) as f:
+        header, first, raw = _header(f, model)
         crc = zlib.crc32(raw, zlib.crc32(first))
         tokens = _tokens(f, header)
         crc = zlib.crc32(tokens, crc)
         data = []
+        scratch = memoryview(np.empty(0 if keep else _CHUNK, np.uint8))
         for spec in header.arrays:
-            buffer = np.empty(spec["nbytes"], np.uint8)
-            if f.readinto(memoryview(buffer)) != spec["nbytes"]:
-                raise BadFile("truncated in its arrays")
-            crc = zlib.crc32(buffer, crc)
-            data.append(buffer)
+            size = spec["nbytes"]
+            if keep:
+                data.append(np.empty(size, np.uint8))
+                crc = _read_into(f, memoryview(data[-1]), crc)
+                continue
+            for start in range(0, size, len(scratch)):
+                crc = _read_into(f, scratch[: min(len(scratch), size - start)], crc)
         trailer = f.read(_TRAILER.size + 1)
         if len(trailer) != _TRAILER.size:
             raise BadFile("truncated or with bytes past its end")
