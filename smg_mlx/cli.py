@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import math
 import os
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from smg_mlx import __version__, logs, mlx_backend, model_source
 from smg_mlx.api.streaming import MAX_CHUNK_SECONDS
@@ -143,6 +144,31 @@ _non_negative = _number(float, 0, "a number, 0 or more")
 _positive_float = _number(float, 1, "a number, 1 or more")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser that takes no prefix of a flag for the flag (`--metrics` is not
+    `--metrics-port`), and refuses an unknown flag itself, with its command's usage
+    and the flag nearest to it: argparse leaves a subcommand's unknown ones to the
+    top-level parser, whose usage does not list them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            self.error("; ".join(map(self._unrecognized, unknown)))
+        return parsed, unknown
+
+    def _unrecognized(self, word: str) -> str:
+        flag = word.split("=", 1)[0]
+        flags = [f for action in self._actions for f in action.option_strings]
+        # A prefix (what argparse would have taken), else a misspelling.
+        nearest = [f for f in flags if f.startswith(flag) and len(flag) > 2]
+        nearest += difflib.get_close_matches(flag, flags, n=1) if flag.startswith("-") else []
+        hint = f" (did you mean {nearest[0]}?)" if nearest else ""
+        return f"unrecognized argument {flag if nearest else word}{hint}"
+
+
 def _add_version(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--version",
@@ -153,9 +179,7 @@ def _add_version(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="smg-mlx", description="MLX inference worker for the SMG model gateway."
-    )
+    parser = _Parser(prog="smg-mlx", description="MLX inference worker for the SMG model gateway.")
     _add_version(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the MlxEngine gRPC service")

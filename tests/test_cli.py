@@ -205,3 +205,24 @@ def test_demo_model_help_shows_every_default():
     assert len(options) >= 10
     for option, help_text in options:
         assert "(default: " in " ".join(help_text.split()), option
+
+
+@pytest.mark.parametrize(
+    ("argv", "unknown", "nearest"),
+    [
+        (["serve", "--demo", "--modle", "x"], "--modle", "--model"),
+        (["serve", "--mod", "x"], "--mod", "--model"),  # no prefix of a flag is taken
+        (["serve", "--demo", "--metrics", "9402"], "--metrics", "--metrics-port"),
+        (["serve", "--demo", "--served=foo"], "--served", "--served-model-name"),
+        (["health", "--prot", "50051"], "--prot", "--port"),
+    ],
+)
+def test_an_unknown_flag_gets_its_commands_usage_and_the_nearest_flag(
+    argv, unknown, nearest, capsys
+):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: smg-mlx {argv[0]} ")
+    assert f"unrecognized argument {unknown} (did you mean {nearest}?)" in err
