@@ -232,6 +232,15 @@ def test_what_is_neither_says_so(name, message, tmp_path, monkeypatch):
         resolve(name)
 
 
+def test_a_file_in_a_model_directory_names_the_directory(model_dir):
+    config = model_dir / "config.json"
+    with pytest.raises(ModelNotFound) as err:
+        resolve(str(config))
+    assert str(err.value).startswith(
+        f"{config} is a file, not a model directory: pass its directory, {model_dir}"
+    )
+
+
 def test_a_revision_names_the_snapshot_to_serve(hf_home, model_dir, monkeypatch):
     from huggingface_hub import constants
 
