@@ -34,8 +34,16 @@ def _escaped(text: str) -> str:
 
 def one_line(text: object) -> str:
     """`text` (an exception, another library's message) on one line, each run
-    of whitespace one space: a log line or a status detail must not span lines."""
-    return " ".join(str(text).split())
+    of whitespace one space: a log line or a status detail must not span lines.
+    A line that ends a sentence without a full stop (the next begins with a
+    capital) gets one, so that two sentences do not run together."""
+    lines = [" ".join(line.split()) for line in str(text).splitlines()]
+    joined = ""
+    for line in filter(None, lines):
+        if joined[-1:].isalnum() and line[0].isupper():
+            joined += "."
+        joined += f" {line}" if joined else line
+    return joined
 
 
 def error_line(exc: BaseException) -> str:

@@ -206,6 +206,8 @@ def test_an_unreachable_hub_exits_one_with_the_reason_on_one_line(hf_home, monke
     assert "cannot download org/absent from http://127.0.0.1:" in error
     assert "hf download org/absent" in error
     assert "\\n" not in error  # the Hub's message spans lines; the log line must not show it
+    # ... and its lines are sentences: joined, they still read as two.
+    assert "Connection refused. An error happened" in error
     assert "Traceback" not in done.stderr
 
 
