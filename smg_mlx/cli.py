@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from smg_mlx import __version__, logs, mlx_backend, model_source
+from smg_mlx import __version__, logs, mlx_backend, model_source, tls
 from smg_mlx.api.streaming import MAX_CHUNK_SECONDS
 from smg_mlx.config import (
     BATCHING,
@@ -468,13 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format, rank)
     log = logging.getLogger("smg_mlx")
     log.info("smg-mlx %s starting", __version__)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        log.error("TLS needs both --tls-cert and --tls-key")
+    bad_tls = tls.problem(args.tls_cert, args.tls_key)
+    if bad_tls is not None:
+        log.error("%s", bad_tls)
         return 2
-    for pem in (args.tls_cert, args.tls_key):
-        if pem is not None and not pem.is_file():
-            log.error("%s is not a readable file", pem)
-            return 2
     missing = mlx_backend.missing_backend()
     if missing is not None:
         log.error("%s", missing)
