@@ -28,6 +28,7 @@ from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.ranks import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
 from smg_mlx.logs import one_line
+from smg_mlx.model_config import generation_config
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +218,16 @@ class Worker:
             # engine thread loads them. Read them before the engine starts:
             # transformers' lazy imports are not safe from two threads at once.
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
-            info = load_model_info(self.model_dir, tokenizer, self.config.served_model_name)
+            # --generation-config none: not read at all (a broken one cannot matter).
+            generation = (
+                generation_config(self.model_dir) if self.config.model_sampling_defaults else None
+            )
+            info = load_model_info(
+                self.model_dir, tokenizer, self.config.served_model_name, generation
+            )
             self._check_request_room(info)
-            self.servicer.set_model(self.model_dir, info, tokenizer, self._sampling_defaults())
+            defaults = self._sampling_defaults(generation)
+            self.servicer.set_model(self.model_dir, info, tokenizer, defaults)
             self.engine.start(self.config.engine)
             await self.engine.wait_ready()
         except StartupError:
@@ -265,12 +273,15 @@ class Worker:
                 exit_code=2,
             )
 
-    def _sampling_defaults(self) -> sampling_defaults.SamplingDefaults:
-        """The model's sampling values for what requests leave unset, unless
-        --generation-config none; logged, since they change what clients get."""
-        if not self.config.model_sampling_defaults:
+    def _sampling_defaults(
+        self, generation: dict[str, Any] | None
+    ) -> sampling_defaults.SamplingDefaults:
+        """The model's sampling values (in `generation`, its generation_config.json;
+        None: --generation-config none) for what requests leave unset; logged,
+        since they change what clients get."""
+        if generation is None:
             return sampling_defaults.NO_DEFAULTS
-        defaults = sampling_defaults.read(self.model_dir)
+        defaults = sampling_defaults.read(generation, self.model_dir / "generation_config.json")
         if str(defaults):
             log.info(
                 "requests that leave them unset get the model's sampling values "
