@@ -29,6 +29,7 @@ from smg_mlx.config import (
 )
 from smg_mlx.demo_model import default_demo_dir
 from smg_mlx.engine.ranks import launched_rank
+from smg_mlx.model_config import BadModelConfig, read_json
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -119,11 +120,17 @@ def _model(text: str) -> Path:
 
 
 def _adapter(text: str) -> Path:
+    # What mlx_lm.lora writes, and mlx-lm's loader reads.
     path = Path(text).expanduser()
-    if not (path / "adapter_config.json").is_file():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a LoRA adapter's directory (no adapter_config.json in it)"
-        )
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / name).is_file():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a LoRA adapter's directory (no {name} in it)"
+            )
+    try:
+        read_json(path / "adapter_config.json")
+    except BadModelConfig as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return path
 
 

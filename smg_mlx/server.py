@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from smg_mlx import model_source
+from smg_mlx import model_files, model_source
 from smg_mlx.api import responses, sampling_defaults, translation
 from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
 from smg_mlx.api.metrics import Metrics
@@ -28,7 +28,7 @@ from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.ranks import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
 from smg_mlx.logs import one_line
-from smg_mlx.model_config import generation_config
+from smg_mlx.model_config import BadModelConfig, generation_config
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,10 @@ def load_tokenizer(model_dir: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - transformers' own reasons, of many kinds
         if not any(model_dir.glob("tokenizer*")):
             raise missing from None
-        raise StartupError(f"cannot load the tokenizer of {model_dir}: {one_line(exc)}") from None
+        # Its files, or what their config asks for, are to be fixed: a restart cannot cure it.
+        raise StartupError(
+            f"cannot load the tokenizer of {model_dir}: {one_line(exc)}", exit_code=2
+        ) from None
     # Without tokenizer files transformers may build an empty tokenizer of the
     # model's family, which turns every text into no tokens at all.
     if not tokenizer.encode("Hello"):
@@ -213,6 +216,7 @@ class Worker:
         await self._locate_model()
         log.info("loading %s", self.model_dir)
         try:
+            model_files.check(self.model_dir)
             self._check_budget_holds_the_weights()
             # Model facts need no weights: GetModelInfo answers while the
             # engine thread loads them. Read them before the engine starts:
@@ -237,7 +241,8 @@ class Worker:
             await self.server.stop(None)
             # A model the worker can never serve is refused like a bad flag (exit 2):
             # supervisors do not restart it into the same refusal.
-            code = 2 if isinstance(exc, EngineUnavailable) and exc.permanent else 1
+            permanent = isinstance(exc, EngineUnavailable) and exc.permanent
+            code = 2 if permanent or isinstance(exc, BadModelConfig) else 1
             raise StartupError(f"cannot serve {self.model_dir}: {exc}", code) from exc
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self.metrics.serving_mode.labels(self.engine.mode).set(1)
