@@ -448,6 +448,11 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--revision names a version of a Hugging Face repo id, not of --demo")
     if args.adapter_path is not None and launched_rank() is not None:
         parser.error("--adapter-path: adapters are not served over several ranks")
+    if args.pipeline and launched_rank() is None:
+        parser.error(
+            "--pipeline splits a model over the ranks a launcher starts (mlx.launch, see "
+            "docs/scaling.md); one process has nothing to split it over: leave it out"
+        )
 
 
 def _stop_before_serving(signum: int, frame: object) -> None:

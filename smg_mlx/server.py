@@ -246,6 +246,8 @@ class Worker:
             raise StartupError(f"cannot serve {self.model_dir}: {exc}", code) from exc
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self.metrics.serving_mode.labels(self.engine.mode).set(1)
+        if self.config.engine.pipeline and self.engine.ranks == 1:  # a launcher of one rank
+            log.warning("--pipeline does nothing: the model runs whole in this one process")
         longest = self.engine.longest_sequence
         log.info(
             "one request may have up to %d tokens of prompt and output (%s)",

@@ -183,6 +183,17 @@ def test_what_flags_say_together_is_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_pipeline_without_a_launcher_is_refused(monkeypatch, capsys):
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        serve_args("--demo", "--pipeline")
+    assert exit_.value.code == 2
+    assert "--pipeline splits a model over the ranks a launcher starts" in capsys.readouterr().err
+    monkeypatch.setenv("MLX_RANK", "0")
+    assert serve_args("--demo", "--pipeline").pipeline
+
+
 def test_a_path_written_as_one_stays_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert serve_args("--model", "./models/x").model == tmp_path / "models" / "x"

@@ -90,3 +90,10 @@ def test_the_start_up_names_the_longest_request_of_context_and_memory(
     longest = tight.worker.engine.longest_sequence
     assert longest < 2048
     assert said.format(longest, "what memory holds") in caplog.text
+
+
+def test_pipeline_with_one_rank_says_it_does_nothing(start_worker, model_dir, caplog):
+    # As under a launcher that started one rank: the command line lets --pipeline through.
+    caplog.set_level(logging.WARNING, "smg_mlx.server")
+    start_worker(model_dir, pipeline=True)
+    assert "--pipeline does nothing: the model runs whole in this one process" in caplog.text
