@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BATCHING,
         help="how requests are batched: auto runs prompts of different lengths together and "
         "alone at start-up and serves in the first mode where that changes no output "
-        "(batched; prompts prefilled together only at equal lengths; one request at a time); "
+        "(batched; equal-lengths: prompts prefilled together only at equal lengths; "
+        "one-at-a-time); "
         "the others ask for that mode or a safer one (%(default)s)",
     )
     serve.add_argument(
