@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+from datetime import datetime
 from typing import TextIO
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -72,8 +73,10 @@ class JsonFormatter(logging.Formatter):
         self._rank = {} if rank is None else {"rank": rank}
 
     def format(self, record: logging.LogRecord) -> str:
+        # ISO 8601 with milliseconds and the UTC offset, as log stores parse it.
+        time = datetime.fromtimestamp(record.created).astimezone()
         entry = {
-            "time": self.formatTime(record),
+            "time": time.isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),

@@ -10,9 +10,11 @@ import re
 import socket
 import subprocess
 import sys
+from datetime import datetime
 
 from bench.workers import free_port
 from smg_mlx.health_check import probe
+from smg_mlx.logs import JsonFormatter
 
 from helpers import wait_until
 
@@ -97,3 +99,10 @@ def test_pipeline_with_one_rank_says_it_does_nothing(start_worker, model_dir, ca
     caplog.set_level(logging.WARNING, "smg_mlx.server")
     start_worker(model_dir, pipeline=True)
     assert "--pipeline does nothing: the model runs whole in this one process" in caplog.text
+
+
+def test_json_log_times_are_iso_8601_with_milliseconds_and_offset():
+    record = logging.makeLogRecord({"name": "smg_mlx", "levelname": "INFO", "msg": "hello"})
+    time = json.loads(JsonFormatter().format(record))["time"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d", time), time
+    assert abs(datetime.fromisoformat(time).timestamp() - record.created) < 0.001
