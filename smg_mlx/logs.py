@@ -24,6 +24,9 @@ from datetime import datetime
 from typing import TextIO
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The logger of the line that says the worker is ready (SERVING), shown at any
+# --log-level: what an operator, or a script, waits for.
+READY = "smg_mlx.ready"
 
 
 def _escaped(text: str) -> str:
@@ -146,6 +149,7 @@ def configure(level: str, format_name: str, rank: int | None = None) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(TextFormatter(rank))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    logging.getLogger(READY).setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from smg_mlx.config import ServerConfig
 from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.ranks import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
-from smg_mlx.logs import one_line
+from smg_mlx.logs import READY, one_line
 from smg_mlx.model_config import BadModelConfig, generation_config
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ class Worker:
         )
         await self._set_health(SERVING)
         self.serving = True
-        log.info(
+        logging.getLogger(READY).info(
             "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs%s",
             info.served_model_name,
             info.context_length,

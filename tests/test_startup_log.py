@@ -106,3 +106,12 @@ def test_json_log_times_are_iso_8601_with_milliseconds_and_offset():
     time = json.loads(JsonFormatter().format(record))["time"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d", time), time
     assert abs(datetime.fromisoformat(time).timestamp() - record.created) < 0.001
+
+
+def test_the_serving_line_shows_at_any_log_level(spawn, model_dir):
+    p = spawn("--model", str(model_dir), "--log-level", "error")
+    p.wait_serving()
+    assert wait_until(lambda: f" SERVING {model_dir.name} " in p.log.read_text()), (
+        p.log.read_text()
+    )
+    assert " INFO smg_mlx.server" not in p.log.read_text()  # the level still holds elsewhere
