@@ -50,6 +50,11 @@ def one_line(text: object) -> str:
     return joined
 
 
+def counted(number: int, noun: str, plural: str = "") -> str:
+    """`number` with `noun`, plural unless it is 1: "1 request", "3 entries"."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
 def error_line(exc: BaseException) -> str:
     """`exc` as "Type: message", on one line."""
     return f"{type(exc).__name__}: {one_line(exc)}"

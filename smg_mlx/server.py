@@ -27,7 +27,7 @@ from smg_mlx.config import ServerConfig
 from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.ranks import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
-from smg_mlx.logs import READY, one_line
+from smg_mlx.logs import READY, counted, one_line
 from smg_mlx.model_config import BadModelConfig, generation_config
 
 log = logging.getLogger(__name__)
@@ -358,15 +358,15 @@ class Worker:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, for good
         grace = self.config.shutdown_grace_seconds
         log.info(
-            "shutting down: %d request(s) in flight, waiting up to %.0fs",
-            servicer.active_requests,
+            "shutting down: %s in flight, waiting up to %.0fs",
+            counted(servicer.active_requests, "request"),
             grace,
         )
         deadline = time.monotonic() + grace
         while servicer.active_requests and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         if servicer.active_requests:
-            log.warning("aborting %d request(s) still running", servicer.active_requests)
+            log.warning("aborting %s still running", counted(servicer.active_requests, "request"))
             self.engine.abort(servicer.jobs)
             # Let the aborted streams send their final message.
             end = time.monotonic() + 5
