@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import math
 import os
@@ -13,9 +14,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from smg_mlx import __version__, logs, mlx_backend, model_source
+from smg_mlx import __version__, logs, mlx_backend, model_source, tls
 from smg_mlx.api.streaming import MAX_CHUNK_SECONDS
 from smg_mlx.config import (
     BATCHING,
@@ -28,6 +29,7 @@ from smg_mlx.config import (
 )
 from smg_mlx.demo_model import default_demo_dir
 from smg_mlx.engine.ranks import launched_rank
+from smg_mlx.model_config import BadModelConfig, read_json
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -118,11 +120,17 @@ def _model(text: str) -> Path:
 
 
 def _adapter(text: str) -> Path:
+    # What mlx_lm.lora writes, and mlx-lm's loader reads.
     path = Path(text).expanduser()
-    if not (path / "adapter_config.json").is_file():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a LoRA adapter's directory (no adapter_config.json in it)"
-        )
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / name).is_file():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a LoRA adapter's directory (no {name} in it)"
+            )
+    try:
+        read_json(path / "adapter_config.json")
+    except BadModelConfig as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return path
 
 
@@ -143,6 +151,31 @@ _non_negative = _number(float, 0, "a number, 0 or more")
 _positive_float = _number(float, 1, "a number, 1 or more")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser that takes no prefix of a flag for the flag (`--metrics` is not
+    `--metrics-port`), and refuses an unknown flag itself, with its command's usage
+    and the flag nearest to it: argparse leaves a subcommand's unknown ones to the
+    top-level parser, whose usage does not list them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            self.error("; ".join(map(self._unrecognized, unknown)))
+        return parsed, unknown
+
+    def _unrecognized(self, word: str) -> str:
+        flag = word.split("=", 1)[0]
+        flags = [f for action in self._actions for f in action.option_strings]
+        # A prefix (what argparse would have taken), else a misspelling.
+        nearest = [f for f in flags if f.startswith(flag) and len(flag) > 2]
+        nearest += difflib.get_close_matches(flag, flags, n=1) if flag.startswith("-") else []
+        hint = f" (did you mean {nearest[0]}?)" if nearest else ""
+        return f"unrecognized argument {flag if nearest else word}{hint}"
+
+
 def _add_version(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--version",
@@ -153,9 +186,7 @@ def _add_version(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="smg-mlx", description="MLX inference worker for the SMG model gateway."
-    )
+    parser = _Parser(prog="smg-mlx", description="MLX inference worker for the SMG model gateway.")
     _add_version(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the MlxEngine gRPC service")
@@ -291,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BATCHING,
         help="how requests are batched: auto runs prompts of different lengths together and "
         "alone at start-up and serves in the first mode where that changes no output "
-        "(batched; prompts prefilled together only at equal lengths; one request at a time); "
+        "(batched; equal-lengths: prompts prefilled together only at equal lengths; "
+        "one-at-a-time); "
         "the others ask for that mode or a safer one (%(default)s)",
     )
     serve.add_argument(
@@ -417,6 +449,11 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--revision names a version of a Hugging Face repo id, not of --demo")
     if args.adapter_path is not None and launched_rank() is not None:
         parser.error("--adapter-path: adapters are not served over several ranks")
+    if args.pipeline and launched_rank() is None:
+        parser.error(
+            "--pipeline splits a model over the ranks a launcher starts (mlx.launch, see "
+            "docs/scaling.md); one process has nothing to split it over: leave it out"
+        )
 
 
 def _stop_before_serving(signum: int, frame: object) -> None:
@@ -444,13 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format, rank)
     log = logging.getLogger("smg_mlx")
     log.info("smg-mlx %s starting", __version__)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        log.error("TLS needs both --tls-cert and --tls-key")
+    bad_tls = tls.problem(args.tls_cert, args.tls_key)
+    if bad_tls is not None:
+        log.error("%s", bad_tls)
         return 2
-    for pem in (args.tls_cert, args.tls_key):
-        if pem is not None and not pem.is_file():
-            log.error("%s is not a readable file", pem)
-            return 2
     missing = mlx_backend.missing_backend()
     if missing is not None:
         log.error("%s", missing)

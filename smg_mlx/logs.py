@@ -20,9 +20,13 @@ import re
 import signal
 import subprocess
 import sys
+from datetime import datetime
 from typing import TextIO
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The logger of the line that says the worker is ready (SERVING), shown at any
+# --log-level: what an operator, or a script, waits for.
+READY = "smg_mlx.ready"
 
 
 def _escaped(text: str) -> str:
@@ -34,8 +38,21 @@ def _escaped(text: str) -> str:
 
 def one_line(text: object) -> str:
     """`text` (an exception, another library's message) on one line, each run
-    of whitespace one space: a log line or a status detail must not span lines."""
-    return " ".join(str(text).split())
+    of whitespace one space: a log line or a status detail must not span lines.
+    A line that ends a sentence without a full stop (the next begins with a
+    capital) gets one, so that two sentences do not run together."""
+    lines = [" ".join(line.split()) for line in str(text).splitlines()]
+    joined = ""
+    for line in filter(None, lines):
+        if joined[-1:].isalnum() and line[0].isupper():
+            joined += "."
+        joined += f" {line}" if joined else line
+    return joined
+
+
+def counted(number: int, noun: str, plural: str = "") -> str:
+    """`number` with `noun`, plural unless it is 1: "1 request", "3 entries"."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
 def error_line(exc: BaseException) -> str:
@@ -64,8 +81,10 @@ class JsonFormatter(logging.Formatter):
         self._rank = {} if rank is None else {"rank": rank}
 
     def format(self, record: logging.LogRecord) -> str:
+        # ISO 8601 with milliseconds and the UTC offset, as log stores parse it.
+        time = datetime.fromtimestamp(record.created).astimezone()
         entry = {
-            "time": self.formatTime(record),
+            "time": time.isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -135,6 +154,7 @@ def configure(level: str, format_name: str, rank: int | None = None) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(TextFormatter(rank))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    logging.getLogger(READY).setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

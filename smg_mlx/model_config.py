@@ -1,12 +1,15 @@
-"""What a model directory's config.json says, read without MLX: the model
-facts the router asks for (`api.model_info`) and the context the engine's
-warm-up prepares for (`engine.batch`)."""
+"""What a model directory's config.json (and generation_config.json) say, read
+without MLX: the model facts the router asks for (`api.model_info`) and the
+context the engine's warm-up prepares for (`engine.batch`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Keys under which configs of different families store the context length.
 CONTEXT_KEYS = (
@@ -25,9 +28,31 @@ class BadModelConfig(ValueError):
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` ({} where there is no such file); raises
+    BadModelConfig, naming the file, where it holds none."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
+        return {}
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise BadModelConfig(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise BadModelConfig(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def generation_config(model_dir: Path) -> dict[str, Any]:
+    """The model's generation_config.json ({} without one). One that is not a
+    JSON object is left out with a warning that names it, as mlx-lm leaves it out:
+    it holds defaults, not what the model is."""
+    try:
+        return read_json(model_dir / "generation_config.json")
+    except BadModelConfig as exc:
+        log.warning(
+            "%s; serving without the model's sampling values and end-of-sequence ids in it: "
+            "fix the file, or pass --generation-config none",
+            exc,
+        )
         return {}
 
 

@@ -84,6 +84,11 @@ def resolve(model: str, revision: str | None = None) -> ModelSource:
     if local.exists() or looks_like_a_path(model):
         if not local.exists():
             raise ModelNotFound(f"{model} is not a model directory (no such path)")
+        if local.is_file():  # config.json, say: its directory was meant
+            raise ModelNotFound(
+                f"{model} is a file, not a model directory: pass its directory, "
+                f"{local.absolute().parent}"
+            )
         if not (local / "config.json").is_file():
             raise ModelNotFound(
                 f"{model} is not a model directory (no config.json); pass an mlx-lm model "

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from smg_mlx import model_source
+from smg_mlx import model_files, model_source
 from smg_mlx.api import responses, sampling_defaults, translation
 from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
 from smg_mlx.api.metrics import Metrics
@@ -27,7 +27,8 @@ from smg_mlx.config import ServerConfig
 from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.ranks import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
-from smg_mlx.logs import one_line
+from smg_mlx.logs import READY, counted, one_line
+from smg_mlx.model_config import BadModelConfig, generation_config
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ def load_tokenizer(model_dir: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - transformers' own reasons, of many kinds
         if not any(model_dir.glob("tokenizer*")):
             raise missing from None
-        raise StartupError(f"cannot load the tokenizer of {model_dir}: {one_line(exc)}") from None
+        # Its files, or what their config asks for, are to be fixed: a restart cannot cure it.
+        raise StartupError(
+            f"cannot load the tokenizer of {model_dir}: {one_line(exc)}", exit_code=2
+        ) from None
     # Without tokenizer files transformers may build an empty tokenizer of the
     # model's family, which turns every text into no tokens at all.
     if not tokenizer.encode("Hello"):
@@ -212,14 +216,22 @@ class Worker:
         await self._locate_model()
         log.info("loading %s", self.model_dir)
         try:
+            model_files.check(self.model_dir)
             self._check_budget_holds_the_weights()
             # Model facts need no weights: GetModelInfo answers while the
             # engine thread loads them. Read them before the engine starts:
             # transformers' lazy imports are not safe from two threads at once.
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
-            info = load_model_info(self.model_dir, tokenizer, self.config.served_model_name)
+            # --generation-config none: not read at all (a broken one cannot matter).
+            generation = (
+                generation_config(self.model_dir) if self.config.model_sampling_defaults else None
+            )
+            info = load_model_info(
+                self.model_dir, tokenizer, self.config.served_model_name, generation
+            )
             self._check_request_room(info)
-            self.servicer.set_model(self.model_dir, info, tokenizer, self._sampling_defaults())
+            defaults = self._sampling_defaults(generation)
+            self.servicer.set_model(self.model_dir, info, tokenizer, defaults)
             self.engine.start(self.config.engine)
             await self.engine.wait_ready()
         except StartupError:
@@ -229,10 +241,13 @@ class Worker:
             await self.server.stop(None)
             # A model the worker can never serve is refused like a bad flag (exit 2):
             # supervisors do not restart it into the same refusal.
-            code = 2 if isinstance(exc, EngineUnavailable) and exc.permanent else 1
+            permanent = isinstance(exc, EngineUnavailable) and exc.permanent
+            code = 2 if permanent or isinstance(exc, BadModelConfig) else 1
             raise StartupError(f"cannot serve {self.model_dir}: {exc}", code) from exc
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self.metrics.serving_mode.labels(self.engine.mode).set(1)
+        if self.config.engine.pipeline and self.engine.ranks == 1:  # a launcher of one rank
+            log.warning("--pipeline does nothing: the model runs whole in this one process")
         longest = self.engine.longest_sequence
         log.info(
             "one request may have up to %d tokens of prompt and output (%s)",
@@ -241,7 +256,7 @@ class Worker:
         )
         await self._set_health(SERVING)
         self.serving = True
-        log.info(
+        logging.getLogger(READY).info(
             "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs%s",
             info.served_model_name,
             info.context_length,
@@ -265,12 +280,15 @@ class Worker:
                 exit_code=2,
             )
 
-    def _sampling_defaults(self) -> sampling_defaults.SamplingDefaults:
-        """The model's sampling values for what requests leave unset, unless
-        --generation-config none; logged, since they change what clients get."""
-        if not self.config.model_sampling_defaults:
+    def _sampling_defaults(
+        self, generation: dict[str, Any] | None
+    ) -> sampling_defaults.SamplingDefaults:
+        """The model's sampling values (in `generation`, its generation_config.json;
+        None: --generation-config none) for what requests leave unset; logged,
+        since they change what clients get."""
+        if generation is None:
             return sampling_defaults.NO_DEFAULTS
-        defaults = sampling_defaults.read(self.model_dir)
+        defaults = sampling_defaults.read(generation, self.model_dir / "generation_config.json")
         if str(defaults):
             log.info(
                 "requests that leave them unset get the model's sampling values "
@@ -340,15 +358,15 @@ class Worker:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, for good
         grace = self.config.shutdown_grace_seconds
         log.info(
-            "shutting down: %d request(s) in flight, waiting up to %.0fs",
-            servicer.active_requests,
+            "shutting down: %s in flight, waiting up to %.0fs",
+            counted(servicer.active_requests, "request"),
             grace,
         )
         deadline = time.monotonic() + grace
         while servicer.active_requests and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         if servicer.active_requests:
-            log.warning("aborting %d request(s) still running", servicer.active_requests)
+            log.warning("aborting %s still running", counted(servicer.active_requests, "request"))
             self.engine.abort(servicer.jobs)
             # Let the aborted streams send their final message.
             end = time.monotonic() + 5

@@ -183,6 +183,17 @@ def test_what_flags_say_together_is_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_pipeline_without_a_launcher_is_refused(monkeypatch, capsys):
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        serve_args("--demo", "--pipeline")
+    assert exit_.value.code == 2
+    assert "--pipeline splits a model over the ranks a launcher starts" in capsys.readouterr().err
+    monkeypatch.setenv("MLX_RANK", "0")
+    assert serve_args("--demo", "--pipeline").pipeline
+
+
 def test_a_path_written_as_one_stays_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert serve_args("--model", "./models/x").model == tmp_path / "models" / "x"
@@ -205,3 +216,24 @@ def test_demo_model_help_shows_every_default():
     assert len(options) >= 10
     for option, help_text in options:
         assert "(default: " in " ".join(help_text.split()), option
+
+
+@pytest.mark.parametrize(
+    ("argv", "unknown", "nearest"),
+    [
+        (["serve", "--demo", "--modle", "x"], "--modle", "--model"),
+        (["serve", "--mod", "x"], "--mod", "--model"),  # no prefix of a flag is taken
+        (["serve", "--demo", "--metrics", "9402"], "--metrics", "--metrics-port"),
+        (["serve", "--demo", "--served=foo"], "--served", "--served-model-name"),
+        (["health", "--prot", "50051"], "--prot", "--port"),
+    ],
+)
+def test_an_unknown_flag_gets_its_commands_usage_and_the_nearest_flag(
+    argv, unknown, nearest, capsys
+):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: smg-mlx {argv[0]} ")
+    assert f"unrecognized argument {unknown} (did you mean {nearest}?)" in err

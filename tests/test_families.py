@@ -18,7 +18,7 @@ from helpers import collect, generate, prompt, request
 # Prompts of lengths 7 to 150, as the check had them, and 24 tokens each.
 LENGTHS = (7, 19, 33, 50, 72, 97, 123, 150)
 TOKENS = 24
-EQUAL_LENGTHS = "prompts prefilled together only at equal lengths"
+EQUAL_LENGTHS = "equal-lengths"
 
 
 def alone(worker, prompts: list[list[int]]) -> list:
@@ -91,7 +91,7 @@ def test_gemma2_is_served_one_request_at_a_time(start_worker, family_model):
     # mlx-lm's gemma2 cannot mask a padded batch (its 4-D mask against 5-D
     # scores): found before SERVING, so no batch of it ever runs.
     w = start_worker(family_model("gemma2"))
-    assert w.worker.engine.mode == "one request at a time"
+    assert w.worker.engine.mode == "one-at-a-time"
     prompts = [prompt(n, 7 + i) for i, n in enumerate((8, 30, 64, 120))]
     solo, together = solo_and_together(w, prompts)
     assert together == solo
@@ -126,7 +126,7 @@ def test_a_stopped_worker_of_such_a_family_still_exits_zero(spawn, family_model)
 
 def test_batching_can_be_asked_to_be_safer_than_the_check_finds(start_worker, model_dir):
     w = start_worker(model_dir, batching="one-at-a-time")
-    assert w.worker.engine.mode == "one request at a time"
+    assert w.worker.engine.mode == "one-at-a-time"
     prompts = [prompt(n, 30 + i) for i, n in enumerate((12, 50))]
     solo, together = solo_and_together(w, prompts)
     assert together == solo

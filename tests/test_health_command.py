@@ -3,6 +3,7 @@ else 1 with a one-line reason on stderr."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from test_security import self_signed
 
 from bench.workers import free_port
 
+from docs import README, section
 from helpers import wait_until
 
 
@@ -49,6 +51,9 @@ def test_exit_zero_only_while_serving(spawn, model_dir):
         loading.wait()
     assert (probe.returncode, probe.stdout) == (1, "")
     assert probe.stderr == f"127.0.0.1:{port} reports NOT_SERVING\n"
+    # What the README's Quick start says it prints then.
+    said = re.search(r"prints `([^`]*NOT_SERVING)` on stderr", section(README, "## Quick start"))
+    assert said is not None and said[1].replace("50051", str(port)) + "\n" == probe.stderr
 
     probe = health(serving.port)
     assert (probe.returncode, probe.stdout, probe.stderr) == (0, "SERVING\n", "")

@@ -241,3 +241,18 @@ def test_a_request_id_cannot_forge_log_lines(spawn, model_dir, log_format):
         assert "request_id=ok\\n2026-01-01" in request_lines[0]
     long_line = next(line for line in lines if "long-" in line)
     assert "x" * 200 not in long_line and "(5005 characters)" in long_line
+
+
+def test_the_serving_mode_is_a_short_name_and_the_log_says_what_it_means(
+    start_worker, model_dir, caplog
+):
+    caplog.set_level(logging.INFO, "smg_mlx.engine.core")
+    port = free_port()
+    w = start_worker(model_dir, metrics_port=port, batching="equal-lengths")
+    assert scrape(port)[("smg_mlx_serving_mode", (("mode", "equal-lengths"),))] == 1
+    _, call = w.stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
+    assert dict(call.initial_metadata())["serving-mode"] == "equal-lengths"
+    assert (
+        "serving equal-lengths, which is slower than batched: prompts prefill together only "
+        "at equal lengths, since --batching asks for it"
+    ) in caplog.text

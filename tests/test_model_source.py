@@ -206,6 +206,8 @@ def test_an_unreachable_hub_exits_one_with_the_reason_on_one_line(hf_home, monke
     assert "cannot download org/absent from http://127.0.0.1:" in error
     assert "hf download org/absent" in error
     assert "\\n" not in error  # the Hub's message spans lines; the log line must not show it
+    # ... and its lines are sentences: joined, they still read as two.
+    assert "Connection refused. An error happened" in error
     assert "Traceback" not in done.stderr
 
 
@@ -230,6 +232,15 @@ def test_what_is_neither_says_so(name, message, tmp_path, monkeypatch):
     (tmp_path / "empty-dir").mkdir()
     with pytest.raises(ModelNotFound, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(name)
+
+
+def test_a_file_in_a_model_directory_names_the_directory(model_dir):
+    config = model_dir / "config.json"
+    with pytest.raises(ModelNotFound) as err:
+        resolve(str(config))
+    assert str(err.value).startswith(
+        f"{config} is a file, not a model directory: pass its directory, {model_dir}"
+    )
 
 
 def test_a_revision_names_the_snapshot_to_serve(hf_home, model_dir, monkeypatch):

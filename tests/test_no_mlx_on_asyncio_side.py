@@ -43,14 +43,16 @@ def test_the_asyncio_side_is_most_of_the_package():
 
 def test_asyncio_side_modules_do_not_import_mlx(model_dir):
     # A fresh interpreter: import every asyncio-side module and do what the
-    # event loop does at start-up (tokenizer, model info), then look.
+    # event loop does at start-up (model files, tokenizer, model info), then look.
     script = textwrap.dedent(
         f"""
         import importlib, sys
         from pathlib import Path
         for name in {ASYNCIO_SIDE!r}:
             importlib.import_module(name)
+        from smg_mlx import model_files
         from smg_mlx.server import load_tokenizer
+        model_files.check(Path({str(model_dir)!r}))
         from smg_mlx.api.model_info import load_model_info
         tok = load_tokenizer(Path({str(model_dir)!r}))
         load_model_info(Path({str(model_dir)!r}), tok, None)

@@ -77,6 +77,16 @@ def test_this_environment_has_a_backend():
     assert mlx_backend.missing_backend() is None
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="only Linux wheels of MLX lack a backend")
+def test_install_sh_on_linux_asks_which_backend_before_installing(tmp_path):
+    done = subprocess.run(
+        [REPO / "deploy" / "install.sh", tmp_path / "venv"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "name MLX's backend: cpu (the CPU) or cuda13 (NVIDIA GPUs, CUDA 13)" in done.stderr
+    assert not (tmp_path / "venv").exists()
+
+
 def test_install_sh_from_a_clean_tree_installs_and_serves(tmp_path):
     """deploy/install.sh, the install of the systemd recipe and of the image; on Linux
     first without a backend, whose message names the command that adds one."""
@@ -90,8 +100,10 @@ def test_install_sh_from_a_clean_tree_installs_and_serves(tmp_path):
     # Offline: pip takes everything from the wheelhouse.
     offline = {"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(WHEELHOUSE)}
     venv = tmp_path / "venv"
+    # On Linux without a backend (`none`), as `pip install` of the bare package is.
+    bare = ["none"] if sys.platform == "linux" else []
     installed = subprocess.run(
-        [source / "deploy" / "install.sh", venv],
+        [source / "deploy" / "install.sh", venv, *bare],
         env={**offline, "PYTHON": sys.executable},
         capture_output=True,
         text=True,

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from bench.workers import free_port
+from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE, default_prompt_cache_dir
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.health_check import probe
@@ -140,6 +141,18 @@ def test_the_quick_start_works_in_order_on_the_demo_model(home, tmp_path):
     # All of it but the text, which is random.
     del sample["choices"][0]["message"]["content"]
     assert shape(sample, reply) == sample
+
+
+def test_the_quick_start_says_where_its_disk_cache_goes_and_how_to_turn_it_off(monkeypatch):
+    monkeypatch.setenv("HOME", "/HOME")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    where = str(default_prompt_cache_dir()).replace("/HOME", "~")  # as the README writes it
+    said = " ".join(section(README, "## Quick start").split())
+    assert (
+        f"in `{where}` (up to {DISK_CACHE_SHARE:.0%} of the free disk, "
+        f"{DISK_CACHE_MOST >> 30} GiB at most)"
+    ) in said
+    assert '`make serve SERVE_ARGS="--prompt-cache-disk-bytes 0"`' in said
 
 
 def test_the_router_needs_no_model_path_on_another_machine(start_worker, model_dir, tmp_path):

@@ -12,6 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from smg_mlx.api.model_info import ModelInfo
+from smg_mlx.api.translation import InvalidRequest, check_sizes
+from smg_mlx.config import RequestLimits
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.sampling import StopTokens
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -114,3 +117,18 @@ def test_a_request_limit_too_small_for_the_context_is_named_at_start_up(spawn, m
     enough = spawn("--model", str(model_dir), "--max-request-bytes", fix.group(1))
     enough.wait_serving()
     assert "--max-request-bytes" not in enough.log.read_text()
+
+
+def test_counts_in_refusals_are_said_in_the_singular_for_one(start_worker, model_dir):
+    info = ModelInfo(str(model_dir), "m", "llama", (), 2048, 384, (2,), None, None)
+    one_stop = request(prompt(4), stop_token_ids=[5]).SerializeToString()
+    with pytest.raises(InvalidRequest) as err:
+        check_sizes(one_stop, info, RequestLimits(max_stop_token_ids=0), 10_000)
+    assert "stop_token_ids has 1 entry; this worker takes at most 0" in str(err.value)
+    w = start_worker(model_dir, completion_batch_size=1, max_pending=0)
+    running = w.stub.Generate(request(prompt(4), max_tokens=1900), timeout=60)
+    next(running)
+    with pytest.raises(grpc.RpcError) as full:
+        generate(w.stub, prompt(4), max_tokens=2)
+    running.cancel()
+    assert "the worker is full (1 request in flight)" in full.value.details()

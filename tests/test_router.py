@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ import pytest
 from bench.workers import free_port
 
 from conftest import RunningWorker, worker_config
+from docs import OPERATIONS, section, table
 from helpers import SMG, Router, wait_until
 
 pytestmark = pytest.mark.skipif(SMG is None, reason="the router (pip install smg) is not installed")
@@ -112,6 +114,37 @@ def test_a_repeated_chat_reports_cached_tokens(stack):
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
     streamed = router.stream("/v1/chat/completions", body)[-1]["usage"]
     assert streamed["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1
+
+
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+# A request for each row of docs/operations.md's table of what the router refuses.
+REFUSED = {
+    "`stop` strings (chat and completions)": ("/v1/chat/completions", {**CHAT, "stop": ["a"]}),
+    "`n` > 1": ("/v1/chat/completions", {**CHAT, "n": 2}),
+    "`response_format` (`json_object`, `json_schema`)": (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_object"}},
+    ),
+    "images in a chat message": (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "?"}, IMAGE]}]},
+    ),
+    "`/v1/embeddings`": ("/v1/embeddings", {"model": NAME, "input": "Hi"}),
+}
+
+
+def test_the_router_refuses_what_the_docs_say_it_refuses(stack):
+    _, router = stack
+    rows = {row[0]: row[1] for row in table(section(OPERATIONS, "## Router behaviour to know"))}
+    assert set(REFUSED) <= set(rows)
+    for row, (path, body) in REFUSED.items():
+        status, said = re.match(r"(\d+)[^`]*`([^`]*)`", rows[row]).groups()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            router.post(path, body)
+        assert (refused.value.code, said in refused.value.msg) == (int(status), True), row
+    assert rows["`stop_token_ids`"] == "works"
+    assert router.post("/v1/chat/completions", {**CHAT, "stop_token_ids": [5]})["choices"]
 
 
 def test_temperature_zero_is_repeatable(stack):

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from smg_mlx.api.sampling_defaults import SamplingDefaults, read
 from smg_mlx.api.translation import logits_settings, sampling_settings
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.model_config import generation_config
 
 from helpers import collect, model_copy, prompt
 
@@ -39,10 +42,10 @@ def test_only_values_a_request_could_send_are_read(tmp_path, caplog):
     config = {**QWEN3, "top_p": 1.5, "repetition_penalty": "high", "min_p": 0.05}
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
     with caplog.at_level(logging.WARNING):
-        defaults = read(tmp_path)
+        defaults = read(generation_config(tmp_path), tmp_path / "generation_config.json")
     assert defaults == SamplingDefaults(temperature=0.6, top_k=20, min_p=0.05)
     assert "top_p of 1.5" in caplog.text and "repetition_penalty of 'high'" in caplog.text
-    assert read(tmp_path / "nowhere") == SamplingDefaults()
+    assert read(generation_config(tmp_path / "nowhere"), tmp_path) == SamplingDefaults()
 
 
 def unset_sampling(ids: list[int]) -> pb.GenerateRequest:
@@ -70,3 +73,24 @@ def test_a_worker_applies_them_and_says_so_unless_told_not_to(
         assert collect(plain.stub.Generate(asked, timeout=60)).tokens == tokens
     sampled = [collect(plain.stub.Generate(unset_sampling(p), timeout=60)).tokens for p in prompts]
     assert sampled != greedy
+
+
+@pytest.mark.parametrize("setting", ["auto", "none"])
+def test_a_generation_config_that_is_not_json_is_named_and_served_without(
+    start_worker, model_dir, tmp_path, caplog, setting
+):
+    model = model_copy(model_dir, tmp_path / "bad-generation-config")
+    (model / "generation_config.json").write_text("{bad")
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model, model_sampling_defaults=setting == "auto")
+    assert len(collect(w.stub.Generate(unset_sampling(prompt(4)), timeout=60)).tokens) == 16
+    named = [r.getMessage() for r in caplog.records if "generation_config" in r.getMessage()]
+    if setting == "none":  # not read at all
+        assert named == []
+    else:
+        assert named == [
+            f"{model}/generation_config.json is not valid JSON (Expecting property name "
+            "enclosed in double quotes: line 1 column 2 (char 1)); serving without the model's "
+            "sampling values and end-of-sequence ids in it: fix the file, or pass "
+            "--generation-config none"
+        ]

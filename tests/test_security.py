@@ -82,18 +82,37 @@ def test_tls_with_a_self_signed_certificate(spawn, model_dir, tmp_path):
     [
         (["--tls-cert", "cert.pem"], "needs both --tls-cert and --tls-key"),
         (["--tls-cert", "missing.pem", "--tls-key", "key.pem"], "missing.pem is not a readable"),
-        (["--tls-cert", "garbage.pem", "--tls-key", "garbage.pem"], "cannot listen on"),
+        (
+            ["--tls-cert", "garbage.pem", "--tls-key", "garbage.pem"],
+            "--tls-cert TMP/garbage.pem holds no PEM certificate",
+        ),
+        (
+            ["--tls-cert", "key.pem", "--tls-key", "cert.pem"],
+            "--tls-cert TMP/key.pem holds no PEM certificate (-----BEGIN CERTIFICATE-----): "
+            "it holds a private key; are --tls-cert and --tls-key swapped?",
+        ),
+        (
+            ["--tls-cert", "cert.pem", "--tls-key", "garbage.pem"],
+            "--tls-key TMP/garbage.pem holds no PEM private key",
+        ),
+        (
+            ["--tls-cert", "cert.pem", "--tls-key", "other/key.pem"],
+            "--tls-key TMP/other/key.pem is not the private key of --tls-cert TMP/cert.pem",
+        ),
     ],
-    ids=["cert without key", "missing file", "not PEM"],
+    ids=["cert without key", "missing file", "not PEM", "swapped", "not a key", "another's key"],
 )
-def test_bad_tls_settings_are_refused(spawn, model_dir, tmp_path, args, message):
+def test_bad_tls_settings_are_refused_with_exit_two(spawn, model_dir, tmp_path, args, message):
     self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    self_signed(tmp_path / "other")
     (tmp_path / "garbage.pem").write_text("not a certificate")
     p = spawn(
         "--model", str(model_dir), *[str(tmp_path / a) if a.endswith(".pem") else a for a in args]
     )
-    assert p.proc.wait(60) != 0
-    assert message in p.log.read_text()
+    assert p.proc.wait(60) == 2
+    assert message.replace("TMP", str(tmp_path)) in p.log.read_text()
+    assert "cannot listen" not in p.log.read_text()
 
 
 def tokenizer_names(worker_stub) -> dict[str, bytes]:

@@ -4,15 +4,18 @@ flag, the model directory), 1 for what a restart may cure."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 from bench.workers import free_port
+from smg_mlx import model_files
 from smg_mlx.config import EngineConfig
 from smg_mlx.demo_model import build_model
 from smg_mlx.server import listen_failure
@@ -61,10 +64,52 @@ def test_a_model_directory_without_a_tokenizer_is_refused(
 
 
 def test_an_unknown_model_family_is_one_line(model_dir, tmp_path):
-    unknown = model_copy(model_dir, tmp_path / "m", model_type="nosuchfamily", rope_scaling=None)
+    unknown = model_copy(model_dir, tmp_path / "m", model_type="qwen_3", rope_scaling=None)
     code, lines = serve("--model", str(unknown), "--port", "0")
-    assert code == 1
-    assert "Model type nosuchfamily not supported" in one_error(lines)
+    assert code == 2  # a restart cannot cure it
+    assert (
+        f"{unknown}/config.json names model_type 'qwen_3', a model family mlx-lm "
+        f"{version('mlx-lm')} does not have (the nearest: 'qwen3')"
+    ) in one_error(lines)
+
+
+def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tmp_path):
+    # mlx-lm serves a mistral with its llama module (MODEL_REMAPPING).
+    mistral = model_copy(model_dir, tmp_path / "m", model_type="mistral")
+    model_files.check(mistral)
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("no weights", "{model} has no weights (no model*.safetensors file)"),
+        ("config not JSON", "{model}/config.json is not valid JSON (Expecting value"),
+        ("no model_type", "{model}/config.json names no model_type"),
+    ],
+)
+def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
+    model = model_copy(model_dir, tmp_path / "m", leave_out="model.safetensors")
+    if fault != "no weights":
+        (model / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    if fault == "config not JSON":
+        (model / "config.json").write_text("not json")
+    if fault == "no model_type":
+        config = json.loads((model / "config.json").read_text())
+        del config["model_type"]
+        (model / "config.json").write_text(json.dumps(config))
+    code, lines = serve("--model", str(model), "--port", "0")
+    assert code == 2
+    assert message.format(model=model) in one_error(lines)
+
+
+def test_an_adapter_directory_without_its_weights_exits_two(model_dir, tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    code, lines = serve("--model", str(model_dir), "--adapter-path", str(adapter))
+    assert code == 2
+    missing = f"'{adapter}' is not a LoRA adapter's directory (no adapters.safetensors in it)"
+    assert missing in lines[-1]
 
 
 def test_truncated_weights_are_one_line(model_dir, tmp_path):

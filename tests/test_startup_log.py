@@ -10,9 +10,11 @@ import re
 import socket
 import subprocess
 import sys
+from datetime import datetime
 
 from bench.workers import free_port
 from smg_mlx.health_check import probe
+from smg_mlx.logs import JsonFormatter
 
 from helpers import wait_until
 
@@ -90,3 +92,26 @@ def test_the_start_up_names_the_longest_request_of_context_and_memory(
     longest = tight.worker.engine.longest_sequence
     assert longest < 2048
     assert said.format(longest, "what memory holds") in caplog.text
+
+
+def test_pipeline_with_one_rank_says_it_does_nothing(start_worker, model_dir, caplog):
+    # As under a launcher that started one rank: the command line lets --pipeline through.
+    caplog.set_level(logging.WARNING, "smg_mlx.server")
+    start_worker(model_dir, pipeline=True)
+    assert "--pipeline does nothing: the model runs whole in this one process" in caplog.text
+
+
+def test_json_log_times_are_iso_8601_with_milliseconds_and_offset():
+    record = logging.makeLogRecord({"name": "smg_mlx", "levelname": "INFO", "msg": "hello"})
+    time = json.loads(JsonFormatter().format(record))["time"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d", time), time
+    assert abs(datetime.fromisoformat(time).timestamp() - record.created) < 0.001
+
+
+def test_the_serving_line_shows_at_any_log_level(spawn, model_dir):
+    p = spawn("--model", str(model_dir), "--log-level", "error")
+    p.wait_serving()
+    assert wait_until(lambda: f" SERVING {model_dir.name} " in p.log.read_text()), (
+        p.log.read_text()
+    )
+    assert " INFO smg_mlx.server" not in p.log.read_text()  # the level still holds elsewhere

@@ -13,7 +13,6 @@ from smg_mlx.model_config import (
     first,
     model_configs,
     named_context,
-    read_json,
     whole,
 )
 
@@ -44,11 +43,17 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value if v is not None]
 
 
-def load_model_info(model_dir: Path, tokenizer: Any, served_model_name: str | None) -> ModelInfo:
-    """Collect model facts from config.json, generation_config.json and the tokenizer."""
+def load_model_info(
+    model_dir: Path,
+    tokenizer: Any,
+    served_model_name: str | None,
+    generation: dict[str, Any] | None = None,
+) -> ModelInfo:
+    """Collect model facts from config.json, the tokenizer and `generation` (what
+    generation_config.json holds; None where it is not read)."""
     configs = model_configs(model_dir)
     config = configs[0]
-    gen_config = read_json(model_dir / "generation_config.json")
+    gen_config = generation or {}
 
     context = named_context(configs)
     if context is None:

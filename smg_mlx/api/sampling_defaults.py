@@ -4,11 +4,11 @@ that leaves temperature, top_p, top_k, min_p or repetition_penalty unset gets
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +46,12 @@ class SamplingDefaults:
 NO_DEFAULTS = SamplingDefaults()  # the worker's own: temperature 1, no filters
 
 
-def read(model_dir: Path) -> SamplingDefaults:
-    """The sampling values `model_dir/generation_config.json` names; one that is not
-    a number a request could send is left out, with a warning."""
-    path = model_dir / "generation_config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        return NO_DEFAULTS
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring %s: %s", path, exc)
-        return NO_DEFAULTS
+def read(config: dict[str, Any], path: Path) -> SamplingDefaults:
+    """The sampling values `config` (what `path`, a generation_config.json, holds)
+    names; one that is not a number a request could send is left out, with a warning."""
     found = {}
     for name, (low, high) in RANGES.items():
-        value = config.get(name) if isinstance(config, dict) else None
+        value = config.get(name)
         if value is None:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)

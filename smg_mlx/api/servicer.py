@@ -30,6 +30,7 @@ from smg_mlx.api.translation import InvalidRequest
 from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import Failure, GenerationSpec
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
+from smg_mlx.logs import counted
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         if self._calls >= self._capacity:
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker is full ({self._calls} requests in flight); retry elsewhere",
+                f"the worker is full ({counted(self._calls, 'request')} in flight); "
+                "retry elsewhere",
             )
         return self._counted()
 
@@ -263,7 +265,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         for request_id in preparing:
             self._preparing[request_id] = True  # Generate ends it once it is prepared
         if jobs or preparing:
-            log.info("abort requested for %d request(s)", len(jobs) + len(preparing))
+            log.info("abort requested for %s", counted(len(jobs) + len(preparing), "request"))
         return mlx_engine_pb2.AbortResponse()
 
     async def HealthCheck(

@@ -25,6 +25,7 @@ from smg_mlx.api.sampling_defaults import (
 from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, SamplingSettings
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.logs import counted
 
 MAX_LOGPROBS = 20  # top alternatives per token, as in the OpenAI API
 # What a request carries besides its prompt's ids, at most, in bytes (its
@@ -124,8 +125,8 @@ def check_sizes(raw: bytes, info: ModelInfo, limits: RequestLimits, memory_token
         count = sizes.get(f"sampling_params.{field}", 0)
         _check(
             count <= limit,
-            f"sampling_params.{field} has {at_least}{count} entries; this worker takes at "
-            f"most {limit} (its --max-{flag} flag)",
+            f"sampling_params.{field} has {at_least}{counted(count, 'entry', 'entries')}; "
+            f"this worker takes at most {limit} (its --max-{flag} flag)",
         )
     prompt_length(sizes.get("tokenized.input_ids", 0), info, memory_tokens, at_least)
     _check(

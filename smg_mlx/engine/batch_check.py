@@ -20,12 +20,12 @@ in a thousand); the tolerance is far above that and far below what a wrong
 batch does. The worker serves in the first mode whose rows all match:
 
 - batched: as configured;
-- prompts prefilled together only at equal lengths: mlx-lm pads the prompts
+- equal-lengths, prompts prefilled together only at equal lengths: mlx-lm pads the prompts
   of a prefill pass only where they have different lengths left, and a
   decoding step has no padding to run through a state. Checked twice:
   prompts of different lengths prefilled one at a time and decoded
   together, and prompts of one length prefilled together;
-- one request at a time.
+- one-at-a-time, one request at a time.
 
 A model whose prompts cannot run even alone cannot be served: it is refused
 (`types.Unservable`) before the worker reports SERVING.
@@ -59,11 +59,20 @@ TOLERANCE = 0.05
 
 
 class Mode(enum.Enum):
-    """From the most batched to the least."""
+    """From the most batched to the least. The values are the names the worker
+    reports (metrics, GetServerInfo), spelled as --batching's; what each means
+    goes in the log (MEANINGS)."""
 
     BATCHED = "batched"
-    EQUAL_LENGTHS = "prompts prefilled together only at equal lengths"
-    ONE_AT_A_TIME = "one request at a time"
+    EQUAL_LENGTHS = "equal-lengths"
+    ONE_AT_A_TIME = "one-at-a-time"
+
+
+# What a mode other than batched does, said where the log names it.
+MEANINGS = {
+    Mode.EQUAL_LENGTHS: "prompts prefill together only at equal lengths",
+    Mode.ONE_AT_A_TIME: "requests run one at a time",
+}
 
 
 # --batching's choices, as the least batched mode each allows (both are listed
@@ -179,9 +188,16 @@ def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int, batch_size: i
             continue
         why = _mismatch(model, stream, checks, batch_size, alone)
         if why is None:
-            return Choice(mode, "; ".join(reasons), time.perf_counter() - began)
+            return Choice(mode, _because(mode, reasons), time.perf_counter() - began)
         reasons.append(f"{mode.value}, {why}")
-    return Choice(Mode.ONE_AT_A_TIME, "; ".join(reasons), time.perf_counter() - began)
+    mode = Mode.ONE_AT_A_TIME
+    return Choice(mode, _because(mode, reasons), time.perf_counter() - began)
+
+
+def _because(mode: Mode, reasons: list[str]) -> str:
+    """A Choice's reason: what `mode` does and why it was chosen ("" for batched
+    as configured)."""
+    return f"{MEANINGS[mode]}, since {'; '.join(reasons)}" if reasons else ""
 
 
 def _mismatch(model: nn.Module, stream: mx.Stream, checks: list[tuple[list[list[int]], int]],

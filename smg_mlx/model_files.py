@@ -1,0 +1,70 @@
+"""Whether mlx-lm can load a model directory, checked before the engine starts:
+its weights, and a model family mlx-lm has. Each is the operator's to fix, so it
+is refused at once (exit 2) rather than failing in the engine (exit 1), which a
+supervisor would restart into the same failure.
+
+mlx-lm's own loader imports MLX, which this side never does: its families are
+read from its package directory, and the names it serves with another family's
+module from its source (`mlx_lm/utils.py`), without running either.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from importlib.metadata import version
+from importlib.util import find_spec
+from pathlib import Path
+
+from smg_mlx.model_config import BadModelConfig, read_json
+
+WEIGHTS = "model*.safetensors"  # what mlx_lm.utils.load_model reads
+# mlx-lm's tables of model types served by another family's module.
+REMAPPINGS = ("MODEL_REMAPPING", "MODEL_ARCHITECTURE_REMAPPING")
+
+
+def check(model_dir: Path) -> None:
+    """Raises BadModelConfig, saying what to fix, when mlx-lm cannot load `model_dir`."""
+    if not any(model_dir.glob(WEIGHTS)):
+        raise BadModelConfig(
+            f"{model_dir} has no weights (no {WEIGHTS} file): serve an mlx-lm model directory "
+            "(other formats' weights, such as PyTorch's, need converting with mlx_lm.convert)"
+        )
+    config_file = model_dir / "config.json"
+    family = read_json(config_file).get("model_type")
+    if not isinstance(family, str) or not family:
+        raise BadModelConfig(f"{config_file} names no model_type (the model's family)")
+    known = families()
+    if known is not None and family not in known:
+        nearest = difflib.get_close_matches(family, known, n=1)
+        raise BadModelConfig(
+            f"{config_file} names model_type {family!r}, a model family mlx-lm "
+            f"{version('mlx-lm')} does not have"
+            + (f" (the nearest: {nearest[0]!r})" if nearest else "")
+        )
+
+
+def families() -> frozenset[str] | None:
+    """The model types mlx-lm loads; None where its files cannot be read as expected
+    (another layout): the engine's load then says what it says."""
+    spec = find_spec("mlx_lm")  # a top-level package: found, not imported
+    if spec is None or spec.origin is None:
+        return None
+    package = Path(spec.origin).parent
+    modules = {p.stem for p in (package / "models").glob("*.py") if p.stem != "__init__"}
+    try:
+        tree = ast.parse((package / "utils.py").read_text())
+        tables = {
+            target.id: ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name) and target.id in REMAPPINGS
+        }
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if not modules or set(tables) != set(REMAPPINGS):
+        return None
+    remapped = set(tables["MODEL_REMAPPING"])
+    remapped.update(family for family, _ in tables["MODEL_ARCHITECTURE_REMAPPING"])
+    return frozenset(modules | remapped)
