@@ -36,6 +36,9 @@ ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_na
 HEALTH_NAMES = ("", ENGINE_SERVICE)  # "" is the whole server, as Kubernetes probes ask
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# At a stop, how long the engine thread may take to end besides the prefix
+# cache's writes (its step, then releasing the model on its own thread).
+STOP_SECONDS = 30.0
 
 
 class StartupError(RuntimeError):
@@ -342,8 +345,10 @@ class Worker:
         """Begin a graceful shutdown; a second request skips what is left of the
         grace period. Signal handlers and tests call this on the loop."""
         if self._stop_requested.is_set() and not self._hurry:
-            log.warning("asked again to stop: aborting what is still running")
+            log.warning("asked again to stop: aborting what is still running and writing "
+                        "nothing more to disk")  # fmt: skip
             self._hurry = True
+            self.engine.hurry()
         self._stop_requested.set()
 
     async def stop_requested(self) -> None:
@@ -373,13 +378,15 @@ class Worker:
             while servicer.active_requests and time.monotonic() < end:
                 await asyncio.sleep(0.05)
         await self.server.stop(1.0)
-        self.engine.stop()
+        # The prefix cache's last writes to disk take what is left of the grace.
+        flush = 0.0 if self._hurry else max(0.0, deadline - time.monotonic())
+        self.engine.stop(flush)
         failed = self.engine.state is EngineState.FAILED
         # A failed engine's thread may be stuck waiting for a hung rank: the
         # process exits without it (os._exit) rather than wait.
-        wait = 2 if failed else 30
+        wait = 2 if failed else flush + STOP_SECONDS
         if not await asyncio.to_thread(self.engine.join, wait):
-            log.error("the engine thread did not stop within %ds", wait)
+            log.error("the engine thread did not stop within %.0fs", wait)
             return 1
         log.info("stopped%s", " (the engine had failed)" if failed else "")
         return 1 if failed else 0

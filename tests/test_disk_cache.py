@@ -7,6 +7,7 @@ must not change whether a prefix came from memory, from disk or was prefilled.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import logging
@@ -653,3 +654,30 @@ def test_other_models_folders_no_worker_uses_go_oldest_first_past_the_bound(
     # 1.8 MB of other models' entries in a directory of 1.5 MB: the oldest went.
     assert [f.exists() for f in (old, newer, in_use, *foreign)] == [False] + [True] * 4
     assert "another model's entries last used" in caplog.text
+
+
+@pytest.mark.parametrize("asked", ["once", "twice"])
+def test_the_writes_at_a_stop_fit_in_the_shutdown_grace(
+    start_worker, model_dir, tmp_path, monkeypatch, asked
+):
+    # A disk that hangs: every write waits until the test ends. A stop still
+    # ends within its grace (2 s); with 30 s, a second request ends the writes.
+    stuck, write = threading.Event(), kv_files.write
+    monkeypatch.setattr(kv_files, "write", lambda *args: stuck.wait(60) and write(*args))
+    grace = 30.0 if asked == "twice" else 2.0
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path, shutdown_grace_seconds=grace)
+    for key in (1, 2, 3):
+        generate(w.stub, prompt(400, key), max_tokens=4)
+    try:
+        began = time.monotonic()
+        w.loop.call_soon_threadsafe(w.worker.request_stop)
+        stopping = asyncio.run_coroutine_threadsafe(w.worker.shutdown(), w.loop)
+        if asked == "twice":
+            time.sleep(1.0)  # into the writes
+            w.loop.call_soon_threadsafe(w.worker.request_stop)
+        assert stopping.result(20) == 0
+        assert time.monotonic() - began < 5.0
+    finally:
+        stuck.set()
+        w.exit_code = 0
+        w.loop.call_soon_threadsafe(w.loop.stop)

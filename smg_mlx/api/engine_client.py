@@ -91,10 +91,15 @@ class EngineClient:
     def abort(self, jobs: Iterable[Job]) -> None:
         self._inbox.abort(job.key for job in jobs)
 
-    def stop(self) -> None:
-        """Ask the engine to end; jobs it still holds end with finish_reason "abort"."""
+    def stop(self, flush_seconds: float = 0.0) -> None:
+        """Ask the engine to end, its prefix cache writing to disk for at most
+        `flush_seconds`; jobs it still holds end with finish_reason "abort"."""
         self._stopping = True
-        self._inbox.stop()
+        self._inbox.stop(flush_seconds)
+
+    def hurry(self) -> None:
+        """At a stop, end the prefix cache's writes to disk now."""
+        self._inbox.hurry()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the engine thread to end (call off the loop); True if it has."""

@@ -614,15 +614,15 @@ class Batch:
             found[i] = TokenLogprobs(chosen.item(), tuple(top.tolist()), tuple(values.tolist()))
         return found
 
-    def close(self, flush_seconds: float = 0.0) -> None:
+    def close(self, flush_until: Callable[[], float] | None = None) -> None:
         """Release the lanes' generators, the prefix cache (first writing to
-        disk what is worth keeping, for at most `flush_seconds`) and the model
-        on this thread (see `EngineCore.run`)."""
+        disk what is worth keeping, until `flush_until()`; None: nothing) and
+        the model on this thread (see `EngineCore.run`)."""
         for lane in self._lanes:
             lane.close()
         self._lanes = ()
         if self.prefixes is not None:
-            self.prefixes.close(flush_seconds)
+            self.prefixes.close(flush_until)
         self.prefixes = None
         if self.attention is not None:
             self.attention.uninstall()

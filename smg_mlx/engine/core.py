@@ -45,7 +45,7 @@ from smg_mlx.engine.types import (
     Turn,
     Unservable,
 )
-from smg_mlx.logs import error_line, one_line
+from smg_mlx.logs import counted, error_line, one_line
 
 if TYPE_CHECKING:
     from smg_mlx.engine.batch import Batch
@@ -56,9 +56,6 @@ log = logging.getLogger(__name__)
 # Failed steps in a row (each contained: its batch put back or its requests
 # ended) before the engine gives up: past that, the fault is not a step's.
 MAX_FAILED_STEPS_IN_A_ROW = 3
-# At a graceful stop, the prefix cache writes to disk what it has not yet, for
-# at most this long (it writes behind as it goes, so little is left).
-FLUSH_SECONDS = 15.0
 # How often a loop with nothing to run looks again at requests waiting for
 # their prefix to be read from disk (a finished read wakes it sooner).
 READ_WAIT_SECONDS = 0.05
@@ -152,7 +149,8 @@ class EngineCore:
             batch.close()
         else:
             self.sink.stopped()
-            batch.close(FLUSH_SECONDS)
+            # The prefix cache writes behind as it goes: little is left to flush.
+            batch.close(self.inbox.flush_until)
         # Released on this thread: MLX objects outliving their thread can abort
         # the process at exit.
 
@@ -407,8 +405,8 @@ class EngineCore:
         requests = batch.reset()
         batch.forget_resumed([r.key for r in requests])
         log.exception(
-            "a step failed; its %d request(s) end with an error and the batch starts over",
-            len(requests),
+            "a step failed; its %s end with an error and the batch starts over",
+            counted(len(requests), "request"),
         )
         return [
             Event(
@@ -428,10 +426,10 @@ class EngineCore:
         scheduler.planner.learn()
         requests = batch.reset()
         log.warning(
-            "out of memory in a step (%s); %d request(s) put back to wait for memory; "
+            "out of memory in a step (%s); %s put back to wait for memory; "
             "estimates now x%.2f",
             exc,
-            len(requests),
+            counted(len(requests), "request"),
             scheduler.planner.safety,
         )
         if len(requests) > 1:

@@ -51,6 +51,7 @@ from smg_mlx.engine.disk_folder import (
 from smg_mlx.engine.memory import format_bytes
 from smg_mlx.engine.memory_tier import MemoryTier
 from smg_mlx.engine.token_tree import Entry, TokenTree
+from smg_mlx.logs import counted
 
 log = logging.getLogger(__name__)
 
@@ -270,9 +271,9 @@ class DiskTier:
         self._evict(0)
         self.open = True
         log.info(
-            "prompt cache on disk: %s, up to %s (--prompt-cache-disk-bytes); %d entries "
+            "prompt cache on disk: %s, up to %s (--prompt-cache-disk-bytes); %s "
             "(%s) from earlier runs, indexed in %.2fs; writes %s/s",
-            opened.path, format_bytes(self._max_bytes), len(self.tree),
+            opened.path, format_bytes(self._max_bytes), counted(len(self.tree), "entry", "entries"),
             format_bytes(self.tree.nbytes), opened.seconds, format_bytes(opened.write_rate),
         )  # fmt: skip
 
@@ -480,32 +481,34 @@ class DiskTier:
             )  # fmt: skip
             self._finish(read)
 
-    def close(self, memory: MemoryTier, seconds: float) -> None:
+    def close(self, memory: MemoryTier, until: Callable[[], float] | None) -> None:
         """A graceful stop: write what memory holds that is worth it and not on
-        disk yet, for at most `seconds`; then let the threads go."""
-        if self.open and seconds > 0:
+        disk yet, until `until()` (a time.monotonic(), asked as it goes; None:
+        nothing); then let the threads go."""
+        began = time.monotonic()
+        if self.open and until is not None and until() > began:
             self._candidates.clear()
-            end = time.monotonic() + seconds
             entries, started = list(memory.tree), 0
             for entry in entries:
-                self._drain(memory, end, MAX_QUEUED_WRITES - 1)
-                if time.monotonic() >= end:
+                self._drain(memory, until, MAX_QUEUED_WRITES - 1)
+                if time.monotonic() >= until():
                     break
                 self._start_write(entry)
                 started += 1
-            self._drain(memory, end, 0)
+            self._drain(memory, until, 0)
             # Those the time given left unwritten (others were not worth it,
             # or not to be written: covered, too large, no room).
             late = entries[started:]
             left = len(self._writes) + sum(not e.value.written and self._worth(e) for e in late)
             if left:
-                log.warning("prompt cache: %d entries not written to disk in the %.0fs given",
-                            left, seconds)  # fmt: skip
+                log.warning("prompt cache: %s not written to disk in the %.1fs given",
+                            counted(left, "entry", "entries"),
+                            time.monotonic() - began)  # fmt: skip
         self._folder.close(release_lock=not self._writes)
 
-    def _drain(self, memory: MemoryTier, end: float, most: int) -> None:
-        """Wait for writes until at most `most` are left or `end` passes."""
-        while len(self._writes) > most and time.monotonic() < end:
-            for job in self._folder.finished(timeout=min(0.1, max(end - time.monotonic(), 0.01))):
+    def _drain(self, memory: MemoryTier, until: Callable[[], float], most: int) -> None:
+        """Wait for writes until at most `most` are left or `until()` passes."""
+        while len(self._writes) > most and (left := until() - time.monotonic()) > 0:
+            for job in self._folder.finished(timeout=min(0.1, max(left, 0.01))):
                 if isinstance(job, Write):
                     self._written(job, memory)

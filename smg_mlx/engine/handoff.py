@@ -19,6 +19,7 @@ engine thread.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
@@ -39,6 +40,7 @@ class Inbox:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._flush_until = 0.0  # see `stop`
 
     def submit(self, request: Request) -> None:
         self._requests.append(request)
@@ -53,10 +55,21 @@ class Inbox:
         """Wake the engine loop without handing it anything (work finished elsewhere)."""
         self._wake.set()
 
-    def stop(self) -> None:
-        """Ask the engine loop to end after its current turn."""
+    def stop(self, flush_seconds: float = 0.0) -> None:
+        """Ask the engine loop to end after its current turn; the prefix cache
+        then writes to disk what it has not yet for at most `flush_seconds`."""
+        self._flush_until = time.monotonic() + flush_seconds
         self._stopping = True
         self._wake.set()
+
+    def hurry(self) -> None:
+        """End the prefix cache's writes at a stop now, wherever they are."""
+        self._flush_until = 0.0
+
+    def flush_until(self) -> float:
+        """The time.monotonic() by which the writes at a stop end (asked as they
+        go: `hurry` brings it forward)."""
+        return self._flush_until
 
     @property
     def stopping(self) -> bool:

@@ -175,10 +175,10 @@ class PrefixCache:
         self._memory_tokens = self._disk_tokens = 0
         self.memory.begin()
 
-    def close(self, flush_seconds: float) -> None:
-        """Write what is worth keeping to disk (at most `flush_seconds`), then
+    def close(self, flush_until: Callable[[], float] | None) -> None:
+        """Write what is worth keeping to disk (until `flush_until()`), then
         release every entry (the trees hold cycles: freed now, not at a
         collection)."""
         if self.disk is not None:
-            self.disk.close(self.memory, flush_seconds)
+            self.disk.close(self.memory, flush_until)
         self.memory.clear()

@@ -54,6 +54,7 @@ from smg_mlx.engine.step_clock import PrefillSpeed
 from smg_mlx.engine.step_plan import LONG, Attended, Builds, Passes, StepPlan
 from smg_mlx.engine.types import Request
 from smg_mlx.engine.waiting_room import AGING_SECONDS, Prefixes, Waiting, WaitingRoom
+from smg_mlx.logs import counted
 
 log = logging.getLogger(__name__)
 
@@ -291,9 +292,9 @@ class Scheduler:
                     if not waiting.held_back:
                         waiting.held_back = True
                         log.warning(
-                            "request %r has waited %.0fs for memory beside %d running "
-                            "request(s); it starts before any younger one",
-                            waiting.request.request_id, now - waiting.arrived, len(running),
+                            "request %r has waited %.0fs for memory beside %s; it starts "
+                            "before any younger one", waiting.request.request_id,
+                            now - waiting.arrived, counted(len(running), "running request"),
                         )  # fmt: skip
                     break  # it holds its place: nothing younger starts before it
                 continue
@@ -312,9 +313,10 @@ class Scheduler:
                 to_long.add(waiting.request.key)
                 log.info(
                     "request %r: a long prompt starts (%d of %d tokens to prefill) after "
-                    "%.1fs; %d request(s) wait",
+                    "%.1fs; %s wait",
                     waiting.request.request_id, waiting.prefill,
-                    len(waiting.request.spec.prompt), now - waiting.arrived, len(self._room),
+                    len(waiting.request.spec.prompt), now - waiting.arrived,
+                    counted(len(self._room), "request"),
                 )  # fmt: skip
         return admitted, to_long, tuple(released), tuple(refused), for_memory
 
