@@ -27,16 +27,20 @@ from bench.workload import Workload
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 
-def metric(port: int, name: str) -> float | None:
-    """A value from the worker's /metrics (None if it cannot be read)."""
+def metrics(port: int, *names: str) -> list[float | None]:
+    """Values from one read of the worker's /metrics (None: not there, or it
+    cannot be read)."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     except OSError:
-        return None
-    for line in text.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
+        return [None] * len(names)
+    found = dict(line.rsplit(" ", 1) for line in text.decode().splitlines() if line[:1] != "#")
+    return [float(found[name]) if name in found else None for name in names]
+
+
+def metric(port: int, name: str) -> float | None:
+    """A value from the worker's /metrics (None if it cannot be read)."""
+    return metrics(port, name)[0]
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bench import peer
 from bench.grpc_client import run_closed_loop
-from bench.long_prompts import metric
+from bench.long_prompts import metrics
 from bench.stats import LevelResult, RequestRecord, summarize
 from bench.workers import WorkerProcess, free_port, ours_command, two_ranks_command
 from bench.workload import Level, Workload
@@ -102,9 +102,8 @@ def _steps(info: dict) -> tuple[float, float, float] | None:
     port = info.get("metrics_port")
     if port is None:
         return None
-    names = ("engine_step_duration_seconds_count", "engine_step_duration_seconds_sum",
-             "engine_batch_size_sum")  # fmt: skip
-    values = [metric(port, f"smg_mlx_{name}") for name in names]
+    step = "smg_mlx_engine_step_duration_seconds"
+    values = metrics(port, f"{step}_count", f"{step}_sum", "smg_mlx_engine_batch_size_sum")
     return None if None in values else tuple(values)
 
 
