@@ -29,7 +29,6 @@ THROUGHPUT = ((1, 1.0), (4, 0.95))
 STREAM_PAUSE_STEPS = 250 / 150
 CHAT_TTFT_STEPS = 500 / 150
 DEFAULT_LEVELS = (1, 16, 64)
-STEP_BUDGET_FLAG = "--step-budget-ms"
 
 
 @dataclass(frozen=True)
@@ -75,15 +74,11 @@ def throughput_checks(results: list[LevelResult], levels: list[int]) -> list[Che
 
 
 def step_budget_seconds(worker_args: list[str]) -> float:
-    """The step budget the mixed run's worker was given (its default otherwise)."""
-    from smg_mlx.config import EngineConfig
+    """The step budget the mixed run's worker was given, read as the worker reads
+    its flags (its default where they name none)."""
+    from smg_mlx.cli import build_parser
 
-    for i, arg in enumerate(worker_args):
-        if arg == STEP_BUDGET_FLAG and i + 1 < len(worker_args):
-            return float(worker_args[i + 1]) / 1000
-        if arg.startswith(STEP_BUDGET_FLAG + "="):
-            return float(arg.split("=", 1)[1]) / 1000
-    return EngineConfig.step_budget_seconds
+    return build_parser().parse_args(["serve", "--demo", *worker_args]).step_budget_ms / 1000
 
 
 def mixed_checks(result: dict, step_seconds: float) -> list[Check]:
