@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.short:
         workload = replace(workload, **SHORT)
-    if args.gate:  # one stream's level need not take minutes: its ratio is plain sooner
-        workload = replace(workload, min_requests=16)
+    if args.gate:  # enough waves at low levels that one slow wave does not decide a ratio
+        workload = replace(workload, min_requests=32)
     if args.requests:
         workload = replace(workload, min_requests=args.requests)
     if max(levels) > workload.completion_batch_size:

@@ -28,7 +28,7 @@ THROUGHPUT = ((1, 1.0), (4, 0.95))
 # The mixed run, in step budgets: the stream's longest pause, and the chats' TTFT p50.
 STREAM_PAUSE_STEPS = 250 / 150
 CHAT_TTFT_STEPS = 500 / 150
-DEFAULT_LEVELS = (1, 16, 64)
+DEFAULT_LEVELS = (1, 4, 16, 64)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict
 from typing import NamedTuple
 
 from smg_mlx.config import EngineConfig
@@ -160,7 +159,8 @@ class PrefixCache:
         return self.disk is not None and self.disk.busy
 
     def stats(self) -> CacheStats:
-        disk = asdict(self.disk.stats) if self.disk is not None else {}
+        # vars(), not asdict(): asdict deep-copies, and this runs every turn
+        disk = vars(self.disk.stats) if self.disk is not None else {}
         return CacheStats(
             memory_bytes=self.memory.nbytes,
             memory_entries=len(self.memory),
