@@ -62,14 +62,19 @@ def throughput_bound(concurrency: int) -> float:
 
 
 def throughput_checks(results: list[LevelResult], levels: list[int]) -> list[Check]:
-    """ours/engine tok/s at each level."""
+    """ours/engine tok/s at each level, each side's best round against the
+    other's: on a shared machine whole rounds of either side run tens of
+    percent slow, and pooling rounds compares how many of those each drew."""
     by = {(r.system, r.concurrency): r for r in results}
     checks = []
     for c in levels:
         ours, engine = by.get(("ours", c)), by.get(("engine", c))
         ok = ours is not None and engine is not None and engine.tok_s > 0 and not ours.errors
-        value = ours.tok_s / engine.tok_s if ok else None
-        checks.append(Check(f"ours/engine tok/s at concurrency {c}", value, throughput_bound(c)))
+        value = ours.best_tok_s / engine.best_tok_s if ok else None
+        name = f"ours/engine tok/s at concurrency {c}, best rounds"
+        if ok:
+            name += f" (pooled {ours.tok_s / engine.tok_s:.2f})"
+        checks.append(Check(name, value, throughput_bound(c)))
     return checks
 
 

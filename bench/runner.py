@@ -161,7 +161,7 @@ def _run_levels(
 ) -> tuple[list[LevelResult], dict]:
     systems: dict[str, dict] = {name: {} for name in opts.systems}
     results: list[LevelResult] = []
-    pooled: dict[str, tuple[list[RequestRecord], float]] = {}
+    pooled: dict[str, tuple[list[RequestRecord], float, tuple[float, ...]]] = {}
     for level in opts.workload.plan(opts.levels, opts.rounds):
         c = level.concurrency
         order = opts.systems if level.round % 2 == 0 else opts.systems[::-1]
@@ -186,11 +186,12 @@ def _run_levels(
                 systems[name]["error"] = repr(exc)
                 continue
             systems[name].update(info)
-            earlier, earlier_wall = pooled.get(name, ([], 0.0))
-            pooled[name] = (earlier + records, earlier_wall + wall)
+            earlier, earlier_wall, rounds = pooled.get(name, ([], 0.0, ()))
+            tok_s = sum(r.tokens for r in records) / wall if wall > 0 else 0.0
+            pooled[name] = (earlier + records, earlier_wall + wall, (*rounds, tok_s))
         if level.round == opts.rounds - 1:
-            for name, (records, wall) in pooled.items():
-                results.append(summarize(name, c, records, wall))
+            for name, (records, wall, rounds) in pooled.items():
+                results.append(summarize(name, c, records, wall, rounds))
                 progress(results[-1].brief())
             pooled = {}
             if on_progress is not None:

@@ -69,6 +69,14 @@ class LevelResult:
     itl_mean_ms: float
     tokens_per_chunk: float
     first_error: str | None = None
+    # Each round's tok/s on its own (rounds of one level are pooled above).
+    round_tok_s: tuple[float, ...] = ()
+
+    @property
+    def best_tok_s(self) -> float:
+        """The fastest round's tok/s: what the system does when nothing else
+        on the machine slows it (interference only ever slows a round)."""
+        return max(self.round_tok_s, default=self.tok_s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,7 +91,11 @@ class LevelResult:
 
 
 def summarize(
-    system: str, concurrency: int, records: list[RequestRecord], wall_s: float
+    system: str,
+    concurrency: int,
+    records: list[RequestRecord],
+    wall_s: float,
+    round_tok_s: tuple[float, ...] = (),
 ) -> LevelResult:
     """Numbers for one level; tokens/s counts every generated token in the timed window."""
     ok = [r for r in records if r.error is None]
@@ -107,4 +119,5 @@ def summarize(
         itl_mean_ms=(sum(itl) / len(itl) * 1e3) if itl else float("nan"),
         tokens_per_chunk=sum(r.tokens for r in ok) / chunks if chunks else float("nan"),
         first_error=failed[0].error if failed else None,
+        round_tok_s=round_tok_s,
     )
