@@ -4,8 +4,10 @@ shapes chosen, what counts as built, and outputs equal to mlx's own."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+from smg_mlx.engine import attention_shapes
 from smg_mlx.engine.attention_shapes import MASK_BYTES, AttentionShapes, shape_key, windows_for
 
 OWN = mx.fast.scaled_dot_product_attention  # mlx's, as no wrapper has it yet
@@ -97,3 +99,17 @@ def test_the_planner_is_told_the_copies_only_while_every_prefill_is_padded(shape
     q = mx.zeros((1, 4, 64, 16))
     shapes.attention(q, q[:, :2], q[:, :2], scale=0.25, mask="causal")
     assert shapes.working_set(1000.0) is None
+
+
+def test_a_few_queries_a_row_attend_as_the_fused_kernel_does():
+    """A pass checking proposals (a few queries a row, a mask) gives what mlx's attention gives."""
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
+               for s in ((3, 8, 5, 16), (3, 2, 40, 16), (3, 2, 40, 16)))  # fmt: skip
+    ends = mx.array([30, 35, 39])[:, None, None, None]
+    mask = mx.arange(40)[None, None, None, :] <= (ends - 4 + mx.arange(5)[None, None, :, None])
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = attention_shapes.attend_few(q, k, v, 0.25, mask)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    additive = mx.where(mask, 0.0, -mx.inf)
+    assert mx.allclose(attention_shapes.attend_few(q, k, v, 0.25, additive), want, atol=1e-5).item()

@@ -27,6 +27,12 @@ takes one of few shapes instead:
   attention of the same shapes: only what cannot run causal runs so.
 The padded rows of the output are dropped.
 
+A call of a few queries a row (`FEW_QUERIES`: a pass checking speculative
+proposals, or a few rows' short follow-ups) runs as plain matrix products
+instead: it reads each row's keys once, as a decoding step does, and cuDNN
+would build a graph for each new key length, which such passes meet at
+every step.
+
 The padded copies cost memory: `working_set` says how much, for the memory
 planner, where every prefill attention runs so.
 
@@ -50,6 +56,7 @@ from smg_mlx.engine.step_plan import SHAPE_BUILD_STEP_TOKENS
 log = logging.getLogger(__name__)
 
 QUERY_BUCKET = 256  # the smallest query bucket
+FEW_QUERIES = 16  # queries a row at most that run as plain matrix products
 # A window between the smallest and the largest chunk: a follow-up's new
 # tokens, or a chunk of a prompt beside others, run in it rather than padded
 # to the largest chunk.
@@ -130,6 +137,22 @@ def _supported(q: mx.array, v: mx.array) -> bool:
     return q.shape[2] > 1 and q.dtype in (mx.bfloat16, mx.float16) and sizes_ok
 
 
+def attend_few(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
+    """Attention as matrix products, for a few queries a row (boolean or additive mask)."""
+    rows, heads, queries, size = q.shape
+    groups = heads // k.shape[1]  # query heads sharing a key head
+    q = (q * scale).reshape(rows, k.shape[1], groups, queries, size)
+    scores = (q @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
+    if mask is not None:
+        mask = mask[:, :, None] if mask.ndim == 4 else mask
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, -mx.inf)
+        else:
+            scores = scores + mask
+    weights = mx.softmax(scores, axis=-1).astype(v.dtype)
+    return (weights @ v[:, :, None]).reshape(rows, heads, queries, v.shape[-1])
+
+
 class AttentionShapes:
     """Wraps mlx's fused attention so that prefills run in few shapes, and
     remembers which have been built."""
@@ -183,6 +206,8 @@ class AttentionShapes:
             self.unpadded = self.unpadded or q.shape[2] > 1
             return fused(q, k, v, scale=scale, mask=mask, **rest)
         rows, queries, keys = q.shape[0], q.shape[2], k.shape[2]
+        if queries <= FEW_QUERIES and not isinstance(mask, str):
+            return attend_few(q, k, v, scale, mask)
         self._geometries.add((q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.dtype))
         causal = isinstance(mask, str)
         key = shape_key(rows, queries, keys, causal, self.windows)

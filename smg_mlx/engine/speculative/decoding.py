@@ -1,0 +1,217 @@
+"""mlx-lm's decoding rows, where one pass may check each row's proposals (engine thread only).
+
+mlx-lm's `GenerationBatch` keeps, for each row, its tokens in the cache and
+one token sampled but not yet returned (`_next_tokens`), and it starts each
+pass before it returns the last one's tokens. A pass that checks proposals
+keeps that state exact: it runs each row's pending token y and proposals
+d1..dk (rows with fewer are padded; their extra positions are not kept),
+samples every position with the row's own sampler, and keeps d1..da for as
+long as each equals the sample before it. The row returns y, d1..da; the
+sample after da becomes its pending token; its cache takes back the rest.
+Each token returned is thus one the row's sampler drew from the model's own
+distribution given the tokens before it, as plain decoding draws it: greedy
+decoding gives the same tokens, sampling the same distribution, and every
+logprob returned is the model's.
+
+Such a pass must see its rows' latest tokens before it is built, so it waits
+for the pass before it, where mlx-lm would overlap them: `Pacing` runs it
+only where the measured rate pays for that.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+
+from smg_mlx.engine.speculative.pacing import Pacing
+from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
+from smg_mlx.engine.speculative.ragged_kv import RaggedBatchKVCache
+
+
+@dataclass
+class DraftStats:
+    """What speculation has done since start (metrics)."""
+
+    proposed: int = 0  # tokens proposed and checked
+    accepted: int = 0  # of those, tokens kept
+    passes: int = 0  # passes that checked proposals
+    tokens: int = 0  # tokens those passes returned
+
+
+@dataclass
+class Drafting:
+    """What both lanes' decoding rows share."""
+
+    most: int  # proposed tokens a row may have checked in one pass
+    pacing: Pacing
+    stats: DraftStats
+
+
+class SpeculativeGenerationBatch(GenerationBatch):
+    """`GenerationBatch` whose `next` may return several tokens a row."""
+
+    drafting: Drafting
+    _rows: dict[int, RowDrafts]
+    _steps: int
+
+    @classmethod
+    def start(cls, model: Any, sampler: Any, drafting: Drafting) -> SpeculativeGenerationBatch:
+        """An empty batch, as a lane's BatchGenerator starts with."""
+        batch = cls.empty(model, sampler)
+        batch.drafting = drafting
+        batch._rows = {}
+        batch._steps = 0
+        return batch
+
+    def filter(self, keep: list[int]) -> None:
+        kept = {self.uids[i] for i in keep}
+        super().filter(keep)
+        for uid in [u for u in self._rows if u not in kept]:
+            del self._rows[uid]
+
+    def next(self) -> list:
+        if not self.uids:
+            return []
+        self._steps += 1
+        rows = len(self.uids)
+        likely = self._likely()
+        if likely:
+            most = self.drafting.most
+            lengths = [min(self._rows[self.uids[i]].length, most) if i in likely else 0
+                       for i in range(rows)]  # fmt: skip
+            width = self.drafting.pacing.width(rows, self._expected(lengths))
+            if width > 1:
+                mx.eval(self._next_tokens)
+                pending = self._next_tokens.tolist()
+                drafts = [
+                    self._rows[uid].propose(self._steps, y, width - 1) if i in likely else []
+                    for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
+                ]
+                if any(drafts):
+                    return self._check(pending, drafts)
+        started = time.perf_counter()
+        responses = super().next()
+        self.drafting.pacing.ran(rows, 1, time.perf_counter() - started)
+        return responses
+
+    def _likely(self) -> set[int]:
+        """Rows whose tokens so far suggest a proposal (those with logits
+        processors never propose: theirs would need the proposals' context)."""
+        likely = set()
+        for i, uid in enumerate(self.uids):
+            if self.logits_processors and self.logits_processors[i]:
+                continue
+            row = self._rows.get(uid)
+            if row is None:
+                row = self._rows[uid] = RowDrafts(self.drafting.most)
+            row.sync(self.tokens[i])
+            if row.likely(self._steps):
+                likely.add(i)
+        return likely
+
+    def _expected(self, lengths: list[int]) -> list[float]:
+        """Tokens a pass of each width should return, by the rows' recent rates."""
+        rows = zip(self.uids, lengths, strict=True)
+        rates = [self._rows[uid].rate if n else 0.0 for uid, n in rows]
+        return [
+            sum(1 + min(n, extra) * rate for n, rate in zip(lengths, rates, strict=True))
+            for extra in range(max(lengths) + 1)
+        ]
+
+    def _check(self, pending: list[int], drafts: list[list[int]]) -> list:
+        """One pass over every row's pending token and proposals (module docstring)."""
+        started = time.perf_counter()
+        rows, width = len(self.uids), 1 + max(len(d) for d in drafts)
+        # Rows with fewer proposals are padded (positions whose tokens are not kept).
+        pairs = zip(pending, drafts, strict=True)
+        inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
+        self.prompt_cache = [RaggedBatchKVCache.adopt(c) for c in self.prompt_cache]
+        logits = self.model(mx.array(inputs), cache=self.prompt_cache)
+        logits = self._processed(logits, pending)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self._sample(logprobs)
+        mx.eval(sampled, logprobs, self._next_logprobs)
+        sampled = sampled.tolist()
+
+        responses, keep, rewind, next_tokens, next_logprobs = [], [], [], [], []
+        for i, (y, proposal) in enumerate(zip(pending, drafts, strict=True)):
+            kept = 0
+            while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
+                kept += 1
+            if proposal:
+                self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
+                self.drafting.stats.proposed += len(proposal)
+                self.drafting.stats.accepted += kept
+            tokens = [y, *proposal[:kept]]
+            chosen = [self._next_logprobs[i], *(logprobs[i, j] for j in range(kept))]
+            finish = self._finish(i, tokens)
+            if finish is not None:
+                tokens = tokens[: finish[1] + 1]
+            self.tokens[i].extend(tokens)
+            rewind.append(width - len(tokens))
+            responses.append((i, tokens, chosen, None if finish is None else finish[0]))
+            keep += [i] if finish is None else []
+            # (a row that ended keeps its entries until the filter below drops them)
+            next_tokens.append(sampled[i][kept])
+            next_logprobs.append(logprobs[i, kept])
+        for cache in self.prompt_cache:
+            cache.rewind(rewind)
+        out = self._responses(responses)
+        self.drafting.stats.passes += 1
+        self.drafting.stats.tokens += len(out)
+        self._current_tokens = mx.array(pending, dtype=self._next_tokens.dtype)
+        self._next_tokens = mx.array(next_tokens, dtype=self._current_tokens.dtype)
+        self._next_logprobs = next_logprobs
+        if len(keep) < rows:
+            self.filter(keep)
+        self.drafting.pacing.ran(rows, width, time.perf_counter() - started)
+        return out
+
+    def _processed(self, logits: mx.array, pending: list[int]) -> mx.array:
+        """The logits with each row's processors applied at its first position
+        (rows with processors propose nothing: that is all they use)."""
+        if not any(self.logits_processors):
+            return logits
+        firsts = []
+        for i, processors in enumerate(self.logits_processors):
+            first = logits[i, :1]
+            if processors:
+                context = self._token_context[i].update_and_fetch(mx.array(pending[i : i + 1]))
+                for processor in processors:
+                    first = processor(context, first)
+            firsts.append(first)
+        return mx.concatenate([mx.concatenate(firsts)[:, None], logits[:, 1:]], axis=1)
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        """Every position of every row, by the row's sampler (one call where all share one)."""
+        rows, width = logprobs.shape[:2]
+        samplers = [self.fallback_sampler if s is None else s
+                    for s in (self.samplers or [None] * rows)]  # fmt: skip
+        if all(s is samplers[0] for s in samplers):
+            return samplers[0](logprobs.reshape(rows * width, -1)).reshape(rows, width)
+        return mx.stack([sample(logprobs[i]) for i, sample in enumerate(samplers)])
+
+    def _finish(self, i: int, tokens: list[int]) -> tuple[str, int] | None:
+        """Why row i ends and at which of `tokens`, as mlx-lm decides it a token at a time."""
+        for at, token in enumerate(tokens):
+            self._num_tokens[i] += 1
+            reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            if self._matchers[i].advance(token):
+                reason = "stop"
+            if reason is not None:
+                return reason, at
+        return None
+
+    def _responses(self, rows: list[tuple[int, list[int], list, str | None]]) -> list:
+        """mlx-lm's responses, a token each, in order; a row that ends hands its cache over."""
+        out = []
+        for i, tokens, chosen, finish in rows:
+            for token, logprobs in zip(tokens[:-1], chosen[: len(tokens) - 1], strict=True):
+                out.append(self.Response(self.uids[i], token, logprobs, None, None, None))
+            last = (finish, self.extract_cache(i), self.tokens[i]) if finish else (None, None, None)
+            out.append(self.Response(self.uids[i], tokens[-1], chosen[len(tokens) - 1], *last))
+        return out

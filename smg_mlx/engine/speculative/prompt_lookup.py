@@ -1,0 +1,101 @@
+"""Proposals without a second model: prompt lookup (engine thread only).
+
+A row's next tokens are often a copy of tokens it has seen: a summary quotes
+its document, an edit repeats the code around it, an agent re-reads its own
+tool output. The proposal is what followed the most recent earlier
+occurrence of the row's last few tokens (the longest suffix that occurred
+before, of LONGEST down to SHORTEST tokens), in its prompt and its output.
+
+Each row's proposals adapt to how they fare (`RowDrafts`): as long as its
+proposals are right it proposes up to the most asked for; a wrong one
+shortens the next; a row whose lookups find nothing, or whose proposals are
+all wrong, looks again only after a pause that doubles each time, so a
+conversation that never repeats itself costs a lookup now and then.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LONGEST = 4  # tokens of a row's end that are looked up, at most...
+SHORTEST = 2  # ...and at least: one token recurs too often to predict what follows
+MOST_PAUSE = 64  # steps a row waits at most before it looks again
+
+
+def lookup(tokens: np.ndarray, n: int, most: int) -> list[int]:
+    """Up to `most` tokens that followed an earlier occurrence of the longest
+    suffix of `tokens[:n]` that occurred before: the latest occurrence
+    followed by `most` tokens, else the one followed by the most (the latest
+    of a run of one repeated token is followed by just one)."""
+    for size in range(min(LONGEST, n - 1), SHORTEST - 1, -1):
+        suffix = tokens[n - size : n]
+        best = None
+        for start in np.flatnonzero(tokens[: n - size] == suffix[0])[::-1]:
+            if np.array_equal(tokens[start : start + size], suffix):
+                follows = tokens[start + size : min(start + size + most, n)]
+                if best is None or len(follows) > len(best):
+                    best = follows
+                if len(best) == most:
+                    break
+        if best is not None:
+            return best.tolist()
+    return []
+
+
+class RowDrafts:
+    """One row's tokens and how its proposals have fared."""
+
+    __slots__ = ("_tokens", "_n", "length", "rate", "_pause", "_next_look")
+
+    def __init__(self, most: int) -> None:
+        self._tokens = np.zeros(256, dtype=np.int64)
+        self._n = 0
+        self.length = most  # tokens the next proposal may have
+        self.rate = 0.5  # the share of its proposed tokens that were right, lately
+        self._pause = 1  # steps to wait after the next lookup that finds nothing
+        self._next_look = 0  # the step at which to look again
+
+    def sync(self, tokens: list[int]) -> None:
+        """Catch up with the tokens in the row's cache (they only grow)."""
+        if len(tokens) + 1 > len(self._tokens):  # room for one sampled token more
+            grown = np.zeros(2 * (len(tokens) + 1), dtype=np.int64)
+            grown[: self._n] = self._tokens[: self._n]
+            self._tokens = grown
+        self._tokens[self._n : len(tokens)] = tokens[self._n :]
+        self._n = len(tokens)
+
+    def likely(self, step: int) -> bool:
+        """Whether this row should look now, and its tokens so far end as they
+        did before (then the token being sampled will likely follow it too);
+        if not, it waits before it looks again."""
+        if step < self._next_look:
+            return False
+        if lookup(self._tokens, self._n, 1):
+            return True
+        self._wait(step)
+        return False
+
+    def propose(self, step: int, pending: int, most: int) -> list[int]:
+        """Up to `most` tokens that should follow this row's tokens and
+        `pending` (sampled, not in its cache yet); [] where none."""
+        self._tokens[self._n] = pending
+        proposal = lookup(self._tokens, self._n + 1, min(most, self.length))
+        if not proposal:
+            self._wait(step)
+        return proposal
+
+    def fared(self, step: int, proposed: int, accepted: int) -> None:
+        """A pass checked `proposed` tokens of this row and kept `accepted`."""
+        self.rate += 0.25 * (accepted / proposed - self.rate)
+        if accepted == proposed:
+            self.length += 1
+            self._pause = 1
+        elif accepted == 0:
+            self._wait(step)
+        else:
+            self.length = accepted + 1
+            self._pause = 1
+
+    def _wait(self, step: int) -> None:
+        self._next_look = step + self._pause
+        self._pause = min(2 * self._pause, MOST_PAUSE)

@@ -1,0 +1,144 @@
+"""A batched KV cache whose rows may end at different columns (engine thread only).
+
+Speculative decoding writes every row's proposals in one pass and keeps only
+what each row accepted. mlx-lm's BatchKVCache keeps all rows ending at one
+column (`_idx`), so taking back a different number of entries per row would
+mean moving whole rows. Here each row has its own end instead: a row takes
+back its rejected entries by moving its end, its next entries are written
+from there (over the rejected ones), and the attention mask hides what lies
+past a row's end. Nothing is copied.
+
+While every row ends at `_idx` (`_ends` is None) it is mlx-lm's cache,
+unchanged: the ragged paths run only after a step took back different counts.
+The columns past a row's end are room it has not used: when the rows' ends
+drift apart by more than `SPREAD`, `compact` lines them up again (one copy
+of the cache) so the batch holds no more columns than its longest row needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, dynamic_roll
+
+# Columns by which rows' ends may drift apart before `compact` lines them up.
+SPREAD = 256
+
+
+class RaggedBatchKVCache(BatchKVCache):
+    """BatchKVCache with a per-row end (see the module's docstring)."""
+
+    _ends: list[int] | None = None
+
+    @classmethod
+    def adopt(cls, cache: BatchKVCache) -> RaggedBatchKVCache:
+        """`cache` as this class, sharing its arrays (a cache of this class as it is)."""
+        if isinstance(cache, cls):
+            return cache
+        ragged = cls.__new__(cls)
+        ragged.__dict__.update(cache.__dict__)
+        ragged._ends = None
+        return ragged
+
+    def _row_ends(self) -> list[int]:
+        return self._ends if self._ends is not None else [self._idx] * self.offset.shape[0]
+
+    def _set_ends(self, ends: list[int]) -> None:
+        self._idx = max(ends, default=self._idx)
+        self._ends = None if all(e == self._idx for e in ends) else ends
+
+    def rewind(self, counts: list[int]) -> None:
+        """Take back each row's newest `counts[i]` entries."""
+        if not any(counts):
+            return
+        self._set_ends([e - n for e, n in zip(self._row_ends(), counts, strict=True)])
+        self.offset = self.offset - mx.array(counts)
+        if self._ends is not None and self._idx - min(self._ends) > SPREAD:
+            self.compact()
+
+    def compact(self) -> None:
+        """Every row ending at `_idx` again, and no column that every row pads."""
+        if self._ends is None:
+            return
+        shift = mx.array([self._idx - e for e in self._ends])
+        # What lies past a row's end rolls round into its padding, masked there.
+        self.keys = dynamic_roll(self.keys[..., : self._idx, :], shift[:, None], axis=2)
+        self.values = dynamic_roll(self.values[..., : self._idx, :], shift[:, None], axis=2)
+        self.left_padding = self.left_padding + shift
+        self._ends = None
+        unused = min(self.left_padding.tolist())
+        if unused > 0:
+            self.keys = self.keys[..., unused:, :]
+            self.values = self.values[..., unused:, :]
+            self._idx -= unused
+            self.left_padding = self.left_padding - unused
+
+    def _reserve(self, n: int, like: mx.array, values_like: mx.array) -> None:
+        """Room for `n` more entries after `_idx`, as mlx-lm grows it."""
+        if self.keys is not None and self._idx + n <= self.keys.shape[2]:
+            return
+        B, heads, _, k_dim = like.shape
+        grow = (self.step + n - 1) // self.step * self.step
+        new_k = mx.zeros((B, heads, grow, k_dim), like.dtype)
+        new_v = mx.zeros((B, heads, grow, values_like.shape[3]), values_like.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            kept = self._idx
+            self.keys = mx.concatenate([self.keys[..., :kept, :], new_k], axis=2)
+            self.values = mx.concatenate([self.values[..., :kept, :], new_v], axis=2)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._ends is None:
+            return super().update_and_fetch(keys, values)
+        n = keys.shape[2]
+        self._reserve(n, keys, values)
+        ends = self._ends
+        where = (mx.array(ends)[:, None] + mx.arange(n)[None])[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, where, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, where, values, axis=2)
+        self.offset = self.offset + n
+        self._set_ends([e + n for e in ends])
+        return self.keys_and_values()
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if self._ends is None:
+            return super().make_mask(N, return_array=return_array, **kwargs)
+        if kwargs.get("window_size") is not None:
+            raise ValueError("a ragged cache has no sliding window")
+        keys = mx.arange(self._idx + N)[None, None, None, :]
+        queries = (mx.array(self._ends)[:, None] + mx.arange(N)[None])[:, None, :, None]
+        first = self.left_padding[:, None, None, None]
+        return (keys >= first) & (keys <= queries)
+
+    def filter(self, batch_indices: Any) -> None:
+        ends = self._row_ends()
+        kept = ends if isinstance(batch_indices, slice) else [ends[i] for i in batch_indices]
+        self._idx = top = max(kept, default=self._idx)
+        super().filter(batch_indices)  # drops the columns every kept row pads
+        self._ends = None
+        if kept:
+            self._set_ends([e - (top - self._idx) for e in kept])
+
+    def extend(self, other: BatchKVCache) -> None:
+        mine = self._row_ends()
+        if isinstance(other, RaggedBatchKVCache):
+            theirs = other._row_ends()
+        else:
+            theirs = [other._idx] * other.offset.shape[0]
+        mine_idx, their_idx = self._idx, other._idx
+        super().extend(other)
+        moved = [e + self._idx - mine_idx for e in mine]
+        self._set_ends(moved + [e + self._idx - their_idx for e in theirs])
+
+    def extract(self, idx: int) -> Any:
+        if self._ends is None:
+            return super().extract(idx)
+        end = self._ends[idx]
+        saved = self._idx
+        self._idx = end
+        try:
+            return super().extract(idx)
+        finally:
+            self._idx = saved

@@ -1,0 +1,190 @@
+"""Speculative decoding in the running batch, at mlx-lm's BatchGenerator: the
+tokens are the ones plain decoding gives (greedy), drawn from the same
+distribution (sampling), and a finished row's cache holds exactly its tokens."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import llama, qwen3
+from mlx_lm.sample_utils import make_sampler
+
+from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
+from smg_mlx.engine.speculative.pacing import Pacing
+from smg_mlx.engine.speculative.prompt_lookup import lookup
+
+VOCAB = 50
+
+
+def tiny_model(family: str, scale: float, vocab: int = VOCAB, seed: int = 0):
+    """A float32 random model; `scale` sets how often its greedy output repeats itself."""
+    mx.random.seed(seed)
+    shape = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                 vocab_size=vocab, rope_theta=10000.0)  # fmt: skip
+    if family == "llama":
+        model = llama.Model(llama.ModelArgs(model_type="llama", **shape))
+    else:
+        args = qwen3.ModelArgs(model_type="qwen3", head_dim=16, tie_word_embeddings=True,
+                               max_position_embeddings=4096, **shape)  # fmt: skip
+        model = qwen3.Model(args)
+    model.update(tree_map(lambda p: p * scale, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a short phrase: prompt lookup has something to find."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(count):
+        phrase = rng.integers(0, VOCAB, size=rng.integers(3, 10)).tolist()
+        prompts.append((phrase * 8)[: rng.integers(6, 50)])
+    return prompts
+
+
+def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = False,
+             stop=None, sampler=None, rows: int = 32):  # fmt: skip
+    """Each prompt's tokens (and logprobs of them, and the finished caches' sizes);
+    with `stagger` half the prompts join while the first half decode."""
+    generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows // 8,
+                               stop_tokens=stop, sampler=sampler)  # fmt: skip
+    stats = DraftStats()
+    if speculative:
+        drafting = Drafting(most=4, pacing=Pacing(always=True), stats=stats)
+        generator._generation_batch = SpeculativeGenerationBatch.start(
+            model, generator.sampler, drafting
+        )
+    order = list(enumerate(prompts))
+    now = order[: len(order) // 2] if stagger else order
+    later = order[len(now) :]
+    which: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    chosen: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
+    cached: dict[int, tuple[int, int]] = {}
+    for i, prompt in now:
+        which[generator.insert([prompt], [max_tokens[i]])[0]] = i
+    calls = 0
+    while len(cached) < len(prompts):
+        calls += 1
+        assert calls < 2000
+        if later and calls % 3 == 0:
+            i, prompt = later.pop(0)
+            which[generator.insert([prompt], [max_tokens[i]])[0]] = i
+        for r in generator.next()[1]:
+            i = which[r.uid]
+            tokens[i].append(r.token)
+            chosen[i].append(r.logprobs[r.token].item())
+            if r.finish_reason is not None:
+                cached[i] = (r.prompt_cache[0].offset, len(r.all_tokens))
+    generator.close()
+    return [tokens[i] for i in range(len(prompts))], chosen, cached, stats
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family):
+    model = tiny_model(family, scale=1.5)
+    proposed = accepted = 0
+    for seed, stagger in ((1, False), (2, True), (3, True)):
+        prompts = repetitive_prompts(8, seed)
+        max_tokens = [int(n) for n in np.random.default_rng(seed).integers(1, 40, len(prompts))]
+        plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
+        ours, logprobs, cached, stats = generate(model, prompts, max_tokens, True, stagger)
+        assert ours == plain
+        assert all(len(t) == n for t, n in zip(ours, max_tokens, strict=True))
+        for i in range(len(prompts)):  # the logprobs of accepted tokens are the model's
+            assert logprobs[i] == pytest.approx(plain_logprobs[i], abs=1e-4)
+        # A finished row's cache holds its prompt and every token it returned.
+        assert all(size == tokens for size, tokens in cached.values())
+        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
+    assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
+    assert 0 < accepted < proposed, "some proposals right, some wrong"
+
+
+def test_solo_stream_gains_where_its_proposals_are_right():
+    model = tiny_model("llama", scale=1.0)  # repeats itself: lookups are right
+    prompts = repetitive_prompts(1, 7)
+    plain, _, _, _ = generate(model, prompts, [60], False)
+    ours, _, _, stats = generate(model, prompts, [60], True)
+    assert ours == plain
+    assert stats.accepted > 30 and stats.tokens / stats.passes > 2
+
+
+def test_stop_tokens_end_a_row_inside_its_accepted_tokens():
+    model = tiny_model("llama", scale=1.0)
+    prompts = repetitive_prompts(6, 11)
+    plain, _, _, _ = generate(model, prompts, [50] * 6, False)
+    stop = sorted({t[len(t) // 2] for t in plain if t})[:2]
+    plain, _, _, _ = generate(model, prompts, [50] * 6, False, stop=[[s] for s in stop])
+    ours, _, cached, stats = generate(model, prompts, [50] * 6, True, stop=[[s] for s in stop])
+    assert ours == plain
+    assert any(t[-1] in stop and len(t) < 50 for t in ours)
+    assert all(size == tokens for size, tokens in cached.values())
+    assert stats.accepted > 0
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
+    tokens = np.array([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7, 0], dtype=np.int64)
+    # ...5 6 7 last followed by 9 2 (the latest earlier occurrence, not 8 1)
+    assert lookup(tokens, 13, 3) == [9, 2, 5]
+    assert lookup(tokens, 13, 1) == [9]
+    assert lookup(np.array([1, 2, 3, 4]), 4, 3) == []  # nothing recurs
+
+
+def test_pacing_checks_proposals_only_where_that_pays():
+    pacing = Pacing()
+    assert pacing.width(8, [8.0, 12.0]) == 1  # a plain pass first: the measure to hold against
+    pacing.ran(8, 1, 0.010)
+    assert pacing.width(8, [8.0, 12.0]) == 2  # width 2 not measured yet: tried
+    pacing.ran(8, 2, 0.011)
+    assert pacing.width(8, [8.0, 12.0]) == 2  # 12 tokens in 11 ms beat 8 in 10
+    pacing.ran(8, 2, 0.030)
+    pacing.ran(8, 2, 0.030)
+    assert pacing.width(8, [8.0, 9.0]) == 1  # compute-bound: a wider pass costs more than it gives
+
+
+def _chi_square_bound(df: int) -> float:
+    """The chi-square statistic's 0.999 quantile (Wilson-Hilferty)."""
+    z = 3.09
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_tokens_follow_the_models_distribution():
+    vocab = 4
+    model = tiny_model("llama", scale=0.7, vocab=vocab, seed=3)
+    prompt = [1] * 10  # proposes 1s, which this model samples about half the time
+    rows, steps = 512, 3
+    sampler = make_sampler(temp=1.0)
+    counts: Counter = Counter()
+    proposed = accepted = 0
+    for _ in range(6):
+        outs, _, _, stats = generate(model, [prompt] * rows, [steps] * rows, True,
+                                     sampler=sampler, rows=rows)  # fmt: skip
+        counts.update(tuple(t) for t in outs)
+        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
+    assert accepted > 0.1 * sum(counts.values()), "proposals were checked and kept"
+    # The exact probability of each 3-token continuation, a token at a time.
+    expected = {}
+    logits = model(mx.array([prompt]))[0, -1]
+    first = mx.softmax(logits).tolist()
+    for a in range(vocab):
+        second = mx.softmax(model(mx.array([prompt + [a]]))[0, -1]).tolist()
+        for b in range(vocab):
+            third = mx.softmax(model(mx.array([prompt + [a, b]]))[0, -1]).tolist()
+            for c in range(vocab):
+                expected[(a, b, c)] = first[a] * second[b] * third[c]
+    total = sum(counts.values())
+    # Cells expected fewer than 5 times are pooled, as the test asks.
+    big = [k for k, p in expected.items() if p * total >= 5]
+    stat = sum((counts[k] - expected[k] * total) ** 2 / (expected[k] * total) for k in big)
+    rest_expected = total - sum(expected[k] * total for k in big)
+    rest_seen = total - sum(counts[k] for k in big)
+    if rest_expected >= 5:
+        stat += (rest_seen - rest_expected) ** 2 / rest_expected
+    assert stat < _chi_square_bound(len(big)), (stat, len(big))
