@@ -140,6 +140,7 @@ class Worker:
             prefilling=lambda: self.engine.prefilling,
             memory=lambda: self.engine.memory,
             cache=lambda: self.engine.cache,
+            speculation=lambda: self.engine.speculation,
         )
         self.engine.on_step(self.metrics.step)
         self.servicer = MlxEngineServicer(

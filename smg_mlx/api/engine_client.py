@@ -13,7 +13,7 @@ from smg_mlx.api.streaming import StreamPublisher
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.types import CacheStats, Memory, StepReport
+from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats, StepReport
 
 
 class EngineState(enum.Enum):
@@ -51,6 +51,8 @@ class EngineClient:
         self.waiting = 0
         self.memory: Memory | None = None
         self.cache = CacheStats()  # the prefix cache's tiers
+        self.speculation = SpeculationStats()
+        self.speculation = SpeculationStats()
         self.ranks = 1  # processes serving the model together
         self.mode = ""  # how requests are batched (engine.batch_check), once started
         self.tokens_per_message = stream_interval
@@ -158,6 +160,7 @@ class EngineClient:
         self.waiting = reports[-1].waiting
         self.memory = reports[-1].memory
         self.cache = reports[-1].cache
+        self.speculation = reports[-1].speculation
 
     def stopped(self) -> None:
         if self._ended:

@@ -19,7 +19,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from smg_mlx.api.jobs import Job
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
-from smg_mlx.engine.types import CacheStats, Memory
+from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -38,9 +38,11 @@ class Metrics:
         prefilling: Callable[[], int],
         memory: Callable[[], Memory | None],
         cache: Callable[[], CacheStats],
+        speculation: Callable[[], SpeculationStats] = SpeculationStats,
     ) -> None:
         self.registry = registry = CollectorRegistry()
         registry.register(_CacheCollector(cache))
+        registry.register(_SpeculationCollector(speculation))
 
         def metric(kind: type, name: str, doc: str, **options: object) -> Any:
             # Every name gets the smg_mlx_ prefix.
@@ -244,3 +246,26 @@ class _CacheCollector:
         yield counter(
             "corrupt_files", "Files that failed their checks, ignored and deleted", s.corrupt
         )
+
+
+class _SpeculationCollector:
+    """Speculative decoding's counts, from the engine's last report."""
+
+    def __init__(self, stats: Callable[[], SpeculationStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Any:
+        s = self._stats()
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily("smg_mlx_speculative_" + name, doc, labels=["drafter"])
+            family.add_metric(["prompt_lookup"], value)
+            return family
+
+        yield counter("proposed_tokens", "Proposed tokens checked by the model", s.proposed)
+        yield counter("accepted_tokens", "Proposed tokens kept (the model agreed)", s.accepted)
+        yield counter("passes", "Passes that checked proposals", s.passes)
+        yield counter(
+            "pass_tokens", "Tokens returned by passes that checked proposals "
+            "(over passes: tokens a pass)", s.tokens,
+        )  # fmt: skip

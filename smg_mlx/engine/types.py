@@ -139,6 +139,16 @@ class CacheStats:
     corrupt: int = 0  # files that failed their checks, ignored and deleted
 
 
+@dataclass(frozen=True)
+class SpeculationStats:
+    """What speculative decoding has done since start (engine.speculative)."""
+
+    proposed: int = 0  # tokens proposed and checked
+    accepted: int = 0  # of those, tokens kept
+    passes: int = 0  # passes that checked proposals
+    tokens: int = 0  # tokens those passes returned
+
+
 @dataclass(frozen=True, slots=True)
 class StepReport:
     """One turn of the engine loop: the events it produced and the batch after it."""
@@ -153,6 +163,7 @@ class StepReport:
     memory: Memory
     idle: bool  # nothing left to run: the engine sleeps until new work comes
     cache: CacheStats = CacheStats()
+    speculation: SpeculationStats = SpeculationStats()
 
 
 @dataclass(frozen=True, slots=True)
