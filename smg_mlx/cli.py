@@ -28,7 +28,7 @@ from smg_mlx.config import (
     default_prompt_cache_dir,
 )
 from smg_mlx.demo_model import default_demo_dir
-from smg_mlx.engine.ranks import launched_rank
+from smg_mlx.engine.ranks.launched import launched_rank
 from smg_mlx.model_config import BadModelConfig, read_json
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
 def _join(rank: int) -> int | None:
     """Join the other ranks a launcher started (engine.placement); an exit code
     when that fails."""
-    from smg_mlx.engine import placement  # MLX's first import in this process
+    from smg_mlx.engine.ranks import placement  # MLX's first import in this process
 
     try:
         placement.join(rank)

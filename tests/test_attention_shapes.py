@@ -6,7 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from smg_mlx.engine.attention_shapes import MASK_BYTES, AttentionShapes, shape_key, windows_for
+from smg_mlx.engine.batch.attention_shapes import (
+    MASK_BYTES,
+    AttentionShapes,
+    shape_key,
+    windows_for,
+)
 
 OWN = mx.fast.scaled_dot_product_attention  # mlx's, as no wrapper has it yet
 

@@ -13,8 +13,8 @@ from mlx_lm import load
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-import smg_mlx.engine.batch_kv  # noqa: F401 - installs itself
-from smg_mlx.engine import buffer_cache
+import smg_mlx.engine.batch.batch_kv  # noqa: F401 - installs itself
+from smg_mlx.engine.memory import buffer_cache
 
 from helpers import prompt
 

@@ -16,12 +16,12 @@ import pytest
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine import attention_shapes, warm_up
 from smg_mlx.engine import core as core_module
-from smg_mlx.engine.batch import Batch
+from smg_mlx.engine.batch import attention_shapes, warm_up
+from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.scheduler import Scheduler
+from smg_mlx.engine.schedule.scheduler import Scheduler
 from smg_mlx.engine.types import (
     Event,
     GenerationSpec,

@@ -30,11 +30,11 @@ from dataclasses import astuple
 from typing import TYPE_CHECKING
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.bursts import WINDOWS_AT_MOST, BurstGatherer
 from smg_mlx.engine.handoff import Inbox, Sink
-from smg_mlx.engine.memory import MemoryModel, MemoryPlanner, format_bytes, is_out_of_memory
-from smg_mlx.engine.scheduler import Plan, Scheduler
-from smg_mlx.engine.step_plan import Passes
+from smg_mlx.engine.memory.planner import MemoryModel, MemoryPlanner, format_bytes, is_out_of_memory
+from smg_mlx.engine.schedule.bursts import WINDOWS_AT_MOST, BurstGatherer
+from smg_mlx.engine.schedule.scheduler import Plan, Scheduler
+from smg_mlx.engine.schedule.step_plan import Passes
 from smg_mlx.engine.types import (
     CacheStats,
     Event,
@@ -48,8 +48,8 @@ from smg_mlx.engine.types import (
 from smg_mlx.logs import counted, error_line, one_line
 
 if TYPE_CHECKING:
-    from smg_mlx.engine.batch import Batch
-    from smg_mlx.engine.lockstep import Channel
+    from smg_mlx.engine.batch.batch import Batch
+    from smg_mlx.engine.ranks.lockstep import Channel
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,12 @@ class EngineCore:
         batch = None
         try:
             # MLX is first imported here, on the thread that will own it.
-            from smg_mlx.engine import lockstep, memory_probe, warm_up
-            from smg_mlx.engine.batch import Batch
-            from smg_mlx.engine.batch_check import Mode
-            from smg_mlx.engine.prefix_cache import open_disk_tier
+            from smg_mlx.engine.batch import warm_up
+            from smg_mlx.engine.batch.batch import Batch
+            from smg_mlx.engine.batch.batch_check import Mode
+            from smg_mlx.engine.memory import probe as memory_probe
+            from smg_mlx.engine.prefix_cache.cache import open_disk_tier
+            from smg_mlx.engine.ranks import lockstep
 
             group = lockstep.group()
             batch = Batch(self.config, group)
@@ -228,7 +230,7 @@ class EngineCore:
         window = self.config.burst_window_seconds
         watchdog = None
         if channel is not None:
-            from smg_mlx.engine import lockstep
+            from smg_mlx.engine.ranks import lockstep
 
             watchdog = lockstep.Watchdog(self._peer_hung, batch.slowest_step)
             # Followers must hear from an idle rank 0 well before they give it up.
@@ -497,7 +499,7 @@ class EngineCore:
 
     def _follow(self, batch: Batch, channel: Channel) -> None:
         """Apply rank 0's turns until it says stop."""
-        from smg_mlx.engine import lockstep
+        from smg_mlx.engine.ranks import lockstep
 
         def rank_0_hung(limit: float) -> None:
             log.error("rank 0 sent nothing for %.0fs: hung or unreachable; exiting", limit)

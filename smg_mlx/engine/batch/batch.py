@@ -19,22 +19,22 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import (
+from smg_mlx.engine.batch import (
     batch_check,
     batch_kv,  # noqa: F401 - installs itself
-    buffer_cache,
     loading,
-    memory_probe,
 )
-from smg_mlx.engine.attention_shapes import AttentionShapes
-from smg_mlx.engine.memory import Cost, MemoryPlanner
-from smg_mlx.engine.memory_tier import Pace
-from smg_mlx.engine.prefix_cache import PrefixCache, Start
-from smg_mlx.engine.sampling import SamplerCache, StopTokens
-from smg_mlx.engine.scheduler import Running
-from smg_mlx.engine.step_clock import StepClock
-from smg_mlx.engine.step_plan import LONG, SHORT, Passes
-from smg_mlx.engine.token_tree import Entry
+from smg_mlx.engine.batch.attention_shapes import AttentionShapes
+from smg_mlx.engine.batch.sampling import SamplerCache, StopTokens
+from smg_mlx.engine.memory import buffer_cache
+from smg_mlx.engine.memory import probe as memory_probe
+from smg_mlx.engine.memory.planner import Cost, MemoryPlanner
+from smg_mlx.engine.prefix_cache.cache import PrefixCache, Start
+from smg_mlx.engine.prefix_cache.memory_tier import Pace
+from smg_mlx.engine.prefix_cache.token_tree import Entry
+from smg_mlx.engine.schedule.scheduler import Running
+from smg_mlx.engine.schedule.step_clock import StepClock
+from smg_mlx.engine.schedule.step_plan import LONG, SHORT, Passes
 from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
 from smg_mlx.model_config import DEFAULT_CONTEXT_LENGTH, named_context_length
 

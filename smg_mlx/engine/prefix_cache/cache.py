@@ -25,12 +25,12 @@ from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.disk_folder import Read
-from smg_mlx.engine.disk_tier import DiskTier
-from smg_mlx.engine.memory_tier import LayerCache, MemoryTier, Pace
-from smg_mlx.engine.token_tree import Entry
+from smg_mlx.engine.prefix_cache.disk_folder import Read
+from smg_mlx.engine.prefix_cache.disk_tier import DiskTier
+from smg_mlx.engine.prefix_cache.memory_tier import LayerCache, MemoryTier, Pace
+from smg_mlx.engine.prefix_cache.token_tree import Entry
+from smg_mlx.engine.schedule.waiting_room import Reuse
 from smg_mlx.engine.types import CacheStats
-from smg_mlx.engine.waiting_room import Reuse
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
 
 if TYPE_CHECKING:
-    from smg_mlx.engine.batch import Batch
+    from smg_mlx.engine.batch.batch import Batch
 
 log = logging.getLogger(__name__)
 

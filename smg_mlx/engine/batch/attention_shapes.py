@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from smg_mlx.engine.step_plan import SHAPE_BUILD_STEP_TOKENS
+from smg_mlx.engine.schedule.step_plan import SHAPE_BUILD_STEP_TOKENS
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from smg_mlx.engine.step_clock import PrefillSpeed, StepClock
+from smg_mlx.engine.schedule.step_clock import PrefillSpeed, StepClock
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from smg_mlx.engine.memory import Cost, cost
+from smg_mlx.engine.memory.planner import Cost, cost
 from smg_mlx.engine.types import Request
 
 AGING_SECONDS = 10.0

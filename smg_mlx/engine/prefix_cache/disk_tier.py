@@ -38,8 +38,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
-from smg_mlx.engine import kv_files
-from smg_mlx.engine.disk_folder import (
+from smg_mlx.engine.memory.planner import format_bytes
+from smg_mlx.engine.prefix_cache import kv_files
+from smg_mlx.engine.prefix_cache.disk_folder import (
     RESERVE_BYTES,
     Folder,
     Opened,
@@ -48,9 +49,8 @@ from smg_mlx.engine.disk_folder import (
     Write,
     file_name,
 )
-from smg_mlx.engine.memory import format_bytes
-from smg_mlx.engine.memory_tier import MemoryTier
-from smg_mlx.engine.token_tree import Entry, TokenTree
+from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
+from smg_mlx.engine.prefix_cache.token_tree import Entry, TokenTree
 from smg_mlx.logs import counted
 
 log = logging.getLogger(__name__)

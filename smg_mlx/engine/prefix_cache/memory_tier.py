@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from smg_mlx.engine.token_tree import Entry, TokenTree
+from smg_mlx.engine.prefix_cache.token_tree import Entry, TokenTree
 
 LayerCache = Any  # one layer's mlx-lm cache object
 
