@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from smg_mlx.engine.batch.attention_shapes import shape_key, windows_for
-from smg_mlx.engine.memory.planner import Cost, MemoryModel, MemoryPlanner
+from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
+from smg_mlx.engine.memory.planner import Cost, MemoryPlanner
 from smg_mlx.engine.schedule.scheduler import LONG_PROMPT_STEPS, Plan, Running, Scheduler
-from smg_mlx.engine.schedule.step_clock import PrefillSpeed
 from smg_mlx.engine.schedule.step_plan import (
     MIN_STEP_TOKENS,
     SHORT,

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.handoff import Inbox, Sink
-from smg_mlx.engine.memory.planner import MemoryModel, MemoryPlanner, format_bytes, is_out_of_memory
+from smg_mlx.engine.memory.costs import MemoryModel
+from smg_mlx.engine.memory.planner import MemoryPlanner, is_out_of_memory
 from smg_mlx.engine.schedule.bursts import WINDOWS_AT_MOST, BurstGatherer
 from smg_mlx.engine.schedule.scheduler import Plan, Scheduler
 from smg_mlx.engine.schedule.step_plan import Passes
@@ -45,7 +46,7 @@ from smg_mlx.engine.types import (
     Turn,
     Unservable,
 )
-from smg_mlx.logs import counted, error_line, one_line
+from smg_mlx.logs import counted, error_line, format_bytes, one_line
 
 if TYPE_CHECKING:
     from smg_mlx.engine.batch.batch import Batch

@@ -34,8 +34,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from smg_mlx.engine.memory.planner import MemoryModel, format_bytes
-from smg_mlx.engine.schedule.step_clock import PrefillSpeed
+from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
+from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
 

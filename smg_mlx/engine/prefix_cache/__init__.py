@@ -4,6 +4,6 @@ memory tier (`memory_tier`) and a disk tier (`disk_tier`, with its folder,
 file format and the model's fingerprint), both indexed by a radix tree of
 token sequences (`token_tree`).
 
-May import `schedule/` (the `waiting_room.Reuse` it answers with), `memory/`
-and the engine's `types`; never the batch.
+May import `schedule/` (the `waiting_room.Reuse` it answers the scheduler
+with) and the engine's `types`; never the batch.
 """

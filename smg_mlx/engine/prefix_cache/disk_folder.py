@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 
 from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE
-from smg_mlx.engine.memory.planner import format_bytes
 from smg_mlx.engine.prefix_cache import kv_files, safe_files
 from smg_mlx.engine.prefix_cache.fingerprint import fingerprint
+from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
-from smg_mlx.engine.memory.planner import format_bytes
 from smg_mlx.engine.prefix_cache import kv_files
 from smg_mlx.engine.prefix_cache.disk_folder import (
     RESERVE_BYTES,
@@ -51,7 +50,7 @@ from smg_mlx.engine.prefix_cache.disk_folder import (
 )
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.prefix_cache.token_tree import Entry, TokenTree
-from smg_mlx.logs import counted
+from smg_mlx.logs import counted, format_bytes
 
 log = logging.getLogger(__name__)
 

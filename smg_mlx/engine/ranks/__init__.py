@@ -2,5 +2,5 @@
 read before MLX loads), its device and group (`placement`), and rank 0's
 decisions shared over `mx.distributed` with a watchdog (`lockstep`).
 
-May import `memory/`; nothing else of the engine.
+Imports nothing else of the engine.
 """

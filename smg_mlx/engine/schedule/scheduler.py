@@ -49,8 +49,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from smg_mlx.engine.memory.costs import PrefillSpeed
 from smg_mlx.engine.memory.planner import Cost, MemoryPlanner, cost
-from smg_mlx.engine.schedule.step_clock import PrefillSpeed
 from smg_mlx.engine.schedule.step_plan import LONG, Attended, Builds, Passes, StepPlan
 from smg_mlx.engine.schedule.waiting_room import AGING_SECONDS, Prefixes, Waiting, WaitingRoom
 from smg_mlx.engine.types import Request

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+
+from smg_mlx.engine.memory.costs import PrefillSpeed
 
 # The correction is the median of the last few prefill passes at about that
 # context: one slow pass (a shape the backend compiles kernels for on first
@@ -37,14 +38,6 @@ MOST_GROWTH = 2.0
 # of each first-seen shape's extra time in the shape build's.
 DECODE_WEIGHT = 0.2
 BUILD_WEIGHT = 0.3
-
-
-@dataclass(frozen=True)
-class PrefillSpeed:
-    """What prefilling costs on this device, measured at start-up (seconds)."""
-
-    per_token: float  # per prompt token
-    per_context: float  # more per prompt token, per token of context it attends to
 
 
 class StepClock:

@@ -46,7 +46,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from smg_mlx.engine.schedule.step_clock import PrefillSpeed, StepClock
+from smg_mlx.engine.memory.costs import PrefillSpeed
+from smg_mlx.engine.schedule.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
