@@ -13,6 +13,9 @@ import smg_mlx
 # module of the package, present or future, is asyncio side.
 MLX_SIDE = {
     "smg_mlx.engine.batch.batch",
+    "smg_mlx.engine.batch.lanes",
+    "smg_mlx.engine.batch.prefix_calls",
+    "smg_mlx.engine.batch.rows",
     "smg_mlx.engine.batch.batch_kv",
     "smg_mlx.engine.batch.attention_shapes",
     "smg_mlx.engine.memory.buffer_cache",
