@@ -1,6 +1,6 @@
 """Settings of one worker process, and the one home of their defaults.
 
-The command line (`cli.py`) takes its defaults from these classes, and the
+The command line's flags (`serve_flags.py`) take their defaults from these classes, and the
 flag table in docs/configuration.md is checked against `--help` by the tests.
 """
 
