@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _join(rank: int) -> int | None:
-    """Join the other ranks a launcher started (engine.placement); an exit code
+    """Join the other ranks a launcher started (engine.ranks.placement); an exit code
     when that fails."""
     from smg_mlx.engine.ranks import placement  # MLX's first import in this process
 

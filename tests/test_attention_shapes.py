@@ -1,4 +1,4 @@
-"""Prefill attention in few shapes (engine.attention_shapes), on the CPU: the
+"""Prefill attention in few shapes (engine.batch.attention_shapes), on the CPU: the
 shapes chosen, what counts as built, and outputs equal to mlx's own."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a pass costs besides its compute, on the CPU: mlx-lm's clears of MLX's
-buffer cache skipped inside `engine.buffer_cache.kept`; a lone row's decode
+buffer cache skipped inside `engine.memory.buffer_cache.kept`; a lone row's decode
 step run with no mask array, and a filter that keeps every row copying
-nothing (`engine.batch_kv`), their results unchanged."""
+nothing (`engine.batch.batch_kv`), their results unchanged."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class Batch(PrefixCalls):
         self.attention = AttentionShapes(self.max_chunk) if builds else None
         if self.attention is not None:
             self.attention.install()
-        # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.buffer_cache`).
+        # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.memory.buffer_cache`).
         self._buffers = buffer_cache.kept if builds else nullcontext
         self._cache_limit: int | None = None  # MLX's, before bound_buffer_cache set one
         # A stream made on this thread: mlx-lm's module-level one belongs to
@@ -158,7 +158,7 @@ class Batch(PrefixCalls):
 
     def prebuild_attention(self) -> None:
         """Build the attention shapes prompts will meet, up to the model's context
-        (see `engine.attention_shapes`); nothing where shapes cost no build."""
+        (see `engine.batch.attention_shapes`); nothing where shapes cost no build."""
         if self.attention is None:
             return
         # The context served (api.model_info): no prompt is longer.
@@ -166,7 +166,7 @@ class Batch(PrefixCalls):
         self.attention.prebuild(context, self.prefill_rows)
 
     def bound_buffer_cache(self, planner: MemoryPlanner) -> None:
-        """Where mlx-lm's passes keep MLX's buffer cache (`engine.buffer_cache`),
+        """Where mlx-lm's passes keep MLX's buffer cache (`engine.memory.buffer_cache`),
         it holds at most the working set the budget counts for one full
         prefill chunk at short context: what a pass frees for the next one,
         while the batch and the prefix cache fill the budget. (Larger, the

@@ -1,13 +1,13 @@
 """The memory budget: what the model costs, and what may run within the budget.
 
 Pure arithmetic, no MLX: the numbers come from a probe at warm-up
-(`engine.memory_probe`), and the scheduler (`engine.scheduler`) asks before
+(`engine.memory.probe`), and the scheduler (`engine.schedule.scheduler`) asks before
 every admission and step.
 
 What a state of the batch costs, in bytes:
 
 - the weights, and the prefix cache (which gives way before work waits);
-- the KV caches. Each lane (`engine.scheduler`: short prompts and long ones)
+- the KV caches. Each lane (`engine.schedule.scheduler`: short prompts and long ones)
   is an mlx-lm batch that keeps one rectangular cache, as long as its longest
   row, for every row alive. A row lives at most as many passes of its lane as
   it has tokens left to process (each pass processes at least one of every
@@ -21,7 +21,7 @@ What a state of the batch costs, in bytes:
   the last of them attending to L tokens, take B x (C x (a + b x L) + c x (L + C))
   (activations and logits per chunk token, attention scores or masks per chunk
   token and context token, and copies of the keys a row attends to, where
-  attention runs on padded copies: `engine.attention_shapes`). The lanes
+  attention runs on padded copies: `engine.batch.attention_shapes`). The lanes
   prefill one after the other: the larger lane's set counts. A prompt that
   starts from a cached prefix prefills only the rest.
 

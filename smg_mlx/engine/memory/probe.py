@@ -7,7 +7,7 @@ each time. The longer one's chunks are timed on a second run, each at a
 longer context: what a prompt token costs to prefill, and how that grows
 with the context.
 
-Where the attention's working set is known instead (`engine.attention_shapes`
+Where the attention's working set is known instead (`engine.batch.attention_shapes`
 says so on CUDA, where a peak's noise would pass for a slope), only what a
 chunk token costs is measured: the larger of the two passes' sets.
 

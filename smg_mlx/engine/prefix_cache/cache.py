@@ -5,10 +5,10 @@ Chat and agent clients resend the whole conversation every turn; a prompt
 starts from the entry sharing its longest prefix and prefills only the rest.
 Two tiers hold the entries:
 
-- memory (`engine.memory_tier`): whatever the memory budget leaves beside the
+- memory (`engine.prefix_cache.memory_tier`): whatever the memory budget leaves beside the
   running batch (`engine.memory`), dropping entries only when a request needs
   the room;
-- disk (`engine.disk_tier`), optional: entries written behind, spilled when
+- disk (`engine.prefix_cache.disk_tier`), optional: entries written behind, spilled when
   memory drops them, read back where that beats prefilling, found again after
   a restart.
 

@@ -3,8 +3,8 @@
 Pure policy, no MLX: the engine loop hands it what arrived and what runs,
 asks `Scheduler.schedule` once per turn, and applies the `Plan` (on every
 rank, when the model is split over several). How much each pass of the step
-prefills is `engine.step_plan`'s; the order requests are considered in,
-`engine.waiting_room`'s. The rules:
+prefills is `engine.schedule.step_plan`'s; the order requests are considered in,
+`engine.schedule.waiting_room`'s. The rules:
 
 - **Two lanes.** The batch runs long prompts in a lane of their own (an
   mlx-lm BatchGenerator each): mlx-lm pads every row of a batch to its
@@ -27,7 +27,7 @@ prefills is `engine.step_plan`'s; the order requests are considered in,
   in the short one it would pad every chat's row to its length. Where one
   is, it starts in the short lane rather than wait.
 - **Equal lengths only**, for a model whose outputs padding would change
-  (`engine.batch_check`): short prompts prefill side by side only while they
+  (`engine.batch.batch_check`): short prompts prefill side by side only while they
   have as many tokens left to prefill, so that mlx-lm pads none of them.
 - **Memory.** A request starts only when the batch with it fits the memory
   budget (`MemoryPlanner`). One that does not fit waits without holding back

@@ -6,8 +6,8 @@ chunk of each of its prompts being prefilled; its prefill part costs about
 `tokens x a + queries x b x context` seconds: `a` for each prompt token (the
 weights' matrix work), `b` for each token of context each query attends to
 (the queries are its tokens, or more where attention runs padded, see
-`engine.attention_shapes`). The start-up probe
-(`engine.memory_probe`) measures `a` and `b`; the passes the engine then runs
+`engine.batch.attention_shapes`). The start-up probe
+(`engine.memory.probe`) measures `a` and `b`; the passes the engine then runs
 correct them, since a probe of short prompts cannot see what a long context
 or a first-seen batch shape costs on this device. The correction is kept for
 each range of contexts: how the cost grows with the context depends on the

@@ -1,6 +1,6 @@
 """The requests waiting to start, and what the prefix cache spares each (pure, no MLX).
 
-The scheduler (`engine.scheduler`) takes them from here in the order `ranked`
+The scheduler (`engine.schedule.scheduler`) takes them from here in the order `ranked`
 gives: those that have waited AGING_SECONDS first, in arrival order; then
 short prompts, the shortest first; then long ones, in arrival order.
 Requests put back after an error go ahead of every arrival.
