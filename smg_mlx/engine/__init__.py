@@ -1,8 +1,9 @@
 """The engine: one thread that owns MLX and runs mlx-lm's BatchGenerator.
 
 At the top, `types` (the values handed in and out) and `handoff` (the thread
-boundary) are all a front door needs; `core` is the loop. Below it, one
-sub-package per concern, each importing only those under it:
+boundary) are all a front door needs; `core` is the loop, and `start_up` makes
+and checks its parts. Below them, one sub-package per concern, each importing
+only those under it:
 
 - `batch/`: the model and the BatchGenerators that run it (engine thread);
 - `prefix_cache/`: finished sequences' KV caches kept for prompts that share a prefix;
