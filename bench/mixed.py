@@ -30,9 +30,9 @@ import grpc
 from bench.grpc_client import stream_one, token_request
 from bench.long_prompts import default_worker, memory_figures, watch_health
 from bench.workload import PROMPT_ID_RANGE, Workload
-from smg_mlx.engine.memory import format_bytes
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+from smg_mlx.logs import format_bytes
 
 
 @dataclass(frozen=True)

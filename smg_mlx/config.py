@@ -1,6 +1,6 @@
 """Settings of one worker process, and the one home of their defaults.
 
-The command line (`cli.py`) takes its defaults from these classes, and the
+The command line's flags (`serve_flags.py`) take their defaults from these classes, and the
 flag table in docs/configuration.md is checked against `--help` by the tests.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # --batching: "auto" (the mode the start-up check finds exact), or a safer one;
-# from the most batched, as engine.batch_check's modes are.
+# from the most batched, as engine.batch.batch_check's modes are.
 BATCHING = ("auto", "equal-lengths", "one-at-a-time")
 
 # Without --prompt-cache-disk-bytes the disk tier takes this share of the free
@@ -41,7 +41,7 @@ class EngineConfig:
     prefill_batch_size: int = 8  # most prompts prefilled together
     # Prompt tokens a prompt prefills in one pass, at most (None: the backend's, engine.batch).
     prefill_step_size: int | None = None
-    # How long an engine step may take while it prefills (see `engine.step_plan`):
+    # How long an engine step may take while it prefills (see `engine.schedule.step_plan`):
     # a running stream's pause between tokens, against how fast long prompts go.
     step_budget_seconds: float = 0.15
     # The prefix cache (`engine.prefix_cache`). Its memory tier holds what the
@@ -53,16 +53,16 @@ class EngineConfig:
     prompt_cache_dir: Path | None = None
     prompt_cache_disk_bytes: int | None = None
     # An idle engine waits this long after each new request for more, to start
-    # a burst as one group (0: never waits); see `engine.bursts`.
+    # a burst as one group (0: never waits); see `engine.schedule.bursts`.
     burst_window_seconds: float = 0.005
     # The memory budget (see `engine.memory`): bytes, or else a share of the
-    # device's memory; neither set: the default share (engine.memory_probe).
+    # device's memory; neither set: the default share (engine.memory.probe).
     memory_budget_bytes: int | None = None
     memory_budget_share: float | None = None
     # With several ranks (a distributed launcher started this process): split
     # the model's layers among them instead of each layer's weights.
     pipeline: bool = False
-    # How requests are batched (one of BATCHING; engine.batch_check).
+    # How requests are batched (one of BATCHING; engine.batch.batch_check).
     batching: str = "auto"
     # A LoRA adapter's directory (adapter_config.json, adapters.safetensors),
     # applied to the model as mlx-lm loads it.

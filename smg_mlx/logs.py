@@ -50,6 +50,14 @@ def one_line(text: object) -> str:
     return joined
 
 
+def format_bytes(n: float) -> str:
+    """Bytes for a log line: "1.50 GiB", "12.0 MiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n:.0f} B"
+
+
 def counted(number: int, noun: str, plural: str = "") -> str:
     """`number` with `noun`, plural unless it is 1: "1 request", "3 entries"."""
     return f"{number} {noun if number == 1 else plural or noun + 's'}"

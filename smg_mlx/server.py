@@ -24,10 +24,9 @@ from smg_mlx.api.model_info import ModelInfo, load_model_info
 from smg_mlx.api.rpc_handlers import add_engine_service
 from smg_mlx.api.servicer import MlxEngineServicer
 from smg_mlx.config import ServerConfig
-from smg_mlx.engine.memory import format_bytes
-from smg_mlx.engine.ranks import launched_rank
+from smg_mlx.engine.ranks.launched import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
-from smg_mlx.logs import READY, counted, one_line
+from smg_mlx.logs import READY, counted, format_bytes, one_line
 from smg_mlx.model_config import BadModelConfig, generation_config
 
 log = logging.getLogger(__name__)

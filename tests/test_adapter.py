@@ -41,7 +41,7 @@ def write_adapter(out: Path, model_dir: Path) -> Path:
 
 def test_an_adapter_changes_what_the_model_says(start_worker, model_dir, tmp_path, caplog):
     adapter = write_adapter(tmp_path / "adapter", model_dir)
-    caplog.set_level(logging.INFO, "smg_mlx.engine.loading")
+    caplog.set_level(logging.INFO, "smg_mlx.engine.batch.loading")
     base = start_worker(model_dir)
     adapted = start_worker(model_dir, adapter_path=adapter)
     assert f"with the adapter {adapter}" in caplog.text

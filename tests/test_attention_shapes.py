@@ -1,4 +1,4 @@
-"""Prefill attention in few shapes (engine.attention_shapes), on the CPU: the
+"""Prefill attention in few shapes (engine.batch.attention_shapes), on the CPU: the
 shapes chosen, what counts as built, and outputs equal to mlx's own."""
 
 from __future__ import annotations
@@ -7,8 +7,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from smg_mlx.engine import attention_shapes
-from smg_mlx.engine.attention_shapes import MASK_BYTES, AttentionShapes, shape_key, windows_for
+from smg_mlx.engine.batch import attention_shapes
+from smg_mlx.engine.batch.attention_shapes import (
+    MASK_BYTES,
+    AttentionShapes,
+    shape_key,
+    windows_for,
+)
 
 OWN = mx.fast.scaled_dot_product_attention  # mlx's, as no wrapper has it yet
 

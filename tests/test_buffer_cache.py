@@ -1,7 +1,7 @@
 """What a pass costs besides its compute, on the CPU: mlx-lm's clears of MLX's
-buffer cache skipped inside `engine.buffer_cache.kept`; a lone row's decode
+buffer cache skipped inside `engine.memory.buffer_cache.kept`; a lone row's decode
 step run with no mask array, and a filter that keeps every row copying
-nothing (`engine.batch_kv`), their results unchanged."""
+nothing (`engine.batch.batch_kv`), their results unchanged."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from mlx_lm import load
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-import smg_mlx.engine.batch_kv  # noqa: F401 - installs itself
-from smg_mlx.engine import buffer_cache
+import smg_mlx.engine.batch.batch_kv  # noqa: F401 - installs itself
+from smg_mlx.engine.memory import buffer_cache
 
 from helpers import prompt
 

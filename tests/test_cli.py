@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from smg_mlx import __version__
-from smg_mlx.cli import build_parser, byte_size, check_serve_args
+from smg_mlx.cli import build_parser, check_serve_args
 from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig
+from smg_mlx.flag_types import byte_size
 
 from docs import CONFIGURATION
 

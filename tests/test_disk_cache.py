@@ -26,8 +26,9 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine import disk_folder, disk_tier, fingerprint, kv_files
-from smg_mlx.engine.disk_folder import Folder, file_name
+from smg_mlx.engine.prefix_cache import disk_folder, disk_tier, fingerprint, kv_files
+from smg_mlx.engine.prefix_cache.disk_folder import Folder
+from smg_mlx.engine.prefix_cache.folder_contents import file_name
 
 from helpers import generate, prompt, wait_until
 

@@ -16,12 +16,12 @@ import pytest
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine import attention_shapes, warm_up
 from smg_mlx.engine import core as core_module
-from smg_mlx.engine.batch import Batch
+from smg_mlx.engine.batch import attention_shapes, warm_up
+from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.scheduler import Scheduler
+from smg_mlx.engine.schedule.scheduler import Scheduler
 from smg_mlx.engine.types import (
     Event,
     GenerationSpec,
@@ -273,7 +273,7 @@ def test_a_model_that_cannot_load_is_reported(tmp_path):
     assert not sink.ready.is_set()
 
 
-# ---- the scheduler at work (engine.scheduler): counted in steps, not seconds ----
+# ---- the scheduler at work (engine.schedule.scheduler): counted in steps, not seconds ----
 
 
 @pytest.fixture
@@ -399,8 +399,8 @@ def test_prefills_in_few_attention_shapes_answer_as_prefills_in_their_own(
     tmp_path_factory, monkeypatch
 ):
     """Where each attention shape costs a build (CUDA), prefills run padded to
-    a few shapes (engine.attention_shapes), keeping MLX's buffer cache between
-    passes (engine.buffer_cache): a follow-up that reuses a cached
+    a few shapes (engine.batch.attention_shapes), keeping MLX's buffer cache between
+    passes (engine.memory.buffer_cache): a follow-up that reuses a cached
     context, and prompts of several lengths prefilled together, get the tokens
     they get in shapes of their own."""
     model_dir = build_model(tmp_path_factory.mktemp("models") / "bf16", ["--dtype", "bfloat16"])
@@ -424,7 +424,7 @@ def test_prefills_in_few_attention_shapes_answer_as_prefills_in_their_own(
 
     plain, plain_cached = outputs()
     fused, shape_key = mx.fast.scaled_dot_product_attention, attention_shapes.shape_key
-    clear = mx.clear_cache  # mlx-lm's passes skip it there (engine.buffer_cache)...
+    clear = mx.clear_cache  # mlx-lm's passes skip it there (engine.memory.buffer_cache)...
     limit = mx.set_cache_limit(0)  # ...within a bound of the engine's (read, then put back)
     mx.set_cache_limit(limit)
     keys = []

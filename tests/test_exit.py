@@ -128,7 +128,7 @@ FAILING_ENGINE = textwrap.dedent(
     import sys
     from pathlib import Path
     from smg_mlx.cli import main
-    from smg_mlx.engine.batch import Batch
+    from smg_mlx.engine.batch.batch import Batch
 
     flag, step = Path(os.environ["FAIL_FLAG"]), Batch.step
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from smg_mlx.engine import sampling
+from smg_mlx.engine.batch import sampling
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 

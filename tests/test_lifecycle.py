@@ -126,7 +126,7 @@ def test_not_a_model_directory_is_refused_at_once(spawn, tmp_path):
 def test_steps_that_keep_failing_end_the_engine_and_the_worker(
     start_worker, model_dir, monkeypatch
 ):
-    from smg_mlx.engine.batch import Batch
+    from smg_mlx.engine.batch.batch import Batch
 
     failing = threading.Event()
     step = Batch.step
@@ -242,7 +242,7 @@ def test_a_huge_context_or_odd_token_ids_are_reported_within_range(
 
 
 def test_a_second_stop_request_ends_the_grace_period(start_worker, model_dir, monkeypatch):
-    from smg_mlx.engine.batch import Batch
+    from smg_mlx.engine.batch.batch import Batch
 
     step = Batch.step
 

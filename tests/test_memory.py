@@ -12,7 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlx_lm.generate import BatchGenerator
 
-from smg_mlx.engine.memory import Cost, MemoryModel, MemoryPlanner, is_out_of_memory
+from smg_mlx.engine.memory.costs import MemoryModel
+from smg_mlx.engine.memory.planner import Cost, MemoryPlanner, is_out_of_memory
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 from helpers import SERVING, generate, prompt, request, wait_until

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from smg_mlx.engine import memory_probe
+from smg_mlx.engine.memory import probe as memory_probe
 
 RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -38,7 +38,7 @@ def test_the_host_memory_is_the_containers_limit_where_that_is_smaller(tmp_path,
 def test_a_model_slow_on_its_device_is_probed_in_small_chunks(model_dir, monkeypatch, caplog):
     model = load(str(model_dir))[0]
     stream = mx.new_stream(mx.default_device())
-    caplog.set_level(logging.INFO, "smg_mlx.engine.memory_probe")
+    caplog.set_level(logging.INFO, "smg_mlx.engine.memory.probe")
     full_memory, _ = memory_probe.measure(model, stream, 2048)
     assert "prompts of 2304 tokens in all" in caplog.text
     caplog.clear()
@@ -70,7 +70,7 @@ def test_one_slow_look_does_not_shrink_the_probe(model_dir, caplog):
         def __getattr__(self, name):
             return getattr(model, name)
 
-    caplog.set_level(logging.INFO, "smg_mlx.engine.memory_probe")
+    caplog.set_level(logging.INFO, "smg_mlx.engine.memory.probe")
     memory_probe.measure(SlowOnce(), mx.new_stream(mx.default_device()), 2048)
     assert "prompts of 2304 tokens in all" in caplog.text
 

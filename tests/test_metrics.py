@@ -246,7 +246,7 @@ def test_a_request_id_cannot_forge_log_lines(spawn, model_dir, log_format):
 def test_the_serving_mode_is_a_short_name_and_the_log_says_what_it_means(
     start_worker, model_dir, caplog
 ):
-    caplog.set_level(logging.INFO, "smg_mlx.engine.core")
+    caplog.set_level(logging.INFO, "smg_mlx.engine.start_up")
     port = free_port()
     w = start_worker(model_dir, metrics_port=port, batching="equal-lengths")
     assert scrape(port)[("smg_mlx_serving_mode", (("mode", "equal-lengths"),))] == 1

@@ -19,7 +19,7 @@ from test_metrics import scrape
 
 from bench.workers import free_port
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine.placement import shared_gpu
+from smg_mlx.engine.ranks.placement import shared_gpu
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 from helpers import (

@@ -17,8 +17,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine.memory_tier import MemoryTier, Pace
-from smg_mlx.engine.prefix_cache import PrefixCache
+from smg_mlx.engine.prefix_cache.cache import PrefixCache
+from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier, Pace
 
 from helpers import collect, generate, prompt, request, wait_until
 

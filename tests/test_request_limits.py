@@ -16,7 +16,7 @@ from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.api.translation import InvalidRequest, check_sizes
 from smg_mlx.config import RequestLimits
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine.sampling import StopTokens
+from smg_mlx.engine.batch.sampling import StopTokens
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc as pb_grpc
 

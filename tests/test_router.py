@@ -219,7 +219,7 @@ def test_thirty_two_concurrent_chat_streams(stack):
 
 
 def test_router_sees_the_worker_healthy_only_when_ready(model_dir, tmp_path, monkeypatch):
-    from smg_mlx.engine.batch import Batch
+    from smg_mlx.engine.batch.batch import Batch
 
     release = threading.Event()
     load = Batch.__init__

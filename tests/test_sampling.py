@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from smg_mlx.engine.sampling import SamplerCache, make_sampler
+from smg_mlx.engine.batch.sampling import SamplerCache, make_sampler
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
 # The child imports helpers (the tests' folder), which imports bench (the repository's).
@@ -58,7 +58,7 @@ NEW_TOP_K_VALUES = textwrap.dedent(
     """
     import mlx.core as mx
     from helpers import rss_mb
-    from smg_mlx.engine.sampling import make_sampler
+    from smg_mlx.engine.batch.sampling import make_sampler
     from smg_mlx.engine.types import SamplingSettings
 
     logprobs = mx.random.normal((2, 8192))

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from smg_mlx.engine.attention_shapes import shape_key, windows_for
-from smg_mlx.engine.memory import Cost, MemoryModel, MemoryPlanner
-from smg_mlx.engine.scheduler import LONG_PROMPT_STEPS, Plan, Running, Scheduler
-from smg_mlx.engine.step_clock import PrefillSpeed
-from smg_mlx.engine.step_plan import MIN_STEP_TOKENS, SHORT, Attended, Builds, Passes, chunk_sizes
+from smg_mlx.engine.batch.attention_shapes import shape_key, windows_for
+from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
+from smg_mlx.engine.memory.planner import Cost, MemoryPlanner
+from smg_mlx.engine.schedule.scheduler import LONG_PROMPT_STEPS, Plan, Running, Scheduler
+from smg_mlx.engine.schedule.step_plan import (
+    MIN_STEP_TOKENS,
+    SHORT,
+    Attended,
+    Builds,
+    Passes,
+    chunk_sizes,
+)
+from smg_mlx.engine.schedule.waiting_room import AGING_SECONDS, Prefixes, Reuse
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
-from smg_mlx.engine.waiting_room import AGING_SECONDS, Prefixes, Reuse
 
 from helpers import prompt
 

@@ -170,7 +170,7 @@ def test_a_path_is_never_taken_for_a_repo_id(model_dir, tmp_path):
 
 def test_a_rank_stopped_while_it_loads_ends_quietly_with_zero(model_dir, monkeypatch, caplog):
     from smg_mlx import follower
-    from smg_mlx.engine.batch import Batch
+    from smg_mlx.engine.batch.batch import Batch
 
     def stopped(*args: object) -> None:
         raise SystemExit(0)  # what SIGTERM raises before serving (cli), as a launcher sends it

@@ -54,7 +54,7 @@ class EngineClient:
         self.speculation = SpeculationStats()
         self.speculation = SpeculationStats()
         self.ranks = 1  # processes serving the model together
-        self.mode = ""  # how requests are batched (engine.batch_check), once started
+        self.mode = ""  # how requests are batched (engine.batch.batch_check), once started
         self.tokens_per_message = stream_interval
         self.each_alone = stream_interval == 1  # every token in a message of its own
         self._jobs: dict[int, Job] = {}

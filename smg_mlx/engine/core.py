@@ -1,16 +1,17 @@
 """The engine loop: drain the inbox, decide, apply, report. One thread runs it and owns MLX.
 
-`EngineCore.run()` loads the model, warms it up, then turns the loop until
-the inbox says stop or a step fails. It knows nothing of gRPC or asyncio: the
-worker runs it behind its gRPC front door, and anything else (a test, a
-follower rank) can run it with an `Inbox` and a `Sink` of its own.
+`EngineCore.run()` loads the model and warms it up (`engine.start_up`), then
+turns the loop until the inbox says stop or a step fails. It knows nothing of
+gRPC or asyncio: the worker runs it behind its gRPC front door, and anything
+else (a test, a follower rank) can run it with an `Inbox` and a `Sink` of its
+own.
 
 Each turn reads: take what arrived, ask the policy, step, report. Deciding
 (aborts, which waiting requests start, the prefill chunk, which prompt-cache
 entries go, whether to stop) is rank 0's alone, and the policy itself lives
-in `engine.scheduler`; applying a turn to the batch is every rank's. With one
+in `engine.schedule`; applying a turn to the batch is every rank's. With one
 rank the two simply follow each other; with several (a model split over
-machines, `engine.lockstep`) rank 0 shares each decided turn before all apply
+machines, `engine.ranks.lockstep`) rank 0 shares each decided turn before all apply
 it, so no follower ever decides anything.
 
 With one rank, a step that fails does not end the engine: one that ran out
@@ -26,15 +27,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import astuple
 from typing import TYPE_CHECKING
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.bursts import WINDOWS_AT_MOST, BurstGatherer
+from smg_mlx.engine import start_up
 from smg_mlx.engine.handoff import Inbox, Sink
-from smg_mlx.engine.memory import MemoryModel, MemoryPlanner, format_bytes, is_out_of_memory
-from smg_mlx.engine.scheduler import Plan, Scheduler
-from smg_mlx.engine.step_plan import Passes
+from smg_mlx.engine.memory.planner import MemoryPlanner, is_out_of_memory
+from smg_mlx.engine.schedule.bursts import WINDOWS_AT_MOST, BurstGatherer
+from smg_mlx.engine.schedule.scheduler import Plan, Scheduler
+from smg_mlx.engine.schedule.step_plan import Passes
 from smg_mlx.engine.types import (
     CacheStats,
     Event,
@@ -48,8 +49,8 @@ from smg_mlx.engine.types import (
 from smg_mlx.logs import counted, error_line, one_line
 
 if TYPE_CHECKING:
-    from smg_mlx.engine.batch import Batch
-    from smg_mlx.engine.lockstep import Channel
+    from smg_mlx.engine.batch.batch import Batch
+    from smg_mlx.engine.ranks.lockstep import Channel
 
 log = logging.getLogger(__name__)
 
@@ -76,56 +77,10 @@ class EngineCore:
 
     def run(self) -> None:
         """Serve until stopped or failed; returns once the batch is released."""
-        batch = None
         try:
-            # MLX is first imported here, on the thread that will own it.
-            from smg_mlx.engine import lockstep, memory_probe, warm_up
-            from smg_mlx.engine.batch import Batch
-            from smg_mlx.engine.batch_check import Mode
-            from smg_mlx.engine.prefix_cache import open_disk_tier
-
-            group = lockstep.group()
-            batch = Batch(self.config, group)
-            channel = lockstep.Channel(group, batch.stream) if group is not None else None
-            self._choose_mode(batch, channel)
-            # Its folder opens (and is indexed) while the warm-up runs.
-            disk = open_disk_tier(self.config, self.inbox.wake) if group is None else None
-            warm_up.run(batch, thorough=batch.shape_builds)
-            budget = memory_probe.budget(
-                self.config.memory_budget_bytes, self.config.memory_budget_share
-            )
-            planner = self._planner(
-                batch.memory, budget, channel, batch.prefill_rows, batch.max_chunk
-            )
-            self._check_budget(planner)
-            batch.bound_buffer_cache(planner)
-            if channel is not None:
-                lockstep.same_random_state(channel)
-            scheduler = Scheduler(
-                planner,
-                batch.speed,
-                batch_size=batch.batch_size,
-                prefill_rows=batch.prefill_rows,
-                step_seconds=self.config.step_budget_seconds,
-                builds=batch.attention.builds if batch.attention is not None else None,
-                attended=batch.attention.attended if batch.attention is not None else None,
-                prefixes=batch.prefixes,
-                equal_lengths=batch.mode is Mode.EQUAL_LENGTHS,
-            )
-            if disk is not None:
-                batch.prefixes.attach(disk, scheduler.steps.prefill_seconds)
-            elif batch.prefixes is None:
-                log.info("the prompt cache is off (--prompt-cache-bytes 0)")
-            elif group is not None and self.config.prompt_cache_dir is not None:
-                log.info("the prompt cache's disk tier is off: the model is split over ranks")
-            elif self.config.prompt_cache_disk_bytes == 0:
-                log.info("the prompt cache's disk tier is off (--prompt-cache-disk-bytes 0)")
-            if batch.prefixes is not None:
-                batch.prefixes.room = planner.prefix_allowance([])
-                batch.prefixes.reset_counts()
+            # MLX is first imported there, on the thread that will own it.
+            batch, scheduler, channel = start_up.start(self.config, self.inbox.wake)
         except BaseException as exc:  # noqa: BLE001 - reported; the caller decides what to do
-            if batch is not None:  # loaded, then refused (budget, ranks): released here too
-                batch.close()
             if isinstance(exc, (SystemExit, KeyboardInterrupt)):
                 raise  # a signal to a rank that runs this on its main thread: it stops
             # The cause is the operator's to fix (the model, a flag): one line says
@@ -154,57 +109,6 @@ class EngineCore:
         # Released on this thread: MLX objects outliving their thread can abort
         # the process at exit.
 
-    @staticmethod
-    def _choose_mode(batch: Batch, channel: Channel | None) -> None:
-        """Serve in the mode the batch found where batching changes no output
-        (`engine.batch_check`); with several ranks, rank 0's (every rank ran
-        the check: the model's collectives need them all)."""
-        choice = batch.choice
-        if channel is not None:
-            choice = channel.share(choice if channel.rank == 0 else None)
-            batch.serve_as(choice.mode)
-        if choice.reason:
-            log.warning(
-                "serving %s, which is slower than batched: %s (checked in %.2fs)",
-                choice.mode.value, choice.reason, choice.seconds,
-            )  # fmt: skip
-        else:
-            log.info("serving batched: batching changes no output (checked in %.2fs)",
-                     choice.seconds)  # fmt: skip
-
-    def _planner(
-        self, model: MemoryModel, budget: int, channel: Channel | None, prefill_rows: int,
-        max_chunk: int,
-    ) -> MemoryPlanner:  # fmt: skip
-        """The budget planner; with several ranks, for the most constrained of them."""
-        if channel is not None:
-            models, budgets = zip(*channel.gather((model, budget)), strict=True)
-            each = [astuple(m) for m in models]
-            model = MemoryModel(*(max(values) for values in zip(*each, strict=True)))
-            budget = min(budgets)
-        return MemoryPlanner(
-            model,
-            budget,
-            max_chunk=max_chunk,
-            prefill_rows=prefill_rows,
-        )
-
-    @staticmethod
-    def _check_budget(planner: MemoryPlanner) -> None:
-        longest = planner.longest_sequence
-        if longest < 2:
-            raise RuntimeError(
-                f"the memory budget ({format_bytes(planner.budget)}) does not hold the "
-                f"model ({format_bytes(planner.model.weights)}) and one short request: raise "
-                "--memory-budget"
-            )
-        # What one request may have is the worker's to say: it knows the context too.
-        log.info(
-            "memory budget %s: the model takes %s",
-            format_bytes(planner.budget),
-            format_bytes(planner.model.weights),
-        )
-
     # ---- rank 0 (or the only rank) ----
 
     @staticmethod
@@ -228,7 +132,7 @@ class EngineCore:
         window = self.config.burst_window_seconds
         watchdog = None
         if channel is not None:
-            from smg_mlx.engine import lockstep
+            from smg_mlx.engine.ranks import lockstep
 
             watchdog = lockstep.Watchdog(self._peer_hung, batch.slowest_step)
             # Followers must hear from an idle rank 0 well before they give it up.
@@ -497,7 +401,7 @@ class EngineCore:
 
     def _follow(self, batch: Batch, channel: Channel) -> None:
         """Apply rank 0's turns until it says stop."""
-        from smg_mlx.engine import lockstep
+        from smg_mlx.engine.ranks import lockstep
 
         def rank_0_hung(limit: float) -> None:
             log.error("rank 0 sent nothing for %.0fs: hung or unreachable; exiting", limit)

@@ -110,7 +110,7 @@ class Sink(Protocol):
     def started(self, memory: Memory, ranks: int, mode: str) -> None:
         """The model is loaded and warmed up on `ranks` processes: requests can be
         served (of at most `memory.longest_sequence` tokens each), batched as
-        `mode` says (`engine.batch_check`)."""
+        `mode` says (`engine.batch.batch_check`)."""
 
     def stepping(self, expected_seconds: float) -> None:
         """A step is about to run, expected to take `expected_seconds`."""

@@ -2,40 +2,39 @@
 
 The model, the stream and every array are created here, on the engine thread,
 so no MLX state ever crosses threads. What the engine knows of the batch
-(which request holds which slot, which have started) it counts itself, from
-what BatchGenerator returns, rather than from BatchGenerator's internals.
+(which request holds which row, which have started) it counts itself, from
+what BatchGenerator returns (`rows`), rather than from BatchGenerator's internals.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from dataclasses import replace
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import (
+from smg_mlx.engine.batch import (
     batch_check,
     batch_kv,  # noqa: F401 - installs itself
-    buffer_cache,
     loading,
-    memory_probe,
 )
-from smg_mlx.engine.attention_shapes import AttentionShapes
-from smg_mlx.engine.memory import Cost, MemoryPlanner
-from smg_mlx.engine.memory_tier import Pace
-from smg_mlx.engine.prefix_cache import PrefixCache, Start
-from smg_mlx.engine.sampling import SamplerCache, StopTokens
-from smg_mlx.engine.scheduler import Running
-from smg_mlx.engine.step_clock import StepClock
-from smg_mlx.engine.step_plan import LONG, SHORT, Passes
-from smg_mlx.engine.token_tree import Entry
-from smg_mlx.engine.types import Event, GenerationSpec, Request, TokenLogprobs
+from smg_mlx.engine.batch.attention_shapes import AttentionShapes
+from smg_mlx.engine.batch.lanes import Lanes, Sampled, logprobs
+from smg_mlx.engine.batch.prefix_calls import PrefixCalls
+from smg_mlx.engine.batch.rows import Row, Rows
+from smg_mlx.engine.batch.sampling import SamplerCache, StopTokens
+from smg_mlx.engine.memory import buffer_cache
+from smg_mlx.engine.memory import probe as memory_probe
+from smg_mlx.engine.memory.planner import Cost, MemoryPlanner
+from smg_mlx.engine.prefix_cache.cache import PrefixCache
+from smg_mlx.engine.schedule.scheduler import Running
+from smg_mlx.engine.schedule.step_clock import StepClock
+from smg_mlx.engine.schedule.step_plan import LONG, SHORT, Passes
+from smg_mlx.engine.types import Event, Request
 from smg_mlx.model_config import DEFAULT_CONTEXT_LENGTH, named_context_length
 
 log = logging.getLogger(__name__)
@@ -44,65 +43,9 @@ log = logging.getLogger(__name__)
 CHUNK, CUDA_CHUNK = 2048, 4096
 
 
-@dataclass(slots=True)
-class _Slot:
-    """One request's place in the batch."""
-
-    request: Request
-    lane: int
-    inserted: GenerationSpec  # what BatchGenerator runs (after an error: the rest of it)
-    options: tuple  # its sampler, logits processors and stop sequences
-    cached: int  # prompt tokens reused from the prefix cache (as its client is told)
-    start: int  # tokens in its cache when it was inserted
-    carries: Entry | None  # the prefix-cache entry whose whole key its row holds
-    pace: Pace | None  # its conversation's turn (`prefix_cache.Start`)
-    processed: int = 0  # prompt tokens prefilled since
-    started: bool = False  # BatchGenerator has begun its prefill
-    prefilling: bool = True  # its prompt is not all processed yet
-    fresh: bool = True  # no token yet
-    # Its first token went out in the pass that sampled it; mlx-lm returns
-    # it a pass later, to be passed over then.
-    ahead: bool = False
-    generated: list[int] = field(default_factory=list)
-
-    @property
-    def key(self) -> int:
-        return self.request.key
-
-    @property
-    def context(self) -> int:
-        """Tokens in its cache."""
-        return self.start + self.processed
-
-    @property
-    def decoded(self) -> int:
-        """Tokens generated since it was inserted (after an error, its prompt
-        holds those generated before)."""
-        return len(self.generated) - len(self.inserted.prompt) + len(self.request.spec.prompt)
-
-    @property
-    def remaining(self) -> int:
-        """Prompt tokens still to prefill, the last one aside."""
-        return len(self.inserted.prompt) - 1 - self.context if self.prefilling else 0
-
-    def ends_with(self, token: int) -> bool:
-        """Whether `token`, sent next, ends the request: its last, or a stop token."""
-        _, _, stop = self.options
-        return len(self.generated) + 1 >= self.request.spec.max_tokens or stop.advance(token)
-
-
-class _Sampled(NamedTuple):
-    """A token mlx-lm has sampled but not returned yet (see `Batch._first_tokens`)."""
-
-    uid: int
-    token: int
-    logprobs: mx.array
-    finish_reason: None = None
-
-
-class Batch:
-    """The model and its lanes' BatchGenerators; each request is a slot keyed
-    by its lane and uid."""
+class Batch(PrefixCalls):
+    """The model and its lanes' BatchGenerators; each request is a row keyed
+    by its lane and uid (`Rows`)."""
 
     def __init__(self, config: EngineConfig, group: mx.distributed.Group | None = None) -> None:
         started = time.perf_counter()
@@ -122,7 +65,7 @@ class Batch:
         self.attention = AttentionShapes(self.max_chunk) if builds else None
         if self.attention is not None:
             self.attention.install()
-        # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.buffer_cache`).
+        # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.memory.buffer_cache`).
         self._buffers = buffer_cache.kept if builds else nullcontext
         self._cache_limit: int | None = None  # MLX's, before bound_buffer_cache set one
         # A stream made on this thread: mlx-lm's module-level one belongs to
@@ -134,14 +77,10 @@ class Batch:
             self.model, self._stream, self.prefill_rows, self.batch_size,
             batch_check.FLAGS[config.batching],
         )  # fmt: skip
-        self._lanes = ()
+        self._lanes = Lanes(self.model, self._stream, self.max_chunk, self._buffers)
         self.serve_as(self.choice.mode)
         self._samplers = SamplerCache()
-        # (lane, BatchGenerator uid) -> slot, in admission order
-        self._slots: dict[tuple[int, int], _Slot] = {}
-        self._uids: dict[int, tuple[int, int]] = {}  # request key -> (lane, uid)
-        self._started = 0  # slots BatchGenerator is prefilling or decoding
-        self._resuming: dict[int, _Slot] = {}  # key -> slot of a request put back (see reset)
+        self._rows = Rows()
         # 0 turns the prefix cache off; None bounds it by the memory budget alone.
         self.prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes != 0 else None
@@ -165,62 +104,39 @@ class Batch:
             mx.default_device(),
         )
 
-    def _new_lanes(self) -> tuple[BatchGenerator, ...]:
-        """A BatchGenerator for each lane, indexed by SHORT and LONG."""
-        return tuple(
-            BatchGenerator(
-                self.model,
-                completion_batch_size=self.batch_size,
-                prefill_batch_size=self.prefill_rows,
-                prefill_step_size=self.max_chunk,
-                stream=self._stream,
-            )
-            for _ in (SHORT, LONG)
-        )
-
     def serve_as(self, mode: batch_check.Mode) -> None:
         """Serve in `mode` from now on (the batch must be empty)."""
         self.mode = mode
         if mode is batch_check.Mode.ONE_AT_A_TIME:
             self.prefill_rows = self.batch_size = 1
-        for lane in self._lanes:
-            lane.close()
-        self._lanes = self._new_lanes()
+        self._lanes.open(self.batch_size, self.prefill_rows)
 
     @property
     def size(self) -> int:
         """Requests admitted to the batch."""
-        return len(self._slots)
+        return len(self._rows)
 
     @property
     def running(self) -> int:
         """Requests being prefilled or decoded; BatchGenerator queues the rest."""
-        return self._started
-
-    def _prefilling(self) -> Iterator[_Slot]:
-        """The slots whose prompt BatchGenerator has begun and not finished."""
-        return (slot for slot in self._slots.values() if slot.started and slot.prefilling)
+        return self._rows.started
 
     @property
     def prefilling(self) -> int:
         """Requests whose prompt is not all processed."""
-        return sum(1 for _ in self._prefilling())
+        return sum(1 for _ in self._rows.prefilling())
 
     def prefills(self) -> list[tuple[str, int, int]]:
         """(request id, tokens in its cache, prompt tokens) of each prompt prefilling."""
         return [
-            (slot.request.request_id, slot.context, len(slot.inserted.prompt))
-            for slot in self._prefilling()
+            (row.request.request_id, row.context, len(row.inserted.prompt))
+            for row in self._rows.prefilling()
         ]
 
     @property
     def waiting(self) -> int:
         """Requests admitted that BatchGenerator has not started yet."""
-        return len(self._slots) - self._started
-
-    @property
-    def prefix_cache_bytes(self) -> int:
-        return self.prefixes.nbytes if self.prefixes is not None else 0
+        return len(self._rows) - self._rows.started
 
     @property
     def active_memory(self) -> int:
@@ -233,7 +149,7 @@ class Batch:
     @property
     def kv_bytes(self) -> int:
         """KV cache bytes the batch holds now."""
-        return sum(lane.prompt_cache_nbytes for lane in self._lanes)
+        return self._lanes.kv_bytes
 
     @property
     def shape_builds(self) -> bool:
@@ -242,7 +158,7 @@ class Batch:
 
     def prebuild_attention(self) -> None:
         """Build the attention shapes prompts will meet, up to the model's context
-        (see `engine.attention_shapes`); nothing where shapes cost no build."""
+        (see `engine.batch.attention_shapes`); nothing where shapes cost no build."""
         if self.attention is None:
             return
         # The context served (api.model_info): no prompt is longer.
@@ -250,7 +166,7 @@ class Batch:
         self.attention.prebuild(context, self.prefill_rows)
 
     def bound_buffer_cache(self, planner: MemoryPlanner) -> None:
-        """Where mlx-lm's passes keep MLX's buffer cache (`engine.buffer_cache`),
+        """Where mlx-lm's passes keep MLX's buffer cache (`engine.memory.buffer_cache`),
         it holds at most the working set the budget counts for one full
         prefill chunk at short context: what a pass frees for the next one,
         while the batch and the prefix cache fill the budget. (Larger, the
@@ -265,58 +181,11 @@ class Batch:
         return self._stream
 
     def holds(self, key: int) -> bool:
-        return key in self._uids
+        return self._rows.holds(key)
 
     def sequences(self, excluding: Iterable[int] = ()) -> list[Running]:
-        """The admitted sequences (but those with the keys `excluding`), as the
-        scheduler sees them."""
-        leaving = set(excluding)
-        # A request put back after an error prefills what it had generated too.
-        return [
-            Running(
-                Cost(
-                    len(slot.inserted.prompt),
-                    len(slot.request.spec.prompt) + slot.request.spec.max_tokens,
-                    slot.remaining + 1 if slot.prefilling else 0,
-                    slot.lane == LONG,
-                    slot.decoded,
-                ),
-                slot.remaining,
-                slot.context,
-                slot.key,
-            )
-            for slot in self._slots.values()
-            if slot.key not in leaving
-        ]
-
-    def cached_over(self, limit: int, keep: Collection[int] = ()) -> tuple[list[int], int]:
-        """The prompt-cache entries to drop to hold at most `limit` bytes (but
-        those in `keep`), and the bytes it holds then."""
-        if self.prefixes is None:
-            return [], 0
-        return self.prefixes.over(limit, keep)
-
-    def drop_cached(self, ids: Iterable[int]) -> None:
-        if self.prefixes is not None:
-            self.prefixes.drop(list(ids))
-
-    def tend_prefixes(self) -> bool:
-        """The prefix cache's work between steps (its disk tier); whether it
-        changed anything."""
-        return self.prefixes is not None and self.prefixes.tick()
-
-    @property
-    def prefixes_busy(self) -> bool:
-        """Whether the prefix cache has work for the engine thread besides steps."""
-        return self.prefixes is not None and self.prefixes.busy
-
-    def prefixes_due(self) -> float | None:
-        """Seconds until the prefix cache has work for the engine thread (None: none waits)."""
-        return self.prefixes.due() if self.prefixes is not None else None
-
-    def _start_from(self, prompt: tuple[int, ...]) -> Start:
-        """See `PrefixCache.start_from` (a fresh cache without one)."""
-        return self.prefixes.start_from(prompt) if self.prefixes is not None else Start()
+        """See `Rows.sequences`."""
+        return self._rows.sequences(excluding)
 
     def _options(self, request: Request) -> tuple:
         spec = request.spec
@@ -333,7 +202,7 @@ class Batch:
         event instead of reaching the batch."""
         accepted, failed = [], []
         for request in requests:
-            resumed = self._resuming.pop(request.key, None)
+            resumed = self._rows.resumed(request.key)
             try:
                 options = resumed.options if resumed else self._options(request)
             except Exception as exc:  # noqa: BLE001 - one request's fault, not the engine's
@@ -345,7 +214,7 @@ class Batch:
             self._insert(lane, [a for a in accepted if (a[0].key in long) == (lane == LONG)])
         return failed
 
-    def _insert(self, lane: int, accepted: list[tuple[Request, tuple, _Slot | None]]) -> None:
+    def _insert(self, lane: int, accepted: list[tuple[Request, tuple, Row | None]]) -> None:
         if not accepted:
             return
         prompts = [request.spec.prompt for request, _, _ in accepted]
@@ -367,26 +236,24 @@ class Batch:
             carries = entry if entry is not None and cached == entry.length else None
             if carries is not None:
                 self.prefixes.carry(carries, 1)
-            slot = _Slot(request, lane, request.spec, options, cached, cached, carries, start.pace)
+            row = Row(request, lane, request.spec, options, cached, cached, carries, start.pace)
             if resumed is not None:  # as the client knows it: tokens sent, cache reuse
-                slot.request, slot.cached, slot.pace = resumed.request, resumed.cached, resumed.pace
-                slot.fresh, slot.generated = resumed.fresh, resumed.generated
-            self._slots[lane, uid] = slot
-            self._uids[request.key] = (lane, uid)
+                row.request, row.cached, row.pace = resumed.request, resumed.cached, resumed.pace
+                row.fresh, row.generated = resumed.fresh, resumed.generated
+            self._rows.add((lane, uid), row)
 
-    def _forget(self, place: tuple[int, int]) -> _Slot:
-        slot = self._slots.pop(place)
-        del self._uids[slot.key]
-        self._started -= slot.started
-        if slot.carries is not None:
-            self.prefixes.carry(slot.carries, -1)
-            slot.carries = None
-        return slot
+    def _forget(self, place: tuple[int, int]) -> Row:
+        """The row leaves the batch, and gives up the entry it carried."""
+        row = self._rows.forget(place)
+        if row.carries is not None:
+            self.prefixes.carry(row.carries, -1)
+            row.carries = None
+        return row
 
     def remove(self, keys: Iterable[int]) -> list[Event]:
         """Drop the requests with these keys (unknown keys are ignored); an abort
         event for each one dropped."""
-        places = [self._uids[k] for k in keys if k in self._uids]
+        places = [self._rows.place(k) for k in keys if self._rows.holds(k)]
         events = []
         for lane, generator in enumerate(self._lanes):
             uids = [uid for on, uid in places if on == lane]
@@ -394,12 +261,12 @@ class Batch:
                 continue
             kept = generator.remove(uids, return_prompt_caches=self.prefixes is not None)
             for uid in uids:
-                slot = self._forget((lane, uid))
+                row = self._forget((lane, uid))
                 cache, tokens = kept.get(uid) or (None, ())
                 # What an aborted sequence computed is as good as a finished one's.
-                if self.prefixes is not None and cache is not None and len(tokens) > slot.cached:
-                    self.prefixes.keep(tokens, cache, slot.pace)
-                events.append(Event(slot.key, finish_reason="abort"))
+                if cache is not None and len(tokens) > row.cached:
+                    self._keep(tokens, cache, row.pace)
+                events.append(Event(row.key, finish_reason="abort"))
         return events
 
     def move(self, keys: Iterable[int]) -> list[Event]:
@@ -409,35 +276,23 @@ class Batch:
         went out early). A request that token ends stays where it is."""
         events = []
         for key in keys:
-            lane, uid = self._uids[key]
-            slot = self._slots[lane, uid]
-            (pending,) = self._pending(lane, [uid])
+            lane, uid = self._rows.place(key)
+            row = self._rows[lane, uid]
+            (pending,) = self._lanes.pending(lane, [uid])
             token = pending.token
-            if not slot.ahead:  # (one that went out early could not end its request)
-                if slot.ends_with(token):
+            if not row.ahead:  # (one that went out early could not end its request)
+                if row.ends_with(token):
                     continue
                 events += self._tokens(lane, [pending])
-            cache, tokens = self._lanes[lane].remove([uid], return_prompt_caches=True)[uid]
-            del self._slots[lane, uid]
-            sampler, processors, stop = slot.options
-            left = slot.request.spec.max_tokens - len(slot.generated)
-            (moved,) = self._lanes[LONG].insert(
-                [[token]],
-                max_tokens=[left],
-                caches=[cache],
-                all_tokens=[list(tokens)],
-                samplers=[sampler],
-                logits_processors=[processors],
-                stop_sequences=[stop],
-            )
-            slot.lane, slot.start, slot.processed = LONG, len(tokens), 0
-            slot.prefilling, slot.ahead = True, False
-            slot.inserted = replace(slot.inserted, prompt=(*tokens, token), max_tokens=left)
-            self._slots[LONG, moved] = slot
-            self._uids[key] = (LONG, moved)
+            left = row.request.spec.max_tokens - len(row.generated)
+            moved, tokens = self._lanes.move_to_long(lane, uid, token, left, row.options)
+            row.lane, row.start, row.processed = LONG, len(tokens), 0
+            row.prefilling, row.ahead = True, False
+            row.inserted = replace(row.inserted, prompt=(*tokens, token), max_tokens=left)
+            self._rows.moved((lane, uid), (LONG, moved))
             log.info(
                 "request %r: its %d tokens move to the long prompts' lane, away from the "
-                "short ones", slot.request.request_id, len(slot.inserted.prompt),
+                "short ones", row.request.request_id, len(row.inserted.prompt),
             )  # fmt: skip
         return events
 
@@ -454,7 +309,7 @@ class Batch:
         after the short one, `early` gets the short lane's events first (the
         list returned begins with them): a chat's first token and a stream's
         next one need not wait for a long prompt's chunks."""
-        held = {lane for lane, _ in self._slots}
+        held = self._rows.lanes()
         both = len(held) == 2
         events, short, long = [], None, []
         if SHORT in held:
@@ -482,54 +337,48 @@ class Batch:
         """One call of a lane's BatchGenerator, prefilling at most `chunk` tokens a
         row; `early`: the first tokens of rows it moves into decoding go out now
         (`_first_tokens`), else with its next call, as mlx-lm hands them over."""
-        generator = self._lanes[lane]
-        generator.prefill_step_size = chunk
-        with self._buffers():
-            prefilling, responses = generator.next()
+        prefilling, responses = self._lanes.next(lane, chunk)
         decoding = []  # the rows that moved into the decoding rows in this pass
         for r in prefilling:
-            slot = self._slots.get((lane, r.uid))
-            if slot is not None:
-                self._started += not slot.started
-                slot.started = True
-                slot.prefilling = not r.end_of_prompt
-                slot.processed = r.progress[0]
+            row = self._rows.get((lane, r.uid))
+            if row is not None:
+                self._rows.prefilled(row, r.progress[0], r.end_of_prompt)
                 if r.end_of_prompt:
                     decoding.append(r.uid)
         sampled = []
         for r in responses:
-            slot = self._slots[lane, r.uid]
-            if slot.ahead:  # went out a pass ago (a token that could not end its request)
-                slot.ahead = False
+            row = self._rows[lane, r.uid]
+            if row.ahead:  # went out a pass ago (a token that could not end its request)
+                row.ahead = False
             else:
                 sampled.append(r)
         events = self._tokens(lane, sampled)
         for r in responses:
             if r.finish_reason is not None:
-                slot = self._forget((lane, r.uid))
-                if self.prefixes is not None:
-                    # The cache holds every token of `all_tokens`, the last
-                    # generated one included.
-                    self.prefixes.keep(r.all_tokens, r.prompt_cache, slot.pace)
+                row = self._forget((lane, r.uid))
+                # The cache holds every token of `all_tokens`, the last
+                # generated one included.
+                self._keep(r.all_tokens, r.prompt_cache, row.pace)
         return events + (self._first_tokens(lane, decoding) if early else [])
 
     def _tokens(self, lane: int, sampled: list) -> list[Event]:
         """The events of the tokens mlx-lm sampled for the lane's rows."""
+        rows = [self._rows[lane, r.uid] for r in sampled]
         events = []
-        for r, chosen in zip(sampled, self._logprobs(lane, sampled), strict=True):
-            slot = self._slots[lane, r.uid]
-            slot.generated.append(r.token)
+        wanted = [row.request.spec.logprobs for row in rows]
+        for r, row, chosen in zip(sampled, rows, logprobs(sampled, wanted), strict=True):
+            row.generated.append(r.token)
             events.append(
                 Event(
-                    slot.key,
+                    row.key,
                     token=r.token,
                     finish_reason=r.finish_reason,
                     logprobs=chosen,
-                    cached_tokens=slot.cached,
-                    first=slot.fresh,
+                    cached_tokens=row.cached,
+                    first=row.fresh,
                 )
             )
-            slot.fresh = False
+            row.fresh = False
         return events
 
     def _first_tokens(self, lane: int, uids: list[int]) -> list[Event]:
@@ -544,45 +393,34 @@ class Batch:
         it then."""
         if not uids:
             return []
-        sampled = []
-        for pending in self._pending(lane, uids):
-            slot = self._slots[lane, pending.uid]
-            if not slot.ends_with(pending.token):
-                slot.ahead = True
+        sampled: list[Sampled] = []
+        for pending in self._lanes.pending(lane, uids):
+            row = self._rows[lane, pending.uid]
+            if not row.ends_with(pending.token):
+                row.ahead = True
                 sampled.append(pending)
         return self._tokens(lane, sampled)
-
-    def _pending(self, lane: int, uids: list[int]) -> list[_Sampled]:
-        """The tokens mlx-lm has sampled for these decoding rows of the lane
-        and not returned yet (its own state: read here alone)."""
-        rows = self._lanes[lane]._generation_batch  # mlx-lm's decoding rows
-        tokens = rows._next_tokens.tolist()
-        where = {uid: i for i, uid in enumerate(rows.uids)}
-        return [_Sampled(uid, tokens[where[uid]], rows._next_logprobs[where[uid]]) for uid in uids]
 
     def reset(self) -> list[Request]:
         """After a step failed (out of memory), start over with an empty batch:
         what the failed step left behind cannot be trusted. Returns the requests
         that were in the batch, in admission order, each to continue from where
         its client is: its prompt extended by the tokens sent, fewer to go."""
-        for lane in self._lanes:
-            lane.close()
-        self._lanes = ()
+        self._lanes.close()
         mx.clear_cache()
-        self._lanes = self._new_lanes()
+        self._lanes.open(self.batch_size, self.prefill_rows)
         requests = []
-        for place in list(self._slots):
-            slot = self._slots[place]
-            self._forget(place)
-            spec = slot.request.spec
-            self._resuming[slot.key] = slot
+        for place in self._rows.places():
+            row = self._forget(place)
+            spec = row.request.spec
+            self._rows.put_back(row)
             requests.append(
                 replace(
-                    slot.request,
+                    row.request,
                     spec=replace(
                         spec,
-                        prompt=spec.prompt + tuple(slot.generated),
-                        max_tokens=spec.max_tokens - len(slot.generated),
+                        prompt=spec.prompt + tuple(row.generated),
+                        max_tokens=spec.max_tokens - len(row.generated),
                     ),
                 )
             )
@@ -590,37 +428,13 @@ class Batch:
 
     def forget_resumed(self, keys: Iterable[int]) -> None:
         """Requests put back by `reset` that ended before being admitted again."""
-        for key in keys:
-            self._resuming.pop(key, None)
-
-    def _logprobs(self, lane: int, responses: list) -> list[TokenLogprobs | None]:
-        """Each response's logprobs, if its request asked for them."""
-        found: list[TokenLogprobs | None] = [None] * len(responses)
-        rows, lazy = [], []
-        # Build every row's top-n lazily, then evaluate them all at once.
-        for i, r in enumerate(responses):
-            n = self._slots[lane, r.uid].request.spec.logprobs
-            if n is None:
-                continue
-            top = mx.array([], dtype=mx.uint32)
-            if n:
-                top = mx.argpartition(-r.logprobs, kth=n - 1)[:n]
-                top = top[mx.argsort(-r.logprobs[top])]
-            rows.append(i)
-            lazy.append((r.logprobs[r.token], top, r.logprobs[top]))
-        if lazy:
-            mx.eval(lazy)
-        for i, (chosen, top, values) in zip(rows, lazy, strict=True):
-            found[i] = TokenLogprobs(chosen.item(), tuple(top.tolist()), tuple(values.tolist()))
-        return found
+        self._rows.forget_resumed(keys)
 
     def close(self, flush_until: Callable[[], float] | None = None) -> None:
         """Release the lanes' generators, the prefix cache (first writing to
         disk what is worth keeping, until `flush_until()`; None: nothing) and
         the model on this thread (see `EngineCore.run`)."""
-        for lane in self._lanes:
-            lane.close()
-        self._lanes = ()
+        self._lanes.close()
         if self.prefixes is not None:
             self.prefixes.close(flush_until)
         self.prefixes = None

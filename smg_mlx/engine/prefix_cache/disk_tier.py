@@ -3,8 +3,10 @@ hit, found again after a restart.
 
 `DiskTier` runs on the engine thread: it decides what to write, what to read
 back and what to delete, and keeps the index of the files (a `TokenTree` of
-their tokens); its folder's own threads do the file work (`engine.disk_folder`),
-and the engine thread copies what they read into MLX a few arrays a turn.
+their tokens); its folder's own threads do the file work
+(`engine.prefix_cache.disk_folder`), and the engine thread copies what they
+read into MLX a few arrays a turn (`engine.prefix_cache.disk_reads`, which
+also decides which file to read back).
 
 - **What is written.** An entry that stayed in memory WRITE_AFTER seconds
   without a newer one replacing it (a conversation's next turn replaces its
@@ -14,10 +16,10 @@ and the engine thread copies what they read into MLX a few arrays a turn.
 - **What is read back.** The entry holding more of a prompt than memory does,
   where reading it (and copying it into MLX) beats prefilling the difference,
   and where memory has room for it. The worker knows its prefill speed from
-  start-up (`engine.memory_probe`) and learns the disk's from its own reads.
-- **Safety.** A folder per model fingerprint, locked (`engine.disk_folder`);
+  start-up (`engine.memory.probe`) and learns the disk's from its own reads.
+- **Safety.** A folder per model fingerprint, locked (`engine.prefix_cache.disk_folder`);
   files written whole, checksummed and carrying the fingerprint
-  (`engine.kv_files`): one that fails its check, or that another model made,
+  (`engine.prefix_cache.kv_files`): one that fails its check, or that another model made,
   is deleted with a log line, never loaded. The folder stays under its size
   bound, least recently used first; an unusable directory (missing and not
   creatable, read-only, full) logs one warning and the worker serves on with
@@ -38,43 +40,29 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
-from smg_mlx.engine import kv_files
-from smg_mlx.engine.disk_folder import (
+from smg_mlx.engine.prefix_cache import kv_files
+from smg_mlx.engine.prefix_cache.disk_folder import (
     RESERVE_BYTES,
     Folder,
     Opened,
     Read,
     Remade,
     Write,
-    file_name,
 )
-from smg_mlx.engine.memory import format_bytes
-from smg_mlx.engine.memory_tier import MemoryTier
-from smg_mlx.engine.token_tree import Entry, TokenTree
-from smg_mlx.logs import counted
+from smg_mlx.engine.prefix_cache.disk_reads import FIRST_COPY_RATE, DiskReads
+from smg_mlx.engine.prefix_cache.folder_contents import file_name
+from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
+from smg_mlx.engine.prefix_cache.token_tree import Entry, TokenTree
+from smg_mlx.logs import counted, format_bytes
 
 log = logging.getLogger(__name__)
 
 FORMAT = "smg-mlx prompt cache 2"
 # An entry is written once it has stayed in memory this long unreplaced.
 WRITE_AFTER = 2.0
-# Fewer tokens are not worth a file (nor a read).
-MIN_TOKENS = 64
 # Writes queued at once; spilled entries' bytes in memory awaiting their write.
 MAX_QUEUED_WRITES = 4
 SPILL_BACKLOG = 1 << 30
-# The disk's speed, until reads measure it, is taken to be what the synced
-# write shows when the folder opens (a disk reads at least that fast, and
-# files written lately are read from memory); a copy into MLX is taken to run
-# at FIRST_COPY_RATE (bytes/s) until one is measured.
-FIRST_COPY_RATE = 2 << 30
-RATE_WEIGHT = 0.3
-# A request waits for its prefix's read at most this many times the read's
-# expected time (and at least MIN_WAIT seconds), then prefills instead.
-WAIT_FACTOR = 2.0
-MIN_WAIT = 1.0
-# Engine-thread time a turn spends copying read entries into MLX.
-COPY_SECONDS = 0.02
 # After a write fails, none starts for this long.
 RETRY_SECONDS = 10.0
 
@@ -105,7 +93,7 @@ class _File:
         self.reading = False  # a read is under way: not deleted meanwhile
 
 
-class DiskTier:
+class DiskTier(DiskReads):
     """The disk tier. Every method runs on the engine thread."""
 
     def __init__(
@@ -154,11 +142,6 @@ class DiskTier:
                 "until it is", self.directory, self._folder.open_seconds,
             )  # fmt: skip
 
-    @property
-    def busy(self) -> bool:
-        """Read entries wait to be copied into MLX: the engine has work."""
-        return bool(self._copying)
-
     def due(self) -> float | None:
         """Seconds until the next write falls due (None: none waits)."""
         if not self.open or not self._candidates:
@@ -170,17 +153,6 @@ class DiskTier:
     def pending_bytes(self) -> int:
         """Memory held by writes whose entries have left memory, until they are done."""
         return sum(w.nbytes for w in self._writes.values() if w.entry is None)
-
-    def read_seconds(self, nbytes: int) -> float:
-        """What reading a file of `nbytes` and copying it into MLX would take."""
-        return nbytes / self._read_rate + nbytes / self._copy_rate
-
-    def _worth(self, entry: Entry, context: int = 0) -> bool:
-        """Whether reading `entry` back beats prefilling its tokens after `context`."""
-        tokens = entry.length - context
-        return tokens >= MIN_TOKENS and self.read_seconds(entry.nbytes) < self.prefill_seconds(
-            tokens, context
-        )
 
     def tick(self, memory: MemoryTier) -> bool:
         """Take in what the threads finished, go on copying read entries into
@@ -232,31 +204,6 @@ class DiskTier:
     def _writing(self, entry: Entry) -> Write | None:
         """The write under way of this memory entry, if any."""
         return next((w for w in self._writes.values() if w.entry is entry), None)
-
-    def fetch(self, prompt: Sequence[int], cached: int, room: int) -> Read | None:
-        """Start (or join) reading back the file that holds more of `prompt`
-        than the `cached` tokens memory holds, if reading it beats prefilling
-        the difference and it fits in `room` bytes of memory."""
-        if not self.open or not len(self.tree):
-            return None
-        found = self.tree.longest(prompt, MIN_TOKENS)
-        if found is None or found[0] - cached < MIN_TOKENS:
-            return None
-        n, entry = found
-        if entry.value.name in self._reads:
-            return self._reads[entry.value.name]
-        if entry.nbytes > room:
-            return None
-        seconds = self.read_seconds(entry.nbytes)
-        if seconds >= self.prefill_seconds(n - cached, cached):
-            return None
-        self.tree.touch(entry)
-        entry.value.reading = True
-        deadline = time.monotonic() + max(MIN_WAIT, WAIT_FACTOR * seconds)
-        read = Read(entry.value.name, TokenTree.tokens(entry), deadline, entry)
-        self._reads[read.name] = read
-        self._folder.read(read)
-        return read
 
     def _opened(self, opened: Opened) -> None:
         for name, reason in opened.bad:
@@ -414,72 +361,6 @@ class DiskTier:
         self._remaking = False
         if remade.error is not None:
             self._turn_off(f"cannot make {self._folder.path} again: {remade.error}")
-
-    def _fetched(self, read: Read) -> None:
-        read.entry.value.reading = False
-        if read.error is not None:
-            self._fail(read)
-            return
-        self.stats.read_seconds += read.seconds
-        size = read.entry.nbytes
-        if read.seconds > 0:
-            self._read_rate += RATE_WEIGHT * (size / read.seconds - self._read_rate)
-        header, tokens, arrays = read.data
-        read.data = None
-        if tokens != read.tokens:
-            read.error = kv_files.BadFile("its tokens are not those of its name")
-            self._fail(read)
-            return
-        read.rebuild = kv_files.Rebuild(header, arrays)
-        self._copying.append(read)
-
-    def _fail(self, read: Read) -> None:
-        """A read that failed: a bad file is deleted, the request prefills.
-        Nothing is said of a file no longer indexed (its folder deleted, or
-        a newer file made it redundant meanwhile)."""
-        if not self._gone() and self.tree.get(read.entry.id) is read.entry:
-            log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
-            if isinstance(read.error, kv_files.BadFile):
-                self.stats.corrupt += 1
-            self.tree.remove(read.entry)
-            self._folder.delete(read.name)
-            self._count()
-        self._finish(read)
-
-    def _finish(self, read: Read) -> None:
-        read.done = True
-        del self._reads[read.name]
-
-    def _copy(self, memory: MemoryTier) -> None:
-        """Copy read entries into MLX for at most COPY_SECONDS, then into memory."""
-        end = time.perf_counter() + COPY_SECONDS
-        while self._copying and time.perf_counter() < end:
-            read = self._copying[0]
-            began = time.perf_counter()
-            read.rebuild.advance(end - began)
-            copied = time.perf_counter() - began
-            read.copy_seconds += copied
-            self.stats.read_seconds += copied
-            if not read.rebuild.done:
-                continue
-            self._copying.pop(0)
-            try:
-                cache = read.rebuild.cache()
-            except Exception as exc:  # noqa: BLE001 - a file we cannot make a cache of
-                read.error = kv_files.BadFile(f"its caches cannot be rebuilt ({exc!r})")
-                self._fail(read)
-                continue
-            size = read.entry.nbytes
-            rate = size / max(read.copy_seconds, 1e-6)
-            self._copy_rate += RATE_WEIGHT * (rate - self._copy_rate)
-            self.superseded(memory.insert(read.tokens, cache, loaded=True)[1])
-            self.stats.loaded += 1
-            self.stats.loaded_bytes += size
-            log.debug(
-                "prompt cache: read back %d tokens (%s) from disk in %.3fs",
-                len(read.tokens), format_bytes(size), read.seconds + read.copy_seconds,
-            )  # fmt: skip
-            self._finish(read)
 
     def close(self, memory: MemoryTier, until: Callable[[], float] | None) -> None:
         """A graceful stop: write what memory holds that is worth it and not on

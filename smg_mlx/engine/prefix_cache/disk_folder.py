@@ -9,13 +9,13 @@ reads arrays' memory through byte views the engine thread exported (it keeps
 the arrays alive until the write is reported done), and a read hands back
 numpy buffers for the engine thread to copy into MLX (`kv_files.Rebuild`).
 
-Opening the folder: the model's fingerprint names it (`engine.fingerprint`),
+Opening the folder: the model's fingerprint names it (`engine.prefix_cache.fingerprint`),
 so other models' entries are never found; a lock keeps a second worker of
 the same model out (it serves without the tier and says why); nothing there
-is followed through a link (`engine.safe_files`: a link in place of the
+is followed through a link (`engine.prefix_cache.safe_files`: a link in place of the
 folder or its lock leaves the tier off, one in place of a file the worker
 writes whole is replaced); leftovers of a write a crash cut short are
-deleted; each entry's header is read and checked against its length and its
+deleted; each entry's header is read and checked (`folder_contents`) against its length and its
 model (a truncated file, another model's, or anything there that is not a
 regular file is deleted with a log line), and an entry whose tokens extend
 another's is checked whole; a synced write of PROBE_BYTES measures the disk.
@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import queue
-import re
 import shutil
 import threading
 import time
@@ -41,35 +39,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE
-from smg_mlx.engine import kv_files, safe_files
-from smg_mlx.engine.fingerprint import fingerprint
-from smg_mlx.engine.memory import format_bytes
+from smg_mlx.engine.prefix_cache import folder_contents, kv_files, safe_files
+from smg_mlx.engine.prefix_cache.fingerprint import fingerprint
+from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".kv"
 PROBE_BYTES = 32 << 20
 # Start-up waits this long at most for the folder to open: a disk that hangs
 # must not keep the worker from serving.
 OPEN_SECONDS = 30.0
 # No write leaves less free space than this on the device.
 RESERVE_BYTES = 1 << 30
-# What a model's folder holds, and nothing else: a folder holding anything
-# more is not deleted for room, whatever its name.
-FOLDER_FILES = {"model.json", "lock"}
-FOLDER_SUFFIXES = {SUFFIX, ".tmp"}
-FOLDER_NAME = re.compile(r"[0-9a-f]{24}")
-
-
-def file_name(tokens: Sequence[int]) -> str:
-    """The file of the entry holding exactly `tokens`."""
-    key = np.asarray(tokens, np.uint32).tobytes()
-    return hashlib.blake2b(key, digest_size=16).hexdigest() + SUFFIX
-
-
 class Opened:
     """What opening the folder found."""
 
@@ -230,7 +212,7 @@ class Folder:
             self._make(path)
             for leftover in path.glob("*.tmp"):  # a write a crash cut short
                 leftover.unlink(missing_ok=True)
-            self._index(path, key, opened)
+            folder_contents.index(path, key, opened.files, opened.bad)
             held = sum(f[-1] for f in opened.files)
             if max_bytes is None:
                 free = shutil.disk_usage(path).free + held
@@ -273,28 +255,6 @@ class Folder:
         log.debug("opening or making the prompt cache's folder failed", exc_info=True)
         return repr(exc)
 
-    @staticmethod
-    def _index(path: Path, model: str, opened: Opened) -> None:
-        """Read the key of every entry in `path`, least recently used first,
-        into `opened`. A file whose tokens extend another's is read whole and
-        checked first: indexing it deletes the other (it serves all the other
-        served), and a bad file must never cost a good one."""
-        files = _entry_files(path)
-        if len(files) > 1000:
-            log.info("prompt cache: indexing %d files in %s", len(files), path)
-        for file in files:
-            try:
-                opened.files.append((file.name, *_key(file, model)))
-            except Exception as exc:  # noqa: BLE001 - whatever is wrong, only this file's
-                _discard(file, exc, opened)
-        extending = _extending(opened.files)
-        for entry in [f for f in opened.files if f[0] in extending]:
-            try:
-                kv_files.verify(path / entry[0], model)
-            except Exception as exc:  # noqa: BLE001 - likewise
-                _discard(path / entry[0], exc, opened)
-                opened.files.remove(entry)
-
     def _prune(self, ours: Path, max_bytes: int, held: int) -> None:
         """Delete other models' folders that no worker uses, least recently
         used first, until the directory holds at most `max_bytes` with this
@@ -303,7 +263,7 @@ class Folder:
         others = []
         for folder in self.directory.iterdir():
             try:
-                files = _cache_files(folder) if folder != ours else None
+                files = folder_contents.cache_files(folder) if folder != ours else None
                 if files is None:
                     continue
                 stats = [f.stat() for f in files]
@@ -394,69 +354,3 @@ class Folder:
         return read
 
 
-def _entry_files(path: Path) -> list[Path]:
-    """The entries' files in `path`, least recently used first (by their own
-    times: a link is not followed)."""
-    found = []
-    with os.scandir(path) as listing:
-        for file in listing:
-            if file.name.endswith(SUFFIX):
-                try:
-                    found.append((file.stat(follow_symlinks=False).st_mtime, file.name))
-                except OSError:
-                    continue  # gone meanwhile
-    return [path / name for _, name in sorted(found)]
-
-
-def _key(file: Path, model: str) -> tuple[kv_files.Header, tuple[int, ...], int]:
-    """`kv_files.read_key`, and the file's name checked against its tokens."""
-    header, tokens, size = kv_files.read_key(file, model)
-    if file.name != file_name(tokens):
-        raise kv_files.BadFile("its tokens are not those of its name")
-    return header, tokens, size
-
-
-def _extending(files: Sequence[tuple[str, kv_files.Header, tuple[int, ...], int]]) -> set[str]:
-    """The names of the trimmable entries among `files` whose tokens extend
-    another entry's (sorted, an entry's extensions follow it)."""
-    keys = sorted((tokens, name, header.trimmable) for name, header, tokens, _ in files)
-    found = set()
-    for i, (shorter, _, _) in enumerate(keys):
-        for tokens, name, trimmable in keys[i + 1 :]:
-            if tokens[: len(shorter)] != shorter:
-                break
-            if trimmable:
-                found.add(name)
-    return found
-
-
-def _discard(file: Path, why: Exception, opened: Opened) -> None:
-    """Delete the bad entry `file`; `opened` says why (and why it stays, if it does)."""
-    said = str(why) or repr(why)
-    try:
-        file.unlink(missing_ok=True)
-    except OSError as exc:  # a directory: not ours to delete
-        said += f" (it stays: {exc.strerror})"
-    opened.bad.append((file.name, said))
-
-
-def _cache_files(folder: Path) -> list[os.DirEntry] | None:
-    """The files of `folder` if it is a model's folder of a prompt cache, as
-    `_open` makes them, else None."""
-    if not FOLDER_NAME.fullmatch(folder.name) or not folder.is_dir():
-        return None
-    try:
-        with safe_files.open_file(folder / "model.json") as f:
-            fingerprint = json.loads(f.read()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):  # safe_files.Unsafe is an OSError
-        return None
-    if not isinstance(fingerprint, str) or not fingerprint.startswith(folder.name):
-        return None
-    with os.scandir(folder) as listing:
-        files = list(listing)
-    ours = all(
-        f.is_file(follow_symlinks=False)
-        and (f.name in FOLDER_FILES or os.path.splitext(f.name)[1] in FOLDER_SUFFIXES)
-        for f in files
-    )
-    return files if ours else None

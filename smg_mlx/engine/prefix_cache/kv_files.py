@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import mlx.core as mx
 import numpy as np
 
-from smg_mlx.engine import safe_files
+from smg_mlx.engine.prefix_cache import safe_files
 
 MAGIC = b"SMGKV02\n"  # 01 named no model
 _LENGTH = struct.Struct("<Q")

@@ -7,7 +7,7 @@ each time. The longer one's chunks are timed on a second run, each at a
 longer context: what a prompt token costs to prefill, and how that grows
 with the context.
 
-Where the attention's working set is known instead (`engine.attention_shapes`
+Where the attention's working set is known instead (`engine.batch.attention_shapes`
 says so on CUDA, where a peak's noise would pass for a slope), only what a
 chunk token costs is measured: the larger of the two passes' sets.
 
@@ -34,8 +34,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from smg_mlx.engine.memory import MemoryModel, format_bytes
-from smg_mlx.engine.step_clock import PrefillSpeed
+from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
+from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ tokens of cache (where the cache first grows), rows joining and leaving a
 running batch, sampling with every filter, penalties, logit bias and
 logprobs, and a long prompt prefilling in its lane, several chunks a step,
 while a short one starts in the other; then it builds the attention shapes
-prompts up to the model's context meet (`engine.attention_shapes`).
+prompts up to the model's context meet (`engine.batch.attention_shapes`).
 Elsewhere one short generation is enough. Nothing of it stays: the batch is
 empty afterwards, its prefix cache too.
 """
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
 
 if TYPE_CHECKING:
-    from smg_mlx.engine.batch import Batch
+    from smg_mlx.engine.batch.batch import Batch
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.utils import load_model
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.attention_shapes import SHAPES_REMEMBERED
+from smg_mlx.engine.batch.attention_shapes import SHAPES_REMEMBERED
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The requests waiting to start, and what the prefix cache spares each (pure, no MLX).
 
-The scheduler (`engine.scheduler`) takes them from here in the order `ranked`
+The scheduler (`engine.schedule.scheduler`) takes them from here in the order `ranked`
 gives: those that have waited AGING_SECONDS first, in arrival order; then
 short prompts, the shortest first; then long ones, in arrival order.
 Requests put back after an error go ahead of every arrival.
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from smg_mlx.engine.memory import Cost, cost
+from smg_mlx.engine.memory.planner import Cost, cost
 from smg_mlx.engine.types import Request
 
 AGING_SECONDS = 10.0

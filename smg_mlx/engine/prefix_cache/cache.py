@@ -5,10 +5,10 @@ Chat and agent clients resend the whole conversation every turn; a prompt
 starts from the entry sharing its longest prefix and prefills only the rest.
 Two tiers hold the entries:
 
-- memory (`engine.memory_tier`): whatever the memory budget leaves beside the
+- memory (`engine.prefix_cache.memory_tier`): whatever the memory budget leaves beside the
   running batch (`engine.memory`), dropping entries only when a request needs
   the room;
-- disk (`engine.disk_tier`), optional: entries written behind, spilled when
+- disk (`engine.prefix_cache.disk_tier`), optional: entries written behind, spilled when
   memory drops them, read back where that beats prefilling, found again after
   a restart.
 
@@ -25,12 +25,12 @@ from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.disk_folder import Read
-from smg_mlx.engine.disk_tier import DiskTier
-from smg_mlx.engine.memory_tier import LayerCache, MemoryTier, Pace
-from smg_mlx.engine.token_tree import Entry
+from smg_mlx.engine.prefix_cache.disk_folder import Read
+from smg_mlx.engine.prefix_cache.disk_tier import DiskTier
+from smg_mlx.engine.prefix_cache.memory_tier import LayerCache, MemoryTier, Pace
+from smg_mlx.engine.prefix_cache.token_tree import Entry
+from smg_mlx.engine.schedule.waiting_room import Reuse
 from smg_mlx.engine.types import CacheStats
-from smg_mlx.engine.waiting_room import Reuse
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The memory budget: what the model costs, and what may run within the budget.
 
 Pure arithmetic, no MLX: the numbers come from a probe at warm-up
-(`engine.memory_probe`), and the scheduler (`engine.scheduler`) asks before
+(`engine.memory.probe`), and the scheduler (`engine.schedule.scheduler`) asks before
 every admission and step.
 
 What a state of the batch costs, in bytes:
 
 - the weights, and the prefix cache (which gives way before work waits);
-- the KV caches. Each lane (`engine.scheduler`: short prompts and long ones)
+- the KV caches. Each lane (`engine.schedule.scheduler`: short prompts and long ones)
   is an mlx-lm batch that keeps one rectangular cache, as long as its longest
   row, for every row alive. A row lives at most as many passes of its lane as
   it has tokens left to process (each pass processes at least one of every
@@ -21,7 +21,7 @@ What a state of the batch costs, in bytes:
   the last of them attending to L tokens, take B x (C x (a + b x L) + c x (L + C))
   (activations and logits per chunk token, attention scores or masks per chunk
   token and context token, and copies of the keys a row attends to, where
-  attention runs on padded copies: `engine.attention_shapes`). The lanes
+  attention runs on padded copies: `engine.batch.attention_shapes`). The lanes
   prefill one after the other: the larger lane's set counts. A prompt that
   starts from a cached prefix prefills only the rest.
 
@@ -35,6 +35,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from smg_mlx.engine.memory.costs import MemoryModel
 from smg_mlx.engine.types import Request
 
 # The cache grows in blocks of this many tokens.
@@ -49,28 +50,9 @@ MAX_SAFETY = 2.0  # however many errors: past that, estimates are not what is wr
 _OUT_OF_MEMORY = ("out of memory", "insufficient memory", "unable to allocate", "malloc")
 
 
-def format_bytes(n: float) -> str:
-    """Bytes for a log line: "1.50 GiB", "12.0 MiB"."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{n:.0f} B"
-
-
 def is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, (RuntimeError, MemoryError)) and any(s in text for s in _OUT_OF_MEMORY)
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """What one model costs, measured at warm-up (bytes)."""
-
-    weights: int  # the model's parameters
-    kv_per_token: float  # one sequence's KV cache, per token
-    prefill_per_token: float  # prefill working set per chunk token...
-    prefill_per_context: float  # ...plus this for each token it attends to
-    prefill_row_per_key: float = 0.0  # and a prompt's copies of the keys it attends to, per key
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from smg_mlx.engine.step_plan import SHAPE_BUILD_STEP_TOKENS
+from smg_mlx.engine.schedule.step_plan import SHAPE_BUILD_STEP_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ MIDDLE_WINDOW = 2048
 KEY_BUCKET = 4096  # key buckets are multiples of this, or of an eighth of the length's power of two
 # The warm-up builds shapes up to the model's context, or this (later ones on first use).
 PREBUILT_CONTEXT = 65536
-# Past this many shapes (engine.loading sizes mlx's graph cache to hold as
+# Past this many shapes (engine.batch.loading sizes mlx's graph cache to hold as
 # many) what is remembered as built starts over.
 SHAPES_REMEMBERED = 1024
 
@@ -231,7 +231,7 @@ class AttentionShapes:
         several rows; cuDNN's fused attention keeps no scores), and per key (the
         padded keys and values: measured on CUDA, every layer's copies are held
         at once, as much as the KV cache). None where some prefill ran mlx's
-        own attention: then what it holds is measured (`engine.memory_probe`)."""
+        own attention: then what it holds is measured (`engine.memory.probe`)."""
         return None if self.unpadded else (MASK_BYTES, kv_per_token)
 
     def _remember(self, key: Key) -> None:

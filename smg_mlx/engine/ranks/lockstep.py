@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from smg_mlx.engine.ranks import launched_rank
+from smg_mlx.engine.ranks.launched import launched_rank
 
 HEARTBEAT_SECONDS = 1.0
 # A turn is shared in one collective of this many bytes when it fits, in two

@@ -19,8 +19,8 @@ import sys
 
 import mlx.core as mx
 
-from smg_mlx.engine import lockstep
-from smg_mlx.engine.memory import format_bytes
+from smg_mlx.engine.ranks import lockstep
+from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ chunk of each of its prompts being prefilled; its prefill part costs about
 `tokens x a + queries x b x context` seconds: `a` for each prompt token (the
 weights' matrix work), `b` for each token of context each query attends to
 (the queries are its tokens, or more where attention runs padded, see
-`engine.attention_shapes`). The start-up probe
-(`engine.memory_probe`) measures `a` and `b`; the passes the engine then runs
+`engine.batch.attention_shapes`). The start-up probe
+(`engine.memory.probe`) measures `a` and `b`; the passes the engine then runs
 correct them, since a probe of short prompts cannot see what a long context
 or a first-seen batch shape costs on this device. The correction is kept for
 each range of contexts: how the cost grows with the context depends on the
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+
+from smg_mlx.engine.memory.costs import PrefillSpeed
 
 # The correction is the median of the last few prefill passes at about that
 # context: one slow pass (a shape the backend compiles kernels for on first
@@ -37,14 +38,6 @@ MOST_GROWTH = 2.0
 # of each first-seen shape's extra time in the shape build's.
 DECODE_WEIGHT = 0.2
 BUILD_WEIGHT = 0.3
-
-
-@dataclass(frozen=True)
-class PrefillSpeed:
-    """What prefilling costs on this device, measured at start-up (seconds)."""
-
-    per_token: float  # per prompt token
-    per_context: float  # more per prompt token, per token of context it attends to
 
 
 class StepClock:

@@ -3,7 +3,7 @@ sequences' KV caches, keyed by their tokens (engine thread only).
 
 Each entry is one sequence's per-layer cache, as mlx-lm's BatchGenerator hands
 it back, and the tokens whose keys and values it holds; a new prompt starts
-from the entry sharing its longest prefix (`engine.token_tree` says which).
+from the entry sharing its longest prefix (`engine.prefix_cache.token_tree` says which).
 
 What the tier may hold is decided elsewhere (`engine.memory`: whatever the
 memory budget leaves beside the batch); `over` names what to drop to get
@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from smg_mlx.engine.token_tree import Entry, TokenTree
+from smg_mlx.engine.prefix_cache.token_tree import Entry, TokenTree
 
 LayerCache = Any  # one layer's mlx-lm cache object
 

@@ -1,6 +1,6 @@
 """What each pass of a step prefills, within the step budget (pure, no MLX).
 
-The scheduler (`engine.scheduler`) decides who runs; this is how much. A
+The scheduler (`engine.schedule.scheduler`) decides who runs; this is how much. A
 step runs the short lane once (every running stream decodes, and each short
 prompt being prefilled takes a chunk), then the long lane once for each chunk
 of the long prompt that fits what is left: each call is a pass over the
@@ -25,7 +25,7 @@ model. The rules:
   is no more than a chunk, goes in one pass wherever it ends: a pass costs a
   fixed time besides its tokens, and a resent history's new tokens would
   otherwise take two. On mlx's CUDA backend, which builds a cuDNN graph for
-  each new shape, passes run in a few padded shapes (`engine.attention_shapes`).
+  each new shape, passes run in a few padded shapes (`engine.batch.attention_shapes`).
   There the clocks count a pass's attention by the queries it runs, padding
   included: a prompt's short last chunk costs about as much attention as the
   window it is padded to, and counted by its tokens it would make the full
@@ -46,7 +46,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from smg_mlx.engine.step_clock import PrefillSpeed, StepClock
+from smg_mlx.engine.memory.costs import PrefillSpeed
+from smg_mlx.engine.schedule.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,10 @@ SLOW_TIMES = 2
 # the context before it.
 Shape = tuple[int, int, int]
 # Whether a pass of (rows, tokens a row, context before) builds kernels first
-# (engine.attention_shapes).
+# (engine.batch.attention_shapes).
 Builds = Callable[[int, int, int], bool]
 # The queries a row of such a pass runs attention for, padding included
-# (engine.attention_shapes).
+# (engine.batch.attention_shapes).
 Attended = Callable[[int, int, int], int]
 
 

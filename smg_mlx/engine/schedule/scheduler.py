@@ -3,8 +3,8 @@
 Pure policy, no MLX: the engine loop hands it what arrived and what runs,
 asks `Scheduler.schedule` once per turn, and applies the `Plan` (on every
 rank, when the model is split over several). How much each pass of the step
-prefills is `engine.step_plan`'s; the order requests are considered in,
-`engine.waiting_room`'s. The rules:
+prefills is `engine.schedule.step_plan`'s; the order requests are considered in,
+`engine.schedule.waiting_room`'s. The rules:
 
 - **Two lanes.** The batch runs long prompts in a lane of their own (an
   mlx-lm BatchGenerator each): mlx-lm pads every row of a batch to its
@@ -27,7 +27,7 @@ prefills is `engine.step_plan`'s; the order requests are considered in,
   in the short one it would pad every chat's row to its length. Where one
   is, it starts in the short lane rather than wait.
 - **Equal lengths only**, for a model whose outputs padding would change
-  (`engine.batch_check`): short prompts prefill side by side only while they
+  (`engine.batch.batch_check`): short prompts prefill side by side only while they
   have as many tokens left to prefill, so that mlx-lm pads none of them.
 - **Memory.** A request starts only when the batch with it fits the memory
   budget (`MemoryPlanner`). One that does not fit waits without holding back
@@ -49,11 +49,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from smg_mlx.engine.memory import Cost, MemoryPlanner, cost
-from smg_mlx.engine.step_clock import PrefillSpeed
-from smg_mlx.engine.step_plan import LONG, Attended, Builds, Passes, StepPlan
+from smg_mlx.engine.memory.costs import PrefillSpeed
+from smg_mlx.engine.memory.planner import Cost, MemoryPlanner, cost
+from smg_mlx.engine.schedule.step_plan import LONG, Attended, Builds, Passes, StepPlan
+from smg_mlx.engine.schedule.waiting_room import AGING_SECONDS, Prefixes, Waiting, WaitingRoom
 from smg_mlx.engine.types import Request
-from smg_mlx.engine.waiting_room import AGING_SECONDS, Prefixes, Waiting, WaitingRoom
 from smg_mlx.logs import counted
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """A radix tree of token sequences, each holding one entry: the index of both
-prefix-cache tiers (memory, `engine.prefix_cache`; disk, `engine.disk_tier`).
+prefix-cache tiers (memory, `engine.prefix_cache`; disk, `engine.prefix_cache.disk_tier`).
 
 Pure Python, no MLX. An entry is found by the longest prefix it shares with a
 prompt, walking the prompt once whatever the number of entries:

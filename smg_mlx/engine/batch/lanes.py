@@ -1,0 +1,127 @@
+"""The lanes: a BatchGenerator of mlx-lm's for short prompts and one for long
+ones, and what they hand back, read where mlx-lm keeps it (engine thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator
+
+from smg_mlx.engine.schedule.step_plan import LONG, SHORT
+from smg_mlx.engine.types import TokenLogprobs
+
+
+class Sampled(NamedTuple):
+    """A token mlx-lm has sampled but not returned yet (see `Lanes.pending`)."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: None = None
+
+
+class Lanes:
+    """A BatchGenerator for each lane, indexed by SHORT and LONG, all on one
+    stream; `buffers()` wraps each pass (`engine.memory.buffer_cache`)."""
+
+    def __init__(
+        self, model: nn.Module, stream: mx.Stream, max_chunk: int,
+        buffers: Callable[[], AbstractContextManager[None]],
+    ) -> None:  # fmt: skip
+        self._model = model
+        self._stream = stream
+        self._max_chunk = max_chunk
+        self._buffers = buffers
+        self._generators: tuple[BatchGenerator, ...] = ()
+
+    def open(self, batch_size: int, prefill_rows: int) -> None:
+        """Fresh generators (the old ones closed): empty lanes of these sizes."""
+        self.close()
+        self._generators = tuple(
+            BatchGenerator(
+                self._model,
+                completion_batch_size=batch_size,
+                prefill_batch_size=prefill_rows,
+                prefill_step_size=self._max_chunk,
+                stream=self._stream,
+            )
+            for _ in (SHORT, LONG)
+        )
+
+    def __getitem__(self, lane: int) -> BatchGenerator:
+        return self._generators[lane]
+
+    def __iter__(self) -> Iterator[BatchGenerator]:
+        return iter(self._generators)
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV cache bytes the lanes hold now."""
+        return sum(generator.prompt_cache_nbytes for generator in self._generators)
+
+    def next(self, lane: int, chunk: int) -> tuple[list, list]:
+        """One call of a lane's BatchGenerator, prefilling at most `chunk`
+        tokens a row: its prompt and generation responses."""
+        generator = self._generators[lane]
+        generator.prefill_step_size = chunk
+        with self._buffers():
+            return generator.next()
+
+    def move_to_long(
+        self, lane: int, uid: int, token: int, left: int, options: tuple
+    ) -> tuple[int, list[int]]:
+        """Take row `uid` out of `lane` with its cache as it is, and put it in
+        the long lane again with `token` still to process and `left` tokens to
+        go (`options`: its sampler, processors and stop sequences): its uid
+        there, and the tokens its cache holds."""
+        cache, tokens = self._generators[lane].remove([uid], return_prompt_caches=True)[uid]
+        sampler, processors, stop = options
+        (moved,) = self._generators[LONG].insert(
+            [[token]],
+            max_tokens=[left],
+            caches=[cache],
+            all_tokens=[list(tokens)],
+            samplers=[sampler],
+            logits_processors=[processors],
+            stop_sequences=[stop],
+        )
+        return moved, tokens
+
+    def pending(self, lane: int, uids: list[int]) -> list[Sampled]:
+        """The tokens mlx-lm has sampled for these decoding rows of the lane
+        and not returned yet (its own state: read here alone)."""
+        rows = self._generators[lane]._generation_batch  # mlx-lm's decoding rows
+        tokens = rows._next_tokens.tolist()
+        where = {uid: i for i, uid in enumerate(rows.uids)}
+        return [Sampled(uid, tokens[where[uid]], rows._next_logprobs[where[uid]]) for uid in uids]
+
+    def close(self) -> None:
+        for generator in self._generators:
+            generator.close()
+        self._generators = ()
+
+
+def logprobs(responses: list, wanted: list[int | None]) -> list[TokenLogprobs | None]:
+    """Each response's logprobs: its token's and the top `wanted` (None: not asked)."""
+    found: list[TokenLogprobs | None] = [None] * len(responses)
+    rows, lazy = [], []
+    # Build every row's top-n lazily, then evaluate them all at once.
+    for i, (r, n) in enumerate(zip(responses, wanted, strict=True)):
+        if n is None:
+            continue
+        top = mx.array([], dtype=mx.uint32)
+        if n:
+            top = mx.argpartition(-r.logprobs, kth=n - 1)[:n]
+            top = top[mx.argsort(-r.logprobs[top])]
+        rows.append(i)
+        lazy.append((r.logprobs[r.token], top, r.logprobs[top]))
+    if lazy:
+        mx.eval(lazy)
+    for i, (chosen, top, values) in zip(rows, lazy, strict=True):
+        found[i] = TokenLogprobs(chosen.item(), tuple(top.tolist()), tuple(values.tolist()))
+    return found

@@ -1,0 +1,57 @@
+"""The batch's calls on its prompt cache, which may be off (engine thread).
+
+Kept apart from `Batch` so that it reads as the lanes and their rows: here
+alone is asked whether there is a cache at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+
+from smg_mlx.engine.prefix_cache.cache import PrefixCache, Start
+from smg_mlx.engine.prefix_cache.memory_tier import LayerCache, Pace
+
+
+class PrefixCalls:
+    """What `Batch` asks of its prompt cache, `prefixes` (None: off)."""
+
+    prefixes: PrefixCache | None
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.prefixes.nbytes if self.prefixes is not None else 0
+
+    def cached_over(self, limit: int, keep: Collection[int] = ()) -> tuple[list[int], int]:
+        """The prompt-cache entries to drop to hold at most `limit` bytes (but
+        those in `keep`), and the bytes it holds then."""
+        if self.prefixes is None:
+            return [], 0
+        return self.prefixes.over(limit, keep)
+
+    def drop_cached(self, ids: Iterable[int]) -> None:
+        if self.prefixes is not None:
+            self.prefixes.drop(list(ids))
+
+    def tend_prefixes(self) -> bool:
+        """The prefix cache's work between steps (its disk tier); whether it
+        changed anything."""
+        return self.prefixes is not None and self.prefixes.tick()
+
+    @property
+    def prefixes_busy(self) -> bool:
+        """Whether the prefix cache has work for the engine thread besides steps."""
+        return self.prefixes is not None and self.prefixes.busy
+
+    def prefixes_due(self) -> float | None:
+        """Seconds until the prefix cache has work for the engine thread (None: none waits)."""
+        return self.prefixes.due() if self.prefixes is not None else None
+
+    def _start_from(self, prompt: tuple[int, ...]) -> Start:
+        """See `PrefixCache.start_from` (a fresh cache without one)."""
+        return self.prefixes.start_from(prompt) if self.prefixes is not None else Start()
+
+    def _keep(self, tokens: Sequence[int], cache: list[LayerCache], pace: Pace | None) -> None:
+        """What a sequence leaves, for prompts that share its prefix (see
+        `PrefixCache.keep`); nothing without a cache."""
+        if self.prefixes is not None:
+            self.prefixes.keep(tokens, cache, pace)

@@ -1,0 +1,134 @@
+"""What each command-line flag's text may be: sizes ("4GiB", "512MB"), a memory
+budget (a size or a share), counts, ports, paths. Each parser raises
+argparse.ArgumentTypeError, which argparse reports with the flag's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from smg_mlx import model_source
+from smg_mlx.model_config import BadModelConfig, read_json
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+# Smaller message limits would refuse ordinary requests and responses.
+MIN_MESSAGE_BYTES = 64 << 10
+MAX_PORT = 65535
+MAX_SIZE = 1 << 60
+
+
+def byte_size(text: str) -> int:
+    """Bytes from "4GiB", "512MB", "2G" or "1073741824": KiB/MiB/GiB and bare
+    K/M/G are powers of 1024, KB/MB/GB powers of 1000."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 4GiB, 512MB or a number of bytes, got {text!r}"
+        )
+    number, prefix, binary = match.groups()
+    prefix = (prefix or "").lower()
+    decimal = prefix and not binary and text.strip().lower().endswith("b")
+    base = 1000 if decimal else 1024
+    exact = float(number) * base ** _POWERS[prefix]
+    if exact > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than any machine has")
+    size = int(exact)
+    if size == 0 and exact != 0:  # read as 0, it would turn a cache off
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
+    if size != exact and not prefix:
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}")
+    return size
+
+
+def directory(text: str) -> Path:
+    if not text.strip():  # Path("") is the current directory
+        raise argparse.ArgumentTypeError("expected a directory, got an empty path")
+    return Path(text).expanduser().absolute()  # logged as it is used
+
+
+def memory_budget(text: str) -> tuple[int | None, float | None]:
+    """(bytes, None) for a size ("24GiB"), (None, share) for a share of the
+    device's memory ("80%")."""
+    if text.strip().endswith("%"):
+        share = _number(float, 0, "a percentage such as 80%")(text.strip()[:-1]) / 100
+        if not 0 < share <= 1:
+            raise argparse.ArgumentTypeError(f"expected a percentage up to 100%, got {text!r}")
+        return None, share
+    return byte_size(text), None
+
+
+def _number(kind: type, low: float, what: str) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value >= low and math.isfinite(value)):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _port(low: int) -> Callable[[str], int]:
+    what = f"a port number from {low} to {MAX_PORT}"
+    at_least = _number(int, low, what)
+
+    def parse(text: str) -> int:
+        port = at_least(text)
+        if port > MAX_PORT:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return port
+
+    return parse
+
+
+def budget(text: str) -> tuple[int | None, float | None]:
+    size, share = memory_budget(text)
+    if size == 0:
+        raise argparse.ArgumentTypeError(f"expected a size above 0, or a percentage, got {text!r}")
+    return size, share
+
+
+def model_name(text: str) -> Path:
+    # Absolute, so that a path written as one ("./models/x") stays one and is
+    # never taken for a Hugging Face repo id (model_source).
+    path = Path(text)
+    return path.expanduser().absolute() if model_source.looks_like_a_path(text) else path
+
+
+def adapter_dir(text: str) -> Path:
+    # What mlx_lm.lora writes, and mlx-lm's loader reads.
+    path = Path(text).expanduser()
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / name).is_file():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a LoRA adapter's directory (no {name} in it)"
+            )
+    try:
+        read_json(path / "adapter_config.json")
+    except BadModelConfig as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
+
+
+def message_size(text: str) -> int:
+    size = byte_size(text)
+    if size < MIN_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"expected a size of at least {MIN_MESSAGE_BYTES >> 10}KiB, got {text!r}"
+        )
+    return size
+
+
+positive = _number(int, 1, "a whole number of at least 1")
+count = _number(int, 0, "a whole number, 0 or more")
+any_port = _port(0)  # 0: the system picks one
+fixed_port = _port(1)
+non_negative = _number(float, 0, "a number, 0 or more")
+positive_float = _number(float, 1, "a number, 1 or more")
