@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             pipeline=args.pipeline,
             batching=args.batching,
             adapter_path=args.adapter_path,
+            speculative=args.speculative,
+            num_draft_tokens=args.num_draft_tokens,
         ),
         demo=args.demo,
         revision=args.revision,

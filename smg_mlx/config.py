@@ -13,6 +13,8 @@ from pathlib import Path
 # --batching: "auto" (the mode the start-up check finds exact), or a safer one;
 # from the most batched, as engine.batch.batch_check's modes are.
 BATCHING = ("auto", "equal-lengths", "one-at-a-time")
+# --speculative: prompt lookup where it pays, wherever there are proposals, or never.
+SPECULATIVE = ("auto", "always", "off")
 
 # Without --prompt-cache-disk-bytes the disk tier takes this share of the free
 # space found at start-up (its own files counted as free), at most DISK_CACHE_MOST.
@@ -67,6 +69,11 @@ class EngineConfig:
     # A LoRA adapter's directory (adapter_config.json, adapters.safetensors),
     # applied to the model as mlx-lm loads it.
     adapter_path: Path | None = None
+    # Speculative decoding by prompt lookup (one of SPECULATIVE; engine.speculative):
+    # auto checks proposals where measured pass times say it pays.
+    speculative: str = "auto"
+    # Proposed tokens one row may have checked in one pass, at most.
+    num_draft_tokens: int = 4
 
 
 @dataclass(frozen=True)

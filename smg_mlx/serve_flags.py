@@ -14,6 +14,7 @@ from smg_mlx.config import (
     BATCHING,
     DISK_CACHE_MOST,
     DISK_CACHE_SHARE,
+    SPECULATIVE,
     EngineConfig,
     RequestLimits,
     ServerConfig,
@@ -201,6 +202,24 @@ def _running(serve: argparse.ArgumentParser) -> None:
         "(batched; equal-lengths: prompts prefilled together only at equal lengths; "
         "one-at-a-time); "
         "the others ask for that mode or a safer one (%(default)s)",
+    )
+    serve.add_argument(
+        "--speculative",
+        default=EngineConfig.speculative,
+        choices=SPECULATIVE,
+        help="speculative decoding by prompt lookup: each stream proposes what followed its "
+        "last tokens earlier in its prompt or output, and one pass checks every stream's "
+        "proposals, keeping those the model itself would have chosen (greedy output "
+        "unchanged, sampled output from the same distribution); "
+        "auto checks them where measured pass times say it pays, always wherever there are "
+        "some, off never (%(default)s)",
+    )
+    serve.add_argument(
+        "--num-draft-tokens",
+        type=positive,
+        default=EngineConfig.num_draft_tokens,
+        metavar="N",
+        help="proposed tokens a stream may have checked in one pass, at most (%(default)s)",
     )
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from mlx_lm.sample_utils import make_sampler
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.prompt_lookup import lookup
+
+import helpers
 
 VOCAB = 50
 
@@ -188,3 +192,59 @@ def test_sampled_tokens_follow_the_models_distribution():
     if rest_expected >= 5:
         stat += (rest_seen - rest_expected) ** 2 / rest_expected
     assert stat < _chi_square_bound(len(big)), (stat, len(big))
+
+
+# ---- through a worker ----
+
+
+def _repeating(length: int, seed: int) -> list[int]:
+    """A prompt repeating a phrase of ordinary token ids: prompt lookup finds it."""
+    phrase = helpers.prompt(5 + seed % 7, seed)
+    return (phrase * (length // len(phrase) + 1))[:length]
+
+
+@pytest.mark.parametrize("family", ["demo", "llama", "qwen3"])
+def test_a_worker_speculating_answers_as_one_that_does_not(family, model_dir, family_model,
+                                                           start_worker):  # fmt: skip
+    """Greedy output, logprobs, stop tokens, max_tokens edges, concurrent streams,
+    prefix-cache hits and aborts: the same with speculation as without. The demo
+    model repeats itself (proposals right), the families' models do not (mostly wrong)."""
+    model = model_dir if family == "demo" else family_model(family)
+    speculating = start_worker(model, speculative="always")
+    plain = start_worker(model, speculative="off")
+    cases = [(_repeating(40 + 9 * i, i), {"max_tokens": 1 + 7 * i}) for i in range(6)]
+    cases.append((_repeating(30, 3), {"max_tokens": 24, "logprobs": 3}))
+    first = helpers.generate(plain.stub, _repeating(50, 4), max_tokens=12).tokens
+    cases.append((_repeating(50, 4), {"max_tokens": 30, "stop_token_ids": [first[6]]}))
+    hit = _repeating(50, 4) + first + helpers.prompt(3, 2)  # extends a cached entry
+    cases.append((hit, {"max_tokens": 20}))
+    want = [helpers.generate(plain.stub, ids, **settings) for ids, settings in cases]
+    assert any(len(set(w.tokens)) > 3 for w in want) or family == "demo"
+    for _ in range(2):  # the second time from the prefix cache
+        with ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(lambda c: helpers.generate(speculating.stub, c[0], **c[1]), cases))
+        for g, w in zip(got, want, strict=True):
+            assert g.tokens == w.tokens
+            assert g.complete.finish_reason == w.complete.finish_reason
+            seen = [lp for c in g.chunks for lp in c.output_logprobs.token_logprobs]
+            expected = [lp for c in w.chunks for lp in c.output_logprobs.token_logprobs]
+            assert seen == pytest.approx(expected, abs=1e-4)
+    _abort_after(speculating.stub, _repeating(60, 5), 5)
+    again = helpers.generate(speculating.stub, _repeating(60, 5), max_tokens=16)
+    assert again.tokens == helpers.generate(plain.stub, _repeating(60, 5), max_tokens=16).tokens
+    stats = speculating.worker.engine.speculation
+    assert stats.passes > 0 and stats.proposed > 0
+    if family == "demo":
+        assert stats.accepted > stats.proposed / 2
+    assert plain.worker.engine.speculation.passes == 0
+
+
+def _abort_after(stub, ids: list[int], n_tokens: int) -> None:
+    """Start a stream and cancel it once `n_tokens` tokens arrived."""
+    call = stub.Generate(helpers.request(ids, max_tokens=500, ignore_eos=True), timeout=60)
+    seen = 0
+    with pytest.raises(grpc.RpcError):
+        for response in call:
+            seen += len(response.chunk.token_ids)
+            if seen >= n_tokens:
+                call.cancel()

@@ -236,6 +236,7 @@ class EngineCore:
             memory=self._memory(batch, scheduler),
             idle=idle,
             cache=batch.prefixes.stats() if batch.prefixes is not None else CacheStats(),
+            speculation=batch.speculation,
         )
 
     def _peer_hung(self, limit: float) -> None:

@@ -29,12 +29,13 @@ from smg_mlx.engine.batch.rows import Row, Rows
 from smg_mlx.engine.batch.sampling import SamplerCache, StopTokens
 from smg_mlx.engine.memory import buffer_cache
 from smg_mlx.engine.memory import probe as memory_probe
-from smg_mlx.engine.memory.planner import Cost, MemoryPlanner
+from smg_mlx.engine.memory.planner import MemoryPlanner
 from smg_mlx.engine.prefix_cache.cache import PrefixCache
 from smg_mlx.engine.schedule.scheduler import Running
 from smg_mlx.engine.schedule.step_clock import StepClock
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT, Passes
-from smg_mlx.engine.types import Event, Request
+from smg_mlx.engine.speculative.choice import drafting_for
+from smg_mlx.engine.types import Event, Request, SpeculationStats
 from smg_mlx.model_config import DEFAULT_CONTEXT_LENGTH, named_context_length
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,9 @@ class Batch(PrefixCalls):
             self.model, self._stream, self.prefill_rows, self.batch_size,
             batch_check.FLAGS[config.batching],
         )  # fmt: skip
-        self._lanes = Lanes(self.model, self._stream, self.max_chunk, self._buffers)
+        batched = self.choice.mode is not batch_check.Mode.EQUAL_LENGTHS
+        drafting = drafting_for(config, self.model, group, batched)
+        self._lanes = Lanes(self.model, self._stream, self.max_chunk, self._buffers, drafting)
         self.serve_as(self.choice.mode)
         self._samplers = SamplerCache()
         self._rows = Rows()
@@ -110,6 +113,10 @@ class Batch(PrefixCalls):
         if mode is batch_check.Mode.ONE_AT_A_TIME:
             self.prefill_rows = self.batch_size = 1
         self._lanes.open(self.batch_size, self.prefill_rows)
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        return self._lanes.speculation
 
     @property
     def size(self) -> int:
@@ -166,15 +173,9 @@ class Batch(PrefixCalls):
         self.attention.prebuild(context, self.prefill_rows)
 
     def bound_buffer_cache(self, planner: MemoryPlanner) -> None:
-        """Where mlx-lm's passes keep MLX's buffer cache (`engine.memory.buffer_cache`),
-        it holds at most the working set the budget counts for one full
-        prefill chunk at short context: what a pass frees for the next one,
-        while the batch and the prefix cache fill the budget. (Larger, the
-        allocator would free cached buffers before most allocations there.)"""
+        """Where mlx-lm's passes keep MLX's buffer cache, bound it (`buffer_cache.bound`)."""
         if self._buffers is buffer_cache.kept:
-            chunk = planner.max_chunk
-            working_set = planner.prefill_bytes([Cost(chunk, chunk, chunk)], chunk)
-            self._cache_limit = mx.set_cache_limit(int(working_set))
+            self._cache_limit = buffer_cache.bound(planner)
 
     @property
     def stream(self) -> mx.Stream:

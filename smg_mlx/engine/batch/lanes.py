@@ -13,7 +13,8 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT
-from smg_mlx.engine.types import TokenLogprobs
+from smg_mlx.engine.speculative.decoding import Drafting, SpeculativeGenerationBatch
+from smg_mlx.engine.types import SpeculationStats, TokenLogprobs
 
 
 class Sampled(NamedTuple):
@@ -31,13 +32,14 @@ class Lanes:
 
     def __init__(
         self, model: nn.Module, stream: mx.Stream, max_chunk: int,
-        buffers: Callable[[], AbstractContextManager[None]],
+        buffers: Callable[[], AbstractContextManager[None]], drafting: Drafting | None,
     ) -> None:  # fmt: skip
         self._model = model
         self._stream = stream
         self._max_chunk = max_chunk
         self._buffers = buffers
         self._generators: tuple[BatchGenerator, ...] = ()
+        self.drafting = drafting  # speculative decoding's (engine.speculative); None: off
 
     def open(self, batch_size: int, prefill_rows: int) -> None:
         """Fresh generators (the old ones closed): empty lanes of these sizes."""
@@ -52,6 +54,18 @@ class Lanes:
             )
             for _ in (SHORT, LONG)
         )
+        if self.drafting is not None:
+            for generator in self._generators:  # the decoding rows prompts move into
+                generator._generation_batch = SpeculativeGenerationBatch.start(
+                    self._model, generator.sampler, self.drafting
+                )
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        """What speculative decoding has done since start."""
+        if self.drafting is None:
+            return SpeculationStats()
+        return SpeculationStats(**vars(self.drafting.stats))
 
     def __getitem__(self, lane: int) -> BatchGenerator:
         return self._generators[lane]

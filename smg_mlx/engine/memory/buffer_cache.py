@@ -5,7 +5,7 @@ On mlx's CUDA backend that hands the buffers back to the driver, and the next
 pass allocates every one of them anew: at long context a pass then takes up
 to twice its compute, and the passes that move a prompt into the decoding
 rows several times theirs. Inside `kept()` those calls leave the cache as it
-is, within its limit (`Batch.bound_buffer_cache`); MLX's allocator also frees
+is, within its limit (`bound`); MLX's allocator also frees
 cached buffers before any allocation that would pass its memory limit.
 Elsewhere (Metal, where a Mac's other programs share the memory; the engine's
 own clears) a clear is a clear.
@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import mlx.core as mx
+
+from smg_mlx.engine.memory.planner import Cost, MemoryPlanner
 
 
 def _skipped() -> None:
@@ -33,3 +35,14 @@ def kept() -> Iterator[None]:
         yield
     finally:
         mx.clear_cache = clear
+
+
+def bound(planner: MemoryPlanner) -> int:
+    """Hold MLX's buffer cache to the working set the budget counts for one
+    full prefill chunk at short context: what a pass frees for the next one,
+    while the batch and the prefix cache fill the budget. (Larger, the
+    allocator would free cached buffers before most allocations there.)
+    Returns the limit before."""
+    chunk = planner.max_chunk
+    working_set = planner.prefill_bytes([Cost(chunk, chunk, chunk)], chunk)
+    return mx.set_cache_limit(int(working_set))
