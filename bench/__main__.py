@@ -14,6 +14,8 @@ from bench.agent import Agent, format_agent, run_agent, run_followups
 from bench.long_prompts import run_long_prompts
 from bench.mixed import Mixed, format_mixed, run_mixed
 from bench.runner import Options, progress, run_all
+from bench.speculation import KINDS, Speculation, run_speculation
+from bench.speculation import format_table as format_speculation
 from bench.workload import SHORT, Workload, parse_levels
 
 SYSTEMS = ("engine", "ours", "peer", "2ranks")
@@ -153,6 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
         "every --chat-interval seconds; see bench/mixed.py); with --gate, its long prompts "
         "(default 16; 0 leaves the mixed part out, and the gate says it was not run)",
     )
+    p.add_argument(
+        "--speculation",
+        action="store_true",
+        help="instead of the table: our worker with speculative decoding off and on, at "
+        "each concurrency level, for proposals right, wrong and half each (see "
+        "bench/speculation.py)",
+    )
+    p.add_argument("--speculation-setting", default="auto", choices=("auto", "always"),
+                   help="--speculative of the worker that speculates (--speculation)")  # fmt: skip
+    p.add_argument("--speculation-kinds", default=",".join(KINDS),
+                   help="the workloads to run (--speculation)")  # fmt: skip
     p.add_argument("--chat-tokens", type=int, default=64, help="a chat's prompt (--mixed)")
     p.add_argument("--chat-gen-tokens", type=int, default=32, help="a chat's answer (--mixed)")
     p.add_argument("--chat-interval", type=float, default=1.0, help="seconds (--mixed)")
@@ -208,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         return _long_prompts(args, model_dir, argv)
     if args.mixed:
         return _mixed(args, model_dir, argv)
+    if args.speculation:
+        return _speculation(args, model_dir, argv, levels, workload)
     if args.agent:
         return _agent(args, model_dir, argv)
     if args.followups:
@@ -353,6 +368,17 @@ def _gate_mixed(args: argparse.Namespace, model_dir: Path) -> dict:
     progress(f"mixed: {mixed.longs} x {mixed.long_tokens} tokens beside a stream and chats")
     return run_mixed(model_dir.resolve(), args.work_dir.resolve(), mixed,
                      shlex.split(args.worker_args), args.start_timeout)  # fmt: skip
+
+
+def _speculation(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
+                 levels: list[int], workload: Workload) -> int:  # fmt: skip
+    spec = Speculation(tuple(levels), tuple(args.speculation_kinds.split(",")),
+                       args.rounds or 2, args.speculation_setting)  # fmt: skip
+    rows = run_speculation(model_dir.resolve(), args.work_dir.resolve(), spec, workload,
+                           shlex.split(args.worker_args), args.start_timeout)  # fmt: skip
+    print(format_speculation(rows))
+    _write(args, argv, model_dir, workload=workload.to_dict(), speculation=rows)
+    return 0
 
 
 def _run_agent(args: argparse.Namespace, model_dir: Path) -> dict:

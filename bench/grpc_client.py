@@ -20,12 +20,16 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 REQUEST_TIMEOUT_S = 600.0
 
 
-def token_request(ids: list[int], max_tokens: int, request_id: str) -> pb.GenerateRequest:
-    """Greedy, streaming, exactly `max_tokens` tokens (EOS ignored)."""
+def token_request(
+    ids: list[int], max_tokens: int, request_id: str, temperature: float = 0.0
+) -> pb.GenerateRequest:
+    """Streaming, exactly `max_tokens` tokens (EOS ignored), greedy unless `temperature`."""
     return pb.GenerateRequest(
         request_id=request_id,
         tokenized=pb.TokenizedInput(input_ids=ids),
-        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        sampling_params=pb.SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, ignore_eos=True
+        ),
         stream=True,
     )
 

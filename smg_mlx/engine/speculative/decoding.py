@@ -76,6 +76,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def next(self) -> list:
         if not self.uids:
             return []
+        started = time.perf_counter()  # a checking pass first waits for the pass before
         self._steps += 1
         rows = len(self.uids)
         likely = self._likely()
@@ -92,8 +93,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                     for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
                 ]
                 if any(drafts):
-                    return self._check(pending, drafts)
-        started = time.perf_counter()
+                    return self._check(pending, drafts, started)
         responses = super().next()
         self.drafting.pacing.ran(rows, 1, time.perf_counter() - started)
         return responses
@@ -122,9 +122,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
             for extra in range(max(lengths) + 1)
         ]
 
-    def _check(self, pending: list[int], drafts: list[list[int]]) -> list:
+    def _check(self, pending: list[int], drafts: list[list[int]], started: float) -> list:
         """One pass over every row's pending token and proposals (module docstring)."""
-        started = time.perf_counter()
         rows, width = len(self.uids), 1 + max(len(d) for d in drafts)
         # Rows with fewer proposals are padded (positions whose tokens are not kept).
         pairs = zip(pending, drafts, strict=True)

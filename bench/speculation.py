@@ -1,0 +1,139 @@
+"""Speculative decoding on and off (`python -m bench --speculation`).
+
+Our worker twice on the same model, `--speculative off` and `--speculative
+auto` (or what `--speculation-setting` names), in interleaved rounds at each
+concurrency level, for three workloads. Random weights decide nothing about
+how often proposals are right, so each workload gets its acceptance from how
+the bench's random models behave, and the table reports what was measured:
+
+- right: greedy. These models' greedy output repeats one token, so once a
+  stream has said it twice, prompt lookup proposes it again, and is right.
+- wrong: sampled at temperature 1. Their sampled output is near uniform over
+  the vocabulary: what a stream says never recurs, so lookups find little,
+  and what they find is wrong. This is what speculation costs where it
+  cannot help.
+- half: every other stream each way, in one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from bench.grpc_client import stream_one, token_request
+from bench.long_prompts import default_worker, metrics
+from bench.runner import progress
+from bench.stats import RequestRecord
+from bench.workload import Workload
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+
+KINDS = ("right", "wrong", "half")
+COUNTERS = tuple(
+    f'smg_mlx_speculative_{name}_total{{drafter="prompt_lookup"}}'
+    for name in ("proposed_tokens", "accepted_tokens", "passes", "pass_tokens")
+)
+
+
+def temperature(kind: str, index: int) -> float:
+    """Request `index`'s temperature in workload `kind`."""
+    sampled = kind == "wrong" or (kind == "half" and index % 2 == 1)
+    return 1.0 if sampled else 0.0
+
+
+@dataclass(frozen=True)
+class Speculation:
+    levels: tuple[int, ...]
+    kinds: tuple[str, ...] = KINDS
+    rounds: int = 2
+    setting: str = "auto"  # --speculative of the worker that speculates
+
+
+async def _closed_loop(address: str, workload: Workload, kind: str, concurrency: int,
+                       indices: range, tag: str) -> tuple[list[RequestRecord], float]:  # fmt: skip
+    queue = list(reversed(indices))
+    records: list[RequestRecord] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        await channel.channel_ready()
+        stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
+
+        async def slot() -> None:
+            while queue:
+                index = queue.pop()
+                request = token_request(
+                    workload.prompt(index), workload.gen_tokens, f"spec-{tag}-{index}",
+                    temperature=temperature(kind, index),
+                )  # fmt: skip
+                records.append(await stream_one(stub, request, workload.gen_tokens))
+
+        begin = time.perf_counter()
+        await asyncio.gather(*(slot() for _ in range(concurrency)))
+        return records, time.perf_counter() - begin
+
+
+def _round(address: str, workload: Workload, kind: str, c: int, first: int, tag: str) -> tuple:
+    """Warm-up, then the timed requests: (tokens, seconds, errors)."""
+    warm, timed = workload.warmup(c), workload.requests(c)
+    asyncio.run(_closed_loop(address, workload, kind, c, range(first, first + warm), tag))
+    span = range(first + warm, first + warm + timed)
+    records, wall = asyncio.run(_closed_loop(address, workload, kind, c, span, tag))
+    errors = sum(r.error is not None for r in records)
+    return sum(r.tokens for r in records), wall, errors
+
+
+def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload: Workload,
+                    extra: list[str], timeout_s: float) -> list[dict]:  # fmt: skip
+    """Each workload at each level: tok/s off and on, and what the proposals did."""
+    rows = []
+    with (
+        default_worker(model_dir, work_dir, [*extra, "--speculative", "off"], "spec-off",
+                       timeout_s) as (off, _),
+        default_worker(model_dir, work_dir, [*extra, "--speculative", spec.setting], "spec-on",
+                       timeout_s) as (on, on_metrics),
+    ):  # fmt: skip
+        first = 0
+        for kind in spec.kinds:
+            for c in spec.levels:
+                figures = {"off": [0, 0.0, 0], "on": [0, 0.0, 0]}
+                before = metrics(on_metrics, *COUNTERS)
+                for r in range(spec.rounds):
+                    order = (("off", off), ("on", on)) if r % 2 == 0 else (("on", on), ("off", off))
+                    for name, worker in order:
+                        got = _round(worker.address, workload, kind, c, first, f"{kind}-{c}-{r}")
+                        figures[name] = [a + b for a, b in zip(figures[name], got, strict=True)]
+                    first += workload.warmup(c) + workload.requests(c)
+                after = metrics(on_metrics, *COUNTERS)
+                proposed, accepted, passes, tokens = (
+                    (b or 0) - (a or 0) for a, b in zip(before, after, strict=True)
+                )
+                row = {
+                    "kind": kind, "concurrency": c,
+                    "off_tok_s": figures["off"][0] / figures["off"][1],
+                    "on_tok_s": figures["on"][0] / figures["on"][1],
+                    "errors": figures["off"][2] + figures["on"][2],
+                    "proposed": proposed, "accepted": accepted,
+                    "checking_passes": passes, "tokens_per_checking_pass": tokens / max(1, passes),
+                }  # fmt: skip
+                row["on_over_off"] = row["on_tok_s"] / row["off_tok_s"]
+                progress(f"{kind} c={c}: {format_row(row)}")
+                rows.append(row)
+    return rows
+
+
+def format_row(row: dict) -> str:
+    accepted = row["accepted"] / row["proposed"] if row["proposed"] else 0.0
+    return (
+        f"off {row['off_tok_s']:.0f} tok/s, on {row['on_tok_s']:.0f} "
+        f"(x{row['on_over_off']:.2f}); {row['accepted']:.0f} of {row['proposed']:.0f} "
+        f"proposed tokens kept ({100 * accepted:.0f}%), "
+        f"{row['tokens_per_checking_pass']:.1f} tokens a checking pass"
+    )
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'workload':<8} {'conc':>4}  speculation on vs off"]
+    lines += [f"{r['kind']:<8} {r['concurrency']:>4}  {format_row(r)}" for r in rows]
+    return "\n".join(lines)
