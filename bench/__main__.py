@@ -334,7 +334,11 @@ def _gate(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
         work_dir=args.work_dir.resolve(),
         start_timeout_s=args.start_timeout,
         rounds=args.rounds or 3,
-        worker_args=tuple(shlex.split(args.worker_args)),
+        # The bare engine has no speculative decoding, and the bench's greedy
+        # random models repeat themselves (every proposal right): measured
+        # with it, the gate would not see the serving path it guards
+        # (`--speculation` measures speculation). --worker-args may turn it on.
+        worker_args=(*gate.WORKER_ARGS, *shlex.split(args.worker_args)),
         one_worker=True,
     )
     results, systems = run_all(opts)

@@ -29,6 +29,8 @@ THROUGHPUT = ((1, 1.0), (4, 0.95))
 STREAM_PAUSE_STEPS = 250 / 150
 CHAT_TTFT_STEPS = 500 / 150
 DEFAULT_LEVELS = (1, 4, 16, 64)
+# Our worker's flags in the throughput part, before --worker-args (see bench.__main__._gate).
+WORKER_ARGS = ("--speculative", "off")
 
 
 @dataclass(frozen=True)

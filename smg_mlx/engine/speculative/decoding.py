@@ -80,22 +80,17 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._steps += 1
         rows = len(self.uids)
         likely = self._likely()
-        if likely:
-            most = self.drafting.most
-            lengths = [min(self._rows[self.uids[i]].length, most) if i in likely else 0
-                       for i in range(rows)]  # fmt: skip
-            width = self.drafting.pacing.width(rows, self._expected(lengths))
-            if width > 1:
-                mx.eval(self._next_tokens)
-                pending = self._next_tokens.tolist()
-                drafts = [
-                    self._rows[uid].propose(self._steps, y, width - 1) if i in likely else []
-                    for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
-                ]
-                if any(drafts):
-                    return self._check(pending, drafts, started)
+        if likely and self.drafting.pacing.check(rows):
+            mx.eval(self._next_tokens)
+            pending = self._next_tokens.tolist()
+            drafts = [
+                self._rows[uid].propose(self._steps, y, self.drafting.most) if i in likely else []
+                for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
+            ]
+            if any(drafts):
+                return self._check(pending, drafts, started)
         responses = super().next()
-        self.drafting.pacing.ran(rows, 1, time.perf_counter() - started)
+        self.drafting.pacing.ran(rows, 1, time.perf_counter() - started, len(responses))
         return responses
 
     def _likely(self) -> set[int]:
@@ -113,19 +108,12 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 likely.add(i)
         return likely
 
-    def _expected(self, lengths: list[int]) -> list[float]:
-        """Tokens a pass of each width should return, by the rows' recent rates."""
-        rows = zip(self.uids, lengths, strict=True)
-        rates = [self._rows[uid].rate if n else 0.0 for uid, n in rows]
-        return [
-            sum(1 + min(n, extra) * rate for n, rate in zip(lengths, rates, strict=True))
-            for extra in range(max(lengths) + 1)
-        ]
-
     def _check(self, pending: list[int], drafts: list[list[int]], started: float) -> list:
         """One pass over every row's pending token and proposals (module docstring)."""
-        rows, width = len(self.uids), 1 + max(len(d) for d in drafts)
-        # Rows with fewer proposals are padded (positions whose tokens are not kept).
+        # Every such pass as wide as the most proposals allowed, rows with fewer
+        # padded (positions whose tokens are not kept): one shape for the
+        # backend to build a batch size's kernels for, not one per width.
+        rows, width = len(self.uids), 1 + self.drafting.most
         pairs = zip(pending, drafts, strict=True)
         inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
         self.prompt_cache = [RaggedBatchKVCache.adopt(c) for c in self.prompt_cache]
@@ -167,7 +155,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._next_logprobs = next_logprobs
         if len(keep) < rows:
             self.filter(keep)
-        self.drafting.pacing.ran(rows, width, time.perf_counter() - started)
+        self.drafting.pacing.ran(rows, width, time.perf_counter() - started, len(out))
         return out
 
     def _processed(self, logits: mx.array, pending: list[int]) -> mx.array:

@@ -45,13 +45,12 @@ def lookup(tokens: np.ndarray, n: int, most: int) -> list[int]:
 class RowDrafts:
     """One row's tokens and how its proposals have fared."""
 
-    __slots__ = ("_tokens", "_n", "length", "rate", "_pause", "_next_look")
+    __slots__ = ("_tokens", "_n", "length", "_pause", "_next_look")
 
     def __init__(self, most: int) -> None:
         self._tokens = np.zeros(256, dtype=np.int64)
         self._n = 0
         self.length = most  # tokens the next proposal may have
-        self.rate = 0.5  # the share of its proposed tokens that were right, lately
         self._pause = 1  # steps to wait after the next lookup that finds nothing
         self._next_look = 0  # the step at which to look again
 
@@ -86,7 +85,6 @@ class RowDrafts:
 
     def fared(self, step: int, proposed: int, accepted: int) -> None:
         """A pass checked `proposed` tokens of this row and kept `accepted`."""
-        self.rate += 0.25 * (accepted / proposed - self.rate)
         if accepted == proposed:
             self.length += 1
             self._pause = 1
