@@ -10,9 +10,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# --batching: "auto" (the mode the start-up check finds exact), or a safer one;
-# from the most batched, as engine.batch_check's modes are.
-BATCHING = ("auto", "equal-lengths", "one-at-a-time")
+# --batching: "auto" (the mode the start-up check finds exact, remembered per
+# model and machine), "check" (check again), or a mode by name, unchecked; the
+# modes from the most batched, as engine.batch_check's are (engine.batch_mode).
+BATCHING = ("auto", "check", "batched", "equal-lengths", "one-at-a-time")
 
 # Without --prompt-cache-disk-bytes the disk tier takes this share of the free
 # space found at start-up (its own files counted as free), at most DISK_CACHE_MOST.

@@ -24,6 +24,7 @@ MLX_SIDE = {
     "smg_mlx.engine.disk_tier",
     "smg_mlx.engine.disk_folder",
     "smg_mlx.engine.batch_check",
+    "smg_mlx.engine.batch_mode",
     "smg_mlx.engine.loading",
     "smg_mlx.engine.kv_files",
     "smg_mlx.engine.sampling",

@@ -22,6 +22,7 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.engine import (
     batch_check,
     batch_kv,  # noqa: F401 - installs itself
+    batch_mode,
     buffer_cache,
     loading,
     memory_probe,
@@ -130,9 +131,9 @@ class Batch:
         self._stream = mx.new_stream(mx.default_device())
         # Before anything else runs a batch of it: a model may not run one
         # (refused: types.Unservable), or not exactly.
-        self.choice = batch_check.choose(
-            self.model, self._stream, self.prefill_rows, self.batch_size,
-            batch_check.FLAGS[config.batching],
+        self.choice = batch_mode.decide(
+            config, self.model, self._stream, self.prefill_rows, self.batch_size,
+            split=group is not None,
         )  # fmt: skip
         self._lanes = ()
         self.serve_as(self.choice.mode)
