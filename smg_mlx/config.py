@@ -10,9 +10,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# --batching: "auto" (the mode the start-up check finds exact), or a safer one;
-# from the most batched, as engine.batch.batch_check's modes are.
-BATCHING = ("auto", "equal-lengths", "one-at-a-time")
+# --batching: "auto" (the mode the start-up check finds exact, remembered per
+# model and machine), "check" (check again), or a mode by name, unchecked; the
+# modes from the most batched, as engine.batch.batch_check's are (engine.batch.batch_mode).
+BATCHING = ("auto", "check", "batched", "equal-lengths", "one-at-a-time")
 # --speculative: prompt lookup where it pays, wherever there are proposals, or never.
 SPECULATIVE = ("auto", "always", "off")
 

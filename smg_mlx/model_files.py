@@ -23,6 +23,11 @@ WEIGHTS = "model*.safetensors"  # what mlx_lm.utils.load_model reads
 REMAPPINGS = ("MODEL_REMAPPING", "MODEL_ARCHITECTURE_REMAPPING")
 
 
+def weights_on_disk(model_dir: Path) -> int:
+    """Bytes of the model's weight files (what loading them takes, about)."""
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
 def check(model_dir: Path) -> None:
     """Raises BadModelConfig, saying what to fix, when mlx-lm cannot load `model_dir`."""
     if not any(model_dir.glob(WEIGHTS)):

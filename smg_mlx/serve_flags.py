@@ -200,8 +200,9 @@ def _running(serve: argparse.ArgumentParser) -> None:
         help="how requests are batched: auto runs prompts of different lengths together and "
         "alone at start-up and serves in the first mode where that changes no output "
         "(batched; equal-lengths: prompts prefilled together only at equal lengths; "
-        "one-at-a-time); "
-        "the others ask for that mode or a safer one (%(default)s)",
+        "one-at-a-time), remembering the verdict for this model on this machine; check "
+        "checks again; a mode's name serves in it without the check (a mode a remembered "
+        "check found wrong for the model is not served) (%(default)s)",
     )
     serve.add_argument(
         "--speculative",

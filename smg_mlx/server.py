@@ -76,11 +76,6 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tokenizer
 
 
-def weights_on_disk(model_dir: Path) -> int:
-    """Bytes of the model's weight files (what loading them takes, about)."""
-    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-
-
 def _bind(host: str, port: int) -> None:
     """Bind a socket to every address `host` names, as gRPC does; raises OSError."""
     for family, kind, proto, _, address in socket.getaddrinfo(
@@ -275,7 +270,7 @@ class Worker:
         before loading them. (Each of several ranks holds a part of them: the
         engine checks those once they are loaded.)"""
         budget = self.config.engine.memory_budget_bytes
-        weights = weights_on_disk(self.model_dir)
+        weights = model_files.weights_on_disk(self.model_dir)
         if budget is not None and budget < weights and launched_rank() is None:
             raise StartupError(
                 f"--memory-budget {format_bytes(budget)} cannot hold the model: its weights "

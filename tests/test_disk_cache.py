@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
+from smg_mlx.engine.batch import verdicts
 from smg_mlx.engine.prefix_cache import disk_folder, disk_tier, fingerprint, kv_files
 from smg_mlx.engine.prefix_cache.disk_folder import Folder
 from smg_mlx.engine.prefix_cache.folder_contents import file_name
@@ -48,6 +50,12 @@ def cold(model_dir):
 
 def files(directory: Path) -> list[Path]:
     return sorted(directory.rglob("*.kv"))
+
+
+def _model_folders(directory: Path) -> Iterator[Path]:
+    """The models' folders in a prompt cache's directory (the batch check's
+    verdicts are kept there too)."""
+    return (f for f in directory.iterdir() if f.name != verdicts.FOLDER)
 
 
 def same_as_cold(worker, cold, ids: list[int], max_tokens: int = 8):
@@ -314,7 +322,7 @@ def test_files_the_worker_writes_replace_links_and_never_write_through_them(
 ):
     w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
     w.stop()
-    folder = next((tmp_path / "cache").iterdir())
+    folder = next(_model_folders(tmp_path / "cache"))
     victims = [tmp_path / "victim-1", tmp_path / "victim-2"]
     for victim in victims:
         victim.write_text("precious")
@@ -353,7 +361,7 @@ def test_an_entry_copied_from_another_models_folder_is_not_used(
     other = build_model(tmp_path / "other", ["--seed", "1"])  # same shapes, other weights
     history, foreign = _written(start_worker, other, tmp_path / "cache")
     start_worker(model_dir, prompt_cache_dir=tmp_path / "cache").stop()  # makes this one's folder
-    (ours,) = [f for f in (tmp_path / "cache").iterdir() if f != foreign.parent]
+    (ours,) = [f for f in _model_folders(tmp_path / "cache") if f != foreign.parent]
     copy = Path(shutil.copy2(foreign, ours))
     with caplog.at_level(logging.WARNING):
         w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")

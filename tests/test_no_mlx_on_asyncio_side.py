@@ -29,9 +29,13 @@ MLX_SIDE = {
     "smg_mlx.engine.prefix_cache.disk_folder",
     "smg_mlx.engine.prefix_cache.folder_contents",
     "smg_mlx.engine.batch.batch_check",
+    "smg_mlx.engine.batch.batch_mode",
     "smg_mlx.engine.batch.loading",
     "smg_mlx.engine.prefix_cache.kv_files",
     "smg_mlx.engine.batch.sampling",
+    "smg_mlx.engine.speculative.decoding",
+    "smg_mlx.engine.speculative.ragged_kv",
+    "smg_mlx.engine.speculative.choice",
     "smg_mlx.demo_model",
     "smg_mlx.__main__",
 }

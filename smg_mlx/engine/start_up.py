@@ -93,21 +93,22 @@ def start(config: EngineConfig, wake: Callable[[], None]) -> Started:
 
 
 def _choose_mode(batch: Batch, channel: Channel | None) -> None:
-    """Serve in the mode the batch found where batching changes no output
-    (`engine.batch.batch_check`); with several ranks, rank 0's (every rank ran
-    the check: the model's collectives need them all)."""
+    """Serve in the mode the batch chose (`engine.batch.batch_mode`); with several
+    ranks, rank 0's (every rank ran the check: the model's collectives
+    need them all)."""
     choice = batch.choice
     if channel is not None:
         choice = channel.share(choice if channel.rank == 0 else None)
         batch.serve_as(choice.mode)
     if choice.reason:
         log.warning(
-            "serving %s, which is slower than batched: %s (checked in %.2fs)",
-            choice.mode.value, choice.reason, choice.seconds,
+            "serving %s, which is slower than batched: %s (%s)",
+            choice.mode.value, choice.reason, choice.basis,
         )  # fmt: skip
+    elif choice.checked:
+        log.info("serving batched: batching changes no output (%s)", choice.basis)
     else:
-        log.info("serving batched: batching changes no output (checked in %.2fs)",
-                 choice.seconds)  # fmt: skip
+        log.warning("serving batched as --batching asks (%s)", choice.basis)
 
 
 def _planner(

@@ -44,13 +44,13 @@ first use, and the step plan counts the build where `builds` says so.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.schedule.step_plan import SHAPE_BUILD_STEP_TOKENS
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,6 @@ class AttentionShapes:
         """Build, for every attention geometry the model has run, the regular
         shapes up to `context` tokens (at most PREBUILT_CONTEXT) and the
         smallest key bucket for up to `prefill_rows` rows."""
-        started, before = time.perf_counter(), len(self._built)
         context = min(context, PREBUILT_CONTEXT)
         queries = [QUERY_BUCKET]
         while queries[-1] < query_bucket(self.max_chunk):
@@ -280,13 +279,19 @@ class AttentionShapes:
         shapes += [(rows, tq, key_bucket(1), False)
                    for rows in range(2, prefill_rows + 1) for tq in queries]  # fmt: skip
         todo = [shape for shape in shapes if shape not in self._built]
-        for geometry in sorted(self._geometries, key=str):
+        geometries = sorted(self._geometries, key=str)
+        progress = Progress(log, "attention shapes", "built", len(todo) * len(geometries))
+        log.info(
+            "attention shapes: building %d for prompts up to %d tokens", progress.total, context
+        )
+        for geometry in geometries:
             for shape in todo:
                 self._build(geometry, *shape)
+                progress.advance()
         self.forget()
         log.info(
             "attention shapes for prompts up to %d tokens: %d built in %.1fs",
-            context, len(self._built) - before, time.perf_counter() - started,
+            context, progress.done, progress.seconds,
         )  # fmt: skip
 
     def _build(self, geometry: Geometry, rows: int, tq: int, tk: int, regular: bool) -> None:

@@ -20,6 +20,7 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch import (
     batch_check,
     batch_kv,  # noqa: F401 - installs itself
+    batch_mode,
     loading,
 )
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes
@@ -74,9 +75,9 @@ class Batch(PrefixCalls):
         self._stream = mx.new_stream(mx.default_device())
         # Before anything else runs a batch of it: a model may not run one
         # (refused: types.Unservable), or not exactly.
-        self.choice = batch_check.choose(
-            self.model, self._stream, self.prefill_rows, self.batch_size,
-            batch_check.FLAGS[config.batching],
+        self.choice = batch_mode.decide(
+            config, self.model, self._stream, self.prefill_rows, self.batch_size,
+            split=group is not None,
         )  # fmt: skip
         batched = self.choice.mode is not batch_check.Mode.EQUAL_LENGTHS
         drafting = drafting_for(config, self.model, group, batched)

@@ -29,21 +29,28 @@ batch does. The worker serves in the first mode whose rows all match:
 
 A model whose prompts cannot run even alone cannot be served: it is refused
 (`types.Unservable`) before the worker reports SERVING.
+
+Its verdict is remembered across restarts (`engine.batch_mode`): the check
+runs once per model and machine. Prompts run alone only as the modes checked
+need them, and a line says how far the check has come every few seconds: on
+a slow device (a large model on a CPU) it takes a minute.
 """
 
 from __future__ import annotations
 
 import enum
-import time
+import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
-from smg_mlx.config import BATCHING
+from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.types import Unservable
 from smg_mlx.logs import error_line
+
+log = logging.getLogger(__name__)
 
 # Prompts of these lengths (different, so that the batch pads), prefilled in
 # chunks of CHUNK tokens (several passes, as serving takes long prompts), then
@@ -56,6 +63,10 @@ STEPS = 8
 # state after prefill (the largest difference over the largest value, per
 # array) and its next-token distribution (total variation).
 TOLERANCE = 0.05
+# Part of the key of a remembered verdict (engine.batch_mode): a change to
+# what the check runs or how it judges must change it, so that verdicts of
+# the old check are not reused.
+VERSION = "smg-mlx batch check 1"
 
 
 class Mode(enum.Enum):
@@ -75,16 +86,13 @@ MEANINGS = {
 }
 
 
-# --batching's choices, as the least batched mode each allows (both are listed
-# from the most batched).
-FLAGS = dict(zip(BATCHING, Mode, strict=True))
-
-
 @dataclass(frozen=True)
 class Choice:
     mode: Mode
     reason: str  # why not the modes before it (empty for batched)
-    seconds: float  # what the check took
+    seconds: float  # what the check took (0: not run)
+    basis: str  # what the choice rests on, for the log: "checked in 2.10s"
+    checked: bool = True  # False: as --batching names it, never compared with prompts alone
 
 
 @dataclass
@@ -100,8 +108,9 @@ def _prompt(length: int, seed: int = 0) -> list[int]:
 
 
 def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_rows: int,
-         batch_size: int) -> list[_Row]:  # fmt: skip
-    """Greedy outputs of `prompts` run together under these limits."""
+         batch_size: int, progress: Progress) -> list[_Row]:  # fmt: skip
+    """Greedy outputs of `prompts` run together under these limits (one run
+    more done, for `progress`)."""
     generator = BatchGenerator(
         model, completion_batch_size=batch_size, prefill_batch_size=prefill_rows,
         prefill_step_size=CHUNK, stream=stream,
@@ -111,6 +120,7 @@ def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_
         rows = {uid: _Row([], [], []) for uid in uids}
         left = len(uids)
         while left:
+            progress.tick()
             prefilled, generated = generator.next()
             # A prompt just prefilled is in the decoding rows, its first token
             # sampled but not yet run: its cache holds the prompt alone.
@@ -122,6 +132,7 @@ def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_
                 rows[r.uid].tokens.append(r.token)
                 rows[r.uid].logprobs.append(r.logprobs)
                 left -= r.finish_reason is not None
+        progress.advance()
         return [rows[uid] for uid in uids]
     finally:
         generator.close()
@@ -163,50 +174,74 @@ def _distance(row: _Row, alone: _Row) -> float:
     return max(d.item() for d in distances)
 
 
-def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int, batch_size: int,
-           at_most: Mode = Mode.BATCHED) -> Choice:  # fmt: skip
-    """The first mode, from `at_most` on, in which batching leaves the model's
-    outputs as they are alone (see the module's doc); raises Unservable if a
-    prompt cannot run alone."""
-    began = time.perf_counter()
+def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int,
+           batch_size: int) -> Choice:  # fmt: skip
+    """The first mode in which batching leaves the model's outputs as they are
+    alone (see the module's doc); raises Unservable if a prompt cannot run alone."""
     mixed = [_prompt(n) for n in LENGTHS]
     equal = [_prompt(LENGTHS[1], seed) for seed in range(1, EQUAL + 1)]
-    try:
-        alone = {tuple(p): _run(model, stream, [p], 1, 1)[0] for p in mixed + equal}
-    except Exception as exc:  # noqa: BLE001 - the model's own fault, said in one line
-        raise Unservable(
-            f"mlx-lm cannot generate with this model even one prompt at a time ({error_line(exc)})"
-        ) from exc
+    progress = Progress(log, "batch check", "runs", len(mixed))
+    log.info(
+        "batch check: running prompts of %s tokens together and each alone, to find whether "
+        "batching changes this model's outputs", ", ".join(map(str, LENGTHS)),
+    )  # fmt: skip
+    alone: dict[tuple[int, ...], _Row] = {}
+    _alone(model, stream, mixed, alone, progress)
     runs = {
         Mode.BATCHED: [(mixed, prefill_rows)],
         Mode.EQUAL_LENGTHS: [(mixed, 1), (equal, prefill_rows)],
     }
-    order = list(Mode)
-    reasons = ["--batching asks for it"] if at_most is not Mode.BATCHED else []
+    reasons = [] if batch_size > 1 else ["--completion-batch-size is 1"]
     for mode, checks in runs.items() if batch_size > 1 else ():
-        if order.index(mode) < order.index(at_most):
-            continue
-        why = _mismatch(model, stream, checks, batch_size, alone)
+        prompts = [p for together, _ in checks for p in together]
+        progress.total += len(checks) + len({tuple(p) for p in prompts} - alone.keys())
+        _alone(model, stream, prompts, alone, progress)
+        why = _mismatch(model, stream, checks, batch_size, alone, progress)
         if why is None:
-            return Choice(mode, _because(mode, reasons), time.perf_counter() - began)
+            return _checked(mode, reasons, progress)
         reasons.append(f"{mode.value}, {why}")
-    mode = Mode.ONE_AT_A_TIME
-    return Choice(mode, _because(mode, reasons), time.perf_counter() - began)
+    return _checked(Mode.ONE_AT_A_TIME, reasons, progress)
 
 
-def _because(mode: Mode, reasons: list[str]) -> str:
+def runs_alone(model: nn.Module, stream: mx.Stream) -> None:
+    """Raise Unservable if one short prompt cannot run alone: what the check
+    finds first, for a mode --batching names without it."""
+    _alone(model, stream, [_prompt(LENGTHS[0])], {}, Progress(log, "batch check", "runs", 1))
+
+
+def _alone(model: nn.Module, stream: mx.Stream, prompts: list[list[int]],
+           alone: dict[tuple[int, ...], _Row], progress: Progress) -> None:  # fmt: skip
+    """Run each of `prompts` alone that has not run yet, into `alone`; raises
+    Unservable if one cannot run."""
+    try:
+        for p in prompts:
+            if tuple(p) not in alone:
+                alone[tuple(p)] = _run(model, stream, [p], 1, 1, progress)[0]
+    except Exception as exc:  # noqa: BLE001 - the model's own fault, said in one line
+        raise Unservable(
+            f"mlx-lm cannot generate with this model even one prompt at a time ({error_line(exc)})"
+        ) from exc
+
+
+def _checked(mode: Mode, reasons: list[str], progress: Progress) -> Choice:
+    seconds = progress.seconds
+    return Choice(mode, because(mode, reasons), seconds, f"checked in {seconds:.2f}s")
+
+
+def because(mode: Mode, reasons: list[str]) -> str:
     """A Choice's reason: what `mode` does and why it was chosen ("" for batched
     as configured)."""
     return f"{MEANINGS[mode]}, since {'; '.join(reasons)}" if reasons else ""
 
 
 def _mismatch(model: nn.Module, stream: mx.Stream, checks: list[tuple[list[list[int]], int]],
-              batch_size: int, alone: dict[tuple[int, ...], _Row]) -> str | None:  # fmt: skip
+              batch_size: int, alone: dict[tuple[int, ...], _Row],
+              progress: Progress) -> str | None:  # fmt: skip
     """Why some prompt batched as `checks` says (prompts, prefill rows) comes
     out other than alone; None if none does."""
     for prompts, rows in checks:
         try:
-            together = _run(model, stream, prompts, rows, batch_size)
+            together = _run(model, stream, prompts, rows, batch_size, progress)
         except Exception as exc:  # noqa: BLE001 - this mode cannot run: another may
             return f"it fails ({error_line(exc)})"
         pairs = zip(together, prompts, strict=True)

@@ -14,6 +14,8 @@ from mlx_lm.utils import load_model
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch.attention_shapes import SHAPES_REMEMBERED
+from smg_mlx.logs import format_bytes
+from smg_mlx.model_files import weights_on_disk
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
     for name, value in CUDA_CACHE_SETTINGS.items():
         os.environ.setdefault(name, value)
     started = time.perf_counter()
+    log.info("loading the weights (%s)", format_bytes(weights_on_disk(config.model_path)))
     if group is None:
         adapter = None if config.adapter_path is None else str(config.adapter_path)
         model = load(str(config.model_path), adapter_path=adapter)[0]

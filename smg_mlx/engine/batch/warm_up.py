@@ -19,10 +19,10 @@ empty afterwards, its prefix cache too.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.types import GenerationSpec, LogitsSettings, Request, SamplingSettings
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class _Script:
         self.batch = batch
         self.keys = 0
         self.running: set[int] = set()
-        self.began = time.perf_counter()
+        self.progress = Progress(log, "warm-up", "requests run")
 
     def request(
         self,
@@ -73,7 +73,7 @@ class _Script:
             raise RuntimeError(f"the warm-up could not start a request: {failed[0].error}")
         log.debug(
             "warm-up: prompts of %s tokens start at %.1fs",
-            [len(r.spec.prompt) for r in requests], time.perf_counter() - self.began,
+            [len(r.spec.prompt) for r in requests], self.progress.seconds,
         )  # fmt: skip
         keys = {r.key for r in requests}
         self.running |= keys
@@ -83,10 +83,12 @@ class _Script:
         """Step until these requests end."""
         left = set(keys)
         while left:
+            self.progress.tick()
             for event in self.batch.step(CHUNK)[0]:
                 if event.ends:
                     self.running.discard(event.key)
                     left.discard(event.key)
+                    self.progress.done += 1
 
 
 def run(batch: Batch, thorough: bool) -> None:
@@ -98,9 +100,12 @@ def run(batch: Batch, thorough: bool) -> None:
         script.until(script.start(script.request(4, 2)))
     # Its entries are no client's: kept, they would only count in the metrics.
     batch.drop_cached(batch.cached_over(0)[0])
+    log.info(
+        "warm-up: %s, in %.1fs", "every kind of step ran" if thorough else "one short request ran",
+        script.progress.seconds,
+    )  # fmt: skip
     if thorough:
         batch.prebuild_attention()
-        log.info("warm-up: every kind of step ran, in %.1fs", time.perf_counter() - script.began)
 
 
 def _every_kind_of_step(script: _Script) -> None:

@@ -35,6 +35,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
+from smg_mlx.engine.progress import Progress
 from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,11 @@ def budget(size: int | None, share: float | None) -> int:
 
 
 def _one_prompt(
-    model: nn.Module, stream: mx.Stream, length: int, chunk: int
+    model: nn.Module, stream: mx.Stream, length: int, chunk: int, progress: Progress
 ) -> tuple[int, list[tuple[int, float]]]:
     """Peak bytes above what was allocated before, for one prompt of `length`
     tokens prefilled in chunks of `chunk` and one generated token; and each
-    full chunk's (context before it, seconds)."""
+    full chunk's (context before it, seconds). One prompt more for `progress`."""
     generator = BatchGenerator(
         model, completion_batch_size=1, prefill_batch_size=1, prefill_step_size=chunk,
         stream=stream,
@@ -110,6 +111,7 @@ def _one_prompt(
     generator.insert([[i % 100 + 1 for i in range(length)]], max_tokens=[1])
     chunks, done = [], 0
     while True:
+        progress.tick()
         started = time.perf_counter()
         prompts, finished = generator.next()
         seconds = time.perf_counter() - started
@@ -121,6 +123,7 @@ def _one_prompt(
             break
     peak = mx.get_peak_memory() - before
     generator.close()
+    progress.advance()
     return peak, chunks
 
 
@@ -195,11 +198,12 @@ def measure(
     # the long one again, timed: a backend's first run of a shape includes
     # building its kernels (cuDNN graphs on CUDA), which no later run pays.
     short, long = chunk + 1, PROBE_CONTEXT // PROBE_CHUNK * chunk + 1
+    progress = Progress(log, "memory probe", "prompts", 3)
     spent = {}
     for n in (short, long):
-        peak, _ = _one_prompt(model, stream, n, chunk)
+        peak, _ = _one_prompt(model, stream, n, chunk, progress)
         spent[n] = peak - n * kv_per_token
-    speed = _speed(_one_prompt(model, stream, long, chunk)[1], chunk)
+    speed = _speed(_one_prompt(model, stream, long, chunk, progress)[1], chunk)
     known = attention(kv_per_token) if attention is not None else None
     if known is None:
         per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))

@@ -70,6 +70,19 @@ def create(path: Path) -> BinaryIO:
     return os.fdopen(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
 
 
+def write_whole(path: Path, data: bytes) -> None:
+    """`path` holding `data`, or as it was: written to a new file beside it,
+    then renamed over it (which replaces a link there, never its target)."""
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with create(temporary) as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
 def make_folder(path: Path) -> None:
     """The folder `path`, made (with its parents) if need be; raises Unsafe
     if something else is there (a link to a folder elsewhere would carry

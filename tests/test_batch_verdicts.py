@@ -1,0 +1,123 @@
+"""Start-up's batch check runs once per model and machine: its verdict is
+remembered across restarts, an explicit --batching skips it, and a verdict
+file that is not this model's or cannot be read is never trusted."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from smg_mlx.demo_model import build_model
+from smg_mlx.engine import progress
+
+CHECKS = "batch check: running prompts"
+REMEMBERED = "batch check: remembered verdict"
+
+
+@pytest.fixture
+def restart(start_worker, tmp_path, caplog):
+    """Start a worker on a model, with a cache folder of this test's own, and
+    stop it (a restart follows); the log of that start."""
+    caplog.set_level(logging.INFO, "smg_mlx")
+
+    def start(model: Path, **overrides) -> str:
+        caplog.clear()
+        overrides = {"prompt_cache_dir": tmp_path / "cache", "prompt_cache_disk_bytes": 0,
+                     **overrides}  # fmt: skip
+        running = start_worker(model, **overrides)
+        running.stop()
+        return caplog.text
+
+    return start
+
+
+def verdict_files(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "cache" / "batch-check").glob("*.json"))
+
+
+def test_the_second_start_of_a_model_reuses_its_verdict(restart, model_dir, tmp_path):
+    first = restart(model_dir)
+    assert CHECKS in first and REMEMBERED not in first
+    [kept] = verdict_files(tmp_path)
+    assert json.loads(kept.read_text())["mode"] == "batched"
+    second = restart(model_dir)
+    assert CHECKS not in second
+    assert f"{REMEMBERED} batched from " in second
+    assert "serving batched: batching changes no output (as checked on " in second
+    # --batching check checks again, and remembers what it finds.
+    again = restart(model_dir, batching="check")
+    assert CHECKS in again and REMEMBERED not in again
+    assert verdict_files(tmp_path) == [kept]
+
+
+def test_another_models_weights_are_checked_again(restart, model_dir, tmp_path):
+    restart(model_dir)
+    # The same shapes and files, other weights.
+    other = build_model(tmp_path / "other", ["--seed", "1"])
+    log = restart(other)
+    assert CHECKS in log and REMEMBERED not in log
+    assert len(verdict_files(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("damage", ["garbage", "another model's", "a link", "a folder"])
+def test_a_verdict_file_that_is_not_this_models_is_ignored_and_checked_again(
+    restart, model_dir, tmp_path, damage
+):
+    restart(model_dir)
+    [kept] = verdict_files(tmp_path)
+    outside = tmp_path / "outside.json"
+    outside.write_text(kept.read_text())
+    if damage == "garbage":
+        kept.write_bytes(b"\x00{not json")
+    elif damage == "another model's":
+        kept.write_text(kept.read_text().replace('"fingerprint": "', '"fingerprint": "0'))
+    elif damage == "a link":  # never followed: not read, and not written through
+        kept.unlink()
+        kept.symlink_to(outside)
+    else:
+        kept.unlink()
+        kept.mkdir()
+    before = outside.read_text()
+    log = restart(model_dir)
+    assert "batch check: ignoring the remembered verdict" in log
+    assert CHECKS in log and REMEMBERED not in log
+    assert outside.read_text() == before
+    if damage != "a folder":  # the check's verdict replaces it
+        assert json.loads(kept.read_text())["mode"] == "batched"
+        assert not kept.is_symlink()
+
+
+@pytest.mark.parametrize("mode", ["batched", "equal-lengths", "one-at-a-time"])
+def test_a_mode_named_by_batching_skips_the_check(restart, model_dir, tmp_path, mode):
+    log = restart(model_dir, batching=mode)
+    assert f"batch check: skipped, --batching names {mode}" in log
+    assert CHECKS not in log and not verdict_files(tmp_path)
+    if mode == "batched":
+        assert "serving batched as --batching asks (not checked: " in log
+    else:
+        assert f"serving {mode}, which is slower than batched: " in log
+
+
+def test_a_mode_a_remembered_check_found_wrong_is_not_served(restart, family_model):
+    # mamba (v1) runs padding through its state: the check serves it equal-lengths.
+    model = family_model("mamba")
+    restart(model)
+    log = restart(model, batching="batched")
+    assert CHECKS not in log
+    assert (
+        "serving equal-lengths, which is slower than batched: prompts prefill together only at "
+        "equal lengths, since batched, its rows come out other than alone"
+    ) in log
+    assert "not batched as --batching asks, which would change outputs" in log
+
+
+def test_a_long_check_says_how_far_it_has_come(restart, model_dir, monkeypatch):
+    monkeypatch.setattr(progress, "EVERY_SECONDS", 0.0)
+    log = restart(model_dir)
+    assert "batch check: 1 of 4 runs, " in log
+    assert "batch check: 5 of 5 runs, " in log
+    assert "memory probe: 1 of 3 prompts, " in log
+    assert "warm-up: one short request ran, in " in log
