@@ -71,8 +71,9 @@ class EngineConfig:
     # applied to the model as mlx-lm loads it.
     adapter_path: Path | None = None
     # Speculative decoding by prompt lookup (one of SPECULATIVE; engine.speculative):
-    # auto checks proposals where measured pass times say it pays.
-    speculative: str = "auto"
+    # auto checks proposals where measured pass times say it pays. Off by default
+    # until the GPU shows auto never costs a workload it cannot help.
+    speculative: str = "off"
     # Proposed tokens one row may have checked in one pass, at most.
     num_draft_tokens: int = 4
 
