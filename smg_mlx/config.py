@@ -16,6 +16,9 @@ from pathlib import Path
 BATCHING = ("auto", "check", "batched", "equal-lengths", "one-at-a-time")
 # --speculative: prompt lookup where it pays, wherever there are proposals, or never.
 SPECULATIVE = ("auto", "always", "off")
+# --num-draft-tokens at most: a checking pass of 1 + this many tokens a row still
+# attends as a decoding pass does (engine.batch.attention_shapes.FEW_QUERIES).
+MOST_DRAFT_TOKENS = 15
 
 # Without --prompt-cache-disk-bytes the disk tier takes this share of the free
 # space found at start-up (its own files counted as free), at most DISK_CACHE_MOST.

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from smg_mlx import model_source
+from smg_mlx.config import MOST_DRAFT_TOKENS
 from smg_mlx.model_config import BadModelConfig, read_json
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
@@ -127,6 +128,19 @@ def message_size(text: str) -> int:
 
 
 positive = _number(int, 1, "a whole number of at least 1")
+
+
+def draft_tokens(text: str) -> int:
+    """--num-draft-tokens: 1 to MOST_DRAFT_TOKENS."""
+    value = positive(text)
+    if value > MOST_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number from 1 to {MOST_DRAFT_TOKENS}, got {text!r} (a pass "
+            "checks each stream's proposals as a decoding pass runs, up to that many)"
+        )
+    return value
+
+
 count = _number(int, 0, "a whole number, 0 or more")
 any_port = _port(0)  # 0: the system picks one
 fixed_port = _port(1)

@@ -14,6 +14,7 @@ from smg_mlx.config import (
     BATCHING,
     DISK_CACHE_MOST,
     DISK_CACHE_SHARE,
+    MOST_DRAFT_TOKENS,
     SPECULATIVE,
     EngineConfig,
     RequestLimits,
@@ -26,6 +27,7 @@ from smg_mlx.flag_types import (
     byte_size,
     count,
     directory,
+    draft_tokens,
     fixed_port,
     message_size,
     model_name,
@@ -217,10 +219,11 @@ def _running(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--num-draft-tokens",
-        type=positive,
+        type=draft_tokens,
         default=EngineConfig.num_draft_tokens,
         metavar="N",
-        help="proposed tokens a stream may have checked in one pass, at most (%(default)s)",
+        help="proposed tokens a stream may have checked in one pass, at most, 1 to "
+        f"{MOST_DRAFT_TOKENS} (%(default)s)",
     )
 
 

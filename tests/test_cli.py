@@ -119,6 +119,8 @@ def test_sizes_take_units(text, expected):
         (["--max-response-bytes", "1KiB"], "expected a size of at least 64KiB, got '1KiB'"),
         (["--max-pending", "-1"], "expected a whole number, 0 or more, got '-1'"),
         (["--completion-batch-size", "x"], "expected a whole number of at least 1, got 'x'"),
+        (["--num-draft-tokens", "40"], "expected a whole number from 1 to 15, got '40'"),
+        (["--speculative", "on"], "invalid choice: 'on'"),
         (["--memory-budget", "0"], "expected a size above 0"),
         (["--port", "70000"], "expected a port number from 0 to 65535, got '70000'"),
         (["--port", "-1"], "expected a port number from 0 to 65535, got '-1'"),

@@ -50,13 +50,16 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from smg_mlx.config import MOST_DRAFT_TOKENS
 from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.schedule.step_plan import SHAPE_BUILD_STEP_TOKENS
 
 log = logging.getLogger(__name__)
 
 QUERY_BUCKET = 256  # the smallest query bucket
-FEW_QUERIES = 16  # queries a row at most that run as plain matrix products
+# Queries a row at most that run as plain matrix products: a pass checking
+# the most proposals --num-draft-tokens allows, and its pending token.
+FEW_QUERIES = MOST_DRAFT_TOKENS + 1
 # A window between the smallest and the largest chunk: a follow-up's new
 # tokens, or a chunk of a prompt beside others, run in it rather than padded
 # to the largest chunk.
