@@ -30,23 +30,22 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine import start_up
+from smg_mlx.engine import failures, start_up
 from smg_mlx.engine.handoff import Inbox, Sink
-from smg_mlx.engine.memory.planner import MemoryPlanner, is_out_of_memory
+from smg_mlx.engine.memory.planner import is_out_of_memory
 from smg_mlx.engine.schedule.bursts import WINDOWS_AT_MOST, BurstGatherer
 from smg_mlx.engine.schedule.scheduler import Plan, Scheduler
 from smg_mlx.engine.schedule.step_plan import Passes
 from smg_mlx.engine.types import (
     CacheStats,
     Event,
-    Failure,
     Memory,
     Request,
     StepReport,
     Turn,
     Unservable,
 )
-from smg_mlx.logs import counted, error_line, one_line
+from smg_mlx.logs import error_line, one_line
 
 if TYPE_CHECKING:
     from smg_mlx.engine.batch.batch import Batch
@@ -269,7 +268,7 @@ class EngineCore:
             batch.sequences(excluding=remove), batch.prefix_cache_bytes
         )
         batch.forget_resumed([r.key for r in plan.refuse])
-        events += [self._too_big(r, scheduler.planner) for r in plan.refuse]
+        events += [failures.too_big(r, scheduler.planner) for r in plan.refuse]
         drop, _ = batch.cached_over(plan.prefix_allowance, plan.keep)
         if batch.prefixes is not None:
             batch.prefixes.room = plan.prefix_allowance
@@ -290,66 +289,13 @@ class EngineCore:
         self._turn = turn if steady else None
         return turn, events
 
-    @staticmethod
-    def _too_big(request: Request, planner: MemoryPlanner) -> Event:
-        spec = request.spec
-        return Event(
-            request.key,
-            error=f"the request needs room for {len(spec.prompt) + spec.max_tokens} tokens; "
-            f"this worker's memory holds at most {planner.longest_sequence} for one "
-            "request: send a shorter prompt or fewer max_tokens",
-            failure=Failure.TOO_BIG,
-        )
-
     def _contain(self, batch: Batch, scheduler: Scheduler, exc: Exception) -> list[Event]:
-        """A step failed: the batch starts over, what it held put back or ended."""
+        """A step failed: counted, and contained (`engine.failures`)."""
         if is_out_of_memory(exc):
             self._out_of_memory_steps += 1
-            return self._put_back(batch, scheduler, exc)
+            return failures.put_back(batch, scheduler, exc)
         self._failed_steps += 1
-        requests = batch.reset()
-        batch.forget_resumed([r.key for r in requests])
-        log.exception(
-            "a step failed; its %s end with an error and the batch starts over",
-            counted(len(requests), "request"),
-        )
-        return [
-            Event(
-                r.key,
-                error=f"the worker failed in a step running this request "
-                f"({error_line(exc)}); it can be retried",
-                failure=Failure.STEP,
-            )
-            for r in requests
-        ]
-
-    def _put_back(self, batch: Batch, scheduler: Scheduler, exc: Exception) -> list[Event]:
-        """A step ran out of memory despite the budget: the estimates were short.
-        Raise them, and put the batch back in the waiting room in admission order
-        (the most recent last: they wait if fewer fit now). A request alone in
-        the batch does not fit at all: it ends."""
-        scheduler.planner.learn()
-        requests = batch.reset()
-        log.warning(
-            "out of memory in a step (%s); %s put back to wait for memory; "
-            "estimates now x%.2f",
-            exc,
-            counted(len(requests), "request"),
-            scheduler.planner.safety,
-        )
-        if len(requests) > 1:
-            scheduler.put_back(requests)
-            return []
-        batch.forget_resumed([r.key for r in requests])
-        return [
-            Event(
-                r.key,
-                error=f"the worker ran out of memory running this request alone ({exc}): "
-                "send a shorter prompt or fewer max_tokens, or retry on a larger worker",
-                failure=Failure.OUT_OF_MEMORY,
-            )
-            for r in requests
-        ]
+        return failures.end_batch(batch, exc)
 
     def _memory(self, batch: Batch, scheduler: Scheduler) -> Memory:
         planner = scheduler.planner
