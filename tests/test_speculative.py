@@ -17,9 +17,11 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama, qwen3
 from mlx_lm.sample_utils import make_sampler
 
+from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.prompt_lookup import lookup
+from smg_mlx.engine.types import SamplingSettings
 
 import helpers
 
@@ -54,7 +56,7 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = False,
-             stop=None, sampler=None, rows: int = 32):  # fmt: skip
+             stop=None, sampler=None, rows: int = 32, seeds=None):  # fmt: skip
     """Each prompt's tokens (and logprobs of them, and the finished caches' sizes);
     with `stagger` half the prompts join while the first half decode."""
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows // 8,
@@ -72,15 +74,18 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     chosen: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
     cached: dict[int, tuple[int, int]] = {}
+    def insert(i: int, prompt: list[int]) -> None:
+        own = None if seeds is None else [seeded(SamplingSettings(temperature=1.0, seed=seeds[i]))]
+        which[generator.insert([prompt], [max_tokens[i]], samplers=own)[0]] = i
+
     for i, prompt in now:
-        which[generator.insert([prompt], [max_tokens[i]])[0]] = i
+        insert(i, prompt)
     calls = 0
     while len(cached) < len(prompts):
         calls += 1
         assert calls < 2000
         if later and calls % 3 == 0:
-            i, prompt = later.pop(0)
-            which[generator.insert([prompt], [max_tokens[i]])[0]] = i
+            insert(*later.pop(0))
         for r in generator.next()[1]:
             i = which[r.uid]
             tokens[i].append(r.token)
@@ -156,6 +161,20 @@ def test_pacing_checks_proposals_only_where_that_pays():
     assert not pacing.check(2)  # another batch size has its own measures: none yet
     checks = sum(pacing.check(8) for _ in range(200))
     assert 1 <= checks <= 3  # a losing checking pass is tried again now and then, less often
+
+
+def test_seeded_requests_draw_the_tokens_they_draw_without_speculation():
+    """A seeded request's sampler takes one key a token: a pass checking its
+    proposals draws each position with that token's key and moves on by the
+    tokens kept, so its output is the same tokens, not only the same distribution."""
+    model = tiny_model("llama", scale=0.7, vocab=4, seed=3)
+    prompts = [[1] * (8 + i) for i in range(12)]
+    seeds = list(range(100, 112))
+    plain, _, _, _ = generate(model, prompts, [12] * 12, False, stagger=True, seeds=seeds)
+    ours, _, _, stats = generate(model, prompts, [12] * 12, True, stagger=True, seeds=seeds)
+    assert ours == plain
+    assert len({tuple(t) for t in plain}) > 6, "the draws differ from seed to seed"
+    assert 0 < stats.accepted < stats.proposed
 
 
 def _chi_square_bound(df: int) -> float:

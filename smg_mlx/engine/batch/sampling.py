@@ -71,19 +71,53 @@ def make_sampler(settings: SamplingSettings) -> Sampler:
     if settings.top_k > 0:
         top_k = mx.array(settings.top_k, dtype=mx.int32)
         filters.append(lambda x: keep_top_k(x, top_k))
-    scale = 1.0 / settings.temperature
-    key = None if settings.seed is None else mx.random.key(settings.seed)
+    draw = _Draw(filters, 1.0 / settings.temperature)
+    if settings.seed is not None:
+        return SeededSampler(draw, settings.seed)
+    return draw
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        for keep in filters:
+
+class _Draw:
+    """One draw from the filtered, tempered distribution (the process's
+    random state, unless given a key)."""
+
+    def __init__(self, filters: list[Callable[[mx.array], mx.array]], scale: float) -> None:
+        self._filters, self._scale = filters, scale
+
+    def __call__(self, logprobs: mx.array, key: mx.array | None = None) -> mx.array:
+        for keep in self._filters:
             logprobs = keep(logprobs)
-        step_key = None
-        if key is not None:
-            key, step_key = mx.random.split(key)
-        return mx.random.categorical(logprobs * scale, key=step_key)
+        return mx.random.categorical(logprobs * self._scale, key=key)
 
-    return sample
+
+class SeededSampler:
+    """A seeded request's sampler: its own key, split once a token, so its
+    tokens are the same whatever else runs in the batch. `ahead` draws
+    several positions with the keys the next tokens would take and moves on
+    by as many as are kept: a pass checking speculative proposals draws
+    what decoding token by token would (engine.speculative.decoding)."""
+
+    def __init__(self, draw: _Draw, seed: int) -> None:
+        self._draw = draw
+        self._key = mx.random.key(seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self._key, step = mx.random.split(self._key)
+        return self._draw(logprobs, step)
+
+    def ahead(self, logprobs: mx.array) -> tuple[mx.array, Callable[[int], None]]:
+        """A draw for each of `logprobs`' rows (positions), each with the key
+        its token would take; and the call that keeps the first n of them."""
+        keys, key = [], self._key
+        for _ in range(logprobs.shape[0]):
+            key, step = mx.random.split(key)
+            keys.append((key, step))
+        draws = [self._draw(logprobs[j : j + 1], step) for j, (_, step) in enumerate(keys)]
+
+        def keep(n: int) -> None:
+            self._key = keys[n - 1][0]
+
+        return mx.concatenate(draws), keep
 
 
 def make_processors(settings: LogitsSettings) -> list:

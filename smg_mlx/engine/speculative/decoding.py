@@ -120,7 +120,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         logits = self.model(mx.array(inputs), cache=self.prompt_cache)
         logits = self._processed(logits, pending)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = self._sample(logprobs)
+        sampled, keeps = self._sample(logprobs)
         mx.eval(sampled, logprobs, self._next_logprobs)
         sampled = sampled.tolist()
 
@@ -141,6 +141,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
             self.tokens[i].extend(tokens)
             rewind.append(width - len(tokens))
             responses.append((i, tokens, chosen, None if finish is None else finish[0]))
+            if keeps[i] is not None:  # the draws kept: the proposals and the next token
+                keeps[i](kept + 1)
             keep += [i] if finish is None else []
             # (a row that ended keeps its entries until the filter below drops them)
             next_tokens.append(sampled[i][kept])
@@ -173,14 +175,25 @@ class SpeculativeGenerationBatch(GenerationBatch):
             firsts.append(first)
         return mx.concatenate([mx.concatenate(firsts)[:, None], logits[:, 1:]], axis=1)
 
-    def _sample(self, logprobs: mx.array) -> mx.array:
-        """Every position of every row, by the row's sampler (one call where all share one)."""
+    def _sample(self, logprobs: mx.array) -> tuple[mx.array, list]:
+        """Every position of every row, by the row's sampler (one call where all
+        share one); and for each row whose sampler keeps its own random key
+        (`ahead`, engine.batch.sampling), the call that moves it on by the
+        tokens kept, so its draws are those of decoding token by token."""
         rows, width = logprobs.shape[:2]
         samplers = [self.fallback_sampler if s is None else s
                     for s in (self.samplers or [None] * rows)]  # fmt: skip
-        if all(s is samplers[0] for s in samplers):
-            return samplers[0](logprobs.reshape(rows * width, -1)).reshape(rows, width)
-        return mx.stack([sample(logprobs[i]) for i, sample in enumerate(samplers)])
+        keeps: list = [None] * rows
+        if all(s is samplers[0] for s in samplers) and not hasattr(samplers[0], "ahead"):
+            return samplers[0](logprobs.reshape(rows * width, -1)).reshape(rows, width), keeps
+        draws = []
+        for i, sample in enumerate(samplers):
+            if hasattr(sample, "ahead"):
+                drawn, keeps[i] = sample.ahead(logprobs[i])
+                draws.append(drawn)
+            else:
+                draws.append(sample(logprobs[i]))
+        return mx.stack(draws), keeps
 
     def _finish(self, i: int, tokens: list[int]) -> tuple[str, int] | None:
         """Why row i ends and at which of `tokens`, as mlx-lm decides it a token at a time."""
