@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -34,9 +35,13 @@ def token_request(
     )
 
 
-def generate_request(workload: Workload, index: int, tag: str) -> pb.GenerateRequest:
+def generate_request(
+    workload: Workload, index: int, tag: str, temperature: float = 0.0
+) -> pb.GenerateRequest:
     """Prompt number `index` of the workload, `gen_tokens` long answer."""
-    return token_request(workload.prompt(index), workload.gen_tokens, f"bench-{tag}-{index}")
+    return token_request(
+        workload.prompt(index), workload.gen_tokens, f"bench-{tag}-{index}", temperature
+    )
 
 
 async def stream_one(stub: mlx_engine_pb2_grpc.MlxEngineStub, request: pb.GenerateRequest,
@@ -66,9 +71,11 @@ async def stream_one(stub: mlx_engine_pb2_grpc.MlxEngineStub, request: pb.Genera
 
 
 async def closed_loop(
-    address: str, workload: Workload, concurrency: int, indices: range, tag: str
-) -> tuple[list[RequestRecord], float]:
-    """Runs the requests with these prompt indices, `concurrency` at a time.
+    address: str, workload: Workload, concurrency: int, indices: range, tag: str,
+    temperature: Callable[[int], float] = lambda index: 0.0,
+) -> tuple[list[RequestRecord], float]:  # fmt: skip
+    """Runs the requests with these prompt indices, `concurrency` at a time
+    (request `index` at `temperature(index)`).
 
     Each of `concurrency` slots sends its next request the moment its previous
     one ends. Returns the records and the wall time from first send to last end.
@@ -83,7 +90,7 @@ async def closed_loop(
         async def slot() -> None:
             while queue:
                 index = queue.pop()
-                request = generate_request(workload, index, tag)
+                request = generate_request(workload, index, tag, temperature(index))
                 records.append(await stream_one(stub, request, workload.gen_tokens))
 
         begin = time.perf_counter()

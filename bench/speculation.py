@@ -18,18 +18,14 @@ the bench's random models behave, and the table reports what was measured:
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import grpc
-
-from bench.grpc_client import stream_one, token_request
+from bench.grpc_client import closed_loop
 from bench.long_prompts import default_worker, metrics
 from bench.runner import progress
-from bench.stats import RequestRecord
 from bench.workload import Workload
-from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 KINDS = ("right", "wrong", "half")
 COUNTERS = tuple(
@@ -52,34 +48,13 @@ class Speculation:
     setting: str = "auto"  # --speculative of the worker that speculates
 
 
-async def _closed_loop(address: str, workload: Workload, kind: str, concurrency: int,
-                       indices: range, tag: str) -> tuple[list[RequestRecord], float]:  # fmt: skip
-    queue = list(reversed(indices))
-    records: list[RequestRecord] = []
-    async with grpc.aio.insecure_channel(address) as channel:
-        await channel.channel_ready()
-        stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
-
-        async def slot() -> None:
-            while queue:
-                index = queue.pop()
-                request = token_request(
-                    workload.prompt(index), workload.gen_tokens, f"spec-{tag}-{index}",
-                    temperature=temperature(kind, index),
-                )  # fmt: skip
-                records.append(await stream_one(stub, request, workload.gen_tokens))
-
-        begin = time.perf_counter()
-        await asyncio.gather(*(slot() for _ in range(concurrency)))
-        return records, time.perf_counter() - begin
-
-
 def _round(address: str, workload: Workload, kind: str, c: int, first: int, tag: str) -> tuple:
     """Warm-up, then the timed requests: (tokens, seconds, errors)."""
     warm, timed = workload.warmup(c), workload.requests(c)
-    asyncio.run(_closed_loop(address, workload, kind, c, range(first, first + warm), tag))
+    hot = partial(temperature, kind)
+    asyncio.run(closed_loop(address, workload, c, range(first, first + warm), tag, hot))
     span = range(first + warm, first + warm + timed)
-    records, wall = asyncio.run(_closed_loop(address, workload, kind, c, span, tag))
+    records, wall = asyncio.run(closed_loop(address, workload, c, span, tag, hot))
     errors = sum(r.error is not None for r in records)
     return sum(r.tokens for r in records), wall, errors
 
