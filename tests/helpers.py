@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.workers import free_port
@@ -68,6 +69,18 @@ def collect(responses) -> Result:
 
 def generate(stub, ids: list[int] | None = None, **kwargs) -> Result:
     return collect(stub.Generate(request(ids, **kwargs), timeout=60))
+
+
+def abort_after(stub, ids: list[int], n_tokens: int, **settings) -> None:
+    """Start a stream and cancel it once `n_tokens` tokens arrived."""
+    call = stub.Generate(request(ids, max_tokens=500, ignore_eos=True, **settings), timeout=60)
+    seen = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for response in call:
+            seen += len(response.chunk.token_ids)
+            if seen >= n_tokens:
+                call.cancel()
+    assert err.value.code() == grpc.StatusCode.CANCELLED
 
 
 def prompt(length: int, offset: int = 0) -> list[int]:

@@ -20,7 +20,7 @@ from smg_mlx.demo_model import build_model
 from smg_mlx.engine.prefix_cache.cache import PrefixCache
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier, Pace
 
-from helpers import collect, generate, prompt, request, wait_until
+from helpers import abort_after, collect, generate, prompt, request, wait_until
 
 # ---- the store ----
 
@@ -288,22 +288,10 @@ def test_penalties_see_the_cached_tokens(pair):
     assert got.tokens == want.tokens
 
 
-def _abort_after(stub, ids: list[int], n_tokens: int, **settings) -> None:
-    """Start a stream and cancel it once `n_tokens` tokens arrived."""
-    call = stub.Generate(request(ids, max_tokens=500, ignore_eos=True, **settings), timeout=60)
-    seen = 0
-    with pytest.raises(grpc.RpcError) as err:
-        for response in call:
-            seen += len(response.chunk.token_ids)
-            if seen >= n_tokens:
-                call.cancel()
-    assert err.value.code() == grpc.StatusCode.CANCELLED
-
-
 def test_an_aborted_sequence_leaves_its_cache(pair):
     cached, cold = pair
     ids = prompt(70, 21)
-    _abort_after(cached.stub, ids, 5)
+    abort_after(cached.stub, ids, 5)
     r = generate(cached.stub, ids + [9], max_tokens=8)
     assert r.complete.cached_tokens == len(ids)
     assert r.tokens == generate(cold.stub, ids + [9], max_tokens=8).tokens

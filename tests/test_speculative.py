@@ -8,7 +8,6 @@ import math
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -253,7 +252,7 @@ def test_a_worker_speculating_answers_as_one_that_does_not(family, model_dir, fa
             seen = [lp for c in g.chunks for lp in c.output_logprobs.token_logprobs]
             expected = [lp for c in w.chunks for lp in c.output_logprobs.token_logprobs]
             assert seen == pytest.approx(expected, abs=1e-4)
-    _abort_after(speculating.stub, _repeating(60, 5), 5)
+    helpers.abort_after(speculating.stub, _repeating(60, 5), 5)
     again = helpers.generate(speculating.stub, _repeating(60, 5), max_tokens=16)
     assert again.tokens == helpers.generate(plain.stub, _repeating(60, 5), max_tokens=16).tokens
     stats = speculating.worker.engine.speculation
@@ -261,14 +260,3 @@ def test_a_worker_speculating_answers_as_one_that_does_not(family, model_dir, fa
     if family == "demo":
         assert stats.accepted > stats.proposed / 2
     assert plain.worker.engine.speculation.passes == 0
-
-
-def _abort_after(stub, ids: list[int], n_tokens: int) -> None:
-    """Start a stream and cancel it once `n_tokens` tokens arrived."""
-    call = stub.Generate(helpers.request(ids, max_tokens=500, ignore_eos=True), timeout=60)
-    seen = 0
-    with pytest.raises(grpc.RpcError):
-        for response in call:
-            seen += len(response.chunk.token_ids)
-            if seen >= n_tokens:
-                call.cancel()

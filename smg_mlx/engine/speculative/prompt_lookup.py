@@ -45,12 +45,13 @@ def lookup(tokens: np.ndarray, n: int, most: int) -> list[int]:
 class RowDrafts:
     """One row's tokens and how its proposals have fared."""
 
-    __slots__ = ("_tokens", "_n", "length", "_pause", "_next_look")
+    __slots__ = ("_tokens", "_n", "_most", "_length", "_pause", "_next_look")
 
     def __init__(self, most: int) -> None:
         self._tokens = np.zeros(256, dtype=np.int64)
         self._n = 0
-        self.length = most  # tokens the next proposal may have
+        self._most = most
+        self._length = most  # tokens the next proposal may have
         self._pause = 1  # steps to wait after the next lookup that finds nothing
         self._next_look = 0  # the step at which to look again
 
@@ -78,7 +79,7 @@ class RowDrafts:
         """Up to `most` tokens that should follow this row's tokens and
         `pending` (sampled, not in its cache yet); [] where none."""
         self._tokens[self._n] = pending
-        proposal = lookup(self._tokens, self._n + 1, min(most, self.length))
+        proposal = lookup(self._tokens, self._n + 1, min(most, self._length))
         if not proposal:
             self._wait(step)
         return proposal
@@ -86,12 +87,12 @@ class RowDrafts:
     def fared(self, step: int, proposed: int, accepted: int) -> None:
         """A pass checked `proposed` tokens of this row and kept `accepted`."""
         if accepted == proposed:
-            self.length += 1
+            self._length = min(self._length + 1, self._most)
             self._pause = 1
         elif accepted == 0:
             self._wait(step)
         else:
-            self.length = accepted + 1
+            self._length = accepted + 1
             self._pause = 1
 
     def _wait(self, step: int) -> None:
