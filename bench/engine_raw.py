@@ -1,22 +1,29 @@
 """The ceiling: mlx-lm's BatchGenerator driven directly, on one thread, no server.
 
-Run as its own process (`python -m bench.engine_raw`), one per round of a
-level. It keeps `concurrency` sequences in flight (a closed loop: a new one is
+Run as its own process (`python -m bench.engine_raw`): it loads the model
+once, then runs one round of a level for each JSON line on its stdin
+(`{"concurrency", "warmup", "timed"}`, prompt index ranges as "A:B") and
+answers each with one JSON line on stdout, until its stdin closes. The
+runner keeps it for every round where it keeps the workers (the gate), as a
+worker keeps its compiled kernels, and else starts one per round.
+
+A round keeps `concurrency` sequences in flight (a closed loop: a new one is
 inserted as soon as one finishes, between two steps, which is where a worker
 can insert too) with the same prompts, lengths, sampler and batch limits the
 workers get. Timestamps are taken when `next()` hands the tokens over: the
-earliest a server could send them. Prints one JSON object (the per-request
-records) on stdout.
+earliest a server could send them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
+from typing import Any, TextIO
 
 from bench.stats import RequestRecord
 from bench.workload import Level, Workload
@@ -66,17 +73,30 @@ def _closed_loop(generator, workload: Workload, concurrency: int, indices: range
     return records, time.perf_counter() - begin
 
 
-def run(model_dir: Path, workload: Workload, level: Level) -> dict:
-    """One round of one level: its warm-up, then its timed requests."""
+def serve(model_dir: Path, workload: Workload, lines: TextIO, out: TextIO) -> None:
+    """Load the model, then one round per line of `lines`, each answered on `out`."""
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.generate import BatchGenerator
 
     model, _ = load(str(model_dir))
+    # A stream of its own, made on this thread, as the worker's engine thread does.
+    stream = mx.new_stream(mx.default_device())
+    for line in lines:
+        asked = json.loads(line)
+        level = Level(asked["concurrency"], 0, _range(asked["warmup"]), _range(asked["timed"]))
+        out.write(json.dumps(run(model, stream, workload, level)) + "\n")
+        out.flush()
+
+
+def run(model: Any, stream: Any, workload: Workload, level: Level) -> dict:
+    """One round of one level on a fresh BatchGenerator: its warm-up, then its
+    timed requests."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
     generator = BatchGenerator(
         model,
-        # A stream of its own, made on this thread, as the worker's engine thread does.
-        stream=mx.new_stream(mx.default_device()),
+        stream=stream,
         completion_batch_size=workload.completion_batch_size,
         prefill_batch_size=workload.prefill_batch_size,
         prefill_step_size=workload.prefill_step_size,
@@ -111,13 +131,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--workload", required=True, help="Workload as JSON")
-    parser.add_argument("--concurrency", type=int, required=True)
-    parser.add_argument("--warmup", type=_range, required=True, help="prompt indices A:B")
-    parser.add_argument("--timed", type=_range, required=True, help="prompt indices A:B")
     args = parser.parse_args()
     workload = Workload.from_dict(json.loads(args.workload))
-    level = Level(args.concurrency, 0, args.warmup, args.timed)  # the runner counts rounds
-    print(json.dumps(run(args.model, workload, level)))
+    serve(args.model, workload, sys.stdin, sys.stdout)
 
 
 if __name__ == "__main__":

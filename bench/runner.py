@@ -34,8 +34,8 @@ class Options:
     start_timeout_s: float = 600.0
     rounds: int = 1  # interleaved rounds per level, pooled
     worker_args: tuple[str, ...] = ()  # more flags for ours
-    # One worker per system for every level and round (the gate: a worker as it
-    # runs for hours), instead of a fresh one per round.
+    # One worker per system, and one engine process, for every level and round
+    # (the gate: a worker as it runs for hours), instead of a fresh one per round.
     one_worker: bool = False
 
 
@@ -43,19 +43,47 @@ def _span(indices: range) -> str:
     return f"{indices.start}:{indices.stop}"
 
 
-def _engine_round(opts: Options, level: Level) -> tuple[list[RequestRecord], float, dict]:
-    """One round of the raw BatchGenerator in a child process; its JSON comes back on stdout."""
-    out = subprocess.run(
-        [
-            sys.executable, "-m", "bench.engine_raw", "--model", str(opts.model_dir),
-            "--workload", json.dumps(opts.workload.to_dict()),
-            "--concurrency", str(level.concurrency),
-            "--warmup", _span(level.warmup), "--timed", _span(level.timed),
-        ],
-        check=True, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    data = json.loads(out.stdout)
-    return [RequestRecord(**r) for r in data.pop("records")], data.pop("wall_s"), data
+class EngineProcess:
+    """The raw engine's child process (`bench.engine_raw`): one round per call."""
+
+    def __init__(self, opts: Options) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "bench.engine_raw", "--model", str(opts.model_dir),
+             "--workload", json.dumps(opts.workload.to_dict())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def round(self, level: Level) -> tuple[list[RequestRecord], float, dict]:
+        asked = {"concurrency": level.concurrency, "warmup": _span(level.warmup),
+                 "timed": _span(level.timed)}  # fmt: skip
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps(asked) + "\n")
+        self._process.stdin.flush()
+        line = self._process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine process ended (exit code {self._process.wait()})")
+        data = json.loads(line)
+        return [RequestRecord(**r) for r in data.pop("records")], data.pop("wall_s"), data
+
+    def stop(self) -> int:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        return self._process.wait()
+
+
+def _engine_round(
+    opts: Options, level: Level, kept: dict[str, EngineProcess]
+) -> tuple[list[RequestRecord], float, dict]:
+    """One round of the raw BatchGenerator, in the engine process kept in
+    `kept` (started there on first use) or else in one started for it."""
+    if opts.one_worker and "engine" not in kept:
+        kept["engine"] = EngineProcess(opts)
+    engine = kept["engine"] if opts.one_worker else EngineProcess(opts)
+    try:
+        return engine.round(level)
+    finally:
+        if not opts.one_worker:
+            engine.stop()
 
 
 def _worker_process(name: str, opts: Options, log: Path) -> tuple[WorkerProcess, dict]:
@@ -147,9 +175,12 @@ def run_all(
     system that fails is reported as failed and the rest still run;
     `on_progress` sees the results after each level."""
     kept: dict[str, tuple[WorkerProcess, dict]] = {}  # with `one_worker`
+    engine: dict[str, EngineProcess] = {}  # with `one_worker`
     try:
-        return _run_levels(opts, on_progress, kept)
+        return _run_levels(opts, on_progress, kept, engine)
     finally:
+        for process in engine.values():
+            process.stop()
         for worker, info in kept.values():
             info["exit_code"] = worker.stop()
 
@@ -158,6 +189,7 @@ def _run_levels(
     opts: Options,
     on_progress: Callable[[list[LevelResult], dict], None] | None,
     kept: dict[str, tuple[WorkerProcess, dict]],
+    engine: dict[str, EngineProcess],
 ) -> tuple[list[LevelResult], dict]:
     systems: dict[str, dict] = {name: {} for name in opts.systems}
     results: list[LevelResult] = []
@@ -172,7 +204,7 @@ def _run_levels(
                      f"{len(level.warmup)} warm-up, {len(level.timed)} timed")  # fmt: skip
             try:
                 if name == "engine":
-                    records, wall, info = _engine_round(opts, level)
+                    records, wall, info = _engine_round(opts, level, engine)
                     stats = {**info.pop("batch_stats"), "round": level.round}
                     steps = stats["decode_steps"]
                     step_ms = 1e3 * wall / max(1, steps)

@@ -205,6 +205,8 @@ class AttentionShapes:
     def attention(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float,
                   mask: Any = None, **rest: Any) -> mx.array:  # fmt: skip
         fused = self._fused
+        if q.shape[2] == 1:  # a decoding step, every layer: nothing to pad, and first
+            return fused(q, k, v, scale=scale, mask=mask, **rest)
         if any(value is not None for value in rest.values()) or not _supported(q, v):
             self.unpadded = self.unpadded or q.shape[2] > 1
             return fused(q, k, v, scale=scale, mask=mask, **rest)
