@@ -3,6 +3,8 @@ shapes chosen, what counts as built, and outputs equal to mlx's own."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -86,7 +88,8 @@ def test_a_shape_builds_once_and_the_warm_up_builds_what_one_row_meets(shapes):
     assert not shapes.builds(1, 200, 800)
     assert not shapes.builds(1, 100, 900)  # the same window
     assert shapes.builds(1, 200, 5000)
-    shapes.prebuild(9000, 2)
+    shapes.queue(9000, 2)
+    assert not shapes.build_queued(math.inf)
     windows = [(n, c) for n in (16, 300, 512) for c in (0, 4096, 8704)]
     assert not any(shapes.builds(1, n, c) for n, c in windows)
     assert not shapes.builds(2, 100, 1000)

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -222,6 +223,36 @@ def test_the_thorough_warm_up_leaves_nothing_behind(model_dir, monkeypatch):
     assert thorough == plain
     assert [cached for _, cached in thorough] == [0, 0]  # the warm-up's prompt is not cached
     assert len(set(plain[0][0])) > 1  # the model's output varies
+
+
+def test_the_worker_is_ready_before_the_attention_shapes_are_built_and_builds_them_idle(
+    tmp_path, monkeypatch, caplog
+):
+    """Where shapes cost kernel builds (CUDA), they take seconds at start-up: the
+    engine reports ready first, builds them while it has nothing to run, and
+    serves a request that arrives meanwhile."""
+    monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
+    monkeypatch.setattr(core_module, "SHAPES_SECONDS", 0.0)  # one shape at a time
+    started_at = []
+    monkeypatch.setattr(Recorder, "started", lambda self, *a: (started_at.append(time.time()),
+                                                               self.ready.set()))  # fmt: skip
+    # bfloat16: where attention runs padded. Small shapes: built fast on the CPU.
+    model_dir = build_model(tmp_path / "bf16", ["--dtype", "bfloat16", "--context-length", "1024"])
+    inbox = Inbox()
+    with caplog.at_level(logging.INFO, logger="smg_mlx.engine.batch.attention_shapes"):
+        sink, thread = start_core(model_dir, inbox, prefill_step_size=256)
+        inbox.submit(Request(1, spec(prompt(30), max_tokens=4)))
+        assert len(sink.events_of(1)) == 4
+        deadline = time.monotonic() + TIMEOUT
+        while "built in" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        inbox.stop()
+        thread.join(TIMEOUT)
+    queued = re.search(r"building (\d+) for prompts", caplog.text)
+    built = [r for r in caplog.records if "built in" in r.getMessage()]
+    assert queued and int(queued.group(1)) > 1
+    assert f"{queued.group(1)} built in" in built[0].getMessage()
+    assert built[0].created >= started_at[0]
 
 
 REFERENCE = """

@@ -59,6 +59,10 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 # How often a loop with nothing to run looks again at requests waiting for
 # their prefix to be read from disk (a finished read wakes it sooner).
 READ_WAIT_SECONDS = 0.05
+# An idle engine builds the attention shapes prompts will meet
+# (engine.batch.attention_shapes) for this long at a time between looks at
+# the inbox: a request arriving meanwhile waits at most about as long.
+SHAPES_SECONDS = 0.05
 # A prompt still prefilling after this long logs how far it has come, and again
 # as often: a long context on a small machine takes minutes.
 PROGRESS_SECONDS = 10.0
@@ -199,6 +203,8 @@ class EngineCore:
                 settle = idle and bool(finished or turn.remove)
                 if settle:
                     continue
+                if idle and batch.build_shapes(SHAPES_SECONDS):
+                    continue  # more to build: look at the inbox first
                 if idle:
                     # With followers, an idle rank 0 still sends a turn now and
                     # then, so that they can tell it from a dead one; it also

@@ -10,6 +10,7 @@ on the asyncio side.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import astuple
 from typing import TYPE_CHECKING, NamedTuple
@@ -57,6 +58,8 @@ def start(config: EngineConfig, wake: Callable[[], None]) -> Started:
         # Its folder opens (and is indexed) while the warm-up runs.
         disk = open_disk_tier(config, wake) if group is None else None
         warm_up.run(batch, thorough=batch.shape_builds)
+        if channel is not None:  # every rank builds its shapes now: only rank 0 idles
+            batch.build_shapes(math.inf)
         budget = memory_probe.budget(config.memory_budget_bytes, config.memory_budget_share)
         planner = _planner(batch.memory, budget, channel, batch.prefill_rows, batch.max_chunk)
         _check_budget(planner)

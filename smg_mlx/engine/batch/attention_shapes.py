@@ -36,14 +36,18 @@ every step.
 The padded copies cost memory: `working_set` says how much, for the memory
 planner, where every prefill attention runs so.
 
-`prebuild` (the warm-up) builds the regular shapes up to the model's context
-and the smallest key bucket for several rows; what is still new is built on
-first use, and the step plan counts the build where `builds` says so.
+`queue` (at start-up) lists the regular shapes up to the model's context and
+the smallest key bucket for several rows, and the engine builds them while
+it has nothing to run (`build_queued`), after the worker reports ready: they
+take seconds. What is still new is built on first use, and the step plan
+counts the build where `builds` says so.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -168,6 +172,9 @@ class AttentionShapes:
         self._geometries: set[Geometry] = set()
         self._bias: tuple[tuple, mx.array] | None = None  # the last mask built, for the next layers
         self.unpadded = False  # whether a prefill ran mlx's own attention (see working_set)
+        self._queued: deque[tuple[Geometry, Key]] = deque()  # shapes to build while idle
+        self._progress = Progress(log, "attention shapes", "built", 0)
+        self._context = 0
 
     def install(self) -> None:
         """Route mlx's fused attention through this (models call it by module attribute)."""
@@ -271,10 +278,11 @@ class AttentionShapes:
         self._bias = ((memo, mask), bias)
         return bias
 
-    def prebuild(self, context: int, prefill_rows: int) -> None:
-        """Build, for every attention geometry the model has run, the regular
+    def queue(self, context: int, prefill_rows: int) -> None:
+        """Queue, for every attention geometry the model has run, the regular
         shapes up to `context` tokens (at most PREBUILT_CONTEXT) and the
-        smallest key bucket for up to `prefill_rows` rows."""
+        smallest key bucket for up to `prefill_rows` rows: `build_queued`
+        builds them (the engine, while it has nothing to run)."""
         context = min(context, PREBUILT_CONTEXT)
         queries = [QUERY_BUCKET]
         while queries[-1] < query_bucket(self.max_chunk):
@@ -285,19 +293,34 @@ class AttentionShapes:
                    for rows in range(2, prefill_rows + 1) for tq in queries]  # fmt: skip
         todo = [shape for shape in shapes if shape not in self._built]
         geometries = sorted(self._geometries, key=str)
-        progress = Progress(log, "attention shapes", "built", len(todo) * len(geometries))
-        log.info(
-            "attention shapes: building %d for prompts up to %d tokens", progress.total, context
-        )
-        for geometry in geometries:
-            for shape in todo:
+        self._queued = deque((geometry, shape) for geometry in geometries for shape in todo)
+        self._progress = Progress(log, "attention shapes", "built", len(self._queued))
+        self._context = context
+        if self._queued:
+            log.info(
+                "attention shapes: building %d for prompts up to %d tokens while idle (a "
+                "prompt that meets one not built yet builds it first)", len(self._queued), context,
+            )  # fmt: skip
+
+    def build_queued(self, seconds: float) -> bool:
+        """Build queued shapes for about `seconds` (at least one); whether any are left."""
+        if not self._queued:
+            return False
+        deadline = time.monotonic() + seconds
+        while self._queued:
+            geometry, shape = self._queued.popleft()
+            if shape not in self._built:  # a prompt may have built it first
                 self._build(geometry, *shape)
-                progress.advance()
+            self._progress.advance()
+            if time.monotonic() >= deadline:
+                break
         self.forget()
-        log.info(
-            "attention shapes for prompts up to %d tokens: %d built in %.1fs",
-            context, progress.done, progress.seconds,
-        )  # fmt: skip
+        if not self._queued:
+            log.info(
+                "attention shapes for prompts up to %d tokens: %d built in %.1fs",
+                self._context, self._progress.done, self._progress.seconds,
+            )  # fmt: skip
+        return bool(self._queued)
 
     def _build(self, geometry: Geometry, rows: int, tq: int, tk: int, regular: bool) -> None:
         heads, kv_heads, dk, dv, dtype = geometry

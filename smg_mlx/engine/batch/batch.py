@@ -164,14 +164,19 @@ class Batch(PrefixCalls):
         """Whether each new attention shape costs a kernel build (mlx's CUDA backend)."""
         return mx.default_device() == mx.gpu and not mx.metal.is_available()
 
-    def prebuild_attention(self) -> None:
-        """Build the attention shapes prompts will meet, up to the model's context
-        (see `engine.batch.attention_shapes`); nothing where shapes cost no build."""
+    def queue_attention_shapes(self) -> None:
+        """Queue the attention shapes prompts will meet, up to the model's context
+        (see `engine.batch.attention_shapes`), for `build_shapes`; nothing where
+        shapes cost no build."""
         if self.attention is None:
             return
         # The context served (api.model_info): no prompt is longer.
         context = named_context_length(self._config.model_path) or DEFAULT_CONTEXT_LENGTH
-        self.attention.prebuild(context, self.prefill_rows)
+        self.attention.queue(context, self.prefill_rows)
+
+    def build_shapes(self, seconds: float) -> bool:
+        """Build queued attention shapes for about `seconds`; whether any are left."""
+        return self.attention is not None and self.attention.build_queued(seconds)
 
     def bound_buffer_cache(self, planner: MemoryPlanner) -> None:
         """Where mlx-lm's passes keep MLX's buffer cache, bound it (`buffer_cache.bound`)."""

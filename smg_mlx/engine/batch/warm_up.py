@@ -105,7 +105,7 @@ def run(batch: Batch, thorough: bool) -> None:
         script.progress.seconds,
     )  # fmt: skip
     if thorough:
-        batch.prebuild_attention()
+        batch.queue_attention_shapes()
 
 
 def _every_kind_of_step(script: _Script) -> None:
