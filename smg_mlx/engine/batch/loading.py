@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load
 from mlx_lm.utils import load_model
 
-from smg_mlx.config import EngineConfig
+from smg_mlx.config import EngineConfig, cache_home
 from smg_mlx.engine.batch.attention_shapes import SHAPES_REMEMBERED
 from smg_mlx.logs import format_bytes
 from smg_mlx.model_files import weights_on_disk
@@ -30,11 +32,25 @@ CUDA_CACHE_SETTINGS = {
 }
 
 
+def kernel_folder(config: EngineConfig) -> Path:
+    """Where mlx's CUDA backend keeps the kernels it compiles on first use
+    (MLX_PTX_CACHE_DIR; its own default is under /tmp, which a container or a
+    reboot empties: then every start compiles them again, a minute or more).
+    Beside the batch check's verdicts, on the volume a deployment keeps; one
+    folder per mlx version and device, as kernels are built for both."""
+    device = re.sub(r"[^A-Za-z0-9.]+", "-", mx.device_info().get("device_name", "gpu")).strip("-")
+    return (config.prompt_cache_dir or cache_home()) / "kernels" / f"mlx-{mx.__version__}-{device}"
+
+
 def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:
     """The model (with its LoRA adapter, if one is named), or this rank's part
     of it when a group of ranks serves it."""
     for name, value in CUDA_CACHE_SETTINGS.items():
         os.environ.setdefault(name, value)
+    if mx.cuda.is_available() and "MLX_PTX_CACHE_DIR" not in os.environ:
+        # Read when the first kernel is compiled, after this.
+        os.environ["MLX_PTX_CACHE_DIR"] = str(kernel_folder(config))
+        log.info("kernels compiled on first use are kept in %s", os.environ["MLX_PTX_CACHE_DIR"])
     started = time.perf_counter()
     log.info("loading the weights (%s)", format_bytes(weights_on_disk(config.model_path)))
     if group is None:
