@@ -136,7 +136,7 @@ class Worker:
             cache=lambda: self.engine.cache,
             speculation=lambda: self.engine.speculation,
         )
-        self.engine.on_step(self.metrics.step)
+        self.engine.on_step(self.metrics.steps)
         self.servicer = MlxEngineServicer(
             self.engine,
             capacity=config.engine.completion_batch_size + config.max_pending,

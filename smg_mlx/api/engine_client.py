@@ -62,7 +62,7 @@ class EngineClient:
         self._stopping = False
         self._ready: asyncio.Future[None] = loop.create_future()
         self._failure_listeners: list[Callable[[str], None]] = []
-        self._step_listeners: list[Callable[[float, int], None]] = []
+        self._step_listeners: list[Callable[[list[float], list[int]], None]] = []
         self._publisher = StreamPublisher(loop, self, stream_interval)
         self._thread: threading.Thread | None = None
 
@@ -80,8 +80,9 @@ class EngineClient:
     def on_failure(self, listener: Callable[[str], None]) -> None:
         self._failure_listeners.append(listener)
 
-    def on_step(self, listener: Callable[[float, int], None]) -> None:
-        """Call `listener(step_seconds, batch_size)` after each model step."""
+    def on_step(self, listener: Callable[[list[float], list[int]], None]) -> None:
+        """Call `listener(step_seconds, batch_sizes)` with the model steps of each
+        hand-over from the engine."""
         self._step_listeners.append(listener)
 
     def submit(self, job: Job) -> None:
@@ -151,10 +152,12 @@ class EngineClient:
                 job.apply(event, now)
                 if event.ends:
                     del self._jobs[event.key]
-        for report in reports:
-            if report.step_seconds is not None:
-                for listener in self._step_listeners:
-                    listener(report.step_seconds, report.batch_size)
+        stepped = [r for r in reports if r.step_seconds is not None]
+        if stepped:
+            seconds = [r.step_seconds for r in stepped]
+            sizes = [r.batch_size for r in stepped]
+            for listener in self._step_listeners:
+                listener(seconds, sizes)
         self.running = reports[-1].running
         self.prefilling = reports[-1].prefilling
         self.waiting = reports[-1].waiting

@@ -7,6 +7,8 @@ only times its step, so metrics cost it nothing measurable.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -14,8 +16,9 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.utils import floatToGoString
 
 from smg_mlx.api.jobs import Job
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
@@ -129,7 +132,7 @@ class Metrics:
             buckets=TTFT_BUCKETS,
         )
         self.itl = metric(
-            Histogram,
+            _ManyAtOnce,
             "inter_token_latency_seconds",
             "Between consecutive tokens of one request",
             buckets=LATENCY_BUCKETS,
@@ -141,13 +144,13 @@ class Metrics:
             buckets=REQUEST_BUCKETS,
         )
         self.step_seconds = metric(
-            Histogram,
+            _ManyAtOnce,
             "engine_step_duration_seconds",
             "One BatchGenerator step (prefill or decode) on the engine thread",
             buckets=LATENCY_BUCKETS,
         )
         self.batch_size = metric(
-            Histogram,
+            _ManyAtOnce,
             "engine_batch_size",
             "Sequences in the batch at each engine step",
             buckets=BATCH_BUCKETS,
@@ -176,9 +179,9 @@ class Metrics:
     def rpc_ended(self, method: str, code: str) -> None:
         self.rpcs.labels(method, code).inc()
 
-    def step(self, seconds: float, batch_size: int) -> None:
-        self.step_seconds.observe(seconds)
-        self.batch_size.observe(batch_size)
+    def steps(self, seconds: list[float], batch_sizes: list[int]) -> None:
+        self.step_seconds.observe_all(seconds)
+        self.batch_size.observe_all(batch_sizes)
 
     def request_ended(self, job: Job, outcome: str) -> None:
         self.requests.labels(outcome).inc()
@@ -191,9 +194,41 @@ class Metrics:
             self.wait.observe(job.started_at - job.arrived_at)
         if job.first_token_at is not None:
             self.ttft.observe(job.first_token_at - job.arrived_at)
-        for gap in job.token_gaps:
-            self.itl.observe(gap)
+        self.itl.observe_all(job.token_gaps)
         self.e2e.observe(job.ended_at - job.arrived_at)
+
+
+class _ManyAtOnce:
+    """A histogram that takes many values at once (a request's token gaps as it
+    ends, the steps of a hand-over from the engine): prometheus_client's takes
+    a lock and walks its buckets for each value, on the event loop, while the
+    engine thread waits for the GIL."""
+
+    def __init__(
+        self, name: str, doc: str, *, registry: CollectorRegistry, buckets: tuple[float, ...]
+    ) -> None:
+        self._name, self._doc = name, doc
+        registry.register(self)
+        self._bounds = list(buckets)
+        self._counts = [0] * (len(buckets) + 1)  # the last: above every bound
+        self._sum = 0.0
+        self._lock = threading.Lock()  # a scrape reads all of one request's values or none
+
+    def observe_all(self, values: list[float] | list[int]) -> None:
+        with self._lock:
+            for value in values:
+                self._counts[bisect.bisect_left(self._bounds, value)] += 1
+            self._sum += sum(values)
+
+    def collect(self) -> Any:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        bounds = [*(floatToGoString(b) for b in self._bounds), "+Inf"]
+        cumulative = list(itertools.accumulate(counts))
+        yield HistogramMetricFamily(
+            self._name, self._doc, buckets=list(zip(bounds, cumulative, strict=True)),
+            sum_value=total,
+        )  # fmt: skip
 
 
 class _Quiet(WSGIRequestHandler):

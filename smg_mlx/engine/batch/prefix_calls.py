@@ -29,8 +29,9 @@ class PrefixCalls:
         return self.prefixes.over(limit, keep)
 
     def drop_cached(self, ids: Iterable[int]) -> None:
-        if self.prefixes is not None:
-            self.prefixes.drop(list(ids))
+        ids = list(ids)
+        if ids and self.prefixes is not None:  # most turns drop none
+            self.prefixes.drop(ids)
 
     def tend_prefixes(self) -> bool:
         """The prefix cache's work between steps (its disk tier); whether it
