@@ -89,7 +89,8 @@ def test_a_shape_builds_once_and_the_warm_up_builds_what_one_row_meets(shapes):
     assert not shapes.builds(1, 100, 900)  # the same window
     assert shapes.builds(1, 200, 5000)
     shapes.queue(9000, 2)
-    assert not shapes.build_queued(math.inf)
+    shapes.build_queued(math.inf)
+    assert not shapes.queued
     windows = [(n, c) for n in (16, 300, 512) for c in (0, 4096, 8704)]
     assert not any(shapes.builds(1, n, c) for n, c in windows)
     assert not shapes.builds(2, 100, 1000)

@@ -233,6 +233,7 @@ def test_the_worker_is_ready_before_the_attention_shapes_are_built_and_builds_th
     serves a request that arrives meanwhile."""
     monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
     monkeypatch.setattr(core_module, "SHAPES_SECONDS", 0.0)  # one shape at a time
+    monkeypatch.setattr(core_module, "SHAPES_QUIET_SECONDS", 0.01)
     started_at = []
     monkeypatch.setattr(Recorder, "started", lambda self, *a: (started_at.append(time.time()),
                                                                self.ready.set()))  # fmt: skip

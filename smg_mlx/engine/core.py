@@ -59,9 +59,12 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 # How often a loop with nothing to run looks again at requests waiting for
 # their prefix to be read from disk (a finished read wakes it sooner).
 READ_WAIT_SECONDS = 0.05
-# An idle engine builds the attention shapes prompts will meet
-# (engine.batch.attention_shapes) for this long at a time between looks at
-# the inbox: a request arriving meanwhile waits at most about as long.
+# An engine that has had nothing to do for SHAPES_QUIET_SECONDS builds the
+# attention shapes prompts will meet (engine.batch.attention_shapes), for
+# SHAPES_SECONDS at a time between looks at the inbox: a request arriving
+# meanwhile waits at most about as long; one arriving between two of a
+# client's requests never does.
+SHAPES_QUIET_SECONDS = 0.5
 SHAPES_SECONDS = 0.05
 # A prompt still prefilling after this long logs how far it has come, and again
 # as often: a long context on a small machine takes minutes.
@@ -203,16 +206,19 @@ class EngineCore:
                 settle = idle and bool(finished or turn.remove)
                 if settle:
                     continue
-                if idle and batch.build_shapes(SHAPES_SECONDS):
-                    continue  # more to build: look at the inbox first
                 if idle:
                     # With followers, an idle rank 0 still sends a turn now and
                     # then, so that they can tell it from a dead one; it also
-                    # wakes for the prefix cache's writes to disk.
+                    # wakes for the prefix cache's writes to disk, and builds
+                    # attention shapes once nothing has come for a while.
                     due = [lockstep.HEARTBEAT_SECONDS] if watchdog is not None else []
                     due += [t for t in (batch.prefixes_due(),) if t is not None]
-                    inbox.wait(min(due, default=None))
-                    bursts.gather(inbox)
+                    shapes = batch.shapes_queued
+                    due += [SHAPES_QUIET_SECONDS] if shapes else []
+                    if inbox.wait(min(due, default=None)) or not shapes:
+                        bursts.gather(inbox)
+                    else:
+                        batch.build_shapes(SHAPES_SECONDS)
                 elif not batch.size and not turn.admit and not batch.prefixes_busy:
                     inbox.wait(READ_WAIT_SECONDS)  # requests wait for reads from disk
         finally:

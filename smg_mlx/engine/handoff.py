@@ -91,9 +91,10 @@ class Inbox:
         """Requests submitted and not yet taken."""
         return len(self._requests)
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Sleep until something arrives (or was already there since the last `take`)."""
-        self._wake.wait(timeout)
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until something arrives (or was already there since the last
+        `take`); whether it did (else `timeout` passed)."""
+        return self._wake.wait(timeout)
 
     def wait_for_more(self, seen: int, timeout: float) -> int:
         """Sleep until more than `seen` requests are pending, or an abort or stop

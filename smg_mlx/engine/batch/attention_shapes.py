@@ -302,10 +302,15 @@ class AttentionShapes:
                 "prompt that meets one not built yet builds it first)", len(self._queued), context,
             )  # fmt: skip
 
-    def build_queued(self, seconds: float) -> bool:
-        """Build queued shapes for about `seconds` (at least one); whether any are left."""
+    @property
+    def queued(self) -> bool:
+        """Whether shapes wait in the queue (`queue`)."""
+        return bool(self._queued)
+
+    def build_queued(self, seconds: float) -> None:
+        """Build queued shapes for about `seconds` (at least one)."""
         if not self._queued:
-            return False
+            return
         deadline = time.monotonic() + seconds
         while self._queued:
             geometry, shape = self._queued.popleft()
@@ -320,7 +325,6 @@ class AttentionShapes:
                 "attention shapes for prompts up to %d tokens: %d built in %.1fs",
                 self._context, self._progress.done, self._progress.seconds,
             )  # fmt: skip
-        return bool(self._queued)
 
     def _build(self, geometry: Geometry, rows: int, tq: int, tk: int, regular: bool) -> None:
         heads, kv_heads, dk, dv, dtype = geometry

@@ -174,9 +174,15 @@ class Batch(PrefixCalls):
         context = named_context_length(self._config.model_path) or DEFAULT_CONTEXT_LENGTH
         self.attention.queue(context, self.prefill_rows)
 
-    def build_shapes(self, seconds: float) -> bool:
-        """Build queued attention shapes for about `seconds`; whether any are left."""
-        return self.attention is not None and self.attention.build_queued(seconds)
+    @property
+    def shapes_queued(self) -> bool:
+        """Whether attention shapes wait to be built (`build_shapes`)."""
+        return self.attention is not None and self.attention.queued
+
+    def build_shapes(self, seconds: float) -> None:
+        """Build queued attention shapes for about `seconds`."""
+        if self.attention is not None:
+            self.attention.build_queued(seconds)
 
     def bound_buffer_cache(self, planner: MemoryPlanner) -> None:
         """Where mlx-lm's passes keep MLX's buffer cache, bound it (`buffer_cache.bound`)."""
