@@ -106,6 +106,9 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--metrics-port {args.metrics_port} is --port's too: give it another")
     if args.revision is not None and args.demo:
         parser.error("--revision names a version of a Hugging Face repo id, not of --demo")
+    if args.draft_model is not None and args.speculative == "off":
+        parser.error("--draft-model proposes tokens for speculative decoding, which "
+                     "--speculative off turns off: leave one of them out")  # fmt: skip
     if args.adapter_path is not None and launched_rank() is not None:
         parser.error("--adapter-path: adapters are not served over several ranks")
     if args.pipeline and launched_rank() is None:
@@ -174,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             pipeline=args.pipeline,
             batching=args.batching,
             adapter_path=args.adapter_path,
-            speculative=args.speculative,
+            speculative=args.speculative or ("auto" if args.draft_model else "off"),
             num_draft_tokens=args.num_draft_tokens,
+            draft_model=Path(args.draft_model) if args.draft_model else None,
         ),
         demo=args.demo,
         revision=args.revision,

@@ -14,7 +14,7 @@ from pathlib import Path
 # model and machine), "check" (check again), or a mode by name, unchecked; the
 # modes from the most batched, as engine.batch.batch_check's are (engine.batch.batch_mode).
 BATCHING = ("auto", "check", "batched", "equal-lengths", "one-at-a-time")
-# --speculative: prompt lookup where it pays, wherever there are proposals, or never.
+# --speculative: proposals checked where it pays, wherever there are some, or never.
 SPECULATIVE = ("auto", "always", "off")
 # --num-draft-tokens at most: a checking pass of 1 + this many tokens a row still
 # attends as a decoding pass does (engine.batch.attention_shapes.FEW_QUERIES).
@@ -73,12 +73,15 @@ class EngineConfig:
     # A LoRA adapter's directory (adapter_config.json, adapters.safetensors),
     # applied to the model as mlx-lm loads it.
     adapter_path: Path | None = None
-    # Speculative decoding by prompt lookup (one of SPECULATIVE; engine.speculative):
-    # auto checks proposals where measured pass times say it pays. Off by default
-    # until the GPU shows auto never costs a workload it cannot help.
+    # Speculative decoding (one of SPECULATIVE; engine.speculative): auto checks
+    # proposals where measured pass times say it pays. Off by default until the
+    # GPU shows auto never costs a workload it cannot help; auto with a draft model.
     speculative: str = "off"
     # Proposed tokens one row may have checked in one pass, at most.
     num_draft_tokens: int = 4
+    # A small model of the same vocabulary whose greedy tokens are the proposals
+    # (None: prompt lookup proposes).
+    draft_model: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -208,14 +208,21 @@ def _running(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--speculative",
-        default=EngineConfig.speculative,
         choices=SPECULATIVE,
-        help="speculative decoding by prompt lookup: each stream proposes what followed its "
-        "last tokens earlier in its prompt or output, and one pass checks every stream's "
-        "proposals, keeping those the model itself would have chosen (greedy output "
-        "unchanged, sampled output from the same distribution); "
-        "auto checks them where measured pass times say it pays, always wherever there are "
-        "some, off never (%(default)s)",
+        help="speculative decoding: each stream proposes the tokens it expects next (what "
+        "followed its last tokens earlier in its prompt or output, or a --draft-model's), "
+        "and one pass checks every stream's proposals, keeping those the model itself "
+        "would have chosen (greedy output unchanged, sampled output from the same "
+        "distribution); auto checks them where measured pass times say it pays, always "
+        f"wherever there are some, off never ({EngineConfig.speculative}; auto with "
+        "--draft-model)",
+    )
+    serve.add_argument(
+        "--draft-model",
+        metavar="MODEL",
+        help="a small model whose tokens the streams propose: an mlx-lm model directory or "
+        "a Hugging Face repo id, with the model's vocabulary (checked at start-up); its "
+        "weights and KV cache count in the memory budget (default: none, prompt lookup)",
     )
     serve.add_argument(
         "--num-draft-tokens",

@@ -315,17 +315,22 @@ class Worker:
         """Point the settings at the model directory to serve (off the loop: a
         download takes minutes)."""
         config = self.config
+        source = None
         try:
             source = await asyncio.to_thread(
                 model_source.locate, config.engine.model_path, config.demo, config.revision
             )
+            draft = config.engine.draft_model
+            if draft is not None:
+                draft = (await asyncio.to_thread(model_source.resolve, str(draft))).path
         except model_source.ModelUnavailable as exc:
             await self.server.stop(None)
-            raise StartupError(str(exc), exc.exit_code) from None
+            which = "--draft-model: " if source is not None else ""
+            raise StartupError(f"{which}{exc}", exc.exit_code) from None
         self.model_dir = source.path
         self.config = replace(
             config,
-            engine=replace(config.engine, model_path=source.path),
+            engine=replace(config.engine, model_path=source.path, draft_model=draft),
             served_model_name=config.served_model_name or source.served_name,
         )
 

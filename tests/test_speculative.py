@@ -4,7 +4,11 @@ distribution (sampling), and a finished row's cache holds exactly its tokens."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import subprocess
+import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +20,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama, qwen3
 from mlx_lm.sample_utils import make_sampler
 
+from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.pacing import Pacing
@@ -55,14 +60,16 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = False,
-             stop=None, sampler=None, rows: int = 32, seeds=None):  # fmt: skip
+             stop=None, sampler=None, rows: int = 32, seeds=None, draft=None,
+             pacing=None):  # fmt: skip
     """Each prompt's tokens (and logprobs of them, and the finished caches' sizes);
     with `stagger` half the prompts join while the first half decode."""
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows // 8,
                                stop_tokens=stop, sampler=sampler)  # fmt: skip
     stats = DraftStats()
     if speculative:
-        drafting = Drafting(most=4, pacing=Pacing(always=True), stats=stats)
+        drafting = Drafting(most=4, pacing=pacing or Pacing(always=True), stats=stats,
+                            draft=draft)  # fmt: skip
         generator._generation_batch = SpeculativeGenerationBatch.start(
             model, generator.sampler, drafting
         )
@@ -113,6 +120,56 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family):
         proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
     assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
     assert 0 < accepted < proposed, "some proposals right, some wrong"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_draft_models_proposals_leave_greedy_tokens_as_plain_decodings(family):
+    """Drafts from a model of the same vocabulary: itself (every proposal
+    right), another (most wrong); rows joining mid-flight, long prompts the
+    draft catches up on alone, stop at max_tokens."""
+    model = tiny_model(family, scale=1.5)
+    other = tiny_model(family, scale=1.5, seed=5)
+    rng = np.random.default_rng(4)
+    prompts = repetitive_prompts(6, 4) + [rng.integers(0, VOCAB, 3000).tolist()]
+    max_tokens = [int(n) for n in rng.integers(1, 40, len(prompts))]
+    plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, True)
+    assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
+    for draft, right in ((model, True), (other, False)):
+        ours, logprobs, cached, stats = generate(model, prompts, max_tokens, True, True,
+                                                 draft=draft)  # fmt: skip
+        assert ours == plain
+        for i in range(len(prompts)):
+            assert logprobs[i] == pytest.approx(plain_logprobs[i], abs=1e-4)
+        assert all(size == tokens for size, tokens in cached.values())
+        assert stats.proposed > 0
+        if right:
+            assert stats.accepted == stats.proposed
+        else:
+            assert stats.accepted < stats.proposed / 2
+
+
+class Now(Pacing):
+    """Checks proposals at every `every`th pass only."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__()
+        self.every, self.passes = every, 0
+
+    def check(self, rows: int) -> bool:
+        self.passes += 1
+        return self.passes % self.every == 0
+
+
+def test_a_draft_that_fell_behind_plain_passes_catches_up_and_stays_exact():
+    model = tiny_model("llama", scale=1.5)
+    prompts = repetitive_prompts(4, 9)
+    max_tokens = [150, 90, 200, 120]
+    plain, _, _, _ = generate(model, prompts, max_tokens, False)
+    ours, _, cached, stats = generate(model, prompts, max_tokens, True, draft=model,
+                                      pacing=Now(every=70))  # fmt: skip
+    assert ours == plain
+    assert all(size == tokens for size, tokens in cached.values())
+    assert stats.passes >= 2 and stats.accepted == stats.proposed
 
 
 def test_solo_stream_gains_where_its_proposals_are_right():
@@ -260,3 +317,60 @@ def test_a_worker_speculating_answers_as_one_that_does_not(family, model_dir, fa
     if family == "demo":
         assert stats.accepted > stats.proposed / 2
     assert plain.worker.engine.speculation.passes == 0
+
+
+def test_a_worker_with_a_draft_model_answers_as_one_without(model_dir, tmp_path, start_worker):
+    """Drafts from the model itself (every proposal right) and from another model
+    of the same vocabulary (most wrong): greedy output, logprobs, stop tokens,
+    prefix-cache hits and aborts as without speculation."""
+    other = build_model(tmp_path / "other", ["--seed", "3"])
+    plain = start_worker(model_dir, speculative="off")
+    cases = [(helpers.prompt(30 + 40 * i, i), {"max_tokens": 2 + 9 * i}) for i in range(5)]
+    cases.append((helpers.prompt(20, 7), {"max_tokens": 24, "logprobs": 2}))
+    first = helpers.generate(plain.stub, helpers.prompt(50, 4), max_tokens=12).tokens
+    cases.append((helpers.prompt(50, 4), {"max_tokens": 30, "stop_token_ids": [first[6]]}))
+    want = [helpers.generate(plain.stub, ids, **settings) for ids, settings in cases]
+    assert len({t for w in want for t in w.tokens}) > 4, "the model's output should vary"
+    for draft in (model_dir, other):
+        drafting = start_worker(model_dir, speculative="always", draft_model=draft)
+        for _ in range(2):  # the second time from the prefix cache
+            with ThreadPoolExecutor(len(cases)) as pool:
+                stub = drafting.stub
+                got = list(pool.map(lambda c, s=stub: helpers.generate(s, c[0], **c[1]), cases))
+            for g, w in zip(got, want, strict=True):
+                assert g.tokens == w.tokens
+                assert g.complete.finish_reason == w.complete.finish_reason
+                seen = [lp for c in g.chunks for lp in c.output_logprobs.token_logprobs]
+                expected = [lp for c in w.chunks for lp in c.output_logprobs.token_logprobs]
+                assert seen == pytest.approx(expected, abs=1e-4)
+        helpers.abort_after(drafting.stub, helpers.prompt(60, 5), 5)
+        stats = drafting.worker.engine.speculation
+        assert stats.drafter == "draft_model" and stats.proposed > 0
+        if draft == model_dir:
+            assert stats.accepted > 0.9 * stats.proposed
+        else:
+            assert stats.accepted < stats.proposed
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(model_dir, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
+         "--draft-model", str(other), "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"--draft-model {other}: its tokenizer's vocabulary" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
+         "--draft-model", str(other), "--speculative", "off"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--speculative off turns off" in done.stderr

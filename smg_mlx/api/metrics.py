@@ -294,7 +294,7 @@ class _SpeculationCollector:
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily("smg_mlx_speculative_" + name, doc, labels=["drafter"])
-            family.add_metric(["prompt_lookup"], value)
+            family.add_metric([s.drafter], value)
             return family
 
         yield counter("proposed_tokens", "Proposed tokens checked by the model", s.proposed)

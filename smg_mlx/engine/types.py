@@ -147,6 +147,7 @@ class SpeculationStats:
     accepted: int = 0  # of those, tokens kept
     passes: int = 0  # passes that checked proposals
     tokens: int = 0  # tokens those passes returned
+    drafter: str = "prompt_lookup"  # what proposes: prompt_lookup or draft_model
 
 
 @dataclass(frozen=True, slots=True)

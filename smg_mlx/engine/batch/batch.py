@@ -96,6 +96,14 @@ class Batch(PrefixCalls):
                 self.model, self._stream, self.max_chunk, group,
                 self.attention.working_set if self.attention is not None else None,
             )  # fmt: skip
+        if drafting is not None and drafting.draft is not None:
+            # The draft's weights and its cache's rows count as the model's own.
+            self.memory = replace(
+                self.memory,
+                weights=self.memory.weights + memory_probe.weights(drafting.draft),
+                kv_per_token=self.memory.kv_per_token
+                + memory_probe.kv_per_token(drafting.draft, self._stream),
+            )
         # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = StepClock(self.speed).seconds(
             self.max_chunk, memory_probe.PROBE_CONTEXT

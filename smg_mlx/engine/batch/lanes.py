@@ -65,7 +65,8 @@ class Lanes:
         """What speculative decoding has done since start."""
         if self.drafting is None:
             return SpeculationStats()
-        return SpeculationStats(**vars(self.drafting.stats))
+        drafter = "prompt_lookup" if self.drafting.draft is None else "draft_model"
+        return SpeculationStats(**vars(self.drafting.stats), drafter=drafter)
 
     def __getitem__(self, lane: int) -> BatchGenerator:
         return self._generators[lane]

@@ -137,7 +137,12 @@ def _speed(chunks: list[tuple[int, float]], chunk: int) -> PrefillSpeed:
     return PrefillSpeed(per_token, per_context)
 
 
-def _kv_per_token(model: nn.Module, stream: mx.Stream) -> float:
+def weights(model: nn.Module) -> int:
+    """The model's parameters' bytes."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def kv_per_token(model: nn.Module, stream: mx.Stream) -> float:
     """KV bytes per token, from the shapes of a prompt cache after a pass of
     PROBE_CHUNK tokens (one cache step) that is never evaluated: shapes are
     known before any work is done."""
@@ -184,8 +189,8 @@ def measure(
     `attention`, given the KV bytes per token, tells what a prefill's
     attention holds per query and key, and per key, where it knows."""
     started = time.perf_counter()
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    kv_per_token = _kv_per_token(model, stream)
+    held = weights(model)
+    per_kv_token = kv_per_token(model, stream)
     per_token = _seconds_per_token(model, stream)
     chunk = _probe_chunk(per_token, max_chunk)
     if group is not None:  # each rank timed itself: the slowest one's chunk for all
@@ -202,9 +207,9 @@ def measure(
     spent = {}
     for n in (short, long):
         peak, _ = _one_prompt(model, stream, n, chunk, progress)
-        spent[n] = peak - n * kv_per_token
+        spent[n] = peak - n * per_kv_token
     speed = _speed(_one_prompt(model, stream, long, chunk, progress)[1], chunk)
-    known = attention(kv_per_token) if attention is not None else None
+    known = attention(per_kv_token) if attention is not None else None
     if known is None:
         per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))
         per_chunk_token = max(0.0, spent[short] / chunk - per_context * short)
@@ -213,7 +218,7 @@ def measure(
         per_context, per_key = known
         per_chunk_token = max(0.0, *spent.values()) / chunk
     mx.clear_cache()
-    found = MemoryModel(weights, kv_per_token, per_chunk_token, per_context, per_key)
+    found = MemoryModel(held, per_kv_token, per_chunk_token, per_context, per_key)
     log.info(
         "prefill: %.3f ms per prompt token, and %.3f us more per token of context",
         speed.per_token * 1e3, speed.per_context * 1e6,
@@ -221,7 +226,7 @@ def measure(
     log.info(
         "memory: weights %s, KV %s per token, prefill %s per chunk token and %s more per "
         "token of context, %s per key a prompt attends to (measured in %.1fs)",
-        format_bytes(weights), format_bytes(kv_per_token), format_bytes(per_chunk_token),
+        format_bytes(held), format_bytes(per_kv_token), format_bytes(per_chunk_token),
         format_bytes(per_context), format_bytes(per_key), time.perf_counter() - started,
     )  # fmt: skip
     return found, speed

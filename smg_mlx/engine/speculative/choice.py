@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.utils import load_tokenizer
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
 from smg_mlx.engine.speculative.pacing import Pacing
+from smg_mlx.engine.types import Unservable
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +33,37 @@ def drafting_for(
         log.info("speculative decoding: off (%s)", why_not)
         return None
     always = setting == "always"
+    draft = None if config.draft_model is None else _draft(config.model_path, config.draft_model)
     log.info(
-        "speculative decoding: prompt lookup, up to %d proposed tokens a stream a pass, %s",
-        most, "wherever there are some" if always else "where measured pass times say it pays",
+        "speculative decoding: %s, up to %d proposed tokens a stream a pass, %s",
+        "prompt lookup" if draft is None else f"the draft model {config.draft_model}", most,
+        "wherever there are some" if always else "where measured pass times say it pays",
     )  # fmt: skip
-    return Drafting(most, Pacing(always=always), DraftStats())
+    return Drafting(most, Pacing(always=always), DraftStats(), draft)
+
+
+def _draft(model_path: Path, draft_path: Path) -> nn.Module:
+    """The draft model, loaded; refused (types.Unservable) unless it can
+    propose the model's tokens: the same vocabulary, caches that take tokens
+    back."""
+    started = time.perf_counter()
+    draft, draft_tokenizer = load(str(draft_path))
+    vocabulary = load_tokenizer(model_path).vocab
+    if draft_tokenizer.vocab != vocabulary:
+        raise Unservable(
+            f"--draft-model {draft_path}: its tokenizer's vocabulary ({len(draft_tokenizer.vocab)} "
+            f"tokens) is not the model's ({len(vocabulary)}): a draft must share the model's "
+            "tokenizer (e.g. a smaller model of the same family)"
+        )
+    kinds = {type(cache) for cache in make_prompt_cache(draft)}
+    if kinds != {KVCache}:
+        names = ", ".join(sorted(kind.__name__ for kind in kinds))
+        raise Unservable(
+            f"--draft-model {draft_path}: its caches ({names}) cannot take tokens back; "
+            "choose a draft with plain attention"
+        )
+    log.info("draft model %s loaded in %.1fs", draft_path, time.perf_counter() - started)
+    return draft
 
 
 def _why_not(setting: str, model: nn.Module, ranks: int, batched: bool) -> str | None:

@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
 from smg_mlx.engine.speculative.ragged_kv import RaggedBatchKVCache
@@ -49,6 +50,7 @@ class Drafting:
     most: int  # proposed tokens a row may have checked in one pass
     pacing: Pacing
     stats: DraftStats
+    draft: Any = None  # the draft model (engine.speculative.draft_model); None: prompt lookup
 
 
 class SpeculativeGenerationBatch(GenerationBatch):
@@ -56,6 +58,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
 
     drafting: Drafting
     _rows: dict[int, RowDrafts]
+    _draft_rows: DraftRows | None
     _steps: int
 
     @classmethod
@@ -64,6 +67,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         batch = cls.empty(model, sampler)
         batch.drafting = drafting
         batch._rows = {}
+        batch._draft_rows = DraftRows(drafting.draft) if drafting.draft is not None else None
         batch._steps = 0
         return batch
 
@@ -83,22 +87,35 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if self.drafting.pacing.check(rows) and (likely := self._likely()):
             mx.eval(self._next_tokens)
             pending = self._next_tokens.tolist()
-            drafts = [
-                self._rows[uid].propose(self._steps, y, self.drafting.most) if i in likely else []
-                for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
-            ]
+            drafts = self._proposals(likely, pending)
             if any(drafts):
                 return self._check(pending, drafts, started)
         responses = super().next()
         self.drafting.pacing.ran(rows, 1, time.perf_counter() - started, len(responses))
         return responses
 
+    def _proposals(self, likely: set[int], pending: list[int]) -> list[list[int]]:
+        """Each row's proposals (none for rows not `likely`)."""
+        most = self.drafting.most
+        if self._draft_rows is not None:
+            rows = {self.uids[i]: (self.tokens[i], pending[i]) for i in likely}
+            proposed = self._draft_rows.propose(rows, most)
+            return [proposed.get(uid, []) for uid in self.uids]
+        return [
+            self._rows[uid].propose(self._steps, y, most) if i in likely else []
+            for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
+        ]
+
     def _likely(self) -> set[int]:
-        """Rows whose tokens so far suggest a proposal (those with logits
-        processors never propose: theirs would need the proposals' context)."""
+        """Rows that may propose (those with logits processors never do: theirs
+        would need the proposals' context); with prompt lookup, those whose
+        tokens so far suggest a proposal."""
         likely = set()
         for i, uid in enumerate(self.uids):
             if self.logits_processors and self.logits_processors[i]:
+                continue
+            if self._draft_rows is not None:
+                likely.add(i)
                 continue
             row = self._rows.get(uid)
             if row is None:
@@ -125,12 +142,15 @@ class SpeculativeGenerationBatch(GenerationBatch):
         sampled = sampled.tolist()
 
         responses, keep, rewind, next_tokens, next_logprobs = [], [], [], [], []
+        accepted: dict[int, int] = {}  # proposals kept, by row
         for i, (y, proposal) in enumerate(zip(pending, drafts, strict=True)):
             kept = 0
             while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
                 kept += 1
             if proposal:
-                self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
+                if self._draft_rows is None:
+                    self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
+                accepted[self.uids[i]] = kept
                 self.drafting.stats.proposed += len(proposal)
                 self.drafting.stats.accepted += kept
             tokens = [y, *proposal[:kept]]
@@ -149,6 +169,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
             next_logprobs.append(logprobs[i, kept])
         for cache in self.prompt_cache:
             cache.rewind(rewind)
+        if self._draft_rows is not None:
+            self._draft_rows.kept(accepted)
         out = self._responses(responses)
         self.drafting.stats.passes += 1
         self.drafting.stats.tokens += len(out)

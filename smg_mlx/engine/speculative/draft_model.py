@@ -1,0 +1,147 @@
+"""Proposals from a small model (`--draft-model`; engine thread only).
+
+A draft model that shares the target's vocabulary runs ahead of each row:
+fed the row's tokens it has not seen and the token sampled for it, it
+proposes its own greedy continuation, one pass a token, every row in the
+same passes. Nothing it proposes reaches a client unchecked: the target's
+checking pass keeps a proposal only where its own sample agrees.
+
+Its cache follows one lane's decoding rows by uid, in an order of its own
+(proposals go back by uid):
+
+- a row new to it, or further behind than one pass may feed (the target ran
+  plain passes meanwhile), catches up alone, at most JOIN_TOKENS prompt
+  tokens a step among all such rows, and joins the draft's batch once
+  within FEED_MOST tokens: a long prompt never stalls the batch for long;
+- a row that left the target's batch leaves the draft's;
+- after a checking pass each row takes back the proposals the target did
+  not keep (`kept`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from smg_mlx.engine.speculative.ragged_kv import RaggedBatchKVCache
+
+# A row's unseen tokens one batched pass feeds at most; one further behind
+# catches up alone first.
+FEED_MOST = 64
+# Tokens the rows catching up alone are fed in one step, in all.
+JOIN_TOKENS = 2048
+
+
+class DraftRows:
+    """The draft model's cache for one lane's decoding rows (see the module's doc)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._cache: list[RaggedBatchKVCache] | None = None  # per layer; None: no row
+        self._uids: list[int] = []  # the draft batch's rows, in its order
+        self._seen: dict[int, int] = {}  # tokens of each row its cache holds
+        self._joining: dict[int, list[Any]] = {}  # rows catching up alone: their caches
+        # Rows that proposed in the last pass: the tokens their cache held
+        # before the proposals, and how many proposals were fed to it.
+        self._fed: dict[int, tuple[int, int]] = {}
+
+    def propose(self, rows: dict[int, tuple[list[int], int]], most: int) -> dict[int, list[int]]:
+        """For each row of `rows` (uid: the tokens in the target's cache, and
+        the token sampled for it), up to `most` proposed tokens; rows still
+        catching up propose none."""
+        self._leave([uid for uid in self._uids if uid not in rows])
+        for uid in [u for u in self._joining if u not in rows]:
+            del self._joining[uid], self._seen[uid]
+        behind = [i for i, uid in enumerate(self._uids)
+                  if len(rows[uid][0]) - self._seen[uid] >= FEED_MOST]  # fmt: skip
+        for i in behind:  # fell behind while the target ran plain passes
+            uid = self._uids[i]
+            self._joining[uid] = [c.extract(i) for c in self._cache]
+        self._leave([self._uids[i] for i in behind], keep_seen=True)
+        self._catch_up(rows)
+        if not self._uids:
+            return {}
+        feeds = [rows[uid][0][self._seen[uid] :] + [rows[uid][1]] for uid in self._uids]
+        width = max(len(feed) for feed in feeds)
+        inputs = mx.array([feed + [feed[-1]] * (width - len(feed)) for feed in feeds])
+        logits = self._model(inputs, cache=self._cache)
+        last = mx.array([len(feed) - 1 for feed in feeds])
+        token = mx.argmax(logits[mx.arange(len(feeds)), last], axis=-1)
+        if width > 1:
+            for cache in self._cache:
+                cache.rewind([width - len(feed) for feed in feeds])
+        proposals = [token]
+        for _ in range(most - 1):
+            token = mx.argmax(self._model(token[:, None], cache=self._cache)[:, -1], axis=-1)
+            proposals.append(token)
+        proposed = mx.stack(proposals, axis=1).tolist()
+        for uid in self._uids:
+            base = len(rows[uid][0]) + 1  # its tokens and the sampled one
+            self._fed[uid] = (base, most - 1)
+            self._seen[uid] = base + most - 1
+        return dict(zip(self._uids, proposed, strict=True))
+
+    def kept(self, accepted: dict[int, int]) -> None:
+        """After the checking pass: how many of its proposals each row kept
+        (rows that ended need not be named); each takes back the rest."""
+        counts = []
+        for uid in self._uids:
+            base, fed = self._fed.pop(uid, (self._seen[uid], 0))
+            held = base + min(accepted.get(uid, 0), fed)
+            counts.append(self._seen[uid] - held)
+            self._seen[uid] = held
+        self._fed.clear()
+        if self._cache is not None and any(counts):
+            for cache in self._cache:
+                cache.rewind(counts)
+
+    def _leave(self, uids: list[int], keep_seen: bool = False) -> None:
+        """These rows leave the draft's batch."""
+        if not uids:
+            return
+        gone = set(uids)
+        keep = [i for i, uid in enumerate(self._uids) if uid not in gone]
+        for uid in uids:
+            self._fed.pop(uid, None)
+            if not keep_seen:
+                del self._seen[uid]
+        self._uids = [self._uids[i] for i in keep]
+        if not keep:
+            self._cache = None
+        else:
+            for cache in self._cache:
+                cache.filter(keep)
+
+    def _catch_up(self, rows: dict[int, tuple[list[int], int]]) -> None:
+        """Rows new to the draft, or behind, fed alone (JOIN_TOKENS in all);
+        those within FEED_MOST tokens join the draft's batch."""
+        budget = JOIN_TOKENS
+        for uid, (tokens, _) in rows.items():
+            if uid in self._seen and uid not in self._joining:
+                continue
+            if uid not in self._joining:
+                self._joining[uid] = make_prompt_cache(self._model)
+                self._seen[uid] = 0
+            cache, seen = self._joining[uid], self._seen[uid]
+            todo = len(tokens) - seen - (FEED_MOST - 1)  # the last few go in the batched pass
+            if todo > 0 and budget > 0:
+                n = min(todo, budget)
+                self._model(mx.array([tokens[seen : seen + n]]), cache=cache)
+                mx.eval([c.state for c in cache])
+                self._seen[uid] = seen + n
+                budget -= n
+            if len(tokens) - self._seen[uid] < FEED_MOST:
+                self._join(uid, self._joining.pop(uid))
+
+    def _join(self, uid: int, cache: list[Any]) -> None:
+        """A row caught up alone joins the draft's batch."""
+        merged = [RaggedBatchKVCache.adopt(BatchKVCache.merge([c])) for c in cache]
+        if self._cache is None:
+            self._cache = merged
+        else:
+            for mine, theirs in zip(self._cache, merged, strict=True):
+                mine.extend(theirs)
+        self._uids.append(uid)
