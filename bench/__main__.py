@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--speculation-setting", default="auto", choices=("auto", "always"),
                    help="--speculative of the worker that speculates (--speculation)")  # fmt: skip
+    p.add_argument("--speculation-draft", metavar="self|SHAPE",
+                   help="proposals from a draft model (--speculation): the model itself, or a "
+                   "random model of a --shape (default: prompt lookup)")  # fmt: skip
     p.add_argument("--speculation-kinds", default=",".join(KINDS),
                    help="the workloads to run (--speculation)")  # fmt: skip
     p.add_argument("--chat-tokens", type=int, default=64, help="a chat's prompt (--mixed)")
@@ -376,8 +379,13 @@ def _gate_mixed(args: argparse.Namespace, model_dir: Path) -> dict:
 
 def _speculation(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
                  levels: list[int], workload: Workload) -> int:  # fmt: skip
+    draft = args.speculation_draft
+    if draft not in (None, "self"):
+        draft = model.ensure_model(draft, args.work_dir / "models")
+    elif draft == "self":
+        draft = model_dir
     spec = Speculation(tuple(levels), tuple(args.speculation_kinds.split(",")),
-                       args.rounds or 2, args.speculation_setting)  # fmt: skip
+                       args.rounds or 2, args.speculation_setting, draft)  # fmt: skip
     rows = run_speculation(model_dir.resolve(), args.work_dir.resolve(), spec, workload,
                            shlex.split(args.worker_args), args.start_timeout)  # fmt: skip
     print(format_speculation(rows))

@@ -13,6 +13,11 @@ the bench's random models behave, and the table reports what was measured:
   and what they find is wrong. This is what speculation costs where it
   cannot help.
 - half: every other stream each way, in one batch.
+
+With `--speculation-draft` the proposals come from a draft model instead:
+`self` (the model as its own draft: greedy proposals always right, sampled
+ones mostly wrong) or a random model of another shape with the same
+tokenizer (proposals its own, mostly wrong).
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ from bench.runner import progress
 from bench.workload import Workload
 
 KINDS = ("right", "wrong", "half")
-COUNTERS = tuple(
-    f'smg_mlx_speculative_{name}_total{{drafter="prompt_lookup"}}'
-    for name in ("proposed_tokens", "accepted_tokens", "passes", "pass_tokens")
-)
+
+
+def counters(drafter: str) -> tuple[str, ...]:
+    """The worker's speculation counters for this drafter."""
+    return tuple(
+        f'smg_mlx_speculative_{name}_total{{drafter="{drafter}"}}'
+        for name in ("proposed_tokens", "accepted_tokens", "passes", "pass_tokens")
+    )
 
 
 def temperature(kind: str, index: int) -> float:
@@ -46,6 +55,7 @@ class Speculation:
     kinds: tuple[str, ...] = KINDS
     rounds: int = 2
     setting: str = "auto"  # --speculative of the worker that speculates
+    draft: Path | None = None  # its --draft-model (None: prompt lookup)
 
 
 def _round(address: str, workload: Workload, kind: str, c: int, first: int, tag: str) -> tuple:
@@ -63,24 +73,26 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
                     extra: list[str], timeout_s: float) -> list[dict]:  # fmt: skip
     """Each workload at each level: tok/s off and on, and what the proposals did."""
     rows = []
+    drafting = [] if spec.draft is None else ["--draft-model", str(spec.draft)]
+    counted = counters("prompt_lookup" if spec.draft is None else "draft_model")
     with (
         default_worker(model_dir, work_dir, [*extra, "--speculative", "off"], "spec-off",
                        timeout_s) as (off, _),
-        default_worker(model_dir, work_dir, [*extra, "--speculative", spec.setting], "spec-on",
-                       timeout_s) as (on, on_metrics),
+        default_worker(model_dir, work_dir, [*extra, "--speculative", spec.setting, *drafting],
+                       "spec-on", timeout_s) as (on, on_metrics),
     ):  # fmt: skip
         first = 0
         for kind in spec.kinds:
             for c in spec.levels:
                 figures = {"off": [0, 0.0, 0], "on": [0, 0.0, 0]}
-                before = metrics(on_metrics, *COUNTERS)
+                before = metrics(on_metrics, *counted)
                 for r in range(spec.rounds):
                     order = (("off", off), ("on", on)) if r % 2 == 0 else (("on", on), ("off", off))
                     for name, worker in order:
                         got = _round(worker.address, workload, kind, c, first, f"{kind}-{c}-{r}")
                         figures[name] = [a + b for a, b in zip(figures[name], got, strict=True)]
                     first += workload.warmup(c) + workload.requests(c)
-                after = metrics(on_metrics, *COUNTERS)
+                after = metrics(on_metrics, *counted)
                 proposed, accepted, passes, tokens = (
                     (b or 0) - (a or 0) for a, b in zip(before, after, strict=True)
                 )

@@ -36,6 +36,7 @@ MLX_SIDE = {
     "smg_mlx.engine.speculative.decoding",
     "smg_mlx.engine.speculative.ragged_kv",
     "smg_mlx.engine.speculative.choice",
+    "smg_mlx.engine.speculative.draft_model",
     "smg_mlx.demo_model",
     "smg_mlx.__main__",
 }

@@ -368,6 +368,14 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(model_dir, t
     assert done.returncode == 2
     assert f"--draft-model {other}: its tokenizer's vocabulary" in done.stderr
     assert "Traceback" not in done.stderr
+    wider = build_model(tmp_path / "wider", ["--vocab-size", "1024"])  # the same tokenizer
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
+         "--draft-model", str(wider), "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "it scores 1024 token ids, the model knows" in done.stderr
     done = subprocess.run(
         [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
          "--draft-model", str(other), "--speculative", "off"],

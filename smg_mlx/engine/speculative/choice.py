@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,7 +32,7 @@ def drafting_for(
         log.info("speculative decoding: off (%s)", why_not)
         return None
     always = setting == "always"
-    draft = None if config.draft_model is None else _draft(config.model_path, config.draft_model)
+    draft = None if config.draft_model is None else _draft(config, model)
     log.info(
         "speculative decoding: %s, up to %d proposed tokens a stream a pass, %s",
         "prompt lookup" if draft is None else f"the draft model {config.draft_model}", most,
@@ -42,18 +41,26 @@ def drafting_for(
     return Drafting(most, Pacing(always=always), DraftStats(), draft)
 
 
-def _draft(model_path: Path, draft_path: Path) -> nn.Module:
+def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
     """The draft model, loaded; refused (types.Unservable) unless it can
-    propose the model's tokens: the same vocabulary, caches that take tokens
-    back."""
+    propose the model's tokens: the same tokenizer, no more outputs than the
+    model has inputs, caches that take tokens back."""
     started = time.perf_counter()
+    draft_path = config.draft_model
     draft, draft_tokenizer = load(str(draft_path))
-    vocabulary = load_tokenizer(model_path).vocab
+    vocabulary = load_tokenizer(config.model_path).vocab
     if draft_tokenizer.vocab != vocabulary:
         raise Unservable(
             f"--draft-model {draft_path}: its tokenizer's vocabulary ({len(draft_tokenizer.vocab)} "
             f"tokens) is not the model's ({len(vocabulary)}): a draft must share the model's "
             "tokenizer (e.g. a smaller model of the same family)"
+        )
+    token = mx.array([[0]])
+    outputs, inputs = draft(token).shape[-1], model(token).shape[-1]
+    if outputs > inputs:
+        raise Unservable(
+            f"--draft-model {draft_path}: it scores {outputs} token ids, the model knows "
+            f"{inputs}: a draft must not propose ids the model cannot read"
         )
     kinds = {type(cache) for cache in make_prompt_cache(draft)}
     if kinds != {KVCache}:
