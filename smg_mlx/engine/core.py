@@ -311,14 +311,15 @@ class EngineCore:
 
     def _memory(self, batch: Batch, scheduler: Scheduler) -> Memory:
         planner = scheduler.planner
+        active, peak = batch.memory_in_use
         return Memory(
             budget=planner.budget,
             weights=planner.model.weights,
             kv=batch.kv_bytes,
             prefill=int(self._plan.prefill_bytes),
             prefix_cache=batch.prefix_cache_bytes,
-            active=batch.active_memory,
-            peak=batch.peak_memory,
+            active=active,
+            peak=peak,
             longest_sequence=planner.longest_sequence,
             waiting_for_memory=self._plan.waiting_for_memory,
             out_of_memory_steps=self._out_of_memory_steps,

@@ -97,24 +97,14 @@ class Batch(PrefixCalls):
                 self.attention.working_set if self.attention is not None else None,
             )  # fmt: skip
         if drafting is not None and drafting.draft is not None:
-            # The draft's weights and its cache's rows count as the model's own.
-            self.memory = replace(
-                self.memory,
-                weights=self.memory.weights + memory_probe.weights(drafting.draft),
-                kv_per_token=self.memory.kv_per_token
-                + memory_probe.kv_per_token(drafting.draft, self._stream),
-            )
+            self.memory = memory_probe.with_draft(self.memory, drafting.draft, self._stream)
         # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = StepClock(self.speed).seconds(
             self.max_chunk, memory_probe.PROBE_CONTEXT
         )
         mx.reset_peak_memory()
-        log.info(
-            "model %s loaded and measured in %.2fs on %s",
-            config.model_path,
-            time.perf_counter() - started,
-            mx.default_device(),
-        )
+        log.info("model %s loaded and measured in %.2fs on %s", config.model_path,
+                 time.perf_counter() - started, mx.default_device())  # fmt: skip
 
     def serve_as(self, mode: batch_check.Mode) -> None:
         """Serve in `mode` from now on (the batch must be empty)."""
@@ -155,12 +145,9 @@ class Batch(PrefixCalls):
         return len(self._rows) - self._rows.started
 
     @property
-    def active_memory(self) -> int:
-        return mx.get_active_memory()
-
-    @property
-    def peak_memory(self) -> int:
-        return mx.get_peak_memory()
+    def memory_in_use(self) -> tuple[int, int]:
+        """MLX's active and peak memory."""
+        return mx.get_active_memory(), mx.get_peak_memory()
 
     @property
     def kv_bytes(self) -> int:
@@ -173,22 +160,17 @@ class Batch(PrefixCalls):
         return mx.default_device() == mx.gpu and not mx.metal.is_available()
 
     def queue_attention_shapes(self) -> None:
-        """Queue the attention shapes prompts will meet, up to the model's context
-        (see `engine.batch.attention_shapes`), for `build_shapes`; nothing where
-        shapes cost no build."""
-        if self.attention is None:
-            return
-        # The context served (api.model_info): no prompt is longer.
-        context = named_context_length(self._config.model_path) or DEFAULT_CONTEXT_LENGTH
-        self.attention.queue(context, self.prefill_rows)
+        """Queue the attention shapes prompts will meet, up to the context served
+        (api.model_info), for `build_shapes` (`engine.batch.attention_shapes`)."""
+        if self.attention is not None:
+            context = named_context_length(self._config.model_path) or DEFAULT_CONTEXT_LENGTH
+            self.attention.queue(context, self.prefill_rows)
 
     @property
     def shapes_queued(self) -> bool:
-        """Whether attention shapes wait to be built (`build_shapes`)."""
         return self.attention is not None and self.attention.queued
 
     def build_shapes(self, seconds: float) -> None:
-        """Build queued attention shapes for about `seconds`."""
         if self.attention is not None:
             self.attention.build_queued(seconds)
 

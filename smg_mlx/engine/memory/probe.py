@@ -26,6 +26,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -140,6 +141,16 @@ def _speed(chunks: list[tuple[int, float]], chunk: int) -> PrefillSpeed:
 def weights(model: nn.Module) -> int:
     """The model's parameters' bytes."""
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def with_draft(found: MemoryModel, draft: nn.Module, stream: mx.Stream) -> MemoryModel:
+    """What the model costs with a draft model beside it (engine.speculative):
+    its weights, and its cache's rows, which follow the model's."""
+    return replace(
+        found,
+        weights=found.weights + weights(draft),
+        kv_per_token=found.kv_per_token + kv_per_token(draft, stream),
+    )
 
 
 def kv_per_token(model: nn.Module, stream: mx.Stream) -> float:
