@@ -31,7 +31,6 @@ prompt prefills in chunks no larger than what fits.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -179,11 +178,15 @@ def _lane_tokens(lane: list[Cost]) -> int:
     leaves: then every row that lives longer is alive, the longest of them no
     longer than its total nor than the longest now grown by a token a pass."""
     most = rows = total = length = 0
-    for s in sorted(lane, key=lambda s: s.passes, reverse=True):
+    # (passes, total, length) of each, read once: this runs for every request
+    # the scheduler weighs, over every row.
+    lives = [(s.passes, s.total, s.length) for s in lane]
+    lives.sort(reverse=True)
+    for passes, its_total, its_length in lives:
         rows += 1
-        total, length = max(total, s.total), max(length, s.length)
-        longest = min(total, length + s.passes - 1)
-        most = max(most, rows * math.ceil(longest / KV_BLOCK) * KV_BLOCK)
+        total, length = max(total, its_total), max(length, its_length)
+        longest = min(total, length + passes - 1)
+        most = max(most, rows * (-(-longest // KV_BLOCK)) * KV_BLOCK)
     return most
 
 
