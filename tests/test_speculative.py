@@ -283,6 +283,20 @@ def _repeating(length: int, seed: int) -> list[int]:
     return (phrase * (length // len(phrase) + 1))[:length]
 
 
+def _answers_as(stub, cases: list[tuple[list[int], dict]], want: list) -> None:
+    """The cases, all at once, twice (the second time from the prefix cache),
+    give `want`: tokens, finish reasons and logprobs."""
+    for _ in range(2):
+        with ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(lambda c: helpers.generate(stub, c[0], **c[1]), cases))
+        for g, w in zip(got, want, strict=True):
+            assert g.tokens == w.tokens
+            assert g.complete.finish_reason == w.complete.finish_reason
+            seen = [lp for c in g.chunks for lp in c.output_logprobs.token_logprobs]
+            expected = [lp for c in w.chunks for lp in c.output_logprobs.token_logprobs]
+            assert seen == pytest.approx(expected, abs=1e-4)
+
+
 @pytest.mark.parametrize("family", ["demo", "llama", "qwen3"])
 def test_a_worker_speculating_answers_as_one_that_does_not(family, model_dir, family_model,
                                                            start_worker):  # fmt: skip
@@ -300,15 +314,7 @@ def test_a_worker_speculating_answers_as_one_that_does_not(family, model_dir, fa
     cases.append((hit, {"max_tokens": 20}))
     want = [helpers.generate(plain.stub, ids, **settings) for ids, settings in cases]
     assert any(len(set(w.tokens)) > 3 for w in want) or family == "demo"
-    for _ in range(2):  # the second time from the prefix cache
-        with ThreadPoolExecutor(len(cases)) as pool:
-            got = list(pool.map(lambda c: helpers.generate(speculating.stub, c[0], **c[1]), cases))
-        for g, w in zip(got, want, strict=True):
-            assert g.tokens == w.tokens
-            assert g.complete.finish_reason == w.complete.finish_reason
-            seen = [lp for c in g.chunks for lp in c.output_logprobs.token_logprobs]
-            expected = [lp for c in w.chunks for lp in c.output_logprobs.token_logprobs]
-            assert seen == pytest.approx(expected, abs=1e-4)
+    _answers_as(speculating.stub, cases, want)
     helpers.abort_after(speculating.stub, _repeating(60, 5), 5)
     again = helpers.generate(speculating.stub, _repeating(60, 5), max_tokens=16)
     assert again.tokens == helpers.generate(plain.stub, _repeating(60, 5), max_tokens=16).tokens
@@ -333,16 +339,7 @@ def test_a_worker_with_a_draft_model_answers_as_one_without(model_dir, tmp_path,
     assert len({t for w in want for t in w.tokens}) > 4, "the model's output should vary"
     for draft in (model_dir, other):
         drafting = start_worker(model_dir, speculative="always", draft_model=draft)
-        for _ in range(2):  # the second time from the prefix cache
-            with ThreadPoolExecutor(len(cases)) as pool:
-                stub = drafting.stub
-                got = list(pool.map(lambda c, s=stub: helpers.generate(s, c[0], **c[1]), cases))
-            for g, w in zip(got, want, strict=True):
-                assert g.tokens == w.tokens
-                assert g.complete.finish_reason == w.complete.finish_reason
-                seen = [lp for c in g.chunks for lp in c.output_logprobs.token_logprobs]
-                expected = [lp for c in w.chunks for lp in c.output_logprobs.token_logprobs]
-                assert seen == pytest.approx(expected, abs=1e-4)
+        _answers_as(drafting.stub, cases, want)
         helpers.abort_after(drafting.stub, helpers.prompt(60, 5), 5)
         stats = drafting.worker.engine.speculation
         assert stats.drafter == "draft_model" and stats.proposed > 0
