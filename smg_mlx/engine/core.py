@@ -153,6 +153,7 @@ class EngineCore:
             sink.step(self._report(batch, scheduler, short))
 
         settle = False  # the last turn ended requests and left the batch idle
+        building = False  # the last idle turn built attention shapes, nothing having come
         reported_waits = 0  # requests waiting for memory, as last reported
         try:
             while True:
@@ -204,6 +205,7 @@ class EngineCore:
                     return
                 progress_at = self._progress(batch, progress_at)
                 settle = idle and bool(finished or turn.remove)
+                building = building and idle
                 if settle:
                     continue
                 if idle:
@@ -214,11 +216,12 @@ class EngineCore:
                     due = [lockstep.HEARTBEAT_SECONDS] if watchdog is not None else []
                     due += [t for t in (batch.prefixes_due(),) if t is not None]
                     shapes = batch.shapes_queued
-                    due += [SHAPES_QUIET_SECONDS] if shapes else []
-                    if inbox.wait(min(due, default=None)) or not shapes:
-                        bursts.gather(inbox)
-                    else:
+                    due += [0.0 if building else SHAPES_QUIET_SECONDS] if shapes else []
+                    building = not inbox.wait(min(due, default=None)) and shapes
+                    if building:  # quiet since: on with the next few
                         batch.build_shapes(SHAPES_SECONDS)
+                    else:
+                        bursts.gather(inbox)
                 elif not batch.size and not turn.admit and not batch.prefixes_busy:
                     inbox.wait(READ_WAIT_SECONDS)  # requests wait for reads from disk
         finally:
