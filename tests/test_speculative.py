@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import make_sampler
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
+from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.prompt_lookup import lookup
 from smg_mlx.engine.types import SamplingSettings
@@ -146,6 +147,19 @@ def test_a_draft_models_proposals_leave_greedy_tokens_as_plain_decodings(family)
             assert stats.accepted == stats.proposed
         else:
             assert stats.accepted < stats.proposed / 2
+
+
+def test_a_draft_rows_proposals_grow_while_kept_and_shrink_after_misses():
+    rows = DraftRows(tiny_model("llama", scale=1.5))
+    tokens = repetitive_prompts(1, 3)[0]
+    lengths = []
+    for kept in (0, 0, 1, 9, 9, 9):  # each pass keeps this many (at most all)
+        proposal = rows.propose({7: (tokens, 1)}, most=4)[7]
+        lengths.append(len(proposal))
+        kept = min(kept, len(proposal))
+        rows.kept({7: kept}, most=4)
+        tokens = tokens + [1] + proposal[:kept]
+    assert lengths == [4, 2, 1, 2, 3, 4]
 
 
 class Now(Pacing):

@@ -170,7 +170,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         for cache in self.prompt_cache:
             cache.rewind(rewind)
         if self._draft_rows is not None:
-            self._draft_rows.kept(accepted)
+            self._draft_rows.kept(accepted, self.drafting.most)
         out = self._responses(responses)
         self.drafting.stats.passes += 1
         self.drafting.stats.tokens += len(out)

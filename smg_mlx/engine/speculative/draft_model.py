@@ -16,6 +16,11 @@ Its cache follows one lane's decoding rows by uid, in an order of its own
 - a row that left the target's batch leaves the draft's;
 - after a checking pass each row takes back the proposals the target did
   not keep (`kept`).
+
+Each row proposes as many tokens as its proposals have earned, as prompt
+lookup's rows do: up to the most asked for while they are all kept, one
+past the last kept after a miss, half as many after a pass that kept
+none; the draft runs as many passes as the row that proposes the most.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class DraftRows:
         # Rows that proposed in the last pass: the tokens their cache held
         # before the proposals, and how many proposals were fed to it.
         self._fed: dict[int, tuple[int, int]] = {}
+        self._length: dict[int, int] = {}  # tokens each row proposes next
 
     def propose(self, rows: dict[int, tuple[list[int], int]], most: int) -> dict[int, list[int]]:
         """For each row of `rows` (uid: the tokens in the target's cache, and
@@ -55,6 +61,7 @@ class DraftRows:
         self._leave([uid for uid in self._uids if uid not in rows])
         for uid in [u for u in self._joining if u not in rows]:
             del self._joining[uid], self._seen[uid]
+            self._length.pop(uid, None)
         behind = [i for i, uid in enumerate(self._uids)
                   if len(rows[uid][0]) - self._seen[uid] >= FEED_MOST]  # fmt: skip
         for i in behind:  # fell behind while the target ran plain passes
@@ -73,24 +80,31 @@ class DraftRows:
         if width > 1:
             for cache in self._cache:
                 cache.rewind([width - len(feed) for feed in feeds])
+        lengths = [min(self._length.setdefault(uid, most), most) for uid in self._uids]
         proposals = [token]
-        for _ in range(most - 1):
+        for _ in range(max(lengths) - 1):
             token = mx.argmax(self._model(token[:, None], cache=self._cache)[:, -1], axis=-1)
             proposals.append(token)
         proposed = mx.stack(proposals, axis=1).tolist()
         for uid in self._uids:
             base = len(rows[uid][0]) + 1  # its tokens and the sampled one
-            self._fed[uid] = (base, most - 1)
-            self._seen[uid] = base + most - 1
-        return dict(zip(self._uids, proposed, strict=True))
+            self._fed[uid] = (base, len(proposals) - 1)
+            self._seen[uid] = base + len(proposals) - 1
+        return {uid: p[:n] for uid, p, n in zip(self._uids, proposed, lengths, strict=True)}
 
-    def kept(self, accepted: dict[int, int]) -> None:
+    def kept(self, accepted: dict[int, int], most: int) -> None:
         """After the checking pass: how many of its proposals each row kept
-        (rows that ended need not be named); each takes back the rest."""
+        (rows that ended need not be named); each takes back the rest, and
+        proposes as many as that earned next time (at most `most`)."""
         counts = []
         for uid in self._uids:
             base, fed = self._fed.pop(uid, (self._seen[uid], 0))
-            held = base + min(accepted.get(uid, 0), fed)
+            kept, length = accepted.get(uid, 0), self._length.get(uid, most)
+            if kept >= length:
+                self._length[uid] = min(length + 1, most)
+            else:
+                self._length[uid] = kept + 1 if kept else max(1, length // 2)
+            held = base + min(kept, fed)
             counts.append(self._seen[uid] - held)
             self._seen[uid] = held
         self._fed.clear()
@@ -108,6 +122,7 @@ class DraftRows:
             self._fed.pop(uid, None)
             if not keep_seen:
                 del self._seen[uid]
+                self._length.pop(uid, None)
         self._uids = [self._uids[i] for i in keep]
         if not keep:
             self._cache = None
