@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             adapter_path=args.adapter_path,
             speculative=args.speculative or ("auto" if args.draft_model else "off"),
             num_draft_tokens=args.num_draft_tokens,
-            draft_model=Path(args.draft_model) if args.draft_model else None,
+            draft_model=args.draft_model,
         ),
         demo=args.demo,
         revision=args.revision,

@@ -220,6 +220,7 @@ def _running(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--draft-model",
         metavar="MODEL",
+        type=model_name,
         help="a small model whose tokens the streams propose: an mlx-lm model directory or "
         "a Hugging Face repo id, with the model's vocabulary (checked at start-up); its "
         "weights and KV cache count in the memory budget (default: none, prompt lookup)",
