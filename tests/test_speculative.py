@@ -393,3 +393,10 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(model_dir, t
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "--speculative off turns off" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
+         "--draft-model", "./no/such/draft", "--port", "0"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2  # a path, never taken for a repo id
+    assert f"--draft-model: {tmp_path}/no/such/draft is not a model directory" in done.stderr
