@@ -62,9 +62,7 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
             f"--draft-model {draft_path}: it scores {outputs} token ids, the model knows "
             f"{inputs}: a draft must not propose ids the model cannot read"
         )
-    kinds = {type(cache) for cache in make_prompt_cache(draft)}
-    if kinds != {KVCache}:
-        names = ", ".join(sorted(kind.__name__ for kind in kinds))
+    if (names := _fixed_caches(draft)) is not None:
         raise Unservable(
             f"--draft-model {draft_path}: its caches ({names}) cannot take tokens back; "
             "choose a draft with plain attention"
@@ -79,10 +77,15 @@ def _why_not(setting: str, model: nn.Module, ranks: int, batched: bool) -> str |
     if ranks > 1:
         # Each rank would pace its passes by its own clock; they must run the same passes.
         return "several ranks"
-    kinds = {type(cache) for cache in make_prompt_cache(model)}
-    if kinds != {KVCache}:
-        names = ", ".join(sorted(kind.__name__ for kind in kinds))
+    if (names := _fixed_caches(model)) is not None:
         return f"this model's caches ({names}) cannot take tokens back"
     if not batched:
         return "this model's prompts prefill together only at equal lengths"
     return None
+
+
+def _fixed_caches(model: nn.Module) -> str | None:
+    """The names of the model's cache kinds where some cannot take tokens back
+    (all plain KVCache: None)."""
+    kinds = {type(cache) for cache in make_prompt_cache(model)}
+    return None if kinds == {KVCache} else ", ".join(sorted(k.__name__ for k in kinds))
