@@ -263,3 +263,18 @@ def demo_model_cache(cache: Path, model_dir: Path) -> Path:
     demo.parent.mkdir(parents=True)
     demo.symlink_to(model_dir)
     return cache
+
+
+def serve(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[int, list[str]]:
+    """Run a worker that should stop before serving: its exit code and log lines."""
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=None if env is None else {**os.environ, **env},
+        cwd=cwd,
+    )
+    return done.returncode, done.stderr.splitlines()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -371,32 +369,19 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(model_dir, t
     a, b = list(vocab)[100:102]
     vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    done = subprocess.run(
-        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-         "--draft-model", str(other), "--port", "0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert f"--draft-model {other}: its tokenizer's vocabulary" in done.stderr
-    assert "Traceback" not in done.stderr
+    code, lines = helpers.serve("--model", str(model_dir), "--draft-model", str(other),
+                                "--port", "0")  # fmt: skip
+    assert code == 2
+    assert f"--draft-model {other}: its tokenizer's vocabulary" in lines[-1]
+    assert not any("Traceback" in line for line in lines)
     wider = build_model(tmp_path / "wider", ["--vocab-size", "1024"])  # the same tokenizer
-    done = subprocess.run(
-        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-         "--draft-model", str(wider), "--port", "0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert "it scores 1024 token ids, the model knows" in done.stderr
-    done = subprocess.run(
-        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-         "--draft-model", str(other), "--speculative", "off"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2 and "--speculative off turns off" in done.stderr
-    done = subprocess.run(
-        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-         "--draft-model", "./no/such/draft", "--port", "0"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 2  # a path, never taken for a repo id
-    assert f"--draft-model: {tmp_path}/no/such/draft is not a model directory" in done.stderr
+    code, lines = helpers.serve("--model", str(model_dir), "--draft-model", str(wider),
+                                "--port", "0")  # fmt: skip
+    assert code == 2 and "it scores 1024 token ids, the model knows" in lines[-1]
+    code, lines = helpers.serve("--model", str(model_dir), "--draft-model", str(other),
+                                "--speculative", "off")  # fmt: skip
+    assert code == 2 and "--speculative off turns off" in lines[-1]
+    code, lines = helpers.serve("--model", str(model_dir), "--draft-model", "./no/such/draft",
+                                "--port", "0", cwd=tmp_path)  # fmt: skip
+    assert code == 2  # a path, never taken for a repo id
+    assert f"--draft-model: {tmp_path}/no/such/draft is not a model directory" in lines[-1]

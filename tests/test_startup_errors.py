@@ -5,7 +5,6 @@ flag, the model directory), 1 for what a restart may cure."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,19 +19,7 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.demo_model import build_model
 from smg_mlx.server import listen_failure
 
-from helpers import model_copy
-
-
-def serve(*args: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
-    """Run a worker that should stop before serving: its exit code and log lines."""
-    done = subprocess.run(
-        [sys.executable, "-m", "smg_mlx", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=None if env is None else {**os.environ, **env},
-    )
-    return done.returncode, done.stderr.splitlines()
+from helpers import model_copy, serve
 
 
 def one_error(lines: list[str]) -> str:
