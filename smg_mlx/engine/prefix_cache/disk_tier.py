@@ -116,6 +116,7 @@ class DiskTier(DiskReads):
         self._copy_rate = float(FIRST_COPY_RATE)
         self._candidates: deque[tuple[float, int]] = deque()  # (kept at, memory entry id)
         self._writes: dict[str, Write] = {}  # by file name, queued or under way
+        self._exported: list[Write] = []  # started this turn: handed to the folder next turn
         self._reads: dict[str, Read] = {}  # by file name
         self._copying: list[Read] = []
         self._full_warned = False
@@ -144,6 +145,8 @@ class DiskTier(DiskReads):
 
     def due(self) -> float | None:
         """Seconds until the next write falls due (None: none waits)."""
+        if self._exported:
+            return 0.0
         if not self.open or not self._candidates:
             return None
         due = max(self._candidates[0][0] + WRITE_AFTER, self._retry_at or 0.0)
@@ -157,6 +160,7 @@ class DiskTier(DiskReads):
     def tick(self, memory: MemoryTier) -> bool:
         """Take in what the threads finished, go on copying read entries into
         memory, and start the writes now due; whether anything changed."""
+        self._hand_over()
         finished = self._folder.finished()
         changed = bool(self._copying or finished)
         for job in finished:
@@ -269,7 +273,19 @@ class DiskTier(DiskReads):
         header, arrays = kv_files.export(held.cache, entry.length, entry.trimmable)
         write = Write(name, tokens, header, arrays, entry if in_memory else None)
         self._writes[name] = write
-        self._folder.write(write)
+        self._exported.append(write)
+
+    def _hand_over(self) -> None:
+        """Give the writes started a turn ago to the folder's writer. Their
+        arrays' copies were queued behind the step then running, and ahead
+        of the one the turn since has queued: reading them now waits for the
+        copies alone. Read in the turn they were started, they would wait for
+        the running step, and the device would idle while the engine thread
+        prepares the next."""
+        for write in self._exported:
+            write.views = kv_files.buffers(write.arrays)
+            self._folder.write(write)
+        self._exported.clear()
 
     def _room_for(self, nbytes: int) -> bool:
         """Make room under the size bound, and check the device's free space."""
@@ -389,6 +405,7 @@ class DiskTier(DiskReads):
 
     def _drain(self, memory: MemoryTier, until: Callable[[], float], most: int) -> None:
         """Wait for writes until at most `most` are left or `until()` passes."""
+        self._hand_over()
         while len(self._writes) > most and (left := until() - time.monotonic()) > 0:
             for job in self._folder.finished(timeout=min(0.1, max(left, 0.01))):
                 if isinstance(job, Write):
