@@ -41,6 +41,7 @@ from smg_mlx.engine.types import (
     Event,
     Memory,
     Request,
+    SpeculationStats,
     StepReport,
     Turn,
     Unservable,
@@ -69,6 +70,10 @@ SHAPES_SECONDS = 0.05
 # A prompt still prefilling after this long logs how far it has come, and again
 # as often: a long context on a small machine takes minutes.
 PROGRESS_SECONDS = 10.0
+# A turn that changed nothing reports the memory and prefix-cache figures of up
+# to this long ago: reading them walks every layer's cache, on the engine
+# thread, between two steps (metrics and GetServerInfo want them, not each step).
+FIGURES_SECONDS = 0.25
 
 
 class EngineCore:
@@ -80,6 +85,10 @@ class EngineCore:
         self._failed_steps = 0  # steps that failed otherwise, all told
         self._plan = Plan()  # the last turn's
         self._turn: Turn | None = None  # the last turn, while nothing has changed since
+        # The last report's memory, prefix-cache and speculation figures, and when taken.
+        self._figures: tuple[Memory, CacheStats, SpeculationStats] | None = None
+        self._figures_at = 0.0
+        self._counts = (0, 0, 0)  # running, prefilling, waiting when they were taken
 
     def run(self) -> None:
         """Serve until stopped or failed; returns once the batch is released."""
@@ -198,8 +207,11 @@ class EngineCore:
                 changed = turn.admit or turn.drop_cached or tended or waits != reported_waits
                 if events or seconds is not None or changed:
                     reported_waits = waits
+                    steady = not (changed or finished or idle or passes is None)
                     sink.step(
-                        self._report(batch, scheduler, events, seconds, rows, turn.admit, idle=idle)
+                        self._report(
+                            batch, scheduler, events, seconds, rows, turn.admit, idle, steady
+                        )
                     )
                 if turn.stop:
                     return
@@ -237,20 +249,37 @@ class EngineCore:
         rows: int = 0,
         admitted: tuple[Request, ...] = (),
         idle: bool = False,
+        steady: bool = False,
     ) -> StepReport:
-        """What a turn sends its requests, and the batch as it stands."""
+        """What a turn sends its requests, and the batch as it stands (`steady`:
+        the turn changed nothing but its rows' tokens; where the rows running,
+        prefilling and waiting are as many as before too, its figures may be
+        FIGURES_SECONDS old)."""
+        counts = (batch.running, batch.prefilling, batch.waiting + len(scheduler))
+        now = time.monotonic()
+        if (
+            not steady
+            or counts != self._counts
+            or self._figures is None
+            or now - self._figures_at >= FIGURES_SECONDS
+        ):
+            cache = batch.prefixes.stats() if batch.prefixes is not None else CacheStats()
+            self._figures = (self._memory(batch, scheduler), cache, batch.speculation)
+            self._figures_at, self._counts = now, counts
+        memory, cache, speculation = self._figures
+        running, prefilling, waiting = counts
         return StepReport(
             events=tuple(events),
             step_seconds=seconds,
             batch_size=rows,
-            running=batch.running,
-            prefilling=batch.prefilling,
-            waiting=batch.waiting + len(scheduler),
+            running=running,
+            prefilling=prefilling,
+            waiting=waiting,
             admitted=tuple(r.key for r in admitted),
-            memory=self._memory(batch, scheduler),
+            memory=memory,
             idle=idle,
-            cache=batch.prefixes.stats() if batch.prefixes is not None else CacheStats(),
-            speculation=batch.speculation,
+            cache=cache,
+            speculation=speculation,
         )
 
     def _peer_hung(self, limit: float) -> None:
