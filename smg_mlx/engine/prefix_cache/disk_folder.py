@@ -74,7 +74,7 @@ class Write:
         self.tokens = tokens
         self.header: kv_files.Header | None = header
         self.arrays = list(arrays)  # kept alive here, on the engine thread, until done
-        self.views: list[memoryview] = []  # made on the engine thread (`DiskTier.tick`)
+        self.views: list[memoryview] = []  # made on the engine thread (`DiskTier._hand_over`)
         self.entry = entry  # its memory entry, while that is in memory
         self.nbytes = header.data_bytes if header is not None else 0
         self.cancelled = False  # not to be written after all, if not begun
