@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -104,6 +106,29 @@ def model_copy(model_dir: Path, out: Path, *, leave_out: str = "", **config) -> 
     merged = {**json.loads((model_dir / "config.json").read_text()), **config}
     (out / "config.json").write_text(json.dumps(merged))
     return out
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive loopback ports that nothing listens on, for a
+    launcher that numbers its ports up from one (mlx.launch's --starting-port). Drawn below
+    the kernel's ephemeral range, where `free_port()` and outgoing connections of other
+    tests running beside this one take theirs."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; macOS starts at 49152
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 49152
+    for _ in range(100):
+        first = random.randrange(10000, low - count)
+        if all(_bindable(first + i) for i in range(count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports below {low}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:

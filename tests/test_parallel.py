@@ -26,6 +26,7 @@ from helpers import (
     NOT_SERVING,
     Process,
     collect,
+    free_port_run,
     generate,
     prompt,
     request,
@@ -51,7 +52,8 @@ class Ranks:
 
     def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(RANKS)]))
+        first = free_port_run(RANKS)
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(RANKS)]))
         port = free_port()
         self.ranks = [
             Process(

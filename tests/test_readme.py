@@ -33,7 +33,7 @@ from docs import (
     shell,
     stop,
 )
-from helpers import SMG, demo_model_cache, generate, prompt, wait_until
+from helpers import SMG, demo_model_cache, free_port_run, generate, prompt, wait_until
 
 VENV_BIN = REPO / ".venv" / "bin"
 pytestmark = [
@@ -206,9 +206,10 @@ MLX_LAUNCH = VENV_BIN / "mlx.launch"
 
 def launch_command(command: str, worker_port: int) -> str:
     """The launcher command of docs/scaling.md with free ports: the worker's, and the ring's
-    (mlx.launch's --starting-port, 32323 by default)."""
+    (mlx.launch's --starting-port, 32323 by default, one port a rank up from it)."""
     command = with_ports(command, {"50051": worker_port})
-    return command.replace("mlx.launch ", f"mlx.launch --starting-port {free_port()} ", 1)
+    first = free_port_run(int(re.search(r"-n (\d+)", command)[1]))
+    return command.replace("mlx.launch ", f"mlx.launch --starting-port {first} ", 1)
 
 
 @pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch comes with mlx")
