@@ -197,6 +197,10 @@ class _LoggedProgress(tqdm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.pop("name", None)  # the Hub's own bar class takes a name; tqdm does not
         kwargs["file"] = io.StringIO()  # never drawn: display() logs instead
+        # Every update reaches display(), which spaces the lines itself: tqdm's own
+        # spacing skips updates that come close together (the first files of a
+        # download), and then nothing is logged until the next, maybe never.
+        kwargs.update(mininterval=0, miniters=1)
         super().__init__(*args, **kwargs)
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
