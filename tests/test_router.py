@@ -260,7 +260,7 @@ def test_router_sees_the_worker_healthy_only_when_ready(model_dir, tmp_path, mon
             except urllib.error.HTTPError as err:
                 # The router fetches the tokenizer once the worker is healthy,
                 # and says "tokenizer_not_ready ... retry shortly" until then.
-                assert err.code == 503 and "tokenizer_not_ready" in err.read().decode()
+                assert err.code == 503 and "tokenizer_not_ready" in err.msg  # (post read it)
             return bool(answers)
 
         assert wait_until(answered, 10)
