@@ -33,22 +33,31 @@ atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the test models are built: one folder for all of a run's processes
+    (pytest-xdist's workers share the run's temporary root), so each model is
+    built once a run (each build is a child process of a few seconds)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+
+
+@pytest.fixture(scope="session")
+def model_dir(models_root: Path) -> Path:
     """The regression model: a llama whose rope frequencies are computed lazily (llama3)."""
-    return build_model(tmp_path_factory.mktemp("models") / "tiny-llama3")
+    return build_model(models_root / "tiny-llama3")
 
 
 @pytest.fixture(scope="session")
-def short_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def short_model_dir(models_root: Path) -> Path:
     """The same shapes with a 64-token context, to reach the context end quickly."""
-    return build_model(tmp_path_factory.mktemp("models") / "tiny-ctx64", ["--context-length", "64"])
+    return build_model(models_root / "tiny-ctx64", ["--context-length", "64"])
 
 
 @pytest.fixture(scope="session")
-def family_model(tmp_path_factory: pytest.TempPathFactory):
+def family_model(models_root: Path):
     """A tiny random-weight model of an mlx-lm family (tests/family_models.py), built
     once a session, whichever module asks first."""
-    root = tmp_path_factory.mktemp("families")
+    root = models_root / "families"
     return lambda family: build_family_model(root / family, family)
 
 

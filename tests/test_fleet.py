@@ -24,9 +24,9 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def long_model(tmp_path_factory) -> Path:
+def long_model(models_root: Path) -> Path:
     """A long context, so that one request can keep a worker busy for the whole test."""
-    return build_model(tmp_path_factory.mktemp("models") / NAME, ["--context-length", "32768"])
+    return build_model(models_root / NAME, ["--context-length", "32768"])
 
 
 @pytest.fixture

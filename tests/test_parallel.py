@@ -38,8 +38,8 @@ PROMPTS = [prompt(9 + 3 * i, i) for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("parallel-models")
+def models(models_root: Path) -> dict[str, Path]:
+    root = models_root / "parallel"
     return {
         family: build_model(root / family, ["--family", family])
         for family in ("llama", "qwen3", "qwen2")

@@ -27,10 +27,10 @@ GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"
 
 
 @pytest.fixture(scope="module")
-def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def wide_model_dir(models_root: Path) -> Path:
     """A Qwen-sized vocabulary: room for lists of 150,000 token ids."""
     return build_model(
-        tmp_path_factory.mktemp("models") / "tiny-vocab152k", ["--vocab-size", str(QWEN_VOCAB)]
+        models_root / "tiny-vocab152k", ["--vocab-size", str(QWEN_VOCAB)]
     )
 
 

@@ -24,10 +24,10 @@ GRPC_DEFAULT_MESSAGE_BYTES = 4 << 20  # what gRPC clients and the router receive
 
 
 @pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def long_model_dir(models_root: Path) -> Path:
     """A 64k-token context: room for a response larger than one message."""
     return build_model(
-        tmp_path_factory.mktemp("models") / "tiny-ctx64k", ["--context-length", "65536"]
+        models_root / "tiny-ctx64k", ["--context-length", "65536"]
     )
 
 

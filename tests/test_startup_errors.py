@@ -31,8 +31,8 @@ def one_error(lines: list[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", ["--family", "qwen2"])
+def qwen2_dir(models_root: Path) -> Path:
+    return build_model(models_root / "tiny-qwen2", ["--family", "qwen2"])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
