@@ -21,7 +21,7 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 from smg_mlx.server import Worker
 
-from family_models import build_family_model
+from family_models import FAMILIES, build_family_models
 from helpers import Process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,10 +55,16 @@ def short_model_dir(models_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def family_model(models_root: Path):
-    """A tiny random-weight model of an mlx-lm family (tests/family_models.py), built
-    once a session, whichever module asks first."""
+    """A tiny random-weight model of an mlx-lm family (tests/family_models.py): all
+    the families are built at the first call of a run, by one child process."""
     root = models_root / "families"
-    return lambda family: build_family_model(root / family, family)
+
+    def model(family: str) -> Path:
+        if family not in FAMILIES:
+            raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
+        return build_family_models(root, sorted(FAMILIES))[sorted(FAMILIES).index(family)]
+
+    return model
 
 
 class RunningWorker:

@@ -289,9 +289,22 @@ def build_family_model(out: Path, family: str, dtype: str = "float32") -> Path:
     mistaken for a model."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
-    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+    if _built(out):
         return out
     return built_aside(out, lambda tmp: _child(str(tmp), "--family", family, "--dtype", dtype))
+
+
+def build_family_models(root: Path, families: list[str]) -> list[Path]:
+    """`root / family` for each of `families` (float32), those not there yet built
+    by one child process (a child's start, MLX's import, is most of a build)."""
+    missing = [f for f in families if not _built(root / f)]
+    if missing:
+        _child(str(root), "--families", ",".join(missing))
+    return [root / f for f in families]
+
+
+def _built(out: Path) -> bool:
+    return (out / "model.safetensors").exists() and (out / "config.json").exists()
 
 
 # Prompts of `greedy_outputs`: token ids of three different lengths.
@@ -328,6 +341,9 @@ def main() -> None:
     )
     parser.add_argument("out", type=Path, nargs="+", help="the directory to write")
     parser.add_argument("--family", choices=sorted(FAMILIES))
+    parser.add_argument(
+        "--families", help="comma-separated: build each into OUT/<family> (one OUT)"
+    )
     parser.add_argument("--dtype", default="float32", help="of the weights (default: float32)")
     parser.add_argument("--seed", type=int, default=0, help="of the random weights (default: 0)")
     parser.add_argument(
@@ -342,8 +358,14 @@ def main() -> None:
         print(json.dumps([_greedy(out, args.greedy) for out in args.out]))
     elif args.family and len(args.out) == 1:
         write_family_model(args.out[0], args.family, args.dtype, args.seed)
+    elif args.families and len(args.out) == 1:
+        for family in args.families.split(","):
+            built_aside(
+                args.out[0] / family,
+                lambda tmp, f=family: write_family_model(tmp, f, args.dtype, args.seed),
+            )
     else:
-        parser.error("building takes --family and one OUT")
+        parser.error("building takes --family or --families, and one OUT")
 
 
 if __name__ == "__main__":

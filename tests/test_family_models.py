@@ -14,7 +14,7 @@ from family_models import FAMILIES, build_family_model, greedy_outputs
 
 @pytest.fixture(scope="module")
 def greedy(family_model) -> dict[str, list[list[int]]]:
-    """Each family's greedy outputs (all built first, then run in one child)."""
+    """Each family's greedy outputs (run in one child)."""
     families = sorted(FAMILIES)
     paths = [family_model(family) for family in families]
     return dict(zip(families, greedy_outputs(paths), strict=True))
