@@ -1,0 +1,257 @@
+"""A batched KV cache that stores keys and values quantized (engine thread; WIP).
+
+`BatchQuantizedKVCache` is to mlx-lm's `QuantizedKVCache` what `BatchKVCache`
+is to `KVCache`: rows are left-padded to a common length, each row keeps its
+own offset, and the batch generator's prepare/finalize, filter, extend,
+extract and merge keep their meaning. Keys and values are each a tuple
+(packed, scales, biases) as `mx.quantize` returns them along the head
+dimension, so mlx-lm's attention takes its quantized path (it looks for
+`bits` on the cache).
+
+Importing this module gives `QuantizedKVCache` a `merge`, which is how
+mlx-lm's BatchGenerator turns per-sequence caches into a batch cache: insert
+prompts with `caches=[[QuantizedKVCache(group_size, bits) per layer], ...]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
+
+Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
+
+
+def _map(fn: Callable[[mx.array], mx.array], q: Quantized) -> Quantized:
+    return tuple(fn(x) for x in q)  # type: ignore[return-value]
+
+
+def _zeros_like_rows(q: Quantized, rows: int, length: int) -> Quantized:
+    """Empty (all-zero) quantized positions shaped like `q` but `rows` x `length`."""
+    return _map(lambda x: mx.zeros((rows, x.shape[1], length, x.shape[3]), x.dtype), q)
+
+
+def _roll_right(x: mx.array, shifts: mx.array) -> mx.array:
+    """Each row of `x` (B, H, T, D) rotated right along T by its own shift."""
+    T = x.shape[2]
+    src = (mx.arange(T)[None] - shifts[:, None]) % T  # (B, T): where each slot reads from
+    return mx.take_along_axis(x, src[:, None, :, None], axis=2)
+
+
+class BatchQuantizedKVCache(_BaseCache):
+    """Left-padded rows of quantized keys and values; see BatchKVCache for the layout."""
+
+    step = 256  # positions are allocated in blocks, as mlx-lm's caches do
+
+    def __init__(self, left_padding: Sequence[int], group_size: int = 64, bits: int = 8) -> None:
+        self.keys: Quantized | None = None
+        self.values: Quantized | None = None
+        self.group_size = group_size
+        self.bits = bits
+        self.left_padding = mx.array(list(left_padding))
+        # A row's offset counts its own tokens: padding comes before position 0.
+        self.offset = -self.left_padding
+        self._idx = 0  # positions written, padding included, the same for every row
+        self._right_padding: mx.array | None = None
+
+    # -- writing and reading ------------------------------------------------
+
+    def _quantize(self, x: mx.array) -> Quantized:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))  # type: ignore[return-value]
+
+    def _capacity(self) -> int:
+        return 0 if self.keys is None else self.keys[0].shape[2]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
+        n = keys.shape[2]
+        prev = self._idx
+        qk, qv = self._quantize(keys), self._quantize(values)
+        if prev + n > self._capacity():
+            size = -(-(prev + n) // self.step) * self.step
+            B = keys.shape[0]
+            if self.keys is None:
+                self.keys = _zeros_like_rows(qk, B, size)
+                self.values = _zeros_like_rows(qv, B, size)
+            else:
+                # Keep only what was written: a previous block may be part-used.
+                def grow(x: mx.array) -> mx.array:
+                    pad = mx.zeros((*x.shape[:2], size - prev, x.shape[3]), x.dtype)
+                    return mx.concatenate([x[:, :, :prev], pad], axis=2)
+
+                self.keys, self.values = _map(grow, self.keys), _map(grow, self.values)
+        for store, new in ((self.keys, qk), (self.values, qv)):
+            for buf, part in zip(store, new, strict=True):
+                buf[:, :, prev : prev + n] = part
+        self._idx += n
+        self.offset = self.offset + n
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[Quantized, Quantized]:
+        cut = lambda x: x[:, :, : self._idx]  # noqa: E731
+        return _map(cut, self.keys), _map(cut, self.values)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        # Always an array: left padding must be masked, and the quantized
+        # attention has no fused kernel that a "causal" string would unlock.
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    # -- ragged prompts -------------------------------------------------------
+
+    def prepare(
+        self,
+        *,
+        left_padding: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError("left padding can only be added to an empty cache")
+            pad = mx.array(list(left_padding))
+            self.left_padding = self.left_padding + pad
+            self.offset = self.offset - pad
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(list(right_padding))
+
+    def finalize(self) -> None:
+        """After a right-padded chunk: rotate each row's padding round to its left,
+        so every row ends at `_idx` again (the padding is masked as left padding)."""
+        if self._right_padding is None:
+            return
+        pad = self._right_padding
+        roll = lambda x: _roll_right(x, pad)  # noqa: E731
+        self.keys, self.values = _map(roll, self.keys), _map(roll, self.values)
+        self.offset = self.offset - pad
+        self.left_padding = self.left_padding + pad
+        self._right_padding = None
+
+    # -- rows in and out ------------------------------------------------------
+
+    def filter(self, batch_indices: Any) -> None:
+        """Keep the given rows; drop the left padding they all share."""
+        if self.keys is not None:
+            take = lambda x: x[batch_indices]  # noqa: E731
+            self.keys, self.values = _map(take, self.keys), _map(take, self.values)
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        shared = min(self.left_padding.tolist())
+        if shared > 0:
+            if self.keys is not None:
+                drop = lambda x: x[:, :, shared:]  # noqa: E731
+                self.keys, self.values = _map(drop, self.keys), _map(drop, self.values)
+            self._idx -= shared
+            self.left_padding = self.left_padding - shared
+
+    def extend(self, other: BatchQuantizedKVCache) -> None:
+        """Append `other`'s rows, both batches right-justified to the longer one."""
+        self._check_same_format(other)
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        idx = max(self._idx, other._idx)
+        like_k = self.keys or other.keys
+        like_v = self.values or other.values
+
+        def justified(c: BatchQuantizedKVCache) -> tuple[Quantized, Quantized, mx.array]:
+            rows = c.offset.shape[0]
+            k = c.keys or _zeros_like_rows(like_k, rows, 0)
+            v = c.values or _zeros_like_rows(like_v, rows, 0)
+            # Only written positions are kept; spare capacity is regrown on the next write.
+            shift = idx - c._idx
+
+            def pad(x: mx.array) -> mx.array:
+                return mx.pad(x[:, :, : c._idx], [(0, 0), (0, 0), (shift, 0), (0, 0)])
+
+            return _map(pad, k), _map(pad, v), c.left_padding + shift
+
+        (k1, v1, lp1), (k2, v2, lp2) = justified(self), justified(other)
+        cat = lambda a, b: tuple(mx.concatenate([x, y]) for x, y in zip(a, b, strict=True))  # noqa: E731
+        self.keys, self.values = cat(k1, k2), cat(v1, v2)
+        self.left_padding = mx.concatenate([lp1, lp2])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = idx
+
+    def extract(self, idx: int) -> QuantizedKVCache:
+        """Row `idx` alone, its padding left out, as mlx-lm's single-sequence cache."""
+        cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        if self.keys is None:
+            return cache
+        start = self.left_padding[idx].item()
+        row = lambda x: mx.contiguous(x[idx : idx + 1, :, start : self._idx])  # noqa: E731
+        cache.keys, cache.values = _map(row, self.keys), _map(row, self.values)
+        cache.offset = self._idx - start
+        return cache
+
+    @classmethod
+    def merge(cls, caches: Sequence[QuantizedKVCache]) -> BatchQuantizedKVCache:
+        """One batch of single-sequence caches, each right-aligned to the longest."""
+        group_size, bits = caches[0].group_size, caches[0].bits
+        if any((c.group_size, c.bits) != (group_size, bits) for c in caches):
+            raise ValueError("caches of different group sizes or bits cannot be batched")
+        # `offset`, not `size()`: QuantizedKVCache does not define size (it reads 0).
+        lengths = [c.offset if c.keys is not None else 0 for c in caches]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        batch = cls(padding, group_size=group_size, bits=bits)
+        if longest == 0:
+            return batch
+        full = next(c for c in caches if c.keys is not None)
+        keys = _zeros_like_rows(full.keys, len(caches), longest)
+        values = _zeros_like_rows(full.values, len(caches), longest)
+        for i, (c, n, p) in enumerate(zip(caches, lengths, padding, strict=True)):
+            if n == 0:
+                continue
+            for store, src in ((keys, c.keys), (values, c.values)):
+                for buf, part in zip(store, src, strict=True):
+                    buf[i : i + 1, :, p:] = part[:, :, :n]
+        batch.keys, batch.values = keys, values
+        batch._idx = longest
+        batch.offset = batch.offset + longest
+        return batch
+
+    def _check_same_format(self, other: BatchQuantizedKVCache) -> None:
+        if (other.group_size, other.bits) != (self.group_size, self.bits):
+            raise ValueError("caches of different group sizes or bits cannot be batched")
+
+    # -- bookkeeping ----------------------------------------------------------
+
+    @property
+    def state(self) -> tuple:
+        return self.keys, self.values, self.offset, self.left_padding, self._idx
+
+    @state.setter
+    def state(self, v: tuple) -> None:
+        self.keys, self.values, self.offset, self.left_padding, self._idx = v
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(x.nbytes for x in (*self.keys, *self.values))
+
+
+def _merge_quantized(cls: type, caches: Sequence[QuantizedKVCache]) -> BatchQuantizedKVCache:
+    return BatchQuantizedKVCache.merge(caches)
+
+
+# mlx-lm merges a batch through its first row's cache class (generate._merge_caches).
+QuantizedKVCache.merge = classmethod(_merge_quantized)

@@ -1,0 +1,219 @@
+"""The batched quantized KV cache (`engine.batch.quantized_kv`), on the CPU: mlx-lm's
+BatchGenerator decodes with it as each prompt alone decodes with mlx-lm's own
+QuantizedKVCache; rows keep their quantized keys and values through merge,
+filter, extend, extract and ragged prefill; and what a token costs at 8 and 4 bits."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from smg_mlx.demo_model import build_model
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
+
+from helpers import prompt
+
+GROUP = 64
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    # Heads of 64 so that a head is one quantization group of 64.
+    path = build_model(tmp_path_factory.mktemp("models") / "tiny-head64", ["--head-dim", "64"])
+    return load(str(path))[0]
+
+
+def quantized_caches(model, bits: int) -> list[QuantizedKVCache]:
+    return [QuantizedKVCache(group_size=GROUP, bits=bits) for _ in model.layers]
+
+
+def alone(model, ids: list[int], n: int, bits: int | None, prefill_step: int = 2048) -> list[int]:
+    """Greedy tokens of `ids` through mlx-lm's single-sequence path."""
+    cache = quantized_caches(model, bits) if bits else [KVCache() for _ in model.layers]
+    steps = generate_step(
+        mx.array(ids), model, max_tokens=n, prompt_cache=cache, prefill_step_size=prefill_step
+    )
+    return [t for t, _ in steps]
+
+
+def batched(
+    model, waves: list[list[tuple[list[int], int]]], bits: int, prefill_step: int = 2048
+) -> list[list[int]]:
+    """Greedy tokens of each (prompt, max_tokens) through mlx-lm's BatchGenerator,
+    a wave inserted after each of the earlier waves' first 3 steps (so batches are
+    extended mid-decode, and filtered as rows of different lengths finish)."""
+    gen = BatchGenerator(
+        model, stop_tokens=[], prefill_batch_size=4, prefill_step_size=prefill_step
+    )
+    out: dict[int, list[int]] = {}
+    uids: list[int] = []
+    try:
+        for wave in waves:
+            ids, max_tokens = zip(*wave, strict=True)
+            new = gen.insert(
+                list(ids),
+                max_tokens=list(max_tokens),
+                caches=[quantized_caches(model, bits) for _ in ids],
+            )
+            uids += new
+            out.update({u: [] for u in new})
+            for _ in range(3):
+                step(gen, out)
+        while len(gen._generation_batch) or gen._unprocessed_sequences or len(gen._prompt_batch):
+            step(gen, out)
+    finally:
+        gen.close()
+    return [out[u] for u in uids]
+
+
+def step(gen: BatchGenerator, out: dict[int, list[int]]) -> None:
+    _, responses = gen.next()
+    for cache in gen._generation_batch.prompt_cache:
+        assert isinstance(cache, BatchQuantizedKVCache)
+    for r in responses:
+        out[r.uid].append(r.token)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_batched_decoding_matches_each_prompt_alone(model, bits):
+    waves = [
+        [(prompt(5, 0), 20), (prompt(37, 1), 12), (prompt(12, 2), 25)],
+        [(prompt(70, 3), 15), (prompt(1, 4), 10)],
+    ]
+    got = batched(model, waves, bits)
+    want = [alone(model, ids, n, bits) for wave in waves for ids, n in wave]
+    assert got == want
+    # The weights make greedy output vary, so a wrong key would show.
+    assert all(len(set(tokens)) > 3 for tokens in want)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_long_prompts_prefilled_in_ragged_chunks_match_too(model, bits):
+    """Chunks of 16 (each right-padded, then rolled into left padding) and caches
+    that grow past an allocation step (256 positions) while prefilling and decoding."""
+    waves = [
+        [(prompt(5, 0), 20), (prompt(300, 1), 12), (prompt(40, 2), 250)],
+        [(prompt(270, 3), 15), (prompt(1, 4), 10)],
+    ]
+    got = batched(model, waves, bits, prefill_step=16)
+    assert got == [alone(model, ids, n, bits, 16) for wave in waves for ids, n in wave]
+
+
+def test_four_bits_change_what_is_generated(model):
+    """The quantized path is in use: somewhere 4-bit keys change the greedy choice."""
+    ids = [prompt(n, i) for i, n in enumerate((5, 37, 12, 70))]
+    assert any(alone(model, p, 40, 4) != alone(model, p, 40, None) for p in ids)
+
+
+# -- rows through the cache's operations -----------------------------------------------
+
+
+def single(length: int, seed: int, bits: int) -> tuple[QuantizedKVCache, mx.array, mx.array]:
+    """A QuantizedKVCache holding `length` random tokens, and those keys and values."""
+    mx.random.seed(seed)
+    keys = mx.random.normal((1, 2, length, 64))
+    values = mx.random.normal((1, 2, length, 64))
+    cache = QuantizedKVCache(group_size=GROUP, bits=bits)
+    if length:
+        cache.update_and_fetch(keys, values)
+    return cache, keys, values
+
+
+def dequantized(q, bits: int) -> mx.array:
+    return mx.dequantize(*q, group_size=GROUP, bits=bits)
+
+
+def assert_row(batch: BatchQuantizedKVCache, row: int, want: QuantizedKVCache) -> None:
+    """Row `row` of `batch` holds exactly `want`'s tokens, in place and when extracted."""
+    bits = batch.bits
+    n = want.offset
+    assert batch.offset[row].item() == n
+    assert batch.left_padding[row].item() == batch.size() - n
+    got = batch.extract(row)
+    assert got.offset == n and (got.group_size, got.bits) == (GROUP, bits)
+    if n == 0:
+        return
+    keys, values = batch.keys_and_values()
+    for q_batch, q_got, q_want in ((keys, got.keys, want.keys), (values, got.values, want.values)):
+        expected = dequantized(q_want, bits)[..., :n, :]
+        in_place = dequantized(tuple(x[row : row + 1, :, -n:] for x in q_batch), bits)
+        assert mx.array_equal(in_place, expected)
+        assert mx.array_equal(dequantized(q_got, bits), expected)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_merge_filter_extend_extract_keep_each_row(bits):
+    rows = [single(n, seed, bits)[0] for seed, n in enumerate((7, 0, 300, 31))]
+    batch = BatchQuantizedKVCache.merge(rows)
+    assert isinstance(QuantizedKVCache.merge(rows), BatchQuantizedKVCache)  # as mlx-lm calls it
+    for i, c in enumerate(rows):
+        assert_row(batch, i, c)
+
+    batch.filter([3, 0])  # the longest row leaves: their shared padding goes with it
+    assert batch.size() == 31 and batch.left_padding.tolist() == [0, 24]
+    assert_row(batch, 0, rows[3])
+    assert_row(batch, 1, rows[0])
+
+    other = BatchQuantizedKVCache.merge([rows[2], rows[1]])
+    batch.extend(other)
+    assert batch.size() == 300
+    for i, c in enumerate((rows[3], rows[0], rows[2], rows[1])):
+        assert_row(batch, i, c)
+
+    # A decode step after the round trip: each row's new token lands after its own.
+    mx.random.seed(99)
+    k, v = mx.random.normal((4, 2, 1, 64)), mx.random.normal((4, 2, 1, 64))
+    batch.update_and_fetch(k, v)
+    for i, c in enumerate((rows[3], rows[0], rows[2], rows[1])):
+        c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+        assert_row(batch, i, c)
+
+    assert batch.trim(2) == 2
+    assert batch.offset.tolist() == [30, 6, 299, -1]  # the empty row's offset goes negative too
+
+
+def test_ragged_prefill_rolls_right_padding_into_left_padding():
+    """How BatchGenerator prefills prompts of different lengths: right-padded chunks."""
+    lengths = [3, 9, 6]
+    mx.random.seed(5)
+    keys, values = mx.random.normal((3, 2, 9, 64)), mx.random.normal((3, 2, 9, 64))
+    batch = BatchQuantizedKVCache([0, 0, 0], group_size=GROUP, bits=8)
+    batch.prepare(lengths=lengths, right_padding=[9 - n for n in lengths])
+    batch.update_and_fetch(keys, values)
+    batch.finalize()
+    assert batch.left_padding.tolist() == [6, 0, 3]
+    for i, n in enumerate(lengths):
+        want = QuantizedKVCache(group_size=GROUP, bits=8)
+        want.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+        assert_row(batch, i, want)
+
+
+def test_incompatible_formats_are_not_batched():
+    with pytest.raises(ValueError):
+        BatchQuantizedKVCache.merge([single(4, 0, 8)[0], single(4, 1, 4)[0]])
+    with pytest.raises(ValueError):
+        BatchQuantizedKVCache([0], bits=8).extend(BatchQuantizedKVCache([0], bits=4))
+
+
+# -- memory -----------------------------------------------------------------------
+
+
+def bytes_per_token(cache, tokens: int) -> float:
+    return cache.nbytes / tokens
+
+
+@pytest.mark.parametrize(("bits", "ratio"), [(8, 0.53125), (4, 0.28125)])
+def test_bytes_per_token_against_bf16(bits, ratio):
+    """8 bits: a byte per value and a bf16 scale and bias per 64; 4 bits: half a byte."""
+    shape = (2, 8, 256, 128)  # two rows, 8 kv heads of 128, a whole allocation step
+    keys = mx.random.normal(shape).astype(mx.bfloat16)
+    plain = KVCache()
+    plain.update_and_fetch(keys, keys)
+    quantized = BatchQuantizedKVCache([0, 0], group_size=GROUP, bits=bits)
+    quantized.update_and_fetch(keys, keys)
+    measured = bytes_per_token(quantized, 512) / bytes_per_token(plain, 512)
+    print(f"{bits} bits: {measured:.5f}x bf16 bytes per token")
+    assert measured == pytest.approx(ratio)
