@@ -109,6 +109,9 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.draft_model is not None and args.speculative == "off":
         parser.error("--draft-model proposes tokens for speculative decoding, which "
                      "--speculative off turns off: leave one of them out")  # fmt: skip
+    if args.draft_model is not None and args.kv_bits is not None:
+        parser.error("--draft-model proposes tokens for speculative decoding, which "
+                     "--kv-bits turns off: leave one of them out")  # fmt: skip
     if args.adapter_path is not None and launched_rank() is not None:
         parser.error("--adapter-path: adapters are not served over several ranks")
     if args.pipeline and launched_rank() is None:
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             speculative=args.speculative or ("auto" if args.draft_model else "off"),
             num_draft_tokens=args.num_draft_tokens,
             draft_model=args.draft_model,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
         ),
         demo=args.demo,
         revision=args.revision,

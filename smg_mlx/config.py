@@ -19,6 +19,9 @@ SPECULATIVE = ("auto", "always", "off")
 # --num-draft-tokens at most: a checking pass of 1 + this many tokens a row still
 # attends as a decoding pass does (engine.batch.attention_shapes.FEW_QUERIES).
 MOST_DRAFT_TOKENS = 15
+# --kv-bits and --kv-group-size: what mx.quantize takes (engine.batch.kv_format).
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
 
 # Without --prompt-cache-disk-bytes the disk tier takes this share of the free
 # space found at start-up (its own files counted as free), at most DISK_CACHE_MOST.
@@ -82,6 +85,18 @@ class EngineConfig:
     # A small model of the same vocabulary whose greedy tokens are the proposals
     # (None: prompt lookup proposes).
     draft_model: Path | None = None
+    # KV caches stored quantized to this many bits, in groups of kv_group_size
+    # along each head (None: as the model computes them); engine.batch.kv_format.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+
+    @property
+    def kv_format(self) -> str | None:
+        """How the KV caches are stored when quantized (None: not), as the logs
+        and the disk tier's fingerprint name it."""
+        if self.kv_bits is None:
+            return None
+        return f"{self.kv_bits}-bit KV, group {self.kv_group_size}"
 
 
 @dataclass(frozen=True)

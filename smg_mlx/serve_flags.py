@@ -14,6 +14,8 @@ from smg_mlx.config import (
     BATCHING,
     DISK_CACHE_MOST,
     DISK_CACHE_SHARE,
+    KV_BITS,
+    KV_GROUP_SIZES,
     MOST_DRAFT_TOKENS,
     SPECULATIVE,
     EngineConfig,
@@ -188,6 +190,24 @@ def _running(serve: argparse.ArgumentParser) -> None:
         "of the device's memory such as 80%%; requests wait for room, long prompts prefill "
         "in smaller chunks (default: 90%% of a GPU's memory; on the CPU, 75%% of the host's "
         "RAM or of the container's memory limit, whichever is smaller)",
+    )
+    serve.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        help="store KV caches quantized to this many bits (mlx-lm's --kv-bits): about half "
+        "(8) or a quarter (4) of 16-bit KV's memory, so more and longer sequences fit, but "
+        "outputs change (4 bits more than 8); only for models whose caches are all plain "
+        "attention, with heads a multiple of --kv-group-size; speculative decoding is then "
+        "off (default: off, KV as the model computes it)",
+    )
+    serve.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        default=EngineConfig.kv_group_size,
+        help="with --kv-bits: values quantized together, each group with its own scale and "
+        "bias; smaller keeps more precision and costs more memory (%(default)s)",
     )
     serve.add_argument(
         "--pipeline",

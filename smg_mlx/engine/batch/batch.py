@@ -21,6 +21,7 @@ from smg_mlx.engine.batch import (
     batch_check,
     batch_kv,  # noqa: F401 - installs itself
     batch_mode,
+    kv_format,
     loading,
 )
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes
@@ -57,6 +58,8 @@ class Batch(PrefixCalls):
         self.prefill_rows = config.prefill_batch_size
         self.batch_size = config.completion_batch_size
         self.model = loading.load_for(config, group)
+        # --kv-bits: rows' fresh caches, quantized (None: mlx-lm makes the model's own).
+        self._fresh_caches = kv_format.caches_for(config, self.model)
         # Where each new attention shape costs a build (mlx's CUDA backend),
         # prefills run in few shapes, from the first pass on.
         builds = self.shape_builds
@@ -95,7 +98,10 @@ class Batch(PrefixCalls):
             self.memory, self.speed = memory_probe.measure(
                 self.model, self._stream, self.max_chunk, group,
                 self.attention.working_set if self.attention is not None else None,
+                self._fresh_caches,
             )  # fmt: skip
+        if config.kv_format is not None:
+            kv_format.log_cost(config.kv_format, self.memory.kv_per_token, self.model, self._stream)
         if drafting is not None and drafting.draft is not None:
             self.memory = memory_probe.with_draft(self.memory, drafting.draft, self._stream)
         # The longest a step should take at the probe's context: a full chunk.
@@ -226,7 +232,7 @@ class Batch(PrefixCalls):
         uids = self._lanes[lane].insert(
             [list(p[s.tokens :]) for p, s in zip(prompts, starts, strict=True)],
             max_tokens=[request.spec.max_tokens for request, _, _ in accepted],
-            caches=[s.cache for s in starts],
+            caches=[s.cache if s.cache is not None else self._fresh_cache() for s in starts],
             # The tokens already in each cache (a new list: mlx-lm appends to it).
             all_tokens=[list(p[: s.tokens]) for p, s in zip(prompts, starts, strict=True)],
             samplers=list(samplers),
@@ -244,6 +250,10 @@ class Batch(PrefixCalls):
                 row.request, row.cached, row.pace = resumed.request, resumed.cached, resumed.pace
                 row.fresh, row.generated = resumed.fresh, resumed.generated
             self._rows.add((lane, uid), row)
+
+    def _fresh_cache(self) -> list | None:
+        """A row's caches when no prefix serves it (None: mlx-lm's own)."""
+        return self._fresh_caches() if self._fresh_caches is not None else None
 
     def _forget(self, place: tuple[int, int]) -> Row:
         """The row leaves the batch, and gives up the entry it carried."""

@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,6 +41,8 @@ from smg_mlx.engine.progress import Progress
 from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
+
+LayerCaches = Callable[[], list]  # a sequence's fresh caches, one per layer
 
 # Of a GPU's memory (Metal's recommended working set, CUDA's total), and of the
 # host's RAM on the CPU backend, where the OS and other processes share it.
@@ -97,8 +100,9 @@ def budget(size: int | None, share: float | None) -> int:
 
 
 def _one_prompt(
-    model: nn.Module, stream: mx.Stream, length: int, chunk: int, progress: Progress
-) -> tuple[int, list[tuple[int, float]]]:
+    model: nn.Module, stream: mx.Stream, length: int, chunk: int, progress: Progress,
+    caches: LayerCaches,
+) -> tuple[int, list[tuple[int, float]]]:  # fmt: skip
     """Peak bytes above what was allocated before, for one prompt of `length`
     tokens prefilled in chunks of `chunk` and one generated token; and each
     full chunk's (context before it, seconds). One prompt more for `progress`."""
@@ -109,7 +113,7 @@ def _one_prompt(
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    generator.insert([[i % 100 + 1 for i in range(length)]], max_tokens=[1])
+    generator.insert([[i % 100 + 1 for i in range(length)]], max_tokens=[1], caches=[caches()])
     chunks, done = [], 0
     while True:
         progress.tick()
@@ -153,17 +157,17 @@ def with_draft(found: MemoryModel, draft: nn.Module, stream: mx.Stream) -> Memor
     )
 
 
-def kv_per_token(model: nn.Module, stream: mx.Stream) -> float:
-    """KV bytes per token, from the shapes of a prompt cache after a pass of
-    PROBE_CHUNK tokens (one cache step) that is never evaluated: shapes are
-    known before any work is done."""
-    cache = make_prompt_cache(model)
+def kv_per_token(model: nn.Module, stream: mx.Stream, caches: LayerCaches | None = None) -> float:
+    """KV bytes per token, from the shapes of a prompt cache (`caches()`, or
+    else the model's own) after a pass of PROBE_CHUNK tokens (one cache step)
+    that is never evaluated: shapes are known before any work is done."""
+    cache = caches() if caches is not None else make_prompt_cache(model)
     with mx.stream(stream):
         model(mx.array([[1] * PROBE_CHUNK]), cache=cache)
     return sum(c.nbytes for c in cache) / PROBE_CHUNK
 
 
-def _seconds_per_token(model: nn.Module, stream: mx.Stream) -> float:
+def _seconds_per_token(model: nn.Module, stream: mx.Stream, caches: LayerCaches) -> float:
     """What a prompt token takes, roughly: a short prompt's pass, the fastest
     of FIRST_LOOKS after a first that builds the shape's kernels (one slow
     look would have a fast model probed in smaller chunks: larger, noisier
@@ -171,7 +175,7 @@ def _seconds_per_token(model: nn.Module, stream: mx.Stream) -> float:
     tokens = mx.array([[1] * FIRST_LOOK_TOKENS])
     fastest = math.inf
     for look in range(1 + FIRST_LOOKS):
-        cache = make_prompt_cache(model)
+        cache = caches()
         started = time.perf_counter()
         with mx.stream(stream):
             model(tokens, cache=cache)
@@ -193,16 +197,21 @@ def measure(
     model: nn.Module, stream: mx.Stream, max_chunk: int,
     group: mx.distributed.Group | None = None,
     attention: Callable[[float], tuple[float, float] | None] | None = None,
+    caches: LayerCaches | None = None,
 ) -> tuple[MemoryModel, PrefillSpeed]:  # fmt: skip
     """The model's weights, KV bytes per token and prefill working set; and
     what prefilling costs in time. With a `group` of ranks (each holding a
     part of the model), every rank probes alike: their passes are collectives.
     `attention`, given the KV bytes per token, tells what a prefill's
-    attention holds per query and key, and per key, where it knows."""
+    attention holds per query and key, and per key, where it knows. `caches`
+    makes a sequence's caches as the rows' are made (--kv-bits; None: the
+    model's own)."""
     started = time.perf_counter()
+    if caches is None:
+        caches = partial(make_prompt_cache, model)
     held = weights(model)
-    per_kv_token = kv_per_token(model, stream)
-    per_token = _seconds_per_token(model, stream)
+    per_kv_token = kv_per_token(model, stream, caches)
+    per_token = _seconds_per_token(model, stream, caches)
     chunk = _probe_chunk(per_token, max_chunk)
     if group is not None:  # each rank timed itself: the slowest one's chunk for all
         chunk = mx.distributed.all_min(mx.array(chunk), group=group, stream=stream).item()
@@ -217,9 +226,9 @@ def measure(
     progress = Progress(log, "memory probe", "prompts", 3)
     spent = {}
     for n in (short, long):
-        peak, _ = _one_prompt(model, stream, n, chunk, progress)
+        peak, _ = _one_prompt(model, stream, n, chunk, progress, caches)
         spent[n] = peak - n * per_kv_token
-    speed = _speed(_one_prompt(model, stream, long, chunk, progress)[1], chunk)
+    speed = _speed(_one_prompt(model, stream, long, chunk, progress, caches)[1], chunk)
     known = attention(per_kv_token) if attention is not None else None
     if known is None:
         per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))

@@ -50,7 +50,8 @@ def open_disk_tier(config: EngineConfig, wake: Callable[[], None]) -> DiskTier |
     directories = [config.model_path]
     if config.adapter_path is not None:
         directories.append(config.adapter_path)
-    return DiskTier(config.prompt_cache_dir, config.prompt_cache_disk_bytes, directories, wake)
+    return DiskTier(config.prompt_cache_dir, config.prompt_cache_disk_bytes, directories, wake,
+                    config.kv_format)  # fmt: skip
 
 
 class Start(NamedTuple):

@@ -102,8 +102,10 @@ class DiskTier(DiskReads):
         max_bytes: int | None,
         model_dirs: Sequence[Path],
         wake: Callable[[], None] = lambda: None,
+        kv_format: str | None = None,
     ) -> None:
-        """Starts opening the folder (see `ready`)."""
+        """Starts opening the folder (see `ready`); `kv_format`: how the
+        entries' KV is stored when quantized (`EngineConfig.kv_format`)."""
         self.directory = Path(directory).expanduser()
         # What prefilling n tokens after c would take (the scheduler's learnt clock).
         self.prefill_seconds: Callable[[int, int], float] = lambda tokens, context: 0.0
@@ -125,6 +127,8 @@ class DiskTier(DiskReads):
         self._remaking = False  # the folder was deleted: it is being made again
         versions = (FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
                     str(mx.default_device()))  # fmt: skip
+        if kv_format is not None:  # another format's entries live in another folder
+            versions += (kv_format,)
         self._folder = Folder(self.directory, model_dirs, versions, max_bytes, wake)
 
     def ready(self, prefill_seconds: Callable[[int, int], float]) -> None:

@@ -27,7 +27,7 @@ def drafting_for(
     a row, as a pass checking proposals is)."""
     setting, most = config.speculative, config.num_draft_tokens
     ranks = group.size() if group is not None else 1
-    why_not = _why_not(setting, model, ranks, batched)
+    why_not = _why_not(config, model, ranks, batched)
     if why_not is not None:
         log.info("speculative decoding: off (%s)", why_not)
         return None
@@ -71,9 +71,12 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
     return draft
 
 
-def _why_not(setting: str, model: nn.Module, ranks: int, batched: bool) -> str | None:
-    if setting == "off":
+def _why_not(config: EngineConfig, model: nn.Module, ranks: int, batched: bool) -> str | None:
+    if config.speculative == "off":
         return "--speculative off"
+    if config.kv_bits is not None:
+        # Its rows' batch cache (ragged_kv) holds keys and values unquantized.
+        return "--kv-bits: its checking passes have no quantized batch cache"
     if ranks > 1:
         # Each rank would pace its passes by its own clock; they must run the same passes.
         return "several ranks"

@@ -1,0 +1,132 @@
+"""--kv-bits through the engine (CPU): greedy output is the same solo and in a
+batch, and whether a prefix came from memory or was prefilled; entries of
+another KV format are never used; models whose caches cannot be quantized are
+refused at start-up (exit 2).
+
+The model is float32 with heads of 64 (one quantization group); every check
+first makes sure its greedy output varies, so that equal outputs mean something.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+
+from smg_mlx.demo_model import build_model
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
+from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
+
+from helpers import generate, prompt, serve
+
+A = prompt(400, 1)  # longer than the disk tier's minimum
+PROMPTS = [prompt(n, i) for i, n in enumerate((3, 40, 130, 300))]
+
+
+@pytest.fixture(scope="module")
+def model64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-head64", ["--head-dim", "64"])
+
+
+@pytest.fixture(scope="module", params=[8, 4])
+def bits(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def cold(model64, bits):
+    """A worker of these bits without a prefix cache: every prompt prefilled."""
+    from conftest import RunningWorker, worker_config
+
+    w = RunningWorker(worker_config(model64, kv_bits=bits, prompt_cache_bytes=0))
+    yield w
+    w.stop()
+
+
+def varied(tokens: list[int]) -> list[int]:
+    assert len(set(tokens)) > 2, tokens  # greedy output that could tell a difference
+    return tokens
+
+
+def same_as_cold(worker, cold, ids: list[int], max_tokens: int = 8):
+    got = generate(worker.stub, ids, max_tokens=max_tokens)
+    assert varied(got.tokens) == generate(cold.stub, ids, max_tokens=max_tokens).tokens
+    return got
+
+
+def test_outputs_are_the_same_solo_and_in_a_batch(start_worker, model64, cold, bits):
+    solo = [varied(generate(cold.stub, p, max_tokens=12).tokens) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: generate(cold.stub, p, max_tokens=12).tokens, PROMPTS))
+    assert together == solo
+    if bits == 4:  # the quantized caches are in use: some output is not unquantized KV's
+        plain = start_worker(model64, prompt_cache_bytes=0)
+        assert [generate(plain.stub, p, max_tokens=12).tokens for p in PROMPTS] != solo
+
+
+def test_a_prefix_from_memory_is_as_prefilled(start_worker, model64, cold, bits):
+    w = start_worker(model64, kv_bits=bits)
+    history = A + same_as_cold(w, cold, A).tokens
+    got = same_as_cold(w, cold, history + prompt(30, 4))
+    assert got.complete.cached_tokens == len(history)
+    # Diverging inside an entry: it is cut back to the prefix shared.
+    assert same_as_cold(w, cold, A[:300] + prompt(50, 6)).complete.cached_tokens == 300
+
+
+def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_path):
+    w = start_worker(model64, kv_bits=8, prompt_cache_dir=tmp_path)
+    history = A + generate(w.stub, A, max_tokens=8).tokens
+    w.stop()
+    for other in ({"kv_bits": 4}, {"kv_bits": 8, "kv_group_size": 32}, {}):
+        w = start_worker(model64, prompt_cache_dir=tmp_path, **other)
+        assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == 0, other
+        w.stop()
+    w = start_worker(model64, kv_bits=8, prompt_cache_dir=tmp_path)  # its own format: used
+    assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == len(history)
+
+
+def test_speculative_decoding_is_off_with_a_line(start_worker, model64, caplog):
+    with caplog.at_level(logging.INFO):
+        start_worker(model64, kv_bits=8, speculative="always", prompt_cache_bytes=0)
+    assert any("speculative decoding: off (--kv-bits" in r.getMessage() for r in caplog.records)
+
+
+def test_models_whose_caches_cannot_be_quantized_are_refused(model_dir, tmp_path):
+    # The regression model's heads are 16 wide: no whole group of 64.
+    code, lines = serve("--model", str(model_dir), "--kv-bits", "8", "--port", "0")
+    assert code == 2 and not any("Traceback" in line for line in lines)
+    why = "--kv-bits 8: this model's head sizes (16) are not a multiple of --kv-group-size 64"
+    assert why in lines[-1]
+    windowed = build_model(tmp_path / "windowed", ["--head-dim", "64", "--sliding-window", "8"])
+    code, lines = serve("--model", str(windowed), "--kv-bits", "4", "--port", "0")
+    assert code == 2 and not any("Traceback" in line for line in lines)
+    why = "--kv-bits 4: this model's caches (KVCache, RotatingKVCache) are not all plain"
+    assert why in lines[-1]
+
+
+# ---- the entries themselves ----
+
+
+def quantized(tokens: int, bits: int = 8) -> QuantizedKVCache:
+    layer = QuantizedKVCache(group_size=64, bits=bits)
+    x = mx.random.normal((1, 2, tokens, 64))
+    layer.update_and_fetch(x, -x)
+    return layer
+
+
+def test_a_memory_hit_batches_exactly_the_tokens_it_shares():
+    layer = quantized(20, bits=4)
+    store = MemoryTier(1 << 30)
+    tokens = list(range(100, 120))
+    store.insert(tokens, [layer])
+    (hit,), n, _ = store.lookup(tokens[:12] + [1, 2])
+    assert n == 12 and hit.offset == 12 and layer.offset == 20  # the entry is left whole
+    batch = BatchQuantizedKVCache.merge([hit])
+    keys, _ = batch.keys_and_values()
+    assert keys[0].shape[2] == 12
+    for a, b in zip(keys, layer.keys_and_values()[0], strict=True):
+        assert mx.array_equal(a, b[:, :, :12]).item()
