@@ -1,7 +1,7 @@
 """--kv-bits through the engine (CPU): greedy output is the same solo and in a
-batch, and whether a prefix came from memory or was prefilled; entries of
-another KV format are never used; models whose caches cannot be quantized are
-refused at start-up (exit 2).
+batch, and whether a prefix came from memory, from disk after a restart, or
+was prefilled; entries of another KV format are never used; models whose
+caches cannot be quantized are refused at start-up (exit 2).
 
 The model is float32 with heads of 64 (one quantization group); every check
 first makes sure its greedy output varies, so that equal outputs mean something.
@@ -19,6 +19,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
+from smg_mlx.engine.prefix_cache import kv_files
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 
 from helpers import generate, prompt, serve
@@ -77,6 +78,22 @@ def test_a_prefix_from_memory_is_as_prefilled(start_worker, model64, cold, bits)
     assert same_as_cold(w, cold, A[:300] + prompt(50, 6)).complete.cached_tokens == 300
 
 
+def test_a_prefix_from_disk_after_a_restart_is_as_prefilled(
+    start_worker, model64, cold, bits, tmp_path
+):
+    w = start_worker(model64, kv_bits=bits, prompt_cache_dir=tmp_path)
+    history = A + same_as_cold(w, cold, A).tokens
+    w.stop()  # a graceful stop writes what memory holds
+    (entry,) = tmp_path.rglob("*.kv")
+    assert b"QuantizedKVCache" in entry.read_bytes()[:4096]
+    again = start_worker(model64, kv_bits=bits, prompt_cache_dir=tmp_path)
+    got = same_as_cold(again, cold, history + prompt(30, 5))
+    assert got.complete.cached_tokens == len(history)
+    assert again.worker.engine.cache.disk_tokens == len(history)
+    # Diverging inside it: the entry read back is cut back to the prefix shared.
+    assert same_as_cold(again, cold, A[:300] + prompt(50, 6)).complete.cached_tokens == 300
+
+
 def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_path):
     w = start_worker(model64, kv_bits=8, prompt_cache_dir=tmp_path)
     history = A + generate(w.stub, A, max_tokens=8).tokens
@@ -116,6 +133,26 @@ def quantized(tokens: int, bits: int = 8) -> QuantizedKVCache:
     x = mx.random.normal((1, 2, tokens, 64))
     layer.update_and_fetch(x, -x)
     return layer
+
+
+def test_a_file_holds_the_quantized_arrays_as_they_are(tmp_path):
+    layer = quantized(10)
+    layer.trim(3)  # a buffer longer than what it holds: only the 7 positions go
+    header, arrays = kv_files.export([layer], tokens=7, trimmable=True)
+    mx.eval(arrays)
+    assert [a["shape"][2] for a in header.arrays] == [7] * 6  # of the buffer's 256
+    path = tmp_path / "entry.kv"
+    kv_files.write(path, "m", header, list(range(7)), kv_files.buffers(arrays))
+    read_header, _, data = kv_files.read(path, "m")
+    rebuild = kv_files.Rebuild(read_header, data)
+    while not rebuild.done:
+        rebuild.advance(0)
+    (back,) = rebuild.cache()
+    assert type(back) is QuantizedKVCache
+    assert (back.offset, back.bits, back.group_size) == (7, 8, 64)
+    for was, now in zip(layer.keys_and_values(), back.keys_and_values(), strict=True):
+        for a, b in zip(was, now, strict=True):  # packed, scales, biases: bit for bit
+            assert a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
 
 
 def test_a_memory_hit_batches_exactly_the_tokens_it_shares():

@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import QuantizedKVCache
 
 from smg_mlx.engine.prefix_cache import safe_files
 
@@ -76,6 +77,15 @@ def _skeleton(value: Any, arrays: list) -> Any:
     raise TypeError(f"a prompt cache holding a {type(value).__name__} cannot go to disk")
 
 
+def _state(layer: Any) -> Any:
+    """What `from_state` makes `layer` again from. A QuantizedKVCache's state
+    is its whole buffer (KVCache's stops at its offset): only the positions
+    it holds are written, as quantized as they are."""
+    if isinstance(layer, QuantizedKVCache) and layer.keys is not None:
+        return (*layer.keys_and_values(), layer.offset, layer.group_size, layer.bits)
+    return layer.state
+
+
 def export(cache: list, tokens: int, trimmable: bool) -> tuple[Header, list]:
     """The header of `cache` (one sequence's layers, holding `tokens` tokens)
     and its arrays, contiguous; they are evaluated asynchronously, so their
@@ -84,7 +94,7 @@ def export(cache: list, tokens: int, trimmable: bool) -> tuple[Header, list]:
     layers = []
     for layer in cache:
         kind = type(layer)
-        state = _skeleton(layer.state, arrays)
+        state = _skeleton(_state(layer), arrays)
         layers.append({"class": f"{kind.__module__}:{kind.__qualname__}", "state": state})
     mx.async_eval(arrays)
     described = [
