@@ -15,9 +15,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm import load
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache
 
 from smg_mlx.demo_model import build_model
+from smg_mlx.engine.batch import batch_check
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.prefix_cache import kv_files
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
@@ -106,10 +109,19 @@ def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_
     assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == len(history)
 
 
-def test_speculative_decoding_is_off_with_a_line(start_worker, model64, caplog):
+def test_start_up_checks_batching_anew_and_turns_speculation_off(
+    start_worker, model64, tmp_path, caplog
+):
+    # The batch check's verdicts are kept in the prompt cache's directory.
+    start_worker(model64, prompt_cache_dir=tmp_path).stop()
+    caplog.clear()
     with caplog.at_level(logging.INFO):
-        start_worker(model64, kv_bits=8, speculative="always", prompt_cache_bytes=0)
-    assert any("speculative decoding: off (--kv-bits" in r.getMessage() for r in caplog.records)
+        start_worker(model64, kv_bits=8, speculative="always", prompt_cache_dir=tmp_path)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("speculative decoding: off (--kv-bits" in line for line in said)
+    # The plain caches' verdict is not taken for the quantized ones'.
+    assert any(line.startswith("batch check: running prompts") for line in said), said
+    assert any("KV caches stored as 8-bit KV, group 64: " in line for line in said)
 
 
 def test_models_whose_caches_cannot_be_quantized_are_refused(model_dir, tmp_path):
@@ -123,6 +135,23 @@ def test_models_whose_caches_cannot_be_quantized_are_refused(model_dir, tmp_path
     assert code == 2 and not any("Traceback" in line for line in lines)
     why = "--kv-bits 4: this model's caches (KVCache, RotatingKVCache) are not all plain"
     assert why in lines[-1]
+
+
+def test_the_batch_check_runs_rows_quantized(model64, monkeypatch):
+    model = load(str(model64))[0]
+    stream = mx.new_stream(mx.default_device())
+
+    def fresh() -> list[QuantizedKVCache]:
+        return [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
+
+    assert batch_check.choose(model, stream, 8, 32, fresh).mode is batch_check.Mode.BATCHED
+
+    # A quantized batch whose padding is left unmasked: the check must see it.
+    def unpadded(self, N, return_array=False, **kwargs):
+        return create_causal_mask(N, offset=self._idx, **kwargs)
+
+    monkeypatch.setattr(BatchQuantizedKVCache, "make_mask", unpadded)
+    assert batch_check.choose(model, stream, 8, 32, fresh).mode is not batch_check.Mode.BATCHED
 
 
 # ---- the entries themselves ----

@@ -80,7 +80,7 @@ class Batch(PrefixCalls):
         # (refused: types.Unservable), or not exactly.
         self.choice = batch_mode.decide(
             config, self.model, self._stream, self.prefill_rows, self.batch_size,
-            split=group is not None,
+            split=group is not None, caches=self._fresh_caches,
         )  # fmt: skip
         batched = self.choice.mode is not batch_check.Mode.EQUAL_LENGTHS
         drafting = drafting_for(config, self.model, group, batched)

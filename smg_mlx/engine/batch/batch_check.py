@@ -27,6 +27,10 @@ batch does. The worker serves in the first mode whose rows all match:
   together, and prompts of one length prefilled together;
 - one-at-a-time, one request at a time.
 
+Rows run from the caches they will be served with: under --kv-bits, quantized
+ones (whose padding is masked apart from the model's own caches'), compared
+dequantized; that verdict is remembered apart from the model's own caches'.
+
 A model whose prompts cannot run even alone cannot be served: it is refused
 (`types.Unservable`) before the worker reports SERVING.
 
@@ -40,17 +44,21 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import QuantizedKVCache
 
 from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.types import Unservable
 from smg_mlx.logs import error_line
 
 log = logging.getLogger(__name__)
+
+LayerCaches = Callable[[], list]  # a row's fresh caches as served (--kv-bits); None: mlx-lm's
 
 # Prompts of these lengths (different, so that the batch pads), prefilled in
 # chunks of CHUNK tokens (several passes, as serving takes long prompts), then
@@ -108,15 +116,17 @@ def _prompt(length: int, seed: int = 0) -> list[int]:
 
 
 def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_rows: int,
-         batch_size: int, progress: Progress) -> list[_Row]:  # fmt: skip
-    """Greedy outputs of `prompts` run together under these limits (one run
-    more done, for `progress`)."""
+         batch_size: int, progress: Progress,
+         caches: LayerCaches | None) -> list[_Row]:  # fmt: skip
+    """Greedy outputs of `prompts` run together under these limits, each from
+    `caches()` (None: the model's own); one run more done, for `progress`."""
     generator = BatchGenerator(
         model, completion_batch_size=batch_size, prefill_batch_size=prefill_rows,
         prefill_step_size=CHUNK, stream=stream,
     )  # fmt: skip
     try:
-        uids = generator.insert(prompts, max_tokens=[STEPS] * len(prompts))
+        fresh = [caches() for _ in prompts] if caches is not None else None
+        uids = generator.insert(prompts, max_tokens=[STEPS] * len(prompts), caches=fresh)
         rows = {uid: _Row([], [], []) for uid in uids}
         left = len(uids)
         while left:
@@ -126,7 +136,7 @@ def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_
             # sampled but not yet run: its cache holds the prompt alone.
             ends = [r.uid for r in prefilled if r.end_of_prompt]
             for uid, (cache, _) in generator.extract_cache(ends).items():
-                rows[uid].state = _arrays([c.state for c in cache])
+                rows[uid].state = _arrays([_values(c) for c in cache])
                 mx.eval(rows[uid].state)
             for r in generated:
                 rows[r.uid].tokens.append(r.token)
@@ -136,6 +146,17 @@ def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_
         return [rows[uid] for uid in uids]
     finally:
         generator.close()
+
+
+def _values(layer: object) -> object:
+    """What a layer's cache holds, as numbers to compare: a quantized one's
+    keys and values dequantized (its packed words are not magnitudes)."""
+    if isinstance(layer, QuantizedKVCache):
+        return [
+            mx.dequantize(*q, group_size=layer.group_size, bits=layer.bits)
+            for q in layer.keys_and_values()
+        ]
+    return layer.state
 
 
 def _arrays(value: object) -> list[mx.array]:
@@ -174,10 +195,11 @@ def _distance(row: _Row, alone: _Row) -> float:
     return max(d.item() for d in distances)
 
 
-def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int,
-           batch_size: int) -> Choice:  # fmt: skip
+def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int, batch_size: int,
+           caches: LayerCaches | None = None) -> Choice:  # fmt: skip
     """The first mode in which batching leaves the model's outputs as they are
-    alone (see the module's doc); raises Unservable if a prompt cannot run alone."""
+    alone (see the module's doc), each row from `caches()` as served; raises
+    Unservable if a prompt cannot run alone."""
     mixed = [_prompt(n) for n in LENGTHS]
     equal = [_prompt(LENGTHS[1], seed) for seed in range(1, EQUAL + 1)]
     progress = Progress(log, "batch check", "runs", len(mixed))
@@ -186,7 +208,7 @@ def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int,
         "batching changes this model's outputs", ", ".join(map(str, LENGTHS)),
     )  # fmt: skip
     alone: dict[tuple[int, ...], _Row] = {}
-    _alone(model, stream, mixed, alone, progress)
+    _alone(model, stream, mixed, alone, progress, caches)
     runs = {
         Mode.BATCHED: [(mixed, prefill_rows)],
         Mode.EQUAL_LENGTHS: [(mixed, 1), (equal, prefill_rows)],
@@ -195,28 +217,30 @@ def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int,
     for mode, checks in runs.items() if batch_size > 1 else ():
         prompts = [p for together, _ in checks for p in together]
         progress.total += len(checks) + len({tuple(p) for p in prompts} - alone.keys())
-        _alone(model, stream, prompts, alone, progress)
-        why = _mismatch(model, stream, checks, batch_size, alone, progress)
+        _alone(model, stream, prompts, alone, progress, caches)
+        why = _mismatch(model, stream, checks, batch_size, alone, progress, caches)
         if why is None:
             return _checked(mode, reasons, progress)
         reasons.append(f"{mode.value}, {why}")
     return _checked(Mode.ONE_AT_A_TIME, reasons, progress)
 
 
-def runs_alone(model: nn.Module, stream: mx.Stream) -> None:
+def runs_alone(model: nn.Module, stream: mx.Stream, caches: LayerCaches | None = None) -> None:
     """Raise Unservable if one short prompt cannot run alone: what the check
     finds first, for a mode --batching names without it."""
-    _alone(model, stream, [_prompt(LENGTHS[0])], {}, Progress(log, "batch check", "runs", 1))
+    progress = Progress(log, "batch check", "runs", 1)
+    _alone(model, stream, [_prompt(LENGTHS[0])], {}, progress, caches)
 
 
 def _alone(model: nn.Module, stream: mx.Stream, prompts: list[list[int]],
-           alone: dict[tuple[int, ...], _Row], progress: Progress) -> None:  # fmt: skip
+           alone: dict[tuple[int, ...], _Row], progress: Progress,
+           caches: LayerCaches | None) -> None:  # fmt: skip
     """Run each of `prompts` alone that has not run yet, into `alone`; raises
     Unservable if one cannot run."""
     try:
         for p in prompts:
             if tuple(p) not in alone:
-                alone[tuple(p)] = _run(model, stream, [p], 1, 1, progress)[0]
+                alone[tuple(p)] = _run(model, stream, [p], 1, 1, progress, caches)[0]
     except Exception as exc:  # noqa: BLE001 - the model's own fault, said in one line
         raise Unservable(
             f"mlx-lm cannot generate with this model even one prompt at a time ({error_line(exc)})"
@@ -236,12 +260,12 @@ def because(mode: Mode, reasons: list[str]) -> str:
 
 def _mismatch(model: nn.Module, stream: mx.Stream, checks: list[tuple[list[list[int]], int]],
               batch_size: int, alone: dict[tuple[int, ...], _Row],
-              progress: Progress) -> str | None:  # fmt: skip
+              progress: Progress, caches: LayerCaches | None) -> str | None:  # fmt: skip
     """Why some prompt batched as `checks` says (prompts, prefill rows) comes
     out other than alone; None if none does."""
     for prompts, rows in checks:
         try:
-            together = _run(model, stream, prompts, rows, batch_size, progress)
+            together = _run(model, stream, prompts, rows, batch_size, progress, caches)
         except Exception as exc:  # noqa: BLE001 - this mode cannot run: another may
             return f"it fails ({error_line(exc)})"
         pairs = zip(together, prompts, strict=True)

@@ -28,7 +28,15 @@ import mlx.nn as nn
 import mlx_lm
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.batch.batch_check import VERSION, Choice, Mode, because, choose, runs_alone
+from smg_mlx.engine.batch.batch_check import (
+    VERSION,
+    Choice,
+    LayerCaches,
+    Mode,
+    because,
+    choose,
+    runs_alone,
+)
 from smg_mlx.engine.batch.verdicts import Verdict, Verdicts
 from smg_mlx.logs import error_line
 
@@ -43,23 +51,24 @@ UNCHECKED = (
 
 
 def decide(config: EngineConfig, model: nn.Module, stream: mx.Stream, prefill_rows: int,
-           batch_size: int, split: bool) -> Choice:  # fmt: skip
+           batch_size: int, split: bool, caches: LayerCaches | None = None) -> Choice:  # fmt: skip
     """The mode to serve in (see the module's doc); `split`: the model is split
-    over ranks. Raises types.Unservable for a model that cannot run at all."""
+    over ranks; `caches`: a row's fresh caches as served (--kv-bits; None: the
+    model's own). Raises types.Unservable for a model that cannot run at all."""
     checks = config.batching in ("auto", "check")
     if split and checks:
         log.info("batch check: not remembered when the model is split over ranks (all take part)")
     verdicts = None if split else _verdicts(config, prefill_rows, batch_size)
     verdict = verdicts.read(MODES) if verdicts is not None and config.batching != "check" else None
     if not checks:
-        return _named(Mode(config.batching), model, stream, verdict)
+        return _named(Mode(config.batching), model, stream, verdict, caches)
     if verdict is not None:
         log.info(
             "batch check: remembered verdict %s from %s (it took %.1fs; --batching check "
             "checks again)", verdict.mode, verdict.at, verdict.seconds,
         )  # fmt: skip
         return _remembered(verdict)
-    choice = choose(model, stream, prefill_rows, batch_size)
+    choice = choose(model, stream, prefill_rows, batch_size, caches)
     if verdicts is not None:
         verdicts.write(choice.mode.value, choice.reason, choice.seconds)
     return choice
@@ -74,6 +83,8 @@ def _verdicts(config: EngineConfig, prefill_rows: int, batch_size: int) -> Verdi
         str(mx.default_device()), str(device.get("device_name")), str(device.get("architecture")),
         f"prefill rows {prefill_rows}", f"batch size {batch_size}",
     ]  # fmt: skip
+    if config.kv_format is not None:  # the quantized attention is checked on its own
+        versions.append(config.kv_format)
     try:
         return Verdicts(config, versions)
     except OSError as exc:
@@ -86,11 +97,12 @@ def _remembered(verdict: Verdict) -> Choice:
     return Choice(mode, verdict.reason, verdict.seconds, f"as checked on {verdict.at}")
 
 
-def _named(asked: Mode, model: nn.Module, stream: mx.Stream, verdict: Verdict | None) -> Choice:
+def _named(asked: Mode, model: nn.Module, stream: mx.Stream, verdict: Verdict | None,
+           caches: LayerCaches | None) -> Choice:  # fmt: skip
     """The mode --batching names, unless the verdict remembered found it wrong."""
     log.info("batch check: skipped, --batching names %s", asked.value)
     if verdict is None:
-        runs_alone(model, stream)
+        runs_alone(model, stream, caches)
         exact = asked is Mode.ONE_AT_A_TIME
         basis = "no check needed: one at a time is exact" if exact else UNCHECKED
         return Choice(asked, _asked_for(asked), 0.0, basis, exact)
