@@ -72,6 +72,16 @@ def test_outputs_are_the_same_solo_and_in_a_batch(start_worker, model64, cold, b
         assert [generate(plain.stub, p, max_tokens=12).tokens for p in PROMPTS] != solo
 
 
+def test_a_long_prompt_in_its_own_lane_beside_chats_is_as_alone(start_worker, model64, cold, bits):
+    # A tiny step budget makes a 1,200-token prompt long: it runs in the long
+    # prompts' lane, the chats beside it in the other.
+    w = start_worker(model64, kv_bits=bits, step_budget_seconds=1e-6, prompt_cache_bytes=0)
+    prompts = [prompt(1200, 13), *(prompt(40, 14 + i) for i in range(3))]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: generate(w.stub, p, max_tokens=24).tokens, prompts))
+    assert together == [varied(generate(cold.stub, p, max_tokens=24).tokens) for p in prompts]
+
+
 def test_a_prefix_from_memory_is_as_prefilled(start_worker, model64, cold, bits):
     w = start_worker(model64, kv_bits=bits)
     history = A + same_as_cold(w, cold, A).tokens
