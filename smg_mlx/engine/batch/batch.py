@@ -94,10 +94,13 @@ class Batch(PrefixCalls):
         )
         # The probe's prompts are short: padded to a key bucket, their
         # attention would pass for what much longer prompts cost.
+        # Quantized rows attend through mlx-lm's quantized attention, never the
+        # fused kernel whose padded copies `attention` knows: theirs is measured.
+        known = self.attention if self._fresh_caches is None else None
         with self.attention.bypassed() if self.attention is not None else nullcontext():
             self.memory, self.speed = memory_probe.measure(
                 self.model, self._stream, self.max_chunk, group,
-                self.attention.working_set if self.attention is not None else None,
+                known.working_set if known is not None else None,
                 self._fresh_caches,
             )  # fmt: skip
         if config.kv_format is not None:
