@@ -7,7 +7,11 @@ No MLX and no asyncio here: a request goes in as a `Request` (its
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+
+# What makes a sequence's fresh KV caches, one per layer (--kv-bits: quantized ones).
+LayerCaches = Callable[[], list]
 
 
 @dataclass(frozen=True)

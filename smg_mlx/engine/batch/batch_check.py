@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -53,12 +52,11 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import QuantizedKVCache
 
 from smg_mlx.engine.progress import Progress
-from smg_mlx.engine.types import Unservable
+from smg_mlx.engine.types import LayerCaches, Unservable
 from smg_mlx.logs import error_line
 
 log = logging.getLogger(__name__)
 
-LayerCaches = Callable[[], list]  # a row's fresh caches as served (--kv-bits); None: mlx-lm's
 
 # Prompts of these lengths (different, so that the batch pads), prefilled in
 # chunks of CHUNK tokens (several passes, as serving takes long prompts), then

@@ -28,16 +28,9 @@ import mlx.nn as nn
 import mlx_lm
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.batch.batch_check import (
-    VERSION,
-    Choice,
-    LayerCaches,
-    Mode,
-    because,
-    choose,
-    runs_alone,
-)
+from smg_mlx.engine.batch.batch_check import VERSION, Choice, Mode, because, choose, runs_alone
 from smg_mlx.engine.batch.verdicts import Verdict, Verdicts
+from smg_mlx.engine.types import LayerCaches
 from smg_mlx.logs import error_line
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ some layers unquantized.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,11 +22,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch import quantized_kv  # noqa: F401 - gives QuantizedKVCache its merge
 from smg_mlx.engine.memory.probe import kv_per_token
-from smg_mlx.engine.types import Unservable
+from smg_mlx.engine.types import LayerCaches, Unservable
 from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
-LayerCaches = Callable[[], list]  # a row's fresh caches, one per layer
 
 
 def caches_for(config: EngineConfig, model: nn.Module) -> LayerCaches | None:

@@ -38,11 +38,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
 from smg_mlx.engine.progress import Progress
+from smg_mlx.engine.types import LayerCaches
 from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
 
-LayerCaches = Callable[[], list]  # a sequence's fresh caches, one per layer
 
 # Of a GPU's memory (Metal's recommended working set, CUDA's total), and of the
 # host's RAM on the CPU backend, where the OS and other processes share it.
