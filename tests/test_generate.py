@@ -234,7 +234,7 @@ def test_a_held_token_goes_before_a_step_that_would_hold_it_too_long():
             handed.append(len(reports))
 
     publisher = StreamPublisher(_Loop(), Receiver(), minimum=2)
-    memory = Memory(*[0] * 10)
+    memory = Memory(*[0] * 11)
     report = StepReport((Event(1, token=5),), 0.045, 1, 1, 0, 0, (), memory, idle=False)
     publisher.step(report)  # a 45 ms step: its token waits for the next one's
     publisher.stepping(0.04)  # ...which is expected to be short: it still waits
@@ -254,7 +254,7 @@ def test_with_every_token_alone_a_steps_early_tokens_go_before_it_ends():
             handed.append([e.token for r in reports for e in r.events])
 
     publisher = StreamPublisher(_Loop(), Receiver(), minimum=2)
-    memory = Memory(*[0] * 10)
+    memory = Memory(*[0] * 11)
 
     def report(token: int | None, seconds: float | None) -> StepReport:
         events = (Event(1, token=token),) if token is not None else ()
@@ -276,7 +276,7 @@ def test_a_stream_sends_what_it_holds_before_a_slow_step():
     # Fast steps: the stream sends its tokens two at a time. Then a long
     # prompt's chunk comes (a slow step): the token held from the fast steps
     # reaches the client before it, not with the next token after it.
-    memory = Memory(*[0] * 10)
+    memory = Memory(*[0] * 11)
     spec = GenerationSpec((1, 2, 3), 100, frozenset(), SamplingSettings(), LogitsSettings(), None)
 
     async def scenario() -> tuple[list[list[int]], list[list[int]]]:

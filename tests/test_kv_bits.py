@@ -24,6 +24,7 @@ from smg_mlx.engine.batch import batch_check
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.prefix_cache import kv_files
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 from helpers import generate, prompt, serve
 
@@ -107,14 +108,25 @@ def test_a_prefix_from_disk_after_a_restart_is_as_prefilled(
     assert same_as_cold(again, cold, A[:300] + prompt(50, 6)).complete.cached_tokens == 300
 
 
+def kv_bytes_per_token(worker) -> int:
+    _, call = worker.stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
+    return int(dict(call.initial_metadata())["kv-bytes-per-token"])
+
+
 def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_path):
     w = start_worker(model64, kv_bits=8, prompt_cache_dir=tmp_path)
     history = A + generate(w.stub, A, max_tokens=8).tokens
+    per_token = {8: kv_bytes_per_token(w)}
     w.stop()
     for other in ({"kv_bits": 4}, {"kv_bits": 8, "kv_group_size": 32}, {}):
         w = start_worker(model64, prompt_cache_dir=tmp_path, **other)
         assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == 0, other
+        per_token.setdefault(other.get("kv_bits", 16), kv_bytes_per_token(w))
         w.stop()
+    # What GetServerInfo tells of a token's cost: float32 keys and values, 8 bits and
+    # 4 bits with a (float32) scale and bias for every 64 of them.
+    assert per_token[8] / per_token[16] == pytest.approx((8 + 64 / 64) / 32)
+    assert per_token[4] / per_token[16] == pytest.approx((4 + 64 / 64) / 32)
     w = start_worker(model64, kv_bits=8, prompt_cache_dir=tmp_path)  # its own format: used
     assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == len(history)
 
@@ -206,3 +218,13 @@ def test_a_memory_hit_batches_exactly_the_tokens_it_shares():
     assert keys[0].shape[2] == 12
     for a, b in zip(keys, layer.keys_and_values()[0], strict=True):
         assert mx.array_equal(a, b[:, :, :12]).item()
+
+
+def test_the_quality_bench_finds_4_bits_further_from_the_models_own_cache_than_8(model64):
+    from bench.kv_quality import measure
+
+    found = measure(model64, prompt_len=96, new_tokens=12, group=64, seed=1)
+    eight, four = (found["settings"][f"{b}-bit, group 64"] for b in (8, 4))
+    assert found["distinct_reference_tokens"] > 2  # a continuation that could tell
+    assert 0 < eight["kl_mean_nats"] < four["kl_mean_nats"]
+    assert 0 <= four["top1_agreement"] <= eight["top1_agreement"] <= 1

@@ -118,6 +118,11 @@ class EngineClient:
         """The most tokens (prompt and output) one request may have in memory."""
         return self.memory.longest_sequence if self.memory else 0
 
+    @property
+    def kv_per_token(self) -> float:
+        """What one token's keys and values take as stored, in bytes."""
+        return self.memory.kv_per_token if self.memory else 0.0
+
     def started(self, memory: Memory, ranks: int, mode: str) -> None:
         self.memory = memory
         self.ranks = ranks

@@ -96,6 +96,11 @@ class Metrics:
         memory_gauge("memory_weights_bytes", "Memory the loaded model takes", "weights")
         memory_gauge("memory_kv_bytes", "KV caches of the running batch", "kv")
         memory_gauge(
+            "memory_kv_bytes_per_token",
+            "What one token's keys and values take as stored (less with --kv-bits)",
+            "kv_per_token",
+        )
+        memory_gauge(
             "memory_prefill_bytes", "Estimated working set of the last prefill step", "prefill"
         )
         memory_gauge("memory_active_bytes", "All memory MLX has allocated now", "active")

@@ -322,6 +322,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 # How requests are batched: other than "batched" is slower
                 # (docs/serving.md, "Model families").
                 ("serving-mode", self._engine.mode),
+                # What a token of context costs (--kv-bits makes it less).
+                ("kv-bytes-per-token", str(round(self._engine.kv_per_token))),
             )
         )
         return mlx_engine_pb2.GetServerInfoResponse(

@@ -348,6 +348,7 @@ class EngineCore:
             budget=planner.budget,
             weights=planner.model.weights,
             kv=batch.kv_bytes,
+            kv_per_token=planner.model.kv_per_token,
             prefill=int(self._plan.prefill_bytes),
             prefix_cache=batch.prefix_cache_bytes,
             active=active,

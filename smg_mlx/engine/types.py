@@ -112,6 +112,7 @@ class Memory:
     budget: int
     weights: int
     kv: int  # KV caches of the batch now
+    kv_per_token: float  # what a token's keys and values take as stored (--kv-bits)
     prefill: int  # the last prefill step's working set (estimated)
     prefix_cache: int
     active: int  # all MLX allocations now

@@ -92,10 +92,9 @@ class Batch(PrefixCalls):
         self.prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes != 0 else None
         )
-        # The probe's prompts are short: padded to a key bucket, their
-        # attention would pass for what much longer prompts cost.
-        # Quantized rows attend through mlx-lm's quantized attention, never the
-        # fused kernel whose padded copies `attention` knows: theirs is measured.
+        # The probe's prompts are short: padded to a key bucket, their attention would
+        # pass for what much longer prompts cost. (Quantized rows never use the fused
+        # kernel whose padded copies `attention` knows: theirs is measured.)
         known = self.attention if self._fresh_caches is None else None
         with self.attention.bypassed() if self.attention is not None else nullcontext():
             self.memory, self.speed = memory_probe.measure(
@@ -232,10 +231,11 @@ class Batch(PrefixCalls):
         prompts = [request.spec.prompt for request, _, _ in accepted]
         starts = [self._start_from(prompt) for prompt in prompts]
         samplers, processors, stops = zip(*(options for _, options, _ in accepted), strict=True)
+        fresh = self._fresh_caches  # None: rows without a prefix start from mlx-lm's own
         uids = self._lanes[lane].insert(
             [list(p[s.tokens :]) for p, s in zip(prompts, starts, strict=True)],
             max_tokens=[request.spec.max_tokens for request, _, _ in accepted],
-            caches=[s.cache if s.cache is not None else self._fresh_cache() for s in starts],
+            caches=[fresh() if s.cache is None and fresh else s.cache for s in starts],
             # The tokens already in each cache (a new list: mlx-lm appends to it).
             all_tokens=[list(p[: s.tokens]) for p, s in zip(prompts, starts, strict=True)],
             samplers=list(samplers),
@@ -253,10 +253,6 @@ class Batch(PrefixCalls):
                 row.request, row.cached, row.pace = resumed.request, resumed.cached, resumed.pace
                 row.fresh, row.generated = resumed.fresh, resumed.generated
             self._rows.add((lane, uid), row)
-
-    def _fresh_cache(self) -> list | None:
-        """A row's caches when no prefix serves it (None: mlx-lm's own)."""
-        return self._fresh_caches() if self._fresh_caches is not None else None
 
     def _forget(self, place: tuple[int, int]) -> Row:
         """The row leaves the batch, and gives up the entry it carried."""
