@@ -18,12 +18,15 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache
+from test_engine_core import TIMEOUT, spec, start_core
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import batch_check
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
+from smg_mlx.engine.handoff import Inbox
 from smg_mlx.engine.prefix_cache import kv_files
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
+from smg_mlx.engine.types import Request
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 from helpers import generate, prompt, serve
@@ -228,3 +231,22 @@ def test_the_quality_bench_finds_4_bits_further_from_the_models_own_cache_than_8
     assert found["distinct_reference_tokens"] > 2  # a continuation that could tell
     assert 0 < eight["kl_mean_nats"] < four["kl_mean_nats"]
     assert 0 <= four["top1_agreement"] <= eight["top1_agreement"] <= 1
+
+
+def test_a_quantized_stream_grown_long_moves_lanes_and_goes_on_as_alone(model64, caplog):
+    inbox = Inbox()
+    sink, thread = start_core(model64, inbox, kv_bits=4, step_budget_seconds=1e-6)
+    try:
+        inbox.submit(Request(1, spec(prompt(8, 1), max_tokens=800)))
+        alone = [e.token for e in sink.events_of(1)]
+        inbox.submit(Request(2, spec(prompt(8, 1), max_tokens=800)))
+        streamed = [e.token for e in sink.events_of(2, count=700)]  # long by now
+        with caplog.at_level(logging.INFO):
+            for key in (3, 4):  # chats: the stream leaves their lane, cache and all
+                inbox.submit(Request(key, spec(prompt(20, key), max_tokens=20)))
+            streamed += [e.token for e in sink.events_of(2) if e.token is not None]
+        assert "move to the long prompts' lane" in caplog.text
+        assert varied(streamed) == alone
+    finally:
+        inbox.stop()
+        thread.join(TIMEOUT)
