@@ -36,8 +36,8 @@ PROMPTS = [prompt(n, i) for i, n in enumerate((3, 40, 130, 300))]
 
 
 @pytest.fixture(scope="module")
-def model64(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("models") / "tiny-head64", ["--head-dim", "64"])
+def model64(models_root: Path) -> Path:
+    return build_model(models_root / "tiny-head64", ["--head-dim", "64"])
 
 
 @pytest.fixture(scope="module", params=[8, 4])

@@ -20,9 +20,9 @@ GROUP = 64
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
+def model(models_root):
     # Heads of 64 so that a head is one quantization group of 64.
-    path = build_model(tmp_path_factory.mktemp("models") / "tiny-head64", ["--head-dim", "64"])
+    path = build_model(models_root / "tiny-head64", ["--head-dim", "64"])
     return load(str(path))[0]
 
 
