@@ -109,9 +109,6 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.draft_model is not None and args.speculative == "off":
         parser.error("--draft-model proposes tokens for speculative decoding, which "
                      "--speculative off turns off: leave one of them out")  # fmt: skip
-    if args.draft_model is not None and args.kv_bits is not None:
-        parser.error("--draft-model proposes tokens for speculative decoding, which "
-                     "--kv-bits turns off: leave one of them out")  # fmt: skip
     if args.adapter_path is not None and launched_rank() is not None:
         parser.error("--adapter-path: adapters are not served over several ranks")
     if args.pipeline and launched_rank() is None:

@@ -177,7 +177,6 @@ def test_an_adapter_path_names_an_adapter(capsys):
         (["org/a", "--demo"], "name one model to serve: MODEL or --model"),
         (["--demo", "--revision", "v1"], "--revision names a version of a Hugging Face repo id"),
         (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
-        (["--demo", "--kv-bits", "8", "--draft-model", "d"], "which --kv-bits turns off"),
         (["--demo", "--kv-bits", "6"], "--kv-bits: invalid choice"),
         (["--demo", "--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size: invalid choice"),
     ],

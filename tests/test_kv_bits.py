@@ -47,10 +47,12 @@ def bits(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture(scope="module")
 def cold(model64, bits):
-    """A worker of these bits without a prefix cache: every prompt prefilled."""
+    """A worker of these bits without a prefix cache or speculation: every prompt
+    prefilled, every token decoded one pass at a time."""
     from conftest import RunningWorker, worker_config
 
-    w = RunningWorker(worker_config(model64, kv_bits=bits, prompt_cache_bytes=0))
+    config = worker_config(model64, kv_bits=bits, prompt_cache_bytes=0, speculative="off")
+    w = RunningWorker(config)
     yield w
     w.stop()
 
@@ -134,19 +136,27 @@ def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_
     assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == len(history)
 
 
-def test_start_up_checks_batching_anew_and_turns_speculation_off(
-    start_worker, model64, tmp_path, caplog
+def test_start_up_checks_batching_anew_and_speculation_stays_exact(
+    start_worker, model64, cold, bits, tmp_path, caplog
 ):
     # The batch check's verdicts are kept in the prompt cache's directory.
     start_worker(model64, prompt_cache_dir=tmp_path).stop()
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        start_worker(model64, kv_bits=8, speculative="always", prompt_cache_dir=tmp_path)
+        w = start_worker(model64, kv_bits=bits, speculative="always", prompt_cache_dir=tmp_path)
     said = [r.getMessage() for r in caplog.records]
-    assert any("speculative decoding: off (--kv-bits" in line for line in said)
+    assert any("speculative decoding: prompt lookup" in line for line in said), said
     # The plain caches' verdict is not taken for the quantized ones'.
     assert any(line.startswith("batch check: running prompts") for line in said), said
-    assert any("KV caches stored as 8-bit KV, group 64: " in line for line in said)
+    assert any(f"KV caches stored as {bits}-bit KV, group 64: " in line for line in said)
+    # Rows take back their rejected proposals from quantized caches: the tokens
+    # are plain decoding's, solo and together.
+    repeating = [(prompt(n, i)[:7] * 40)[:n] for i, n in enumerate((30, 90, 200))]
+    plain = [varied(generate(cold.stub, p, max_tokens=40).tokens) for p in repeating]
+    with ThreadPoolExecutor(len(repeating)) as pool:
+        ours = list(pool.map(lambda p: generate(w.stub, p, max_tokens=40).tokens, repeating))
+    assert ours == plain
+    assert 0 < w.worker.engine.speculation.accepted < w.worker.engine.speculation.proposed
 
 
 def test_models_whose_caches_cannot_be_quantized_are_refused(model_dir, tmp_path):

@@ -217,3 +217,45 @@ def test_bytes_per_token_against_bf16(bits, ratio):
     measured = bytes_per_token(quantized, 512) / bytes_per_token(plain, 512)
     print(f"{bits} bits: {measured:.5f}x bf16 bytes per token")
     assert measured == pytest.approx(ratio)
+
+
+def test_a_ragged_quantized_cache_holds_each_row_as_the_16_bit_one_quantized():
+    """Speculative decoding's per-row ends (engine.speculative.ragged_kv) over
+    quantized rows: after writes, different take-backs per row (far enough apart
+    to be compacted), filter and extend, each row holds exactly its own positions,
+    quantized, and the mask lets each query see the same keys."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from smg_mlx.engine.speculative.ragged_kv import ragged
+
+    mx.random.seed(3)
+    pairs = [(ragged(BatchKVCache([0, 2, 1])), ragged(BatchQuantizedKVCache([0, 2, 1], GROUP, 4)))]
+
+    def write(n: int, rows: int, takeback: list[int]) -> None:
+        keys, values = mx.random.normal((rows, 2, n, GROUP)), mx.random.normal((rows, 2, n, GROUP))
+        for cache in pairs[0]:
+            cache.update_and_fetch(keys, values)
+            cache.rewind(takeback)
+
+    write(5, 3, [0, 2, 4])
+    write(300, 3, [0, 290, 10])  # ends more than SPREAD apart: lined up again
+    assert pairs[0][1]._ends is None
+    write(4, 3, [1, 0, 3])
+    for cache in pairs[0]:
+        cache.filter([0, 2])
+    others = (ragged(BatchKVCache([1])), ragged(BatchQuantizedKVCache([1], GROUP, 4)))
+    keys, values = mx.random.normal((1, 2, 7, GROUP)), mx.random.normal((1, 2, 7, GROUP))
+    for mine, other in zip(pairs[0], others, strict=True):
+        other.update_and_fetch(keys, values)
+        other.rewind([2])
+        mine.extend(other)
+    write(3, 3, [2, 0, 1])
+    plain, quantized = pairs[0]
+    assert plain._ends is not None and quantized._row_ends() == plain._row_ends()
+    assert mx.array_equal(quantized.make_mask(2), plain.make_mask(2))
+    for i in range(3):
+        p, q = plain.extract(i), quantized.extract(i)
+        assert q.offset == p.offset > 0
+        for mine, theirs in ((q.keys, p.keys), (q.values, p.values)):
+            expected = mx.quantize(theirs[..., : p.offset, :], group_size=GROUP, bits=4)
+            assert all(mx.array_equal(a, b) for a, b in zip(mine, expected, strict=True))

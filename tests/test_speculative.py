@@ -16,9 +16,11 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama, qwen3
+from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.sample_utils import make_sampler
 
 from smg_mlx.demo_model import build_model
+from smg_mlx.engine.batch import quantized_kv  # noqa: F401 - QuantizedKVCache's merge
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
@@ -31,7 +33,7 @@ import helpers
 VOCAB = 50
 
 
-def tiny_model(family: str, scale: float, vocab: int = VOCAB, seed: int = 0):
+def tiny_model(family: str, scale: float, vocab: int = VOCAB, seed: int = 0, head_dim: int = 16):
     """A float32 random model; `scale` sets how often its greedy output repeats itself."""
     mx.random.seed(seed)
     shape = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -40,7 +42,7 @@ def tiny_model(family: str, scale: float, vocab: int = VOCAB, seed: int = 0):
     if family == "llama":
         model = llama.Model(llama.ModelArgs(model_type="llama", **shape))
     else:
-        args = qwen3.ModelArgs(model_type="qwen3", head_dim=16, tie_word_embeddings=True,
+        args = qwen3.ModelArgs(model_type="qwen3", head_dim=head_dim, tie_word_embeddings=True,
                                max_position_embeddings=4096, **shape)  # fmt: skip
         model = qwen3.Model(args)
     model.update(tree_map(lambda p: p * scale, model.parameters()))
@@ -60,9 +62,10 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
 
 def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = False,
              stop=None, sampler=None, rows: int = 32, seeds=None, draft=None,
-             pacing=None):  # fmt: skip
+             pacing=None, caches=None):  # fmt: skip
     """Each prompt's tokens (and logprobs of them, and the finished caches' sizes);
-    with `stagger` half the prompts join while the first half decode."""
+    with `stagger` half the prompts join while the first half decode; `caches`
+    makes each row's fresh caches (mlx-lm's own by default)."""
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows // 8,
                                stop_tokens=stop, sampler=sampler)  # fmt: skip
     stats = DraftStats()
@@ -81,7 +84,8 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
     cached: dict[int, tuple[int, int]] = {}
     def insert(i: int, prompt: list[int]) -> None:
         own = None if seeds is None else [seeded(SamplingSettings(temperature=1.0, seed=seeds[i]))]
-        which[generator.insert([prompt], [max_tokens[i]], samplers=own)[0]] = i
+        fresh = None if caches is None else [caches()]
+        which[generator.insert([prompt], [max_tokens[i]], samplers=own, caches=fresh)[0]] = i
 
     for i, prompt in now:
         insert(i, prompt)
@@ -119,6 +123,36 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family):
         proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
     assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
     assert 0 < accepted < proposed, "some proposals right, some wrong"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_caches_take_back_each_rows_rejected_proposals_exactly(bits):
+    """--kv-bits: rows keep their keys and values quantized, and each takes back
+    its own rejected proposals as with 16-bit caches (engine.speculative.ragged_kv)."""
+    model = tiny_model("qwen3", scale=1.5, head_dim=64)
+
+    def quantized() -> list[QuantizedKVCache]:
+        return [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+
+    proposed = accepted = 0
+    for seed, stagger in ((1, False), (2, True)):
+        prompts = repetitive_prompts(8, seed)
+        max_tokens = [int(n) for n in np.random.default_rng(seed).integers(1, 40, len(prompts))]
+        plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger,
+                                               caches=quantized)  # fmt: skip
+        ours, logprobs, cached, stats = generate(model, prompts, max_tokens, True, stagger,
+                                                 caches=quantized)  # fmt: skip
+        assert ours == plain
+        for i in range(len(prompts)):
+            assert logprobs[i] == pytest.approx(plain_logprobs[i], abs=1e-4)
+        assert all(size == tokens for size, tokens in cached.values())
+        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
+    assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
+    assert 0 < accepted < proposed, "some proposals right, some wrong"
+    # The quantized caches were the ones in use: 16-bit ones give other logprobs.
+    _, own_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
+    pairs = [zip(own_logprobs[i], plain_logprobs[i], strict=True) for i in own_logprobs]
+    assert max(abs(a - b) for row in pairs for a, b in row) > 1e-6
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -25,13 +25,13 @@ from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
 Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 
 
-def _map(fn: Callable[[mx.array], mx.array], q: Quantized) -> Quantized:
+def map_parts(fn: Callable[[mx.array], mx.array], q: Quantized) -> Quantized:
     return tuple(fn(x) for x in q)  # type: ignore[return-value]
 
 
 def _zeros_like_rows(q: Quantized, rows: int, length: int) -> Quantized:
     """Empty (all-zero) quantized positions shaped like `q` but `rows` x `length`."""
-    return _map(lambda x: mx.zeros((rows, x.shape[1], length, x.shape[3]), x.dtype), q)
+    return map_parts(lambda x: mx.zeros((rows, x.shape[1], length, x.shape[3]), x.dtype), q)
 
 
 def _roll_right(x: mx.array, shifts: mx.array) -> mx.array:
@@ -65,23 +65,29 @@ class BatchQuantizedKVCache(_BaseCache):
     def _capacity(self) -> int:
         return 0 if self.keys is None else self.keys[0].shape[2]
 
+    def _reserve(self, n: int, qk: Quantized, qv: Quantized) -> None:
+        """Room for `n` more positions after `_idx` (`qk`, `qv`: what they will hold)."""
+        prev = self._idx
+        if prev + n <= self._capacity():
+            return
+        size = -(-(prev + n) // self.step) * self.step
+        B = qk[0].shape[0]
+        if self.keys is None:
+            self.keys = _zeros_like_rows(qk, B, size)
+            self.values = _zeros_like_rows(qv, B, size)
+        else:
+            # Keep only what was written: a previous block may be part-used.
+            def grow(x: mx.array) -> mx.array:
+                pad = mx.zeros((*x.shape[:2], size - prev, x.shape[3]), x.dtype)
+                return mx.concatenate([x[:, :, :prev], pad], axis=2)
+
+            self.keys, self.values = map_parts(grow, self.keys), map_parts(grow, self.values)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
         n = keys.shape[2]
         prev = self._idx
         qk, qv = self._quantize(keys), self._quantize(values)
-        if prev + n > self._capacity():
-            size = -(-(prev + n) // self.step) * self.step
-            B = keys.shape[0]
-            if self.keys is None:
-                self.keys = _zeros_like_rows(qk, B, size)
-                self.values = _zeros_like_rows(qv, B, size)
-            else:
-                # Keep only what was written: a previous block may be part-used.
-                def grow(x: mx.array) -> mx.array:
-                    pad = mx.zeros((*x.shape[:2], size - prev, x.shape[3]), x.dtype)
-                    return mx.concatenate([x[:, :, :prev], pad], axis=2)
-
-                self.keys, self.values = _map(grow, self.keys), _map(grow, self.values)
+        self._reserve(n, qk, qv)
         for store, new in ((self.keys, qk), (self.values, qv)):
             for buf, part in zip(store, new, strict=True):
                 buf[:, :, prev : prev + n] = part
@@ -91,7 +97,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def keys_and_values(self) -> tuple[Quantized, Quantized]:
         cut = lambda x: x[:, :, : self._idx]  # noqa: E731
-        return _map(cut, self.keys), _map(cut, self.values)
+        return map_parts(cut, self.keys), map_parts(cut, self.values)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         # Always an array: left padding must be masked, and the quantized
@@ -123,7 +129,7 @@ class BatchQuantizedKVCache(_BaseCache):
             return
         pad = self._right_padding
         roll = lambda x: _roll_right(x, pad)  # noqa: E731
-        self.keys, self.values = _map(roll, self.keys), _map(roll, self.values)
+        self.keys, self.values = map_parts(roll, self.keys), map_parts(roll, self.values)
         self.offset = self.offset - pad
         self.left_padding = self.left_padding + pad
         self._right_padding = None
@@ -134,14 +140,14 @@ class BatchQuantizedKVCache(_BaseCache):
         """Keep the given rows; drop the left padding they all share."""
         if self.keys is not None:
             take = lambda x: x[batch_indices]  # noqa: E731
-            self.keys, self.values = _map(take, self.keys), _map(take, self.values)
+            self.keys, self.values = map_parts(take, self.keys), map_parts(take, self.values)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         shared = min(self.left_padding.tolist())
         if shared > 0:
             if self.keys is not None:
                 drop = lambda x: x[:, :, shared:]  # noqa: E731
-                self.keys, self.values = _map(drop, self.keys), _map(drop, self.values)
+                self.keys, self.values = map_parts(drop, self.keys), map_parts(drop, self.values)
             self._idx -= shared
             self.left_padding = self.left_padding - shared
 
@@ -166,7 +172,7 @@ class BatchQuantizedKVCache(_BaseCache):
             def pad(x: mx.array) -> mx.array:
                 return mx.pad(x[:, :, : c._idx], [(0, 0), (0, 0), (shift, 0), (0, 0)])
 
-            return _map(pad, k), _map(pad, v), c.left_padding + shift
+            return map_parts(pad, k), map_parts(pad, v), c.left_padding + shift
 
         (k1, v1, lp1), (k2, v2, lp2) = justified(self), justified(other)
         cat = lambda a, b: tuple(mx.concatenate([x, y]) for x, y in zip(a, b, strict=True))  # noqa: E731
@@ -182,7 +188,7 @@ class BatchQuantizedKVCache(_BaseCache):
             return cache
         start = self.left_padding[idx].item()
         row = lambda x: mx.contiguous(x[idx : idx + 1, :, start : self._idx])  # noqa: E731
-        cache.keys, cache.values = _map(row, self.keys), _map(row, self.values)
+        cache.keys, cache.values = map_parts(row, self.keys), map_parts(row, self.values)
         cache.offset = self._idx - start
         return cache
 

@@ -74,9 +74,6 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
 def _why_not(config: EngineConfig, model: nn.Module, ranks: int, batched: bool) -> str | None:
     if config.speculative == "off":
         return "--speculative off"
-    if config.kv_bits is not None:
-        # Its rows' batch cache (ragged_kv) holds keys and values unquantized.
-        return "--kv-bits: its checking passes have no quantized batch cache"
     if ranks > 1:
         # Each rank would pace its passes by its own clock; they must run the same passes.
         return "several ranks"

@@ -30,7 +30,7 @@ from mlx_lm.generate import GenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
-from smg_mlx.engine.speculative.ragged_kv import RaggedBatchKVCache
+from smg_mlx.engine.speculative.ragged_kv import ragged
 
 
 @dataclass
@@ -133,7 +133,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         rows, width = len(self.uids), 1 + self.drafting.most
         pairs = zip(pending, drafts, strict=True)
         inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
-        self.prompt_cache = [RaggedBatchKVCache.adopt(c) for c in self.prompt_cache]
+        self.prompt_cache = [ragged(c) for c in self.prompt_cache]
         logits = self.model(mx.array(inputs), cache=self.prompt_cache)
         logits = self._processed(logits, pending)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

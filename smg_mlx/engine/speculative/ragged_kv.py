@@ -13,26 +13,34 @@ unchanged: the ragged paths run only after a step took back different counts.
 The columns past a row's end are room it has not used: when the rows' ends
 drift apart by more than `SPREAD`, `compact` lines them up again (one copy
 of the cache) so the batch holds no more columns than its longest row needs.
+
+`Ragged` is that bookkeeping; `RaggedBatchKVCache` and, under --kv-bits,
+`RaggedBatchQuantizedKVCache` say how their arrays are written, rolled and cut.
+`ragged(cache)` gives a batch cache of either kind its ragged class.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache, Quantized, map_parts
+
 # Columns by which rows' ends may drift apart before `compact` lines them up.
 SPREAD = 256
 
 
-class RaggedBatchKVCache(BatchKVCache):
-    """BatchKVCache with a per-row end (see the module's docstring)."""
+class Ragged:
+    """A per-row end over a batch cache whose rows all end at `_idx` (see the
+    module's docstring); mixed in before the batch cache's class."""
 
     _ends: list[int] | None = None
 
     @classmethod
-    def adopt(cls, cache: BatchKVCache) -> RaggedBatchKVCache:
+    def adopt(cls, cache: Any) -> Any:
         """`cache` as this class, sharing its arrays (a cache of this class as it is)."""
         if isinstance(cache, cls):
             return cache
@@ -40,6 +48,15 @@ class RaggedBatchKVCache(BatchKVCache):
         ragged.__dict__.update(cache.__dict__)
         ragged._ends = None
         return ragged
+
+    # What the storage does (the arrays' own layout):
+    def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
+        """Write `keys` and `values` (B, H, n, D) at each row's end."""
+        raise NotImplementedError
+
+    def _arrays(self, fn: Callable[[mx.array], mx.array]) -> None:
+        """Replace the keys' and values' arrays by `fn` of each."""
+        raise NotImplementedError
 
     def _row_ends(self) -> list[int]:
         return self._ends if self._ends is not None else [self._idx] * self.offset.shape[0]
@@ -63,43 +80,23 @@ class RaggedBatchKVCache(BatchKVCache):
             return
         shift = mx.array([self._idx - e for e in self._ends])
         # What lies past a row's end rolls round into its padding, masked there.
-        self.keys = dynamic_roll(self.keys[..., : self._idx, :], shift[:, None], axis=2)
-        self.values = dynamic_roll(self.values[..., : self._idx, :], shift[:, None], axis=2)
+        idx = self._idx
+        self._arrays(lambda x: dynamic_roll(x[..., :idx, :], shift[:, None], axis=2))
         self.left_padding = self.left_padding + shift
         self._ends = None
         unused = min(self.left_padding.tolist())
         if unused > 0:
-            self.keys = self.keys[..., unused:, :]
-            self.values = self.values[..., unused:, :]
+            self._arrays(lambda x: x[..., unused:, :])
             self._idx -= unused
             self.left_padding = self.left_padding - unused
 
-    def _reserve(self, n: int, like: mx.array, values_like: mx.array) -> None:
-        """Room for `n` more entries after `_idx`, as mlx-lm grows it."""
-        if self.keys is not None and self._idx + n <= self.keys.shape[2]:
-            return
-        B, heads, _, k_dim = like.shape
-        grow = (self.step + n - 1) // self.step * self.step
-        new_k = mx.zeros((B, heads, grow, k_dim), like.dtype)
-        new_v = mx.zeros((B, heads, grow, values_like.shape[3]), values_like.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-        else:
-            kept = self._idx
-            self.keys = mx.concatenate([self.keys[..., :kept, :], new_k], axis=2)
-            self.values = mx.concatenate([self.values[..., :kept, :], new_v], axis=2)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
         if self._ends is None:
             return super().update_and_fetch(keys, values)
         n = keys.shape[2]
-        self._reserve(n, keys, values)
-        ends = self._ends
-        where = (mx.array(ends)[:, None] + mx.arange(n)[None])[:, None, :, None]
-        self.keys = mx.put_along_axis(self.keys, where, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, where, values, axis=2)
+        self._write_at(self._ends, keys, values)
         self.offset = self.offset + n
-        self._set_ends([e + n for e in ends])
+        self._set_ends([e + n for e in self._ends])
         return self.keys_and_values()
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
@@ -121,9 +118,9 @@ class RaggedBatchKVCache(BatchKVCache):
         if kept:
             self._set_ends([e - (top - self._idx) for e in kept])
 
-    def extend(self, other: BatchKVCache) -> None:
+    def extend(self, other: Any) -> None:
         mine = self._row_ends()
-        if isinstance(other, RaggedBatchKVCache):
+        if isinstance(other, Ragged):
             theirs = other._row_ends()
         else:
             theirs = [other._idx] * other.offset.shape[0]
@@ -142,3 +139,60 @@ class RaggedBatchKVCache(BatchKVCache):
             return super().extract(idx)
         finally:
             self._idx = saved
+
+
+def _where(ends: list[int], n: int) -> mx.array:
+    """put_along_axis's indices for `n` entries at each row's end, (B, 1, n, 1)."""
+    return (mx.array(ends)[:, None] + mx.arange(n)[None])[:, None, :, None]
+
+
+class RaggedBatchKVCache(Ragged, BatchKVCache):
+    """mlx-lm's BatchKVCache with a per-row end."""
+
+    def _arrays(self, fn: Callable[[mx.array], mx.array]) -> None:
+        self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        if self.keys is None or self._idx + n > self.keys.shape[2]:
+            # Room for `n` more entries after `_idx`, as mlx-lm grows it.
+            B, heads, _, k_dim = keys.shape
+            grow = (self.step + n - 1) // self.step * self.step
+            new_k = mx.zeros((B, heads, grow, k_dim), keys.dtype)
+            new_v = mx.zeros((B, heads, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                kept = self._idx
+                self.keys = mx.concatenate([self.keys[..., :kept, :], new_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :kept, :], new_v], axis=2)
+        where = _where(ends, n)
+        self.keys = mx.put_along_axis(self.keys, where, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, where, values, axis=2)
+
+
+class RaggedBatchQuantizedKVCache(Ragged, BatchQuantizedKVCache):
+    """--kv-bits: the batched quantized cache with a per-row end."""
+
+    def _arrays(self, fn: Callable[[mx.array], mx.array]) -> None:
+        self.keys, self.values = map_parts(fn, self.keys), map_parts(fn, self.values)
+
+    def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
+        qk, qv = self._quantize(keys), self._quantize(values)
+        self._reserve(keys.shape[2], qk, qv)
+        where = _where(ends, keys.shape[2])
+
+        def put(store: Quantized, new: Quantized) -> Quantized:
+            return tuple(
+                mx.put_along_axis(buf, where, part, axis=2)
+                for buf, part in zip(store, new, strict=True)
+            )  # type: ignore[return-value]
+
+        self.keys, self.values = put(self.keys, qk), put(self.values, qv)
+
+
+def ragged(cache: Any) -> Ragged:
+    """A target model's batch cache as its ragged class, sharing its arrays."""
+    if isinstance(cache, BatchQuantizedKVCache):
+        return RaggedBatchQuantizedKVCache.adopt(cache)
+    return RaggedBatchKVCache.adopt(cache)
