@@ -260,3 +260,16 @@ def test_a_quantized_stream_grown_long_moves_lanes_and_goes_on_as_alone(model64,
     finally:
         inbox.stop()
         thread.join(TIMEOUT)
+
+
+def test_a_draft_models_proposals_over_quantized_rows_leave_the_tokens_as_they_were(
+    start_worker, model64, cold, bits
+):
+    # The model as its own draft (its cache unquantized): every proposal right.
+    w = start_worker(model64, kv_bits=bits, draft_model=model64, speculative="always")
+    for p in PROMPTS[1:3]:
+        assert varied(generate(w.stub, p, max_tokens=24).tokens) == generate(
+            cold.stub, p, max_tokens=24
+        ).tokens
+    stats = w.worker.engine.speculation
+    assert stats.drafter == "draft_model" and stats.proposed > 0
