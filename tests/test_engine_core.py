@@ -238,7 +238,7 @@ def test_the_worker_is_ready_before_the_attention_shapes_are_built_and_builds_th
     monkeypatch.setattr(Recorder, "started", lambda self, *a: (started_at.append(time.time()),
                                                                self.ready.set()))  # fmt: skip
     # bfloat16: where attention runs padded. Small shapes: built fast on the CPU.
-    model_dir = build_model(tmp_path / "bf16", ["--dtype", "bfloat16", "--context-length", "1024"])
+    model_dir = build_model(tmp_path / "bf16", ["--dtype", "bfloat16", "--context-length", "512"])
     inbox = Inbox()
     with caplog.at_level(logging.INFO, logger="smg_mlx.engine.batch.attention_shapes"):
         sink, thread = start_core(model_dir, inbox, prefill_step_size=256)

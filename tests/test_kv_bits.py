@@ -78,6 +78,7 @@ def test_outputs_are_the_same_solo_and_in_a_batch(start_worker, model64, cold, b
         assert [generate(plain.stub, p, max_tokens=12).tokens for p in PROMPTS] != solo
 
 
+@pytest.mark.parametrize("bits", [4], indirect=True, scope="module")  # one width does
 def test_a_long_prompt_in_its_own_lane_beside_chats_is_as_alone(start_worker, model64, cold, bits):
     # A tiny step budget makes a 1,200-token prompt long: it runs in the long
     # prompts' lane, the chats beside it in the other.
@@ -97,6 +98,7 @@ def test_a_prefix_from_memory_is_as_prefilled(start_worker, model64, cold, bits)
     assert same_as_cold(w, cold, A[:300] + prompt(50, 6)).complete.cached_tokens == 300
 
 
+@pytest.mark.parametrize("bits", [4], indirect=True, scope="module")  # one width does
 def test_a_prefix_from_disk_after_a_restart_is_as_prefilled(
     start_worker, model64, cold, bits, tmp_path
 ):
@@ -262,6 +264,7 @@ def test_a_quantized_stream_grown_long_moves_lanes_and_goes_on_as_alone(model64,
         thread.join(TIMEOUT)
 
 
+@pytest.mark.parametrize("bits", [8], indirect=True, scope="module")  # one width does
 def test_a_draft_models_proposals_over_quantized_rows_leave_the_tokens_as_they_were(
     start_worker, model64, cold, bits
 ):

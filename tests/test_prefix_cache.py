@@ -480,16 +480,16 @@ def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, mod
         assert again.tokens == first.tokens
 
 
-def test_prompts_near_the_memory_limit_start_from_their_entries(start_worker, tmp_path_factory):
+def test_prompts_near_the_memory_limit_start_from_their_entries(start_worker, models_root):
     # Much KV per token beside little else: a prompt's entry and its row's copy of
     # it do not both fit, and the entry leaves once copied. Before, such a prompt
     # waited for room that never came and, once it had waited 10 s, held back
     # every request behind it.
     model = build_model(
-        tmp_path_factory.mktemp("models") / "wide-kv",
+        models_root / "wide-kv",
         ["--layers", "4", "--kv-heads", "4", "--head-dim", "64"],
     )
-    budget = (model / "model.safetensors").stat().st_size + (18 << 20)
+    budget = (model / "model.safetensors").stat().st_size + (9 << 20)
     w = start_worker(model, memory_budget_bytes=budget)
     cold = start_worker(model, prompt_cache_bytes=0)
     longest = w.worker.engine.memory.longest_sequence
