@@ -105,15 +105,27 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
     return [tokens[i] for i in range(len(prompts))], chosen, cached, stats
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family):
-    model = tiny_model(family, scale=1.5)
+@pytest.mark.parametrize(
+    "family, bits", [("llama", None), ("qwen3", None), ("qwen3", 8), ("qwen3", 4)],
+    ids=["llama", "qwen3", "qwen3 8-bit KV", "qwen3 4-bit KV"],
+)  # fmt: skip
+def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family, bits):
+    """With --kv-bits (`bits`), rows keep their keys and values quantized and each
+    takes back its own rejected proposals as from 16-bit caches (ragged_kv)."""
+    model = tiny_model(family, scale=1.5, head_dim=16 if bits is None else 64)
+
+    def quantized() -> list[QuantizedKVCache]:
+        return [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+
+    caches = None if bits is None else quantized
     proposed = accepted = 0
     for seed, stagger in ((1, False), (2, True), (3, True)):
         prompts = repetitive_prompts(8, seed)
         max_tokens = [int(n) for n in np.random.default_rng(seed).integers(1, 40, len(prompts))]
-        plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
-        ours, logprobs, cached, stats = generate(model, prompts, max_tokens, True, stagger)
+        plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger,
+                                               caches=caches)  # fmt: skip
+        ours, logprobs, cached, stats = generate(model, prompts, max_tokens, True, stagger,
+                                                 caches=caches)  # fmt: skip
         assert ours == plain
         assert all(len(t) == n for t, n in zip(ours, max_tokens, strict=True))
         for i in range(len(prompts)):  # the logprobs of accepted tokens are the model's
@@ -123,36 +135,10 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family):
         proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
     assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
     assert 0 < accepted < proposed, "some proposals right, some wrong"
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_caches_take_back_each_rows_rejected_proposals_exactly(bits):
-    """--kv-bits: rows keep their keys and values quantized, and each takes back
-    its own rejected proposals as with 16-bit caches (engine.speculative.ragged_kv)."""
-    model = tiny_model("qwen3", scale=1.5, head_dim=64)
-
-    def quantized() -> list[QuantizedKVCache]:
-        return [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
-
-    proposed = accepted = 0
-    for seed, stagger in ((1, False), (2, True)):
-        prompts = repetitive_prompts(8, seed)
-        max_tokens = [int(n) for n in np.random.default_rng(seed).integers(1, 40, len(prompts))]
-        plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger,
-                                               caches=quantized)  # fmt: skip
-        ours, logprobs, cached, stats = generate(model, prompts, max_tokens, True, stagger,
-                                                 caches=quantized)  # fmt: skip
-        assert ours == plain
-        for i in range(len(prompts)):
-            assert logprobs[i] == pytest.approx(plain_logprobs[i], abs=1e-4)
-        assert all(size == tokens for size, tokens in cached.values())
-        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
-    assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
-    assert 0 < accepted < proposed, "some proposals right, some wrong"
-    # The quantized caches were the ones in use: 16-bit ones give other logprobs.
-    _, own_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
-    pairs = [zip(own_logprobs[i], plain_logprobs[i], strict=True) for i in own_logprobs]
-    assert max(abs(a - b) for row in pairs for a, b in row) > 1e-6
+    if bits is not None:  # the quantized caches were the ones in use: 16-bit ones differ
+        _, own_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
+        pairs = [zip(own_logprobs[i], plain_logprobs[i], strict=True) for i in own_logprobs]
+        assert max(abs(a - b) for row in pairs for a, b in row) > 1e-6
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
