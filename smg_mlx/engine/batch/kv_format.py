@@ -37,9 +37,7 @@ def caches_for(config: EngineConfig, model: nn.Module) -> LayerCaches | None:
     bits, group = config.kv_bits, config.kv_group_size
     flag = f"--kv-bits {bits}"
     cache = make_prompt_cache(model)
-    kinds = {type(layer) for layer in cache}
-    if kinds != {KVCache}:
-        names = ", ".join(sorted(k.__name__ for k in kinds))
+    if (names := other_kinds(cache)) is not None:
         raise Unservable(
             f"{flag}: this model's caches ({names}) are not all plain attention KV caches, "
             "which alone can be quantized; leave out --kv-bits"
@@ -61,6 +59,13 @@ def caches_for(config: EngineConfig, model: nn.Module) -> LayerCaches | None:
         return [QuantizedKVCache(group_size=group, bits=bits) for _ in range(layers)]
 
     return fresh
+
+
+def other_kinds(cache: list) -> str | None:
+    """The names of the kinds of `cache`'s layers, unless every one is a plain
+    attention KVCache (None): what neither quantizes nor takes tokens back."""
+    kinds = {type(layer) for layer in cache}
+    return None if kinds == {KVCache} else ", ".join(sorted(k.__name__ for k in kinds))
 
 
 def log_cost(kv_format: str, per_token: float, model: nn.Module, stream: mx.Stream) -> None:

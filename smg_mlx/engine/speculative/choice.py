@@ -8,10 +8,11 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
 from smg_mlx.config import EngineConfig
+from smg_mlx.engine.batch.kv_format import other_kinds
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.types import Unservable
@@ -62,7 +63,7 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
             f"--draft-model {draft_path}: it scores {outputs} token ids, the model knows "
             f"{inputs}: a draft must not propose ids the model cannot read"
         )
-    if (names := _fixed_caches(draft)) is not None:
+    if (names := other_kinds(make_prompt_cache(draft))) is not None:
         raise Unservable(
             f"--draft-model {draft_path}: its caches ({names}) cannot take tokens back; "
             "choose a draft with plain attention"
@@ -77,15 +78,8 @@ def _why_not(config: EngineConfig, model: nn.Module, ranks: int, batched: bool) 
     if ranks > 1:
         # Each rank would pace its passes by its own clock; they must run the same passes.
         return "several ranks"
-    if (names := _fixed_caches(model)) is not None:
+    if (names := other_kinds(make_prompt_cache(model))) is not None:
         return f"this model's caches ({names}) cannot take tokens back"
     if not batched:
         return "this model's prompts prefill together only at equal lengths"
     return None
-
-
-def _fixed_caches(model: nn.Module) -> str | None:
-    """The names of the model's cache kinds where some cannot take tokens back
-    (all plain KVCache: None)."""
-    kinds = {type(cache) for cache in make_prompt_cache(model)}
-    return None if kinds == {KVCache} else ", ".join(sorted(k.__name__ for k in kinds))
