@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench import gate, machine, model, report
+from bench import cores, gate, machine, model, report
 from bench.agent import Agent, format_agent, run_agent, run_followups
 from bench.long_prompts import run_long_prompts
 from bench.mixed import Mixed, format_mixed, run_mixed
@@ -178,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="more flags for our worker, e.g. '--step-budget-ms 200'",
     )
     p.add_argument(
+        "--system-cpus",
+        type=int,
+        default=cores.DEFAULT_COUNT,
+        help="pin every system under test to this many CPUs, the same ones, the fastest "
+        f"of a short timing, and the client to the rest (0: no pinning; machines with "
+        f"fewer than {cores.MIN_CPUS} CPUs pin nothing): a VM's CPUs differ in speed",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=600.0,
@@ -213,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     if max(levels) > workload.completion_batch_size:
         progress(f"note: concurrency {max(levels)} exceeds the completion batch size; "
                  "requests will queue")  # fmt: skip
+    placement = cores.place(args.system_cpus)  # before any thread starts: they inherit it
+    if placement is not None:
+        progress(placement.describe())
     began = time.monotonic()
     model_dir = args.model
     if model_dir is None:

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from importlib import metadata
 
+from bench import cores
+
 
 def _cpu_model() -> str:
     try:
@@ -51,6 +53,7 @@ def describe() -> dict:
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "gpus": _gpus(),
+        "placement": (placed := cores.placed()) and placed.to_dict(),
         "versions": {p: version(p) for p in ("mlx", "mlx-lm", "grpcio", "protobuf")},
     }
 

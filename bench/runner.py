@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import peer
+from bench import cores, peer
 from bench.grpc_client import run_closed_loop
 from bench.long_prompts import metrics
 from bench.stats import LevelResult, RequestRecord, summarize
@@ -52,11 +52,16 @@ class EngineProcess:
              "--workload", json.dumps(opts.workload.to_dict())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
+        cores.pin(self._process.pid)
+        self._pinned = False  # its threads, once it has started them
 
     def round(self, level: Level) -> tuple[list[RequestRecord], float, dict]:
         asked = {"concurrency": level.concurrency, "warmup": _span(level.warmup),
                  "timed": _span(level.timed)}  # fmt: skip
         assert self._process.stdin is not None and self._process.stdout is not None
+        if not self._pinned:
+            cores.pin(self._process.pid)
+            self._pinned = True
         self._process.stdin.write(json.dumps(asked) + "\n")
         self._process.stdin.flush()
         line = self._process.stdout.readline()

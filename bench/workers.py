@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench import cores
 from bench.workload import Workload
 
 
@@ -68,6 +69,7 @@ class WorkerProcess:
             env={**os.environ, **(env or {})},
             start_new_session=True,  # a Ctrl-C of the bench does not reach it first
         )
+        cores.pin(self.process.pid)
 
     def wait_serving(self, timeout_s: float) -> None:
         """Polls grpc.health.v1 until the whole server reports SERVING."""
@@ -83,6 +85,7 @@ class WorkerProcess:
                 try:
                     reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        cores.pin(self.process.pid)  # the threads it has started since
                         return
                 except grpc.RpcError:
                     pass  # not listening yet
