@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 FORMAT = "smg-mlx prompt cache 2"
 # An entry is written once it has stayed in memory this long unreplaced.
 WRITE_AFTER = 2.0
+# How often the device's free space is asked (see DiskTier._free_bytes).
+FREE_SECONDS = 1.0
 # Writes queued at once; spilled entries' bytes in memory awaiting their write.
 MAX_QUEUED_WRITES = 4
 SPILL_BACKLOG = 1 << 30
@@ -124,6 +126,7 @@ class DiskTier(DiskReads):
         self._full_warned = False
         self._cap_warned = False
         self._retry_at: float | None = None  # writes failed: none starts before then
+        self._free, self._free_at, self._started_bytes = 0, -FREE_SECONDS, 0  # see _free_bytes
         self._remaking = False  # the folder was deleted: it is being made again
         versions = (FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
                     str(mx.default_device()))  # fmt: skip
@@ -268,13 +271,18 @@ class DiskTier(DiskReads):
 
     def _start_write(self, entry: Entry, in_memory: bool = True) -> None:
         held = entry.value
+        if held.written or not self._worth(entry):
+            return
         tokens = TokenTree.tokens(entry)
         name = file_name(tokens)
-        if held.written or name in self._writes or not self._worth(entry):
+        if name in self._writes:
             return
         if self._covered(tokens, entry.trimmable) or not self._room_for(entry.nbytes):
             return
-        header, arrays = kv_files.export(held.cache, entry.length, entry.trimmable)
+        # An entry kept WRITE_AFTER ago was evaluated long since; one dropped
+        # for room may have been kept this turn.
+        header, arrays = kv_files.export(held.cache, entry.length, entry.trimmable, in_memory)
+        self._started_bytes += header.data_bytes
         write = Write(name, tokens, header, arrays, entry if in_memory else None)
         self._writes[name] = write
         self._exported.append(write)
@@ -303,7 +311,7 @@ class DiskTier(DiskReads):
                 self._cap_warned = True
             return False
         self._evict(nbytes + sum(w.nbytes for w in self._writes.values()))
-        free = self._folder.free_bytes()
+        free = self._free_bytes()
         if free - nbytes < RESERVE_BYTES:
             if self._gone():
                 return False
@@ -317,7 +325,19 @@ class DiskTier(DiskReads):
         self._full_warned = False
         return True
 
+    def _free_bytes(self) -> int:
+        """The device's free space: asked again every FREE_SECONDS (each write
+        asking would cost the engine thread a system call), less what the writes
+        started since will take."""
+        now = time.monotonic()
+        if now - self._free_at >= FREE_SECONDS:
+            self._free, self._free_at = self._folder.free_bytes(), now
+            self._started_bytes = 0
+        return self._free - self._started_bytes
+
     def _evict(self, incoming: int) -> None:
+        if self.tree.nbytes + incoming <= self._max_bytes:
+            return  # the usual case: looking through every file would cost a copy of the list
         for entry in self.tree:
             if self.tree.nbytes + incoming <= self._max_bytes:
                 break

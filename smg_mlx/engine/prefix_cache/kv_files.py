@@ -65,13 +65,16 @@ class Header:
 # ---- the engine thread: arrays out, arrays in ----
 
 
-def _skeleton(value: Any, arrays: list) -> Any:
-    """`value` (a cache's state) as JSON, each array replaced by its index in `arrays`."""
+def _skeleton(value: Any, arrays: list, held: set[int]) -> Any:
+    """`value` (a cache's state) as JSON, each array replaced by its index in
+    `arrays`. Arrays in `held` (by id: a cache's own, evaluated when it was
+    kept) go as they are where contiguous; others are copied contiguous."""
     if isinstance(value, mx.array):
-        arrays.append(mx.contiguous(value))
+        own = id(value) in held and memoryview(value).c_contiguous
+        arrays.append(value if own else mx.contiguous(value))
         return {"array": len(arrays) - 1}
     if isinstance(value, (list, tuple)):
-        return [_skeleton(v, arrays) for v in value]
+        return [_skeleton(v, arrays, held) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"a prompt cache holding a {type(value).__name__} cannot go to disk")
@@ -86,15 +89,19 @@ def _state(layer: Any) -> Any:
     return layer.state
 
 
-def export(cache: list, tokens: int, trimmable: bool) -> tuple[Header, list]:
+def export(cache: list, tokens: int, trimmable: bool, settled: bool = False) -> tuple[Header, list]:
     """The header of `cache` (one sequence's layers, holding `tokens` tokens)
-    and its arrays, contiguous; they are evaluated asynchronously, so their
-    buffers are ready by the time they are read."""
+    and its arrays, contiguous; copies are evaluated asynchronously, so their
+    buffers are ready by the time they are read. `settled`: the cache's own
+    arrays were evaluated a while ago (reading one that was not would wait for
+    the step running): those already contiguous go uncopied."""
     arrays: list = []
     layers = []
     for layer in cache:
         kind = type(layer)
-        state = _skeleton(_state(layer), arrays)
+        own = (getattr(layer, "keys", None), getattr(layer, "values", None)) if settled else ()
+        held = {id(a) for a in own if a is not None}
+        state = _skeleton(_state(layer), arrays, held)
         layers.append({"class": f"{kind.__module__}:{kind.__qualname__}", "state": state})
     mx.async_eval(arrays)
     described = [
