@@ -234,6 +234,8 @@ def test_the_worker_is_ready_before_the_attention_shapes_are_built_and_builds_th
     monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
     monkeypatch.setattr(core_module, "SHAPES_SECONDS", 0.0)  # one shape at a time
     monkeypatch.setattr(core_module, "SHAPES_QUIET_SECONDS", 0.01)
+    # Keys of several rows padded to 512, not 4096: bfloat16 attention is slow on a CPU.
+    monkeypatch.setattr(attention_shapes, "KEY_BUCKET", 512)
     started_at = []
     monkeypatch.setattr(Recorder, "started", lambda self, *a: (started_at.append(time.time()),
                                                                self.ready.set()))  # fmt: skip
