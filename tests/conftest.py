@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -118,6 +119,23 @@ def start_worker() -> Iterator:
     yield start
     for running in started:
         running.stop()
+
+
+@pytest.fixture
+def restart(start_worker, tmp_path, caplog):
+    """Start a worker on a model, with a cache folder of this test's own, and
+    stop it (a restart follows); the log of that start."""
+    caplog.set_level(logging.INFO, "smg_mlx")
+
+    def start(model: Path, **overrides) -> str:
+        caplog.clear()
+        overrides = {"prompt_cache_dir": tmp_path / "cache", "prompt_cache_disk_bytes": 0,
+                     **overrides}  # fmt: skip
+        running = start_worker(model, **overrides)
+        running.stop()
+        return caplog.text
+
+    return start
 
 
 @pytest.fixture(scope="module")

@@ -303,3 +303,9 @@ def serve(
         cwd=cwd,
     )
     return done.returncode, done.stderr.splitlines()
+
+
+def remembered_files(tmp_path: Path, folder: str) -> list[Path]:
+    """What a worker started by the `restart` fixture remembered in `folder`
+    of its cache folder (engine.remembered)."""
+    return sorted((tmp_path / "cache" / folder).glob("*.json"))

@@ -22,6 +22,7 @@ MLX_SIDE = {
     "smg_mlx.engine.batch.attention_shapes",
     "smg_mlx.engine.memory.buffer_cache",
     "smg_mlx.engine.memory.probe",
+    "smg_mlx.engine.memory.probe_results",
     "smg_mlx.engine.ranks.lockstep",
     "smg_mlx.engine.ranks.placement",
     "smg_mlx.engine.prefix_cache.cache",

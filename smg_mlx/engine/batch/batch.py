@@ -29,7 +29,7 @@ from smg_mlx.engine.batch.lanes import Lanes, Sampled, logprobs
 from smg_mlx.engine.batch.prefix_calls import PrefixCalls
 from smg_mlx.engine.batch.rows import Row, Rows
 from smg_mlx.engine.batch.sampling import SamplerCache, StopTokens
-from smg_mlx.engine.memory import buffer_cache
+from smg_mlx.engine.memory import buffer_cache, probe_results
 from smg_mlx.engine.memory import probe as memory_probe
 from smg_mlx.engine.memory.planner import MemoryPlanner
 from smg_mlx.engine.prefix_cache.cache import PrefixCache
@@ -96,12 +96,22 @@ class Batch(PrefixCalls):
         # pass for what much longer prompts cost. (Quantized rows never use the fused
         # kernel whose padded copies `attention` knows: theirs is measured.)
         known = self.attention if self._fresh_caches is None else None
-        with self.attention.bypassed() if self.attention is not None else nullcontext():
-            self.memory, self.speed = memory_probe.measure(
-                self.model, self._stream, self.max_chunk, group,
-                known.working_set if known is not None else None,
-                self._fresh_caches,
-            )  # fmt: skip
+        kept = None if group is not None else probe_results.remembered(
+            config, self.max_chunk, known is not None
+        )  # fmt: skip
+        found = probe_results.recall(kept) if kept is not None else None
+        if found is not None:
+            self.memory, self.speed = found
+        else:
+            probed = time.perf_counter()
+            with self.attention.bypassed() if self.attention is not None else nullcontext():
+                self.memory, self.speed = memory_probe.measure(
+                    self.model, self._stream, self.max_chunk, group,
+                    known.working_set if known is not None else None,
+                    self._fresh_caches,
+                )  # fmt: skip
+            if kept is not None:
+                probe_results.keep(kept, self.memory, self.speed, time.perf_counter() - probed)
         if config.kv_format is not None:
             kv_format.log_cost(config.kv_format, self.memory.kv_per_token, self.model, self._stream)
         if drafting is not None and drafting.draft is not None:

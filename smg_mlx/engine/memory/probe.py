@@ -239,14 +239,20 @@ def measure(
         per_chunk_token = max(0.0, *spent.values()) / chunk
     mx.clear_cache()
     found = MemoryModel(held, per_kv_token, per_chunk_token, per_context, per_key)
+    log_found(found, speed, f"measured in {time.perf_counter() - started:.1f}s")
+    return found, speed
+
+
+def log_found(memory: MemoryModel, speed: PrefillSpeed, how: str) -> None:
+    """What the probe found (`how`: measured now, or when)."""
     log.info(
         "prefill: %.3f ms per prompt token, and %.3f us more per token of context",
         speed.per_token * 1e3, speed.per_context * 1e6,
     )  # fmt: skip
     log.info(
         "memory: weights %s, KV %s per token, prefill %s per chunk token and %s more per "
-        "token of context, %s per key a prompt attends to (measured in %.1fs)",
-        format_bytes(held), format_bytes(per_kv_token), format_bytes(per_chunk_token),
-        format_bytes(per_context), format_bytes(per_key), time.perf_counter() - started,
+        "token of context, %s per key a prompt attends to (%s)",
+        format_bytes(memory.weights), format_bytes(memory.kv_per_token),
+        format_bytes(memory.prefill_per_token), format_bytes(memory.prefill_per_context),
+        format_bytes(memory.prefill_row_per_key), how,
     )  # fmt: skip
-    return found, speed

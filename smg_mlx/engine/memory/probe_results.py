@@ -1,0 +1,70 @@
+"""The memory probe's findings, remembered across restarts (`engine.remembered`).
+
+What a token costs in memory and time depends on the model's files, the
+libraries, the device, the KV format and the prefill chunk the probe is cut
+to, all of which the fingerprint covers: a restart of the same worker finds
+them, and only another model, setting, library or device probes again. Not
+with a model split over ranks: every rank takes part in the probe's passes,
+so one rank that remembered and one that did not would wait for each other.
+Deleting the folder (`memory-probe` in the prompt cache's) measures again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+
+import mlx.core as mx
+import mlx_lm
+
+from smg_mlx.config import EngineConfig
+from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
+from smg_mlx.engine.memory.probe import log_found
+from smg_mlx.engine.remembered import Remembered
+from smg_mlx.logs import error_line
+
+log = logging.getLogger(__name__)
+
+FOLDER = "memory-probe"
+# Changed whenever what the probe measures, or how, changes: older findings are not used.
+FORMAT = "memory probe 1"
+
+
+def remembered(config: EngineConfig, max_chunk: int, padded: bool) -> Remembered | None:
+    """Where this worker's probe findings are kept (`padded`: prefill attention
+    runs padded, as `engine.batch.attention_shapes` says; None: the model's
+    files cannot be read to tell)."""
+    device = mx.device_info()
+    versions = [
+        FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
+        str(mx.default_device()), str(device.get("device_name")), str(device.get("architecture")),
+        f"prefill chunk {max_chunk}", f"attention {'padded' if padded else 'as is'}",
+        f"kv {config.kv_format or 'as the model'}",
+    ]  # fmt: skip
+    try:
+        return Remembered(config, FOLDER, "memory probe", versions)
+    except OSError as exc:
+        log.warning("memory probe: its findings are not remembered (%s)", error_line(exc))
+        return None
+
+
+def recall(kept: Remembered) -> tuple[MemoryModel, PrefillSpeed] | None:
+    """The findings kept, logged as the probe logs them (None: none)."""
+    found = kept.read()
+    if found is None:
+        return None
+    try:
+        memory = MemoryModel(**found["memory"])
+        speed = PrefillSpeed(**found["speed"])
+        at, seconds = str(found["at"]), float(found["seconds"])
+    except (KeyError, TypeError, ValueError) as exc:
+        kept.ignore(error_line(exc))
+        return None
+    log_found(memory, speed, f"as measured on {at} in {seconds:.1f}s; remembered")
+    return memory, speed
+
+
+def keep(kept: Remembered, memory: MemoryModel, speed: PrefillSpeed, seconds: float) -> None:
+    """Remember what the probe just found, in `seconds`."""
+    found = {"memory": asdict(memory), "speed": asdict(speed), "seconds": round(seconds, 2)}
+    kept.write(found, "its findings")
