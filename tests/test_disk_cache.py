@@ -28,6 +28,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import verdicts
+from smg_mlx.engine.memory import probe_results
 from smg_mlx.engine.prefix_cache import disk_folder, disk_tier, fingerprint, kv_files
 from smg_mlx.engine.prefix_cache.disk_folder import Folder
 from smg_mlx.engine.prefix_cache.folder_contents import file_name
@@ -53,9 +54,9 @@ def files(directory: Path) -> list[Path]:
 
 
 def _model_folders(directory: Path) -> Iterator[Path]:
-    """The models' folders in a prompt cache's directory (the batch check's
-    verdicts are kept there too)."""
-    return (f for f in directory.iterdir() if f.name != verdicts.FOLDER)
+    """The models' folders in a prompt cache's directory (what start-up
+    remembers is kept there too)."""
+    return (f for f in directory.iterdir() if f.name not in (verdicts.FOLDER, probe_results.FOLDER))
 
 
 def same_as_cold(worker, cold, ids: list[int], max_tokens: int = 8):
