@@ -270,8 +270,9 @@ def _pacing(serve: argparse.ArgumentParser) -> None:
         type=non_negative,
         default=EngineConfig.burst_window_seconds * 1000,
         help="an idle worker waits this long after each new request for another, so "
-        "that a burst starts as one prefill group; a running batch never waits; 0 starts "
-        "each at once (%(default)s)",
+        "that a burst starts as one prefill group; where requests just ended, their "
+        "replacements are let in together, up to 5 windows after the last end (a running "
+        "batch steps on meanwhile); 0 starts each at once (%(default)s)",
     )
 
 

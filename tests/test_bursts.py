@@ -12,6 +12,7 @@ import time
 import pytest
 
 from smg_mlx.cli import build_parser
+from smg_mlx.engine.handoff import Inbox
 
 from helpers import generate, prompt, request
 
@@ -92,6 +93,18 @@ def test_the_next_request_after_one_that_ended_is_not_held(start_worker, model_d
     next_turn = Stream(w.stub, prompt(6, 2))
     assert len(next_turn.result()) == 8
     assert next_turn.ttft() < 0.5
+
+
+def test_requests_held_for_the_rest_of_a_burst_are_let_in_with_an_abort():
+    # An abort may name a request still held: it must meet the request, or the
+    # request would run once let in.
+    inbox = Inbox()
+    held = object()
+    inbox.submit(held)
+    assert inbox.take(hold=True) == ([], set())
+    assert inbox.wait(0)  # still there: the engine loop does not sleep on it
+    inbox.abort([7])
+    assert inbox.take(hold=True) == ([held], {7})
 
 
 @pytest.mark.parametrize("value", ["-1", "nan"])

@@ -564,9 +564,11 @@ class Replacing(Recorder):
         super().step(report)
 
 
-def test_replacements_of_a_wave_that_ended_start_together(model_dir):
+@pytest.mark.parametrize("beside", [False, True], ids=["idle", "beside a stream"])
+def test_replacements_of_a_wave_that_ended_start_together(model_dir, beside):
     # Started one by one, they would stay out of step for good: each group costs
-    # a prefill pass of its own, which halved throughput on a GPU.
+    # a prefill pass of its own, which halved throughput on a GPU. Beside a
+    # stream still running, the batch steps on meanwhile.
     inbox = Inbox()
     wave = [Request(k, spec(prompt(12, k), max_tokens=4)) for k in (1, 2, 3, 4)]
     replacements = [Request(k, spec(prompt(12, k), max_tokens=4)) for k in (11, 12, 13, 14)]
@@ -576,13 +578,18 @@ def test_replacements_of_a_wave_that_ended_start_together(model_dir):
     thread.start()
     try:
         assert sink.ready.wait(TIMEOUT)
+        admitted: list[set[int]] = []  # each admission's keys
+        if beside:
+            inbox.submit(Request(99, spec(prompt(12, 99), max_tokens=1000)))
+            while not admitted:
+                if keys := set(sink.next_report().admitted):
+                    admitted.append(keys)
         for r in wave:
             inbox.submit(r)
-        admitted: list[set[int]] = []  # each admission's keys
-        while not admitted or not admitted[-1] & {11, 12, 13, 14}:
+        while not admitted[-1:] or not admitted[-1] & {11, 12, 13, 14}:
             if keys := set(sink.next_report().admitted):
                 admitted.append(keys)
-        assert admitted == [{1, 2, 3, 4}, {11, 12, 13, 14}]
+        assert admitted == [{99}] * beside + [{1, 2, 3, 4}, {11, 12, 13, 14}]
     finally:
         inbox.stop()
         thread.join(TIMEOUT)

@@ -170,7 +170,12 @@ class EngineCore:
                 # that ended left their entries after the last turn planned, and it
                 # holds the cache to what memory and its cap allow. What arrives
                 # meanwhile is the burst of their replacements, gathered below.
-                requests, aborts = ([], set()) if settle else inbox.take()
+                # A running batch leaves the first of such a burst in the inbox
+                # until the rest have come (BurstGatherer.holds), stepping on.
+                hold = batch.size > 0 and bursts.holds(inbox.pending())
+                requests, aborts = ([], set()) if settle else inbox.take(hold)
+                if requests:
+                    bursts.taken()
                 tended = batch.tend_prefixes()
                 turn, events = self._decide(batch, scheduler, requests, aborts)
                 if watchdog is not None:

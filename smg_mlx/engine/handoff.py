@@ -75,15 +75,19 @@ class Inbox:
     def stopping(self) -> bool:
         return self._stopping
 
-    def take(self) -> tuple[list[Request], set[int]]:
-        """Everything submitted and aborted since the last call."""
-        # Clear first: a submit after this line sets it again, so `wait` never
-        # sleeps through one.
-        self._wake.clear()
+    def take(self, hold: bool = False) -> tuple[list[Request], set[int]]:
+        """Everything submitted and aborted since the last call. `hold`: the
+        requests stay for a later call (and `wait` does not sleep), unless an
+        abort came, which may name one of them."""
         with self._lock:
+            hold = hold and not self._aborts
+            # Clear first: a submit or abort after this line sets it again, so
+            # `wait` never sleeps through one.
+            if not hold:
+                self._wake.clear()
             aborts, self._aborts = self._aborts, set()
         requests = []
-        while self._requests:
+        while not hold and self._requests:
             requests.append(self._requests.popleft())
         return requests, aborts
 

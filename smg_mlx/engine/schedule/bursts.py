@@ -1,10 +1,13 @@
-"""Burst gathering: an idle engine starts requests that arrive together as one group.
+"""Burst gathering: requests that arrive together start as one group.
 
 Requests started one or two at a time stay out of step for good: each group
 costs a prefill call and a merge into the batch, and ends in a step of its
 own. So when an idle engine wakes to a new request, it waits while more keep
 coming, each within one window of the last, and starts them together. A
-running batch never waits: new requests join it at the next step.
+running batch never waits, but where requests just ended, the first of their
+replacements (clients' next turns, arriving over a few milliseconds) are let
+in once as many have come as ended, or WINDOWS_AT_MOST windows after the
+last end: the batch steps on meanwhile, and one prefill pass starts them all.
 """
 
 from __future__ import annotations
@@ -38,6 +41,20 @@ class BurstGatherer:
         recent = now - self._ended_at <= self._reach
         self._ended = (self._ended if recent else 0) + count
         self._ended_at = now
+
+    def holds(self, pending: int) -> bool:
+        """Whether a running engine leaves the `pending` requests in the inbox
+        for another step: fewer have come than just ended, and the rest may
+        still be coming (within the reach of the last end). Started apart, the
+        first few would cost a prefill pass of their own, and their group
+        would stay out of step with the rest for good."""
+        if not self._window or not pending or pending >= min(self._ended, self._group):
+            return False
+        return time.monotonic() - self._ended_at <= self._reach
+
+    def taken(self) -> None:
+        """The requests that came were taken: the burst is no longer awaited."""
+        self._ended = 0
 
     def gather(self, inbox: Inbox) -> None:
         """Called when the idle engine wakes: waits until a prefill group's worth
