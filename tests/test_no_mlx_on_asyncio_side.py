@@ -23,6 +23,8 @@ MLX_SIDE = {
     "smg_mlx.engine.memory.buffer_cache",
     "smg_mlx.engine.memory.probe",
     "smg_mlx.engine.memory.probe_results",
+    "smg_mlx.engine.remembered",
+    "smg_mlx.engine.batch.verdicts",
     "smg_mlx.engine.ranks.lockstep",
     "smg_mlx.engine.ranks.placement",
     "smg_mlx.engine.prefix_cache.cache",

@@ -7,12 +7,13 @@ each is kept in a small JSON file in a folder of its own inside the prompt
 cache's folder (`--prompt-cache-dir`, which a deployment keeps on a lasting
 volume; else the user's cache folder), named by a fingerprint as the prompt
 cache's files are (`engine.prefix_cache.fingerprint`): the model's files and
-an adapter's, and the `versions` each user lists (libraries, device, its own
-format and settings). Another model, library or device finds nothing and
-measures again. A file is written whole under another name and renamed into
-place, never through a link (`engine.prefix_cache.safe_files`); one that
-cannot be read or says something else is ignored with one log line, and
-what it held is measured again and replaces it. No MLX here.
+an adapter's, the versions of mlx and mlx-lm, the device, and what each
+finding lists of its own (its format, the settings it depends on). Another
+model, library or device finds nothing and measures again. A file is
+written whole under another name and renamed into place, never through a
+link (`engine.prefix_cache.safe_files`); one that cannot be read or says
+something else is ignored with one log line, and what it held is measured
+again and replaces it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import json
 import logging
 from datetime import datetime
 from typing import Any
+
+import mlx.core as mx
+import mlx_lm
 
 from smg_mlx.config import EngineConfig, cache_home
 from smg_mlx.engine.prefix_cache import safe_files
@@ -48,6 +52,24 @@ class Remembered:
         folder = (config.prompt_cache_dir or cache_home()) / folder_name
         self.path = folder / f"{self.key[:32]}.json"
         self._about = {"model": [str(d) for d in directories], "versions": versions}
+
+    @classmethod
+    def on_this_machine(
+        cls, config: EngineConfig, folder_name: str, what: str, kind: str, settings: list[str]
+    ) -> Remembered | None:
+        """The finding `kind` (its format's name) of `config`'s model made with
+        `settings` by these libraries on this device; None, said once, where the
+        model's files cannot be read to tell it."""
+        device = mx.device_info()
+        versions = [
+            kind, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}", str(mx.default_device()),
+            str(device.get("device_name")), str(device.get("architecture")), *settings,
+        ]  # fmt: skip
+        try:
+            return cls(config, folder_name, what, versions)
+        except OSError as exc:
+            log.warning("%s: not remembered across restarts (%s)", what, error_line(exc))
+            return None
 
     def read(self) -> dict[str, Any] | None:
         """What was remembered, with `at` (when), if anything was."""

@@ -25,13 +25,11 @@ import logging
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch.batch_check import VERSION, Choice, Mode, because, choose, runs_alone
 from smg_mlx.engine.batch.verdicts import Verdict, Verdicts
 from smg_mlx.engine.types import LayerCaches
-from smg_mlx.logs import error_line
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +68,10 @@ def decide(config: EngineConfig, model: nn.Module, stream: mx.Stream, prefill_ro
 def _verdicts(config: EngineConfig, prefill_rows: int, batch_size: int) -> Verdicts | None:
     """This model's remembered verdicts, checked with these batch sizes on this
     device (None: its files cannot be read to tell them)."""
-    device = mx.device_info()
-    versions = [
-        VERSION, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
-        str(mx.default_device()), str(device.get("device_name")), str(device.get("architecture")),
-        f"prefill rows {prefill_rows}", f"batch size {batch_size}",
-    ]  # fmt: skip
+    settings = [f"prefill rows {prefill_rows}", f"batch size {batch_size}"]
     if config.kv_format is not None:  # the quantized attention is checked on its own
-        versions.append(config.kv_format)
-    try:
-        return Verdicts(config, versions)
-    except OSError as exc:
-        log.warning("batch check: its verdict is not remembered (%s)", error_line(exc))
-        return None
+        settings.append(config.kv_format)
+    return Verdicts.on_this_machine(config, VERSION, settings)
 
 
 def _remembered(verdict: Verdict) -> Choice:

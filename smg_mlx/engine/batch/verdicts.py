@@ -1,7 +1,7 @@
 """The batch check's verdicts, remembered across restarts (`engine.remembered`),
 so that the check (`engine.batch.batch_check`), most of a cold start on a slow
 device, runs once per model and machine. The fingerprint covers the batch
-sizes the check ran with besides the model, libraries and device. No MLX here.
+sizes the check ran with (and --kv-bits) besides the model, libraries and device.
 """
 
 from __future__ import annotations
@@ -25,10 +25,17 @@ class Verdict:
 class Verdicts:
     """The remembered verdict of one model checked one way on one machine."""
 
-    def __init__(self, config: EngineConfig, versions: list[str]) -> None:
-        """Raises OSError where the model's files cannot be read to tell it."""
-        self._kept = Remembered(config, FOLDER, "batch check", versions)
-        self.path = self._kept.path
+    def __init__(self, kept: Remembered) -> None:
+        self._kept = kept
+        self.path = kept.path
+
+    @classmethod
+    def on_this_machine(
+        cls, config: EngineConfig, kind: str, settings: list[str]
+    ) -> Verdicts | None:
+        """The verdict of check `kind` with `settings` (see `Remembered.on_this_machine`)."""
+        kept = Remembered.on_this_machine(config, FOLDER, "batch check", kind, settings)
+        return cls(kept) if kept is not None else None
 
     def read(self, modes: set[str]) -> Verdict | None:
         """The verdict remembered, if there is one whose mode is among `modes`."""

@@ -11,19 +11,13 @@ Deleting the folder (`memory-probe` in the prompt cache's) measures again.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict
-
-import mlx.core as mx
-import mlx_lm
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
 from smg_mlx.engine.memory.probe import log_found
 from smg_mlx.engine.remembered import Remembered
 from smg_mlx.logs import error_line
-
-log = logging.getLogger(__name__)
 
 FOLDER = "memory-probe"
 # Changed whenever what the probe measures, or how, changes: older findings are not used.
@@ -34,18 +28,11 @@ def remembered(config: EngineConfig, max_chunk: int, padded: bool) -> Remembered
     """Where this worker's probe findings are kept (`padded`: prefill attention
     runs padded, as `engine.batch.attention_shapes` says; None: the model's
     files cannot be read to tell)."""
-    device = mx.device_info()
-    versions = [
-        FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
-        str(mx.default_device()), str(device.get("device_name")), str(device.get("architecture")),
+    settings = [
         f"prefill chunk {max_chunk}", f"attention {'padded' if padded else 'as is'}",
         f"kv {config.kv_format or 'as the model'}",
     ]  # fmt: skip
-    try:
-        return Remembered(config, FOLDER, "memory probe", versions)
-    except OSError as exc:
-        log.warning("memory probe: its findings are not remembered (%s)", error_line(exc))
-        return None
+    return Remembered.on_this_machine(config, FOLDER, "memory probe", FORMAT, settings)
 
 
 def recall(kept: Remembered) -> tuple[MemoryModel, PrefillSpeed] | None:
