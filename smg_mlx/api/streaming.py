@@ -40,8 +40,12 @@ from smg_mlx.api.jobs import Job
 from smg_mlx.engine.types import Memory, StepReport
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
-MESSAGES_PER_SECOND = 300
-MAX_CHUNK_SECONDS = 0.1
+# A message takes gRPC and the loop a few tenths of a millisecond of the GIL,
+# which an engine thread whose steps are bound by the host (a small model on a
+# GPU) waits for: at this rate, a few percent of its time.
+MESSAGES_PER_SECOND = 100
+# The default step budget (EngineConfig): a stream waits that long anyway while prompts prefill.
+MAX_CHUNK_SECONDS = 0.15
 
 
 def tokens_per_message(minimum: int, running: int, step_seconds: float) -> int:
