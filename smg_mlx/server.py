@@ -7,6 +7,7 @@ import errno
 import logging
 import signal
 import socket
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # At a stop, how long the engine thread may take to end besides the prefix
 # cache's writes (its step, then releasing the model on its own thread).
 STOP_SECONDS = 30.0
+# The engine thread holds the GIL through a step's Python: all of a step where
+# the host bounds it (a small model on a GPU). The event loop, woken for a
+# request or a message, waits up to this long for each piece of its work
+# (Python's default is 5 ms), and every request and stream with it.
+SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 class StartupError(RuntimeError):
@@ -395,6 +401,7 @@ class Worker:
 async def run(config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT, which may come at any time, even while the
     model loads; returns the exit code."""
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     worker = Worker(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
