@@ -22,6 +22,7 @@ from smg_mlx.engine.batch import attention_shapes, warm_up
 from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
+from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.schedule.scheduler import Scheduler
 from smg_mlx.engine.types import (
     Event,
@@ -132,6 +133,43 @@ def test_a_request_streams_its_tokens_then_ends(core):
     assert len(set(tokens)) > 3
     report = sink.settled()
     assert (report.running, report.waiting) == (0, 0)
+
+
+def test_requests_that_end_together_are_reported_before_their_caches_are_kept(
+    model_dir, monkeypatch
+):
+    """Copying each ended row's keys and values out of the batch for the prefix
+    cache takes the engine thread about a millisecond a row on a GPU: a wave of
+    requests ending together hears its ends first (its clients send their next
+    requests meanwhile), and the next request still starts from the cache."""
+    order = []
+    insert = MemoryTier.insert
+
+    def recorded(self, *args, **kwargs):
+        order.append("kept")
+        return insert(self, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryTier, "insert", recorded)
+    inbox = Inbox()
+    sink, thread = start_core(model_dir, inbox)
+    step = sink.step
+
+    def reported(report):
+        ends = sum(e.ends for e in report.events)
+        order.extend(["ended"] * ends)
+        step(report)
+
+    sink.step = reported
+    order.clear()  # the warm-up's
+    prompts = [prompt(40, 60 + k) for k in range(4)]
+    for key, ids in enumerate(prompts):
+        inbox.submit(Request(key, spec(ids, max_tokens=6)))
+    tokens = sink.tokens_of(list(range(4)))
+    inbox.submit(Request(9, spec(prompts[0] + tokens[0], max_tokens=2)))
+    assert sink.events_of(9)[0].cached_tokens == len(prompts[0]) + len(tokens[0]) - 1
+    inbox.stop()
+    thread.join(TIMEOUT)
+    assert order[:8] == ["ended"] * 4 + ["kept"] * 4
 
 
 def test_a_batch_that_only_decodes_is_not_planned_again_at_every_step(model_dir, monkeypatch):

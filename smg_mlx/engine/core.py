@@ -162,6 +162,7 @@ class EngineCore:
             sink.step(self._report(batch, scheduler, short))
 
         settle = False  # the last turn ended requests and left the batch idle
+        kept = False  # the last turn kept ended requests' caches after its report
         building = False  # the last idle turn built attention shapes, nothing having come
         reported_waits = 0  # requests waiting for memory, as last reported
         try:
@@ -209,7 +210,9 @@ class EngineCore:
                 idle = not batch.size and not scheduler
                 # A turn reports what it changed, and who waits for memory when that changed.
                 waits = self._plan.waiting_for_memory
-                changed = turn.admit or turn.drop_cached or tended or waits != reported_waits
+                changed = (
+                    turn.admit or turn.drop_cached or tended or kept or waits != reported_waits
+                )
                 if events or seconds is not None or changed:
                     reported_waits = waits
                     steady = not (changed or finished or idle or passes is None)
@@ -218,6 +221,7 @@ class EngineCore:
                             batch, scheduler, events, seconds, rows, turn.admit, idle, steady
                         )
                     )
+                kept = batch.keep_ended()  # what ended requests leave, once their ends are out
                 if turn.stop:
                     return
                 progress_at = self._progress(batch, progress_at)
@@ -413,6 +417,7 @@ class EngineCore:
                 watchdog.turn_started(turn.expected_seconds)  # now that it is known
                 self._change(batch, turn)
                 self._step(batch, turn)
+                batch.keep_ended()  # as rank 0 does, in the same order
                 watchdog.turn_ended()
                 if turn.stop:
                     return

@@ -88,6 +88,7 @@ class Batch(PrefixCalls):
         self.serve_as(self.choice.mode)
         self._samplers = SamplerCache()
         self._rows = Rows()
+        self._ended = []
         # 0 turns the prefix cache off; None bounds it by the memory budget alone.
         self.prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes != 0 else None
@@ -380,7 +381,7 @@ class Batch(PrefixCalls):
                 row = self._forget((lane, r.uid))
                 # The cache holds every token of `all_tokens`, the last
                 # generated one included.
-                self._keep(r.all_tokens, r.prompt_cache, row.pace)
+                self._keep_later(r.all_tokens, r.prompt_cache, row.pace)
         return events + (self._first_tokens(lane, decoding) if early else [])
 
     def _tokens(self, lane: int, sampled: list) -> list[Event]:
@@ -456,6 +457,7 @@ class Batch(PrefixCalls):
         """Release the lanes' generators, the prefix cache (first writing to
         disk what is worth keeping, until `flush_until()`; None: nothing) and
         the model on this thread (see `EngineCore.run`)."""
+        self.keep_ended()
         self._lanes.close()
         if self.prefixes is not None:
             self.prefixes.close(flush_until)

@@ -79,12 +79,18 @@ class _Script:
         self.running |= keys
         return keys
 
+    def step(self, *long_chunks: int) -> list:
+        """One step, as the engine loop runs it: its events, then what ended keeps."""
+        events = self.batch.step(CHUNK, long_chunks)[0]
+        self.batch.keep_ended()
+        return events
+
     def until(self, keys: Iterable[int]) -> None:
         """Step until these requests end."""
         left = set(keys)
         while left:
             self.progress.tick()
-            for event in self.batch.step(CHUNK)[0]:
+            for event in self.step():
                 if event.ends:
                     self.running.discard(event.key)
                     left.discard(event.key)
@@ -109,7 +115,6 @@ def run(batch: Batch, thorough: bool) -> None:
 
 
 def _every_kind_of_step(script: _Script) -> None:
-    batch = script.batch
     log.info(
         "warm-up: running every kind of step once (a first start on this host builds "
         "the kernels, which takes a minute or more)"
@@ -128,8 +133,8 @@ def _every_kind_of_step(script: _Script) -> None:
     script.until(script.start(script.request(63, 2)))  # joins a running batch
     script.until(script.start(script.request(300, 2), script.request(300, 2)) | {first.key})
     script.start(script.request(4 * CHUNK + 5, 2), long=True)
-    batch.step(CHUNK, (CHUNK,))
+    script.step(CHUNK)
     script.start(script.request(20, 2))
-    batch.step(CHUNK, (CHUNK, CHUNK))
+    script.step(CHUNK, CHUNK)
     script.until(script.running)
     script.until(script.start(script.request(300, 2)))  # a batch of one

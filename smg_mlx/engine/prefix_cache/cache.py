@@ -54,6 +54,10 @@ def open_disk_tier(config: EngineConfig, wake: Callable[[], None]) -> DiskTier |
                     config.kv_format)  # fmt: skip
 
 
+# What an ended sequence leaves: its tokens, its cache and its turn (`PrefixCache.keep`).
+Ended = tuple[Sequence[int], list[LayerCache], Pace | None]
+
+
 class Start(NamedTuple):
     """Where a prompt starts: the cache (None: a fresh one), the tokens it
     holds, the entry it came from, and its conversation's turn (None: a new
@@ -118,11 +122,21 @@ class PrefixCache:
     ) -> None:
         """A sequence ended (or was aborted) holding the keys and values of
         `tokens` (`pace`: its turn, as `start_from` gave it)."""
-        entry, removed = self.memory.insert(tokens, cache, pace=pace)
-        if self.disk is not None:
-            self.disk.superseded(removed)
+        self.keep_all([(tokens, cache, pace)])
+
+    def keep_all(self, ended: Sequence[Ended]) -> None:
+        """`keep` for each of several sequences (tokens, cache, pace), in order."""
+        kept = []
+        for tokens, cache, pace in ended:
+            entry, removed = self.memory.insert(tokens, cache, pace=pace, materialize=False)
             if entry is not None:
-                self.disk.offer(entry)
+                kept.append(cache)
+            if self.disk is not None:
+                self.disk.superseded(removed)
+                if entry is not None:
+                    self.disk.offer(entry)
+        if kept:
+            self.memory.materialize(kept)
 
     def carry(self, entry: Entry, delta: int) -> None:
         """See `MemoryTier.carry`."""

@@ -145,10 +145,12 @@ class MemoryTier:
         cache: list[LayerCache],
         loaded: bool = False,
         pace: Pace | None = None,
+        materialize: bool = True,
     ) -> tuple[Entry | None, list[Entry]]:
         """Keep `cache`, which holds the keys and values of exactly `tokens`
         (`loaded`: read back from disk; `pace`: the turn that made it, see
-        `returning`). Returns its entry (None when a longer entry already
+        `returning`; `materialize`: False where the caller calls `materialize`
+        for it, with others). Returns its entry (None when a longer entry already
         serves all it would) and the entries it replaced or made redundant,
         which have left.
 
@@ -162,12 +164,17 @@ class MemoryTier:
         trimmable = all(c.is_trimmable() for c in cache)
         entry, removed = self.tree.insert(tokens, held, nbytes, trimmable)
         self.version += 1
-        if entry is not None:
-            # Materialize the lazy slices (they would keep the whole batch's
-            # arrays alive), without waiting: a blocking eval would stall the
-            # engine's pipelined steps on every finished request.
-            mx.async_eval([c.state for c in cache])
+        if entry is not None and materialize:
+            self.materialize([cache])
         return entry, removed
+
+    @staticmethod
+    def materialize(caches: Sequence[list[LayerCache]]) -> None:
+        """Evaluate kept caches' lazy slices (they would keep the whole batch's
+        arrays alive, and the next step would copy those whole to update them),
+        without waiting: a blocking eval would stall the engine's pipelined
+        steps. One call for many caches costs less than one each."""
+        mx.async_eval([c.state for cache in caches for c in cache])
 
     def returning(self, prompt: Sequence[int], cached: int, entry: Entry | None) -> Pace | None:
         """The turn of a prompt that started from `entry` with `cached` tokens
