@@ -6,7 +6,8 @@ gRPC or asyncio: the worker runs it behind its gRPC front door, and anything
 else (a test, a follower rank) can run it with an `Inbox` and a `Sink` of its
 own.
 
-Each turn reads: take what arrived, ask the policy, step, report. Deciding
+Each turn reads: take what arrived, ask the policy, step, report, then keep
+what the requests that ended leave for the prefix cache. Deciding
 (aborts, which waiting requests start, the prefill chunk, which prompt-cache
 entries go, whether to stop) is rank 0's alone, and the policy itself lives
 in `engine.schedule`; applying a turn to the batch is every rank's. With one
