@@ -457,7 +457,7 @@ class Batch(PrefixCalls):
         """Release the lanes' generators, the prefix cache (first writing to
         disk what is worth keeping, until `flush_until()`; None: nothing) and
         the model on this thread (see `EngineCore.run`)."""
-        self.keep_ended()
+        self._ended.clear()  # left by a failed turn: nothing is kept of it
         self._lanes.close()
         if self.prefixes is not None:
             self.prefixes.close(flush_until)
