@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -186,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"fewer than {cores.MIN_CPUS} CPUs pin nothing): a VM's CPUs differ in speed",
     )
     p.add_argument(
+        "--host-bound-ms",
+        type=float,
+        default=0.0,
+        help="every decoding step of the raw engine and of our worker first spends this "
+        "many ms in pure Python, holding the GIL, as a small model's steps do on a GPU: a "
+        "CPU run then shows what the GIL costs the worker (e.g. 10; default: 0, off)",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=600.0,
@@ -195,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, help="JSON results (default bench-results/<machine>-<time>.json)"
     )
     return p
+
+
+def host_bound(milliseconds: float) -> None:
+    """--host-bound-ms for the processes started from now on (bench/host_bound)."""
+    folder = str(Path(__file__).parent / "host_bound")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (folder, os.environ.get("PYTHONPATH"))))
+    os.environ["BENCH_HOST_BOUND_MS"] = str(milliseconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if max(levels) > workload.completion_batch_size:
         progress(f"note: concurrency {max(levels)} exceeds the completion batch size; "
                  "requests will queue")  # fmt: skip
+    if args.host_bound_ms:  # every process the bench starts inherits it
+        host_bound(args.host_bound_ms)
     placement = cores.place(args.system_cpus)  # before any thread starts: they inherit it
     if placement is not None:
         progress(placement.describe())
