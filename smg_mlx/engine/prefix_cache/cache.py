@@ -128,7 +128,7 @@ class PrefixCache:
         """`keep` for each of several sequences (tokens, cache, pace), in order."""
         kept = []
         for tokens, cache, pace in ended:
-            entry, removed = self.memory.insert(tokens, cache, pace=pace, materialize=False)
+            entry, removed = self.memory.insert(tokens, cache, pace=pace)
             if entry is not None:
                 kept.append(cache)
             if self.disk is not None:

@@ -149,7 +149,10 @@ class DiskReads:
             size = read.entry.nbytes
             rate = size / max(read.copy_seconds, 1e-6)
             self._copy_rate += RATE_WEIGHT * (rate - self._copy_rate)
-            self.superseded(memory.insert(read.tokens, cache, loaded=True)[1])
+            entry, removed = memory.insert(read.tokens, cache, loaded=True)
+            if entry is not None:
+                memory.materialize([cache])
+            self.superseded(removed)
             self.stats.loaded += 1
             self.stats.loaded_bytes += size
             log.debug(

@@ -145,14 +145,12 @@ class MemoryTier:
         cache: list[LayerCache],
         loaded: bool = False,
         pace: Pace | None = None,
-        materialize: bool = True,
     ) -> tuple[Entry | None, list[Entry]]:
         """Keep `cache`, which holds the keys and values of exactly `tokens`
         (`loaded`: read back from disk; `pace`: the turn that made it, see
-        `returning`; `materialize`: False where the caller calls `materialize`
-        for it, with others). Returns its entry (None when a longer entry already
-        serves all it would) and the entries it replaced or made redundant,
-        which have left.
+        `returning`). Returns its entry (None when a longer entry already
+        serves all it would; else the caller evaluates `cache`, `materialize`)
+        and the entries it replaced or made redundant, which have left.
 
         What is kept is decided by the tokens alone, so every rank of a model
         split over several keeps the same; what to drop for memory is decided
@@ -164,8 +162,6 @@ class MemoryTier:
         trimmable = all(c.is_trimmable() for c in cache)
         entry, removed = self.tree.insert(tokens, held, nbytes, trimmable)
         self.version += 1
-        if entry is not None and materialize:
-            self.materialize([cache])
         return entry, removed
 
     @staticmethod
