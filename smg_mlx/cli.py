@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         metrics_port=args.metrics_port,
+        engine_process=rank is None,
         limits=RequestLimits(
             max_request_bytes=args.max_request_bytes,
             max_response_bytes=args.max_response_bytes,

@@ -141,4 +141,8 @@ class ServerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     metrics_port: int | None = None  # None: no /metrics endpoint
+    # The engine in a child process of its own (api.engine_process), sharing no
+    # GIL with gRPC; False: on a thread of this process (a rank of a model split
+    # over several, whose group this process has joined; tests that patch it).
+    engine_process: bool = False
     limits: RequestLimits = RequestLimits()

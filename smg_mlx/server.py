@@ -39,10 +39,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # At a stop, how long the engine thread may take to end besides the prefix
 # cache's writes (its step, then releasing the model on its own thread).
 STOP_SECONDS = 30.0
-# The engine thread holds the GIL through a step's Python: all of a step where
-# the host bounds it (a small model on a GPU). The event loop, woken for a
-# request or a message, waits up to this long for each piece of its work
-# (Python's default is 5 ms), and every request and stream with it.
+# An engine thread (not process) holds the GIL through a step's Python: all of
+# a step where the host bounds it (a small model on a GPU). The event loop,
+# woken for a request or a message, waits up to this long for each piece of its
+# work (Python's default is 5 ms), and every request and stream with it.
 SWITCH_INTERVAL_SECONDS = 0.0005
 
 
@@ -133,7 +133,9 @@ class Worker:
         self._stop_requested = asyncio.Event()
         self._hurry = False  # a second stop request: no more grace
         self.serving = False  # started and reported SERVING
-        self.engine = EngineClient(asyncio.get_running_loop(), config.stream_interval)
+        self.engine = EngineClient(
+            asyncio.get_running_loop(), config.stream_interval, config.engine_process
+        )
         self.metrics = Metrics(
             active=lambda: self.servicer.active_requests,
             running=lambda: self.engine.running,
@@ -392,7 +394,7 @@ class Worker:
         # process exits without it (os._exit) rather than wait.
         wait = 2 if failed else flush + STOP_SECONDS
         if not await asyncio.to_thread(self.engine.join, wait):
-            log.error("the engine thread did not stop within %.0fs", wait)
+            log.error("the engine did not stop within %.0fs", wait)
             return 1
         log.info("stopped%s", " (the engine had failed)" if failed else "")
         return 1 if failed else 0
@@ -401,7 +403,8 @@ class Worker:
 async def run(config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT, which may come at any time, even while the
     model loads; returns the exit code."""
-    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    if not config.engine_process:
+        sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     worker = Worker(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -121,7 +121,8 @@ def test_bad_flags_exit_two(spawn, model_dir):
 
 
 # The worker's command line, with the engine made to fail at every step once
-# the file named by FAIL_FLAG exists.
+# the file named by FAIL_FLAG exists. A script file, not `-c`: the engine's
+# process runs its top (the patch) again, and not what `__main__` guards.
 FAILING_ENGINE = textwrap.dedent(
     """
     import os
@@ -138,7 +139,8 @@ FAILING_ENGINE = textwrap.dedent(
         return step(self, *args)
 
     Batch.step = step_or_fail
-    sys.exit(main(sys.argv[1:]))
+    if __name__ == "__main__":
+        sys.exit(main(sys.argv[1:]))
     """
 )
 
@@ -147,8 +149,10 @@ def test_an_engine_failure_ends_the_process_with_one(model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "failing.log"
     flag = tmp_path / "fail"
+    script = tmp_path / "failing_engine.py"
+    script.write_text(FAILING_ENGINE)
     proc = subprocess.Popen(
-        [sys.executable, "-c", FAILING_ENGINE, "serve", "--model", str(model_dir),
+        [sys.executable, str(script), "serve", "--model", str(model_dir),
          "--port", str(port)],
         stderr=log.open("w"),
         env={**os.environ, "FAIL_FLAG": str(flag)},

@@ -220,11 +220,9 @@ def test_chunk_size_keeps_to_a_message_budget_but_tokens_wait_at_most_150_ms():
     assert tokens_per_message(1, running=64, step_seconds=0.001) == 1
 
 
-class _Loop:
+def _at_once(callback, *args):
     """Runs what the publisher posts at once (it posts from the engine thread)."""
-
-    def call_soon_threadsafe(self, callback, *args):
-        callback(*args)
+    callback(*args)
 
 
 def test_a_held_token_goes_before_a_step_that_would_hold_it_too_long():
@@ -234,7 +232,7 @@ def test_a_held_token_goes_before_a_step_that_would_hold_it_too_long():
         def deliver(self, reports, per_message):
             handed.append(len(reports))
 
-    publisher = StreamPublisher(_Loop(), Receiver(), minimum=2)
+    publisher = StreamPublisher(_at_once, Receiver(), minimum=2)
     memory = Memory(*[0] * 11)
     report = StepReport((Event(1, token=5),), 0.045, 1, 1, 0, 0, (), memory, idle=False)
     publisher.step(report)  # a 45 ms step: its token waits for the next one's
@@ -254,7 +252,7 @@ def test_with_every_token_alone_a_steps_early_tokens_go_before_it_ends():
         def deliver(self, reports, per_message):
             handed.append([e.token for r in reports for e in r.events])
 
-    publisher = StreamPublisher(_Loop(), Receiver(), minimum=2)
+    publisher = StreamPublisher(_at_once, Receiver(), minimum=2)
     memory = Memory(*[0] * 11)
 
     def report(token: int | None, seconds: float | None) -> StepReport:
@@ -283,7 +281,7 @@ def test_a_stream_sends_what_it_holds_before_a_slow_step():
     async def scenario() -> tuple[list[list[int]], list[list[int]]]:
         client = EngineClient(asyncio.get_running_loop(), stream_interval=2)
         client.started(memory, 1, "batched")
-        publisher = StreamPublisher(_Loop(), client, minimum=2)
+        publisher = StreamPublisher(_at_once, client, minimum=2)
         job = Job("r", spec)
         client.submit(job)
         sent: list[list[int]] = []

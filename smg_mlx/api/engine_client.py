@@ -8,8 +8,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from smg_mlx.api.engine_process import EngineProcess
 from smg_mlx.api.jobs import Job
-from smg_mlx.api.streaming import StreamPublisher
+from smg_mlx.api.streaming import StreamPublisher, poster
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
@@ -40,7 +41,11 @@ class EngineClient:
     through the loop (`api.streaming.StreamPublisher`), never directly.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stream_interval: int) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, stream_interval: int, own_process: bool = False
+    ) -> None:
+        """`own_process`: the engine runs on the main thread of a child process,
+        spawned now (`engine_process`), not on a thread of this one."""
         self.state = EngineState.STARTING
         self.failure: str | None = None
         # As of the last report: sequences being prefilled or decoded, of those
@@ -52,26 +57,34 @@ class EngineClient:
         self.memory: Memory | None = None
         self.cache = CacheStats()  # the prefix cache's tiers
         self.speculation = SpeculationStats()
-        self.speculation = SpeculationStats()
         self.ranks = 1  # processes serving the model together
         self.mode = ""  # how requests are batched (engine.batch.batch_check), once started
         self.tokens_per_message = stream_interval
         self.each_alone = stream_interval == 1  # every token in a message of its own
         self._jobs: dict[int, Job] = {}
-        self._inbox = Inbox()
+        self._loop = loop
+        self._stream_interval = stream_interval
         self._stopping = False
         self._ready: asyncio.Future[None] = loop.create_future()
         self._failure_listeners: list[Callable[[str], None]] = []
         self._step_listeners: list[Callable[[list[float], list[int]], None]] = []
-        self._publisher = StreamPublisher(loop, self, stream_interval)
-        self._thread: threading.Thread | None = None
+        self._inbox: Inbox | EngineProcess = Inbox()
+        self._runner: threading.Thread | EngineProcess | None = None
+        if own_process:
+            self._inbox = EngineProcess(loop, self, stream_interval)
+            self._runner = self._inbox
 
     def start(self, config: EngineConfig) -> None:
-        """Load `config`'s model on a new engine thread, which then serves. (The
-        model is known only once the worker is listening: it may be downloaded.)"""
-        core = EngineCore(config, self._inbox, self._publisher)
-        self._thread = threading.Thread(target=core.run, name="mlx-engine", daemon=True)
-        self._thread.start()
+        """Load `config`'s model on a new engine thread (or in the engine's
+        process), which then serves. (The model is known only once the worker
+        is listening: it may be downloaded.)"""
+        if isinstance(self._inbox, EngineProcess):
+            self._inbox.start(config)
+            return
+        publisher = StreamPublisher(poster(self._loop), self, self._stream_interval)
+        core = EngineCore(config, self._inbox, publisher)
+        self._runner = threading.Thread(target=core.run, name="mlx-engine", daemon=True)
+        self._runner.start()
 
     async def wait_ready(self) -> None:
         """Returns once the model is loaded and warmed up; raises if loading failed."""
@@ -105,11 +118,12 @@ class EngineClient:
         self._inbox.hurry()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the engine thread to end (call off the loop); True if it has."""
-        if self._thread is None:  # never started
+        """Wait for the engine thread (or process) to end (call off the loop);
+        True if it has."""
+        if self._runner is None:  # never started
             return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        self._runner.join(timeout)
+        return not self._runner.is_alive()
 
     # ---- the engine's reports, on the loop ----
 

@@ -72,21 +72,30 @@ class Receiver(Protocol):
     def failed(self, message: str, permanent: bool = False) -> None: ...
 
 
-class StreamPublisher:
-    """The engine's sink: forwards its reports to the event loop, paced."""
+def poster(loop: asyncio.AbstractEventLoop) -> Callable[..., None]:
+    """`post(callback, *args)`: call it on `loop`, from any thread (nothing, once
+    the loop is gone: nobody is listening)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, receiver: Receiver, minimum: int) -> None:
-        self._loop = loop
+    def post(callback: Callable[..., None], *args: object) -> None:
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass
+
+    return post
+
+
+class StreamPublisher:
+    """The engine's sink: forwards its reports to the receiver through `post`
+    (`poster(loop)` on the worker's event loop; in the engine's own process,
+    `api.engine_child`, a call that crosses the pipe), paced."""
+
+    def __init__(self, post: Callable[..., None], receiver: Receiver, minimum: int) -> None:
+        self._post = post
         self._receiver = receiver
         self._minimum = minimum
         self._per_message = minimum  # tokens per message now
         self._held: list[StepReport] = []
-
-    def _post(self, callback: Callable[..., None], *args: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop is gone: nobody is listening
-            pass
 
     def _flush(self) -> None:
         if self._held:

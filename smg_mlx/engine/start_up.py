@@ -37,6 +37,12 @@ class Started(NamedTuple):
     channel: Channel | None
 
 
+def import_mlx() -> None:
+    """Import what `start` needs (MLX, mlx-lm, and transformers with it: seconds),
+    on the thread that will own MLX, before the model to load is known."""
+    from smg_mlx.engine.batch import batch, loading  # noqa: F401
+
+
 def start(config: EngineConfig, wake: Callable[[], None]) -> Started:
     """Load, check and warm up the model, and set up what decides each step
     (`wake`: called from the disk tier's threads when they finish work for

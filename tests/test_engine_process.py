@@ -1,0 +1,105 @@
+"""The engine in a process of its own (`smg-mlx serve` runs it so): it serves as an
+engine thread does, dies with the worker, and its death fails the worker loudly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from bench.workers import free_port
+from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+from smg_mlx.health_check import probe
+
+from helpers import collect, generate, prompt, request, wait_until
+
+
+def engine_pid(worker_pid: int) -> int:
+    """The worker's engine process (the spawned child that is not multiprocessing's
+    resource tracker)."""
+    found = subprocess.run(
+        ["pgrep", "-P", str(worker_pid), "-f", "spawn_main"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(found) == 1, found
+    return int(found[0])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone but for its exit code (its parent, killed, cannot reap it).
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+
+
+def test_it_serves_what_an_engine_thread_serves(worker, start_worker, model_dir, caplog):
+    caplog.set_level(logging.INFO, "smg_mlx")
+    own = start_worker(model_dir, engine_process=True)
+    ids = prompt(12, 5)
+    expected = generate(worker.stub, ids, max_tokens=16).tokens
+    assert len(set(expected)) > 1  # the model's output varies: the equality means something
+    assert generate(own.stub, ids, max_tokens=16).tokens == expected
+    # Its log lines reach the worker's log, under their own loggers.
+    assert any(r.name.startswith("smg_mlx.engine.") and "warm-up" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert own.stop() == 0
+
+
+def test_killing_the_worker_ends_its_engine_process(spawn, model_dir):
+    p = spawn("--model", str(model_dir))
+    p.wait_serving()
+    engine = engine_pid(p.proc.pid)
+    p.proc.kill()
+    p.proc.wait()
+    # Nothing is left holding the model's memory (the engine notices its pipe close).
+    assert wait_until(lambda: not alive(engine), 30)
+
+
+def test_a_killed_engine_fails_its_requests_and_the_worker_exits_one(spawn, model_dir):
+    p = spawn("--model", str(model_dir))
+    p.wait_serving()
+    call = p.stub.Generate(request(prompt(4), max_tokens=1900, ignore_eos=True), timeout=60)
+    next(call)
+    os.kill(engine_pid(p.proc.pid), signal.SIGKILL)  # as the system does when memory runs out
+    with pytest.raises(grpc.RpcError) as err:
+        collect(call)
+    assert "killed by SIGKILL" in err.value.details()
+    assert p.proc.wait(30) == 1  # for the supervisor to restart it
+    assert "the engine process was killed by SIGKILL" in p.log.read_text()
+
+
+def test_ctrl_c_in_a_terminal_drains_and_exits_zero(model_dir, tmp_path):
+    # A terminal's Ctrl-C signals the whole process group, the engine's process too.
+    port = str(free_port())
+    log = tmp_path / "worker.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir), "--port", port],
+        stderr=log.open("w"),
+        start_new_session=True,
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
+            grpc.channel_ready_future(channel).result(60)
+            assert wait_until(lambda: probe("127.0.0.1", int(port), 5) is None, 60), log.read_text()
+            call = stub.Generate(request(prompt(4), max_tokens=64, ignore_eos=True), timeout=60)
+            next(call)
+            time.sleep(0.1)
+            os.killpg(proc.pid, signal.SIGINT)
+            # The request in flight still finishes: the engine ignored the signal.
+            assert collect(call).complete.finish_reason == "length"
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        proc.kill()
+    assert "Traceback" not in log.read_text()
