@@ -8,6 +8,10 @@ compare their placement, not the systems. Where there are enough CPUs, every
 system under test (the raw engine, our worker, the peer) is pinned to the
 same `count`, the fastest of a short timing, and this process (the client,
 its gRPC threads) to the others; the systems run in turn, never together.
+Where a CPU shares its physical core with another (SMT siblings), the
+systems get one CPU of each of `count` cores and their siblings stay idle: a
+system of several processes (our worker, its engine) would otherwise slow
+its own engine thread, or the client would, through a shared core.
 """
 
 from __future__ import annotations
@@ -29,18 +33,25 @@ class Placement:
     systems: tuple[int, ...]
     client: tuple[int, ...]
     loop_ms: dict[int, float]  # each CPU's time for the loop
+    idle: tuple[int, ...] = ()  # the systems' CPUs' SMT siblings, left to nobody
 
     def describe(self) -> str:
         times = sorted(self.loop_ms.values())
         return (
             f"systems pinned to CPUs {','.join(map(str, self.systems))}, the client to "
-            f"{len(self.client)} others (a timed loop took {times[0]:.1f}-{times[-1]:.1f} ms "
-            f"across the {len(times)} CPUs)"
+            f"{len(self.client)} others{self._idle()} (a timed loop took "
+            f"{times[0]:.1f}-{times[-1]:.1f} ms across the {len(times)} CPUs)"
         )
 
+    def _idle(self) -> str:
+        if not self.idle:
+            return ""
+        return f", their cores' other CPUs {','.join(map(str, self.idle))} idle"
+
     def to_dict(self) -> dict:
+        loop_ms = {str(c): round(t, 2) for c, t in self.loop_ms.items()}
         return {"systems": list(self.systems), "client": list(self.client),
-                "loop_ms": {str(c): round(t, 2) for c, t in self.loop_ms.items()}}  # fmt: skip
+                "idle": list(self.idle), "loop_ms": loop_ms}  # fmt: skip
 
 
 _placed: Placement | None = None
@@ -72,11 +83,42 @@ def place(count: int) -> Placement | None:
                 times[cpu] = min(times[cpu], _loop_ms(cpu))
     finally:
         os.sched_setaffinity(0, allowed)
-    fastest = tuple(sorted(sorted(allowed, key=times.__getitem__)[:count]))
-    client = tuple(cpu for cpu in allowed if cpu not in fastest)
+    ranked = sorted(allowed, key=times.__getitem__)
+    fastest, idle = _one_per_core(ranked, count, set(allowed))
+    client = tuple(cpu for cpu in allowed if cpu not in fastest and cpu not in idle)
+    if len(client) < count:  # too few cores to leave siblings idle
+        fastest, idle = tuple(sorted(ranked[:count])), ()
+        client = tuple(cpu for cpu in allowed if cpu not in fastest)
     os.sched_setaffinity(0, client)
-    _placed = Placement(fastest, client, times)
+    _placed = Placement(fastest, client, times, idle)
     return _placed
+
+
+def _siblings(cpu: int) -> set[int]:
+    """The CPUs sharing `cpu`'s physical core, itself included (as the kernel tells)."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            listed = f.read().strip()
+    except OSError:
+        return {cpu}
+    found = set()
+    for part in listed.split(","):
+        low, _, high = part.partition("-")
+        found.update(range(int(low), int(high or low) + 1))
+    return found | {cpu}
+
+
+def _one_per_core(
+    ranked: list[int], count: int, allowed: set[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The first `count` of `ranked` on cores of their own, and their siblings."""
+    chosen: list[int] = []
+    idle: set[int] = set()
+    for cpu in ranked:
+        if len(chosen) < count and cpu not in idle:
+            chosen.append(cpu)
+            idle |= (_siblings(cpu) & allowed) - {cpu}
+    return tuple(sorted(chosen)), tuple(sorted(idle - set(chosen)))
 
 
 def placed() -> Placement | None:

@@ -40,3 +40,12 @@ def test_nothing_is_pinned_on_a_machine_with_too_few_cpus(restored, monkeypatch)
     monkeypatch.setattr(cores, "MIN_CPUS", len(restored) + 1)
     assert cores.place(1) is None
     assert os.sched_getaffinity(0) == restored
+
+
+def test_systems_get_a_core_each_and_their_cores_other_cpus_stay_idle(monkeypatch):
+    # Eight cores of two CPUs each (i and i + 8), as many VMs number them.
+    monkeypatch.setattr(cores, "_siblings", lambda cpu: {cpu % 8, cpu % 8 + 8})
+    fastest_first = [0, 8, 10, 11, 13, 7, 3, 12, 4, 6, 15, 2, 1, 5, 14, 9]
+    systems, idle = cores._one_per_core(fastest_first, 4, set(range(16)))
+    assert systems == (0, 10, 11, 13)  # not 0 and 8: one core
+    assert idle == (2, 3, 5, 8)
