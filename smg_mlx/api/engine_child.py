@@ -40,61 +40,74 @@ log = logging.getLogger(__name__)
 ORPHAN_SECONDS = 10.0
 
 
-class PipeReceiver:
-    """The worker's `streaming.Receiver`, seen from here: each call crosses the pipe."""
+class PipeEnd:
+    """One end of the pipe: (name, args) messages, sent whole from any thread."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._lock = threading.Lock()  # the engine thread, the relay and a watchdog send
-        self.serving = False  # `started` was sent
+        self._lock = threading.Lock()
 
     def send(self, name: str, *args: object) -> None:
+        """Nothing once the other side is gone: where this side reads, it learns so."""
         with self._lock:
             try:
                 self._conn.send((name, args))
-            except OSError:  # the worker is gone: the relay ends this process
+            except OSError:
                 pass
+
+    def recv(self) -> tuple[str, tuple] | None:
+        """The next message; None once the other side is gone."""
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return None
+
+
+class PipeReceiver:
+    """The worker's `streaming.Receiver`, seen from here: each call crosses the pipe
+    (sent by the engine thread, the relay, and with several ranks a watchdog)."""
+
+    def __init__(self, pipe: PipeEnd) -> None:
+        self._pipe = pipe
+        self.serving = False  # `started` was sent
 
     def started(self, memory: Memory, ranks: int, mode: str) -> None:
         self.serving = True
-        self.send("started", memory, ranks, mode)
+        self._pipe.send("started", memory, ranks, mode)
 
     def deliver(self, reports: list[StepReport], per_message: int) -> None:
-        self.send("deliver", reports, per_message)
+        self._pipe.send("deliver", reports, per_message)
 
     def stopped(self) -> None:
-        self.send("stopped")
+        self._pipe.send("stopped")
 
     def failed(self, message: str, permanent: bool = False) -> None:
-        self.send("failed", message, permanent)
+        self._pipe.send("failed", message, permanent)
 
 
 class PipeLogs(logging.handlers.QueueHandler):
     """Hands each log record, its message and traceback made text, to the worker."""
 
-    def __init__(self, receiver: PipeReceiver) -> None:
+    def __init__(self, pipe: PipeEnd) -> None:
         super().__init__(queue=None)
-        self._receiver = receiver
+        self._pipe = pipe
         # The worker's handlers add the time, level and logger; the message is
         # all to make text here (basicConfig would add its own prefix).
         self.setFormatter(logging.Formatter("%(message)s"))
 
     def enqueue(self, record: logging.LogRecord) -> None:
-        self._receiver.send("log", record)
+        self._pipe.send("log", record)
 
 
 def _call(callback: Callable[..., None], *args: object) -> None:
     callback(*args)
 
 
-def _relay(conn: Connection, inbox: Inbox, receiver: PipeReceiver) -> None:
+def _relay(pipe: PipeEnd, inbox: Inbox, receiver: PipeReceiver) -> None:
     """The worker's calls, made on the inbox, until the pipe closes. Closed with
     no stop asked, the worker was killed: nobody can be served any more."""
-    while True:
-        try:
-            name, args = conn.recv()
-        except (EOFError, OSError):
-            break
+    while (message := pipe.recv()) is not None:
+        name, args = message
         getattr(inbox, name)(*args)
     if inbox.stopping:
         return
@@ -113,25 +126,23 @@ def serve(conn: Connection, stream_interval: int, log_level: int) -> None:
     # Signals are the worker's: it asks this process to stop through the pipe.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    receiver = PipeReceiver(conn)
-    logging.basicConfig(level=log_level, handlers=[PipeLogs(receiver)], force=True)
+    pipe = PipeEnd(conn)
+    receiver = PipeReceiver(pipe)
+    logging.basicConfig(level=log_level, handlers=[PipeLogs(pipe)], force=True)
     # While the worker finds the model and loads its tokenizer.
     try:
         start_up.import_mlx()
     except Exception:  # noqa: BLE001 - the same import fails in `EngineCore.run`, which says why
         pass
-    try:
-        name, args = conn.recv()
-    except (EOFError, OSError):
-        name = "gone"
-    if name != "start":  # stopped (or gone) before it started
+    message = pipe.recv()
+    if message is None or message[0] != "start":  # stopped (or gone) before it started
         os._exit(0)
     inbox = Inbox()
     relay = threading.Thread(
-        target=_relay, args=(conn, inbox, receiver), name="engine-inbox", daemon=True
+        target=_relay, args=(pipe, inbox, receiver), name="engine-inbox", daemon=True
     )
     relay.start()
-    EngineCore(args[0], inbox, StreamPublisher(_call, receiver, stream_interval)).run()
+    EngineCore(message[1][0], inbox, StreamPublisher(_call, receiver, stream_interval)).run()
     logging.shutdown()
     # As `cli.exit_process`: MLX's per-thread state must not meet interpreter finalization.
     os._exit(0)

@@ -45,8 +45,8 @@ class EngineProcess:
         # Spawned, not forked: a fork copies the threads' locks in whatever state
         # they are (gRPC's among them) without the threads.
         context = multiprocessing.get_context("spawn")
-        self._conn, child_end = context.Pipe()
-        self._lock = threading.Lock()
+        conn, child_end = context.Pipe()
+        self._pipe = engine_child.PipeEnd(conn)
         # Two threads asking for the exit code could both try to reap the child;
         # the loser would read it as still running.
         self._reaping = threading.Lock()
@@ -63,22 +63,15 @@ class EngineProcess:
             target=self._read, args=(loop, receiver), name="engine-reports", daemon=True
         ).start()
 
-    def _send(self, name: str, *args: object) -> None:
-        with self._lock:
-            try:
-                self._conn.send((name, args))
-            except OSError:  # the child is gone: the reader reports it
-                pass
-
     def start(self, config: EngineConfig) -> None:
         """Load and serve `config`'s model (the child has imported MLX meanwhile)."""
-        self._send("start", config)
+        self._pipe.send("start", config)
 
     def submit(self, request: Request) -> None:
-        self._send("submit", request)
+        self._pipe.send("submit", request)
 
     def abort(self, keys: Iterable[int]) -> None:
-        self._send("abort", list(keys))
+        self._pipe.send("abort", list(keys))
 
     def stop(self, flush_seconds: float = 0.0) -> None:
         if not self._serving:
@@ -86,10 +79,10 @@ class EngineProcess:
             # child holds the worker's stderr: whoever reads it would wait too.
             self.process.kill()
             return
-        self._send("stop", flush_seconds)
+        self._pipe.send("stop", flush_seconds)
 
     def hurry(self) -> None:
-        self._send("hurry")
+        self._pipe.send("hurry")
 
     def join(self, timeout: float | None = None) -> None:
         """Wait up to `timeout` for the child to end."""
@@ -109,11 +102,8 @@ class EngineProcess:
         """Hand the child's reports to the loop until its pipe closes; then,
         unless it had said it stopped or failed, report it died."""
         post = poster(loop)
-        while True:
-            try:
-                name, args = self._conn.recv()
-            except (EOFError, OSError):
-                break
+        while (message := self._pipe.recv()) is not None:
+            name, args = message
             if name == "log":
                 record = args[0]
                 logging.getLogger(record.name).handle(record)
