@@ -19,6 +19,7 @@ benchmark, not a test: it says something only on the machine it is meant for
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from bench.stats import LevelResult
@@ -63,10 +64,19 @@ def throughput_bound(concurrency: int) -> float:
     return bound
 
 
+def paired(ours: LevelResult, engine: LevelResult) -> float | None:
+    """The median of ours/engine over rounds of the same number, which ran next
+    to each other (`bench.runner`): each ratio taken in one state of the machine."""
+    ratios = [o / e for o, e in zip(ours.round_tok_s, engine.round_tok_s, strict=False) if e > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def throughput_checks(results: list[LevelResult], levels: list[int]) -> list[Check]:
     """ours/engine tok/s at each level, each side's best round against the
     other's: on a shared machine whole rounds of either side run tens of
-    percent slow, and pooling rounds compares how many of those each drew."""
+    percent slow, and pooling rounds compares how many of those each drew.
+    The name also gives the pooled ratio and the rounds paired (`paired`):
+    where they disagree, the machine's drift is larger than the gap measured."""
     by = {(r.system, r.concurrency): r for r in results}
     checks = []
     for c in levels:
@@ -75,7 +85,9 @@ def throughput_checks(results: list[LevelResult], levels: list[int]) -> list[Che
         value = ours.best_tok_s / engine.best_tok_s if ok else None
         name = f"ours/engine tok/s at concurrency {c}, best rounds"
         if ok:
-            name += f" (pooled {ours.tok_s / engine.tok_s:.2f})"
+            pair = paired(ours, engine)
+            name += f" (pooled {ours.tok_s / engine.tok_s:.2f}"
+            name += f", rounds paired {pair:.2f})" if pair is not None else ")"
         checks.append(Check(name, value, throughput_bound(c)))
     return checks
 
