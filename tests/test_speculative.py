@@ -24,7 +24,7 @@ from smg_mlx.engine.batch import quantized_kv  # noqa: F401 - QuantizedKVCache's
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
-from smg_mlx.engine.speculative.pacing import Pacing
+from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import lookup
 from smg_mlx.engine.types import SamplingSettings
 
@@ -181,15 +181,15 @@ def test_a_draft_rows_proposals_grow_while_kept_and_shrink_after_misses():
 
 
 class Now(Pacing):
-    """Checks proposals at every `every`th pass only."""
+    """Checks proposals in every `every`th run of passes only."""
 
     def __init__(self, every: int) -> None:
         super().__init__()
-        self.every, self.passes = every, 0
+        self.every, self.runs = every, 0
 
-    def check(self, rows: int) -> bool:
-        self.passes += 1
-        return self.passes % self.every == 0
+    def start(self, rows: int) -> Block:
+        self.runs += 1
+        return Block(rows, self.runs % self.every == 0)
 
 
 def test_a_draft_that_fell_behind_plain_passes_catches_up_and_stays_exact():
@@ -198,7 +198,7 @@ def test_a_draft_that_fell_behind_plain_passes_catches_up_and_stays_exact():
     max_tokens = [150, 90, 200, 120]
     plain, _, _, _ = generate(model, prompts, max_tokens, False)
     ours, _, cached, stats = generate(model, prompts, max_tokens, True, draft=model,
-                                      pacing=Now(every=70))  # fmt: skip
+                                      pacing=Now(every=9))  # fmt: skip
     assert ours == plain
     assert all(size == tokens for size, tokens in cached.values())
     assert stats.passes >= 2 and stats.accepted == stats.proposed
@@ -234,21 +234,115 @@ def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
     assert lookup(np.array([1, 2, 3, 4]), 4, 3) == []  # nothing recurs
 
 
-def test_pacing_checks_proposals_only_where_that_pays():
+class Clock:
+    """Stands in for the pacing's clock: time moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pacing_checks_proposals_only_where_that_pays(monkeypatch):
+    from smg_mlx.engine.speculative import pacing as paced
+
+    clock = Clock()
+    monkeypatch.setattr(paced.time, "perf_counter", clock)
     pacing = Pacing()
-    assert not pacing.check(8)  # plain passes first: the measure to hold against
-    for _ in range(2):  # the first pass of a shape may build kernels: not counted
-        pacing.ran(8, 1, 0.010, 8)
-    assert pacing.check(8)  # checking not measured yet: tried
-    for _ in range(2):
-        pacing.ran(8, 5, 0.012, 20)
-    assert pacing.check(8)  # 20 tokens in 12 ms beat 8 in 10
+
+    def run(rows: int, plain: tuple[float, int], checking: tuple[float, int]) -> bool:
+        """One run of passes, each taking (seconds, tokens) as its kind does:
+        whether it checked."""
+        block = pacing.start(rows)
+        seconds, tokens = checking if block.checking else plain
+        for _ in range(paced.BLOCK):
+            block.ran(tokens, pacing.new_shape(rows, 5 if block.checking else 1))
+            clock.now += seconds
+        pacing.ended(block)
+        return block.checking
+
+    plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
+    assert not run(8, plain, paying)  # plain first: the measure to hold against (a first
+    assert not run(8, plain, paying)  # shape is not counted: kernels may be built in it)
+    assert run(8, plain, paying)  # checking not measured yet: tried
+    assert run(8, plain, paying)
+    assert run(8, plain, paying)  # 20 tokens in 12 ms beat 8 in 10
     for _ in range(8):
-        pacing.ran(8, 5, 0.030, 9)  # compute-bound, or proposals mostly wrong
-    assert not pacing.check(8)
-    assert not pacing.check(2)  # another batch size has its own measures: none yet
-    checks = sum(pacing.check(8) for _ in range(200))
-    assert 1 <= checks <= 3  # a losing checking pass is tried again now and then, less often
+        run(8, plain, losing)  # compute-bound, or proposals mostly wrong
+    assert not run(8, plain, losing)
+    assert not pacing.start(2).checking  # another batch size has its own measures: none yet
+    checks = sum(run(8, plain, losing) for _ in range(200))
+    assert 1 <= checks <= 4  # a losing checking run is tried again now and then, less often
+
+
+@pytest.mark.parametrize("after_checking, keeps_checking", [(0.012, True), (0.110, False)])
+def test_pacing_counts_what_a_checking_pass_costs_until_the_next_pass(
+    monkeypatch, after_checking, keeps_checking
+):
+    """Passes are timed from one to the next: where the engine's work after
+    checking passes (the wait they add, their tokens' handling) eats what
+    they gained, the worker stops checking; where it does not, it goes on."""
+    from smg_mlx.engine.speculative import pacing
+
+    clock = Clock()
+    monkeypatch.setattr(pacing.time, "perf_counter", clock)
+    model = tiny_model("llama", scale=1.0)  # repeats itself: proposals are right
+    stats = DraftStats()
+    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
+    generator._generation_batch = SpeculativeGenerationBatch.start(
+        model, generator.sampler, Drafting(most=4, pacing=Pacing(), stats=stats)
+    )
+    generator.insert(repetitive_prompts(4, 5), [3000] * 4)
+    calls = 400
+    for _ in range(calls):
+        checked = stats.passes
+        generator.next()
+        clock.now += after_checking if stats.passes > checked else 0.010
+    generator.close()
+    assert stats.passes >= 1  # tried
+    if keeps_checking:
+        assert stats.passes > calls / 2 and stats.accepted > 0
+    else:
+        assert stats.passes < calls / 8  # tried, lost, tried again now and then
+
+
+def test_rows_that_ended_apart_line_up_when_checking_stops_and_stay_exact():
+    """A checking pass leaves rows' caches ending at different columns; once
+    pacing stops checking, they end together again (plain passes run plain)
+    and every token is still the one plain decoding gives."""
+
+    class First(Pacing):
+        def __init__(self, runs: int) -> None:
+            super().__init__()
+            self.left = runs
+
+        def start(self, rows: int) -> Block:
+            self.left -= 1
+            return Block(rows, self.left >= 0)
+
+    model = tiny_model("llama", scale=1.5)
+    prompts = repetitive_prompts(6, 3)
+    max_tokens = [60, 45, 80, 52, 70, 66]
+    plain, _, _, _ = generate(model, prompts, max_tokens, False)
+    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    stats = DraftStats()
+    batch = generator._generation_batch = SpeculativeGenerationBatch.start(
+        model, generator.sampler, Drafting(most=4, pacing=First(3), stats=stats)
+    )
+    which = dict(zip(generator.insert(prompts, max_tokens), range(len(prompts)), strict=True))
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    apart = False
+    for call in range(200):
+        for r in generator.next()[1]:
+            tokens[which[r.uid]].append(r.token)
+        ends = [getattr(c, "_ends", None) for c in batch.prompt_cache]
+        apart = apart or any(e is not None for e in ends)
+        if call == 40:
+            assert all(e is None for e in ends)  # checking stopped: lined up again
+    generator.close()
+    assert apart and stats.accepted < stats.proposed  # rows did end apart
+    assert [tokens[i] for i in range(len(prompts))] == plain
 
 
 def test_seeded_requests_draw_the_tokens_they_draw_without_speculation():

@@ -85,7 +85,12 @@ class Lanes:
         generator = self._generators[lane]
         generator.prefill_step_size = chunk
         with self._buffers():
-            return generator.next()
+            prefilling, responses = generator.next()
+        if self.drafting is not None:  # speculation's pacing times each lane's own passes
+            for other in self._generators:
+                if other is not generator:
+                    other._generation_batch.disturbed()
+        return prefilling, responses
 
     def move_to_long(
         self, lane: int, uid: int, token: int, left: int, options: tuple

@@ -7,7 +7,7 @@ One pass over the model checks every row's proposals at once (`decoding`);
 each row keeps the proposals its own sample agrees with, plus the token the
 model chose after them, and takes the rest back from its cache
 (`ragged_kv`: rows of one batch may end at different columns). Rows without
-proposals decode in the same pass. `pacing` decides from measured pass times
+proposals decode in the same pass. `pacing` decides from timed runs of passes
 whether a wider pass pays, and each row's proposals adapt to how many of
 them were right.
 

@@ -14,13 +14,14 @@ decoding gives the same tokens, sampling the same distribution, and every
 logprob returned is the model's.
 
 Such a pass must see its rows' latest tokens before it is built, so it waits
-for the pass before it, where mlx-lm would overlap them: `Pacing` runs it
-only where the measured rate pays for that.
+for the pass before it, where mlx-lm would overlap them: `Pacing` has passes
+check only where measured runs of them (`pacing.Block`) say that pays. Where
+a plain run starts, a cache whose rows ended apart is lined up again, so that
+its passes run, and are timed, as plain ones.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +29,9 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
 from smg_mlx.engine.speculative.draft_model import DraftRows
-from smg_mlx.engine.speculative.pacing import Pacing
+from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
-from smg_mlx.engine.speculative.ragged_kv import ragged
+from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
 
 
 @dataclass
@@ -60,6 +61,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     _rows: dict[int, RowDrafts]
     _draft_rows: DraftRows | None
     _steps: int
+    _block: Block | None  # the run of passes under way (pacing)
 
     @classmethod
     def start(cls, model: Any, sampler: Any, drafting: Drafting) -> SpeculativeGenerationBatch:
@@ -69,7 +71,19 @@ class SpeculativeGenerationBatch(GenerationBatch):
         batch._rows = {}
         batch._draft_rows = DraftRows(drafting.draft) if drafting.draft is not None else None
         batch._steps = 0
+        batch._block = None
         return batch
+
+    def disturbed(self) -> None:
+        """The other lane's passes ran between two of these: the run under way
+        says nothing of this batch's own."""
+        if self._block is not None:
+            self._block.void()
+
+    def extend(self, other: GenerationBatch) -> None:
+        if not self.uids:
+            self._block = None  # the batch stood empty, waiting for requests, since
+        super().extend(other)
 
     def filter(self, keep: list[int]) -> None:
         kept = {self.uids[i] for i in keep}
@@ -80,19 +94,34 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def next(self) -> list:
         if not self.uids:
             return []
-        started = time.perf_counter()  # a checking pass first waits for the pass before
+        pacing = self.drafting.pacing
+        if self._block is not None and self._block.over:
+            pacing.ended(self._block)
+            self._block = None
+        if self._block is None:
+            self._block = pacing.start(len(self.uids))
+            if not self._block.checking:
+                self._line_up()
         self._steps += 1
         rows = len(self.uids)
-        # Pacing first: where checking loses, no row looks for proposals at all.
-        if self.drafting.pacing.check(rows) and (likely := self._likely()):
+        # Where the run is plain, no row looks for proposals at all.
+        if self._block.checking and (likely := self._likely()):
             mx.eval(self._next_tokens)
             pending = self._next_tokens.tolist()
             drafts = self._proposals(likely, pending)
             if any(drafts):
-                return self._check(pending, drafts, started)
+                out = self._check(pending, drafts)
+                self._block.ran(len(out), pacing.new_shape(rows, 1 + self.drafting.most))
+                return out
         responses = super().next()
-        self.drafting.pacing.ran(rows, 1, time.perf_counter() - started, len(responses))
+        self._block.ran(len(responses), pacing.new_shape(rows, 1))
         return responses
+
+    def _line_up(self) -> None:
+        """Rows that ended apart (`ragged_kv`) end together again."""
+        for cache in self.prompt_cache:
+            if isinstance(cache, Ragged):
+                cache.compact()
 
     def _proposals(self, likely: set[int], pending: list[int]) -> list[list[int]]:
         """Each row's proposals (none for rows not `likely`)."""
@@ -120,12 +149,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
             row = self._rows.get(uid)
             if row is None:
                 row = self._rows[uid] = RowDrafts(self.drafting.most)
-            row.sync(self.tokens[i])
-            if row.likely(self._steps):
+            if row.likely(self._steps, self.tokens[i]):
                 likely.add(i)
         return likely
 
-    def _check(self, pending: list[int], drafts: list[list[int]], started: float) -> list:
+    def _check(self, pending: list[int], drafts: list[list[int]]) -> list:
         """One pass over every row's pending token and proposals (module docstring)."""
         # Every such pass as wide as the most proposals allowed, rows with fewer
         # padded (positions whose tokens are not kept): one shape for the
@@ -179,7 +207,6 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._next_logprobs = next_logprobs
         if len(keep) < rows:
             self.filter(keep)
-        self.drafting.pacing.ran(rows, width, time.perf_counter() - started, len(out))
         return out
 
     def _processed(self, logits: mx.array, pending: list[int]) -> mx.array:

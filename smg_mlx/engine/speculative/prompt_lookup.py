@@ -64,12 +64,13 @@ class RowDrafts:
         self._tokens[self._n : len(tokens)] = tokens[self._n :]
         self._n = len(tokens)
 
-    def likely(self, step: int) -> bool:
-        """Whether this row should look now, and its tokens so far end as they
-        did before (then the token being sampled will likely follow it too);
-        if not, it waits before it looks again."""
+    def likely(self, step: int, tokens: list[int]) -> bool:
+        """Whether this row should look now, and its `tokens` so far (those in
+        its cache) end as they did before (then the token being sampled will
+        likely follow it too); if not, it waits before it looks again."""
         if step < self._next_look:
-            return False
+            return False  # a pausing row does not even catch up: its steps cost nothing
+        self.sync(tokens)
         if lookup(self._tokens, self._n, 1):
             return True
         self._wait(step)
