@@ -256,18 +256,19 @@ def test_pacing_checks_proposals_only_where_that_pays(monkeypatch):
         whether it checked."""
         block = pacing.start(rows)
         seconds, tokens = checking if block.checking else plain
-        for _ in range(paced.BLOCK):
-            block.ran(tokens, pacing.new_shape(rows, 5 if block.checking else 1))
-            clock.now += seconds
+        while not block.over:
+            block.begins()
+            new = pacing.new_shape(rows, 5 if block.checking else 1)
+            clock.now += 1.0 if new else seconds  # a first pass builds kernels: counts nowhere
+            block.ran(tokens, new)
         pacing.ended(block)
         return block.checking
 
     plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
-    assert not run(8, plain, paying)  # plain first: the measure to hold against (a first
-    assert not run(8, plain, paying)  # shape is not counted: kernels may be built in it)
+    assert not run(8, plain, paying)  # plain first: the measure to hold against
     assert run(8, plain, paying)  # checking not measured yet: tried
-    assert run(8, plain, paying)
     assert run(8, plain, paying)  # 20 tokens in 12 ms beat 8 in 10
+    assert run(8, plain, paying)
     for _ in range(8):
         run(8, plain, losing)  # compute-bound, or proposals mostly wrong
     assert not run(8, plain, losing)
@@ -304,7 +305,8 @@ def test_pacing_counts_what_a_checking_pass_costs_until_the_next_pass(
     if keeps_checking:
         assert stats.passes > calls / 2 and stats.accepted > 0
     else:
-        assert stats.passes < calls / 6  # tried, lost, tried again now and then
+        # Tried, lost, tried again now and then: each trial ends a few passes in.
+        assert stats.passes <= 12, stats.passes
 
 
 def test_rows_that_ended_apart_line_up_when_checking_stops_and_stay_exact():

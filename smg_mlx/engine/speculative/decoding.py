@@ -95,13 +95,14 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if not self.uids:
             return []
         pacing = self.drafting.pacing
-        if self._block is not None and self._block.over:
+        if self._block is not None and (self._block.over or pacing.losing(self._block)):
             pacing.ended(self._block)
             self._block = None
         if self._block is None:
             self._block = pacing.start(len(self.uids))
             if not self._block.checking:
                 self._line_up()
+        self._block.begins()
         self._steps += 1
         rows = len(self.uids)
         # Where the run is plain, no row looks for proposals at all.

@@ -13,9 +13,12 @@ takes depends on what the pass before left running. For each batch size (by
 powers of two) a moving average of the tokens a second of checking blocks
 and of plain ones; a block checks where its rate beats the plain one's.
 Until both are measured it is tried, and after a losing run it is tried
-again now and then, as the batch and its proposals change. A block in
-which a shape ran for the first time is left out (the backend may build
-kernels for it first), as is one the engine set aside (`Block.void`).
+again now and then, as the batch and its proposals change; a checking block
+clearly losing after its first passes ends there (`losing`), so that a trial
+costs a few passes. A pass of a
+shape run for the first time counts in no block, neither its time nor its
+tokens (the backend may build kernels for it first); a block the engine set
+aside (`Block.void`) counts not at all.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ BLOCK = 8  # passes a block runs
 WEIGHT = 0.25  # of each new block in a moving average
 # Plain blocks after which a losing checking block is tried again, doubling
 # after each retry that loses again, up to the most.
-RETRY, MOST_RETRY = 8, 128
+RETRY, MOST_RETRY = 8, 512
+# A checking block whose rate after EARLY passes is under this share of the
+# plain rate ends there.
+EARLY, LOSING = 2, 0.75
 
 
 def _size_class(rows: int) -> int:
@@ -52,20 +58,27 @@ class _Average:
 class Block:
     """A run of one batch's passes, all checking or all plain."""
 
-    __slots__ = ("size", "checking", "started", "passes", "tokens", "counted")
+    __slots__ = ("size", "checking", "started", "passes", "tokens", "counted", "skipped", "_pass")
 
     def __init__(self, rows: int, checking: bool) -> None:
         self.size = _size_class(rows)
         self.checking = checking
-        self.started = time.perf_counter()
+        self.started = self._pass = time.perf_counter()
         self.passes = self.tokens = 0
+        self.skipped = 0.0  # seconds of passes that do not count
         self.counted = True
 
+    def begins(self) -> None:
+        """One of its passes begins."""
+        self._pass = time.perf_counter()
+
     def ran(self, tokens: int, new_shape: bool) -> None:
-        """One of its passes returned `tokens` (`new_shape`: its shape's first run)."""
+        """The pass that began returned `tokens` (`new_shape`: its shape's first run)."""
+        if new_shape:
+            self.skipped += time.perf_counter() - self._pass
+            return
         self.passes += 1
         self.tokens += tokens
-        self.counted = self.counted and not new_shape
 
     @property
     def over(self) -> bool:
@@ -99,11 +112,20 @@ class Pacing:
         """The next block, over `rows` rows: checking or plain."""
         return Block(rows, self._checks(_size_class(rows)))
 
+    def losing(self, block: Block) -> bool:
+        """Whether `block`, checking, makes clearly fewer tokens a second so far
+        than plain blocks do: it ends now, its passes measured as they are."""
+        if not block.checking or self.always or block.passes < EARLY or not block.counted:
+            return False
+        plain = self._plain.get(block.size)
+        seconds = time.perf_counter() - block.started - block.skipped
+        return plain is not None and seconds > 0 and block.tokens / seconds < LOSING * plain.rate
+
     def ended(self, block: Block) -> None:
         """`block` ran its passes: its rate, up to now, joins its kind's."""
         if not block.counted:
             return
-        seconds = time.perf_counter() - block.started
+        seconds = time.perf_counter() - block.started - block.skipped
         kept = self._checking if block.checking else self._plain
         if block.size in kept:
             kept[block.size].add(seconds, block.tokens)
