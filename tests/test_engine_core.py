@@ -531,6 +531,32 @@ def test_a_chats_first_token_goes_out_before_the_long_prompts_chunks_of_its_step
     assert reports[first].events[0].first
 
 
+def test_where_passes_check_proposals_a_new_streams_first_token_goes_out_a_step_sooner(
+    model_dir,
+):
+    """A checking pass waits for the pass before it anyway: a prompt that
+    moves into the decoding rows sends its first token in that step, not
+    the next (a chat beside speculating streams waits one pass less)."""
+
+    def steps_to_first_token(speculative: str) -> int:
+        inbox = Inbox()
+        sink, thread = start_core(model_dir, inbox, speculative=speculative)
+        try:
+            inbox.submit(Request(1, spec(prompt(12, 1), max_tokens=60)))
+            assert len(sink.events_of(1, 3)) == 3  # it decodes
+            inbox.submit(Request(2, spec(prompt(8, 2), max_tokens=4)))
+            reports = run_until_ended(sink, {1, 2})
+            start = next(i for i, r in enumerate(reports) if 2 in r.admitted)
+            first = next(i for i, r in enumerate(reports) if any(e.key == 2 for e in r.events))
+            assert next(e for e in reports[first].events if e.key == 2).first
+            return len([r for r in reports[start:first + 1] if r.step_seconds is not None])
+        finally:
+            inbox.stop()
+            thread.join(TIMEOUT)
+
+    assert steps_to_first_token("always") == steps_to_first_token("off") - 1
+
+
 def test_the_prefill_chunk_is_the_backends_unless_one_is_given(model_dir, monkeypatch):
     def max_chunk(**config) -> int:
         batch = Batch(EngineConfig(model_path=model_dir, **config))

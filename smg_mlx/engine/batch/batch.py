@@ -358,8 +358,9 @@ class Batch(PrefixCalls):
 
     def _next(self, lane: int, chunk: int, early: bool) -> list[Event]:
         """One call of a lane's BatchGenerator, prefilling at most `chunk` tokens a
-        row; `early`: the first tokens of rows it moves into decoding go out now
-        (`_first_tokens`), else with its next call, as mlx-lm hands them over."""
+        row; `early` (or where its decoding rows run checking passes): the first
+        tokens of rows it moves into decoding go out now (`_first_tokens`), else
+        with its next call, as mlx-lm hands them over."""
         prefilling, responses = self._lanes.next(lane, chunk)
         decoding = []  # the rows that moved into the decoding rows in this pass
         for r in prefilling:
@@ -382,6 +383,7 @@ class Batch(PrefixCalls):
                 # The cache holds every token of `all_tokens`, the last
                 # generated one included.
                 self._keep_later(r.all_tokens, r.prompt_cache, row.pace)
+        early = early or self._lanes.checking(lane)  # reading them costs no overlap there
         return events + (self._first_tokens(lane, decoding) if early else [])
 
     def _tokens(self, lane: int, sampled: list) -> list[Event]:

@@ -92,6 +92,11 @@ class Lanes:
                     other._generation_batch.disturbed()
         return prefilling, responses
 
+    def checking(self, lane: int) -> bool:
+        """Whether the lane's decoding rows run checking passes now (speculation),
+        which wait for the pass before them anyway."""
+        return self.drafting is not None and self._generators[lane]._generation_batch.checking
+
     def move_to_long(
         self, lane: int, uid: int, token: int, left: int, options: tuple
     ) -> tuple[int, list[int]]:

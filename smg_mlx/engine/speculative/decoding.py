@@ -74,6 +74,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
         batch._block = None
         return batch
 
+    @property
+    def checking(self) -> bool:
+        """Whether its passes run in a checking run: each waits for the one before."""
+        return self._block is not None and self._block.checking
+
     def disturbed(self) -> None:
         """The other lane's passes ran between two of these: the run under way
         says nothing of this batch's own."""
