@@ -68,11 +68,11 @@ class EngineClient:
         self._ready: asyncio.Future[None] = loop.create_future()
         self._failure_listeners: list[Callable[[str], None]] = []
         self._step_listeners: list[Callable[[list[float], list[int]], None]] = []
-        self._inbox: Inbox | EngineProcess = Inbox()
-        self._runner: threading.Thread | EngineProcess | None = None
-        if own_process:
-            self._inbox = EngineProcess(loop, self, stream_interval)
-            self._runner = self._inbox
+        self._inbox: Inbox | EngineProcess = (
+            EngineProcess(loop, self, stream_interval) if own_process else Inbox()
+        )
+        # What runs the engine: its process from now on, or the thread `start` makes.
+        self._runner: threading.Thread | EngineProcess | None = self._inbox if own_process else None
 
     def start(self, config: EngineConfig) -> None:
         """Load `config`'s model on a new engine thread (or in the engine's

@@ -84,8 +84,12 @@ class Block:
     def over(self) -> bool:
         return self.passes >= BLOCK
 
+    def seconds(self) -> float:
+        """Its time so far, but the passes that do not count."""
+        return time.perf_counter() - self.started - self.skipped
+
     def void(self) -> None:
-        """Left out: its time holds other work (an idle wait, the other lane's passes)."""
+        """Left out: its time holds other work (the other lane's passes)."""
         self.counted = False
 
 
@@ -117,15 +121,14 @@ class Pacing:
         than plain blocks do: it ends now, its passes measured as they are."""
         if not block.checking or self.always or block.passes < EARLY or not block.counted:
             return False
-        plain = self._plain.get(block.size)
-        seconds = time.perf_counter() - block.started - block.skipped
+        plain, seconds = self._plain.get(block.size), block.seconds()
         return plain is not None and seconds > 0 and block.tokens / seconds < LOSING * plain.rate
 
     def ended(self, block: Block) -> None:
         """`block` ran its passes: its rate, up to now, joins its kind's."""
         if not block.counted:
             return
-        seconds = time.perf_counter() - block.started - block.skipped
+        seconds = block.seconds()
         kept = self._checking if block.checking else self._plain
         if block.size in kept:
             kept[block.size].add(seconds, block.tokens)
