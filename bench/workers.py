@@ -19,11 +19,20 @@ from bench import cores
 from bench.workload import Workload
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on loopback that nothing listens on right now and that this process has
+    not handed out before: the kernel may offer a just-closed port again at once, and two
+    listeners given one port fail to start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def ours_command(model_dir: Path, port: int, workload: Workload) -> list[str]:
