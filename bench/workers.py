@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench import cores
 from bench.workload import Workload
 
-
 _handed_out: set[int] = set()
 
 

@@ -109,6 +109,12 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.draft_model is not None and args.speculative == "off":
         parser.error("--draft-model proposes tokens for speculative decoding, which "
                      "--speculative off turns off: leave one of them out")  # fmt: skip
+    if args.quantized_kv_start:
+        parser.error(
+            f"--quantized-kv-start {args.quantized_kv_start}: a batch holds all its rows' KV "
+            "caches in one format, so with --kv-bits every row is quantized from its first "
+            "token; leave --quantized-kv-start out (or give 0)"
+        )
     if args.adapter_path is not None and launched_rank() is not None:
         parser.error("--adapter-path: adapters are not served over several ranks")
     if args.pipeline and launched_rank() is None:

@@ -198,8 +198,8 @@ def _running(serve: argparse.ArgumentParser) -> None:
         help="store KV caches quantized to this many bits (mlx-lm's --kv-bits): about half "
         "(8) or a quarter (4) of 16-bit KV's memory, so more and longer sequences fit, but "
         "outputs change (4 bits more than 8); only for models whose caches are all plain "
-        "attention, with heads a multiple of --kv-group-size; speculative decoding is then "
-        "off (default: off, KV as the model computes it)",
+        "attention, with heads a multiple of --kv-group-size (default: off, KV as the model "
+        "computes it)",
     )
     serve.add_argument(
         "--kv-group-size",
@@ -208,6 +208,15 @@ def _running(serve: argparse.ArgumentParser) -> None:
         default=EngineConfig.kv_group_size,
         help="with --kv-bits: values quantized together, each group with its own scale and "
         "bias; smaller keeps more precision and costs more memory (%(default)s)",
+    )
+    serve.add_argument(
+        "--quantized-kv-start",
+        type=count,
+        default=0,
+        metavar="N",
+        help="mlx-lm's: keep a sequence's KV in 16 bits until it passes N tokens. Here only "
+        "0: a batch holds all its rows' caches in one format, so with --kv-bits every row is "
+        "quantized from its first token (%(default)s)",
     )
     serve.add_argument(
         "--pipeline",

@@ -179,6 +179,8 @@ def test_an_adapter_path_names_an_adapter(capsys):
         (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
         (["--demo", "--kv-bits", "6"], "--kv-bits: invalid choice"),
         (["--demo", "--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size: invalid choice"),
+        (["--demo", "--kv-bits", "8", "--quantized-kv-start", "5000"],
+         "--quantized-kv-start 5000: a batch holds all its rows' KV caches in one format"),
     ],
 )
 def test_what_flags_say_together_is_checked(argv, message, capsys):
@@ -186,6 +188,10 @@ def test_what_flags_say_together_is_checked(argv, message, capsys):
         serve_args(*argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_mlx_lms_quantized_kv_start_is_taken_at_0_the_only_start_a_batch_has():
+    assert serve_args("--demo", "--kv-bits", "8", "--quantized-kv-start", "0").kv_bits == 8
 
 
 def test_pipeline_without_a_launcher_is_refused(monkeypatch, capsys):
