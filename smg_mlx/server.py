@@ -39,6 +39,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # At a stop, how long the engine thread may take to end besides the prefix
 # cache's writes (its step, then releasing the model on its own thread).
 STOP_SECONDS = 30.0
+# Once the engine has stopped and its writes' time is up, how long its process may
+# take to exit before it is killed: a write the system holds up (a hung disk) cannot
+# be interrupted, and must not hold up the worker's exit.
+EXIT_SECONDS = 1.0
 # An engine thread (not process) holds the GIL through a step's Python: all of
 # a step where the host bounds it (a small model on a GPU). The event loop,
 # woken for a request or a message, waits up to this long for each piece of its
@@ -392,12 +396,39 @@ class Worker:
         failed = self.engine.state is EngineState.FAILED
         # A failed engine's thread may be stuck waiting for a hung rank: the
         # process exits without it (os._exit) rather than wait.
-        wait = 2 if failed else flush + STOP_SECONDS
-        if not await asyncio.to_thread(self.engine.join, wait):
-            log.error("the engine did not stop within %.0fs", wait)
+        if failed and not await asyncio.to_thread(self.engine.join, 2):
+            log.error("the engine did not stop within 2s")
+            return 1
+        if not failed and not await self._engine_ends(flush):
             return 1
         log.info("stopped%s", " (the engine had failed)" if failed else "")
         return 1 if failed else 0
+
+    async def _engine_ends(self, flush: float) -> bool:
+        """Wait for the engine, asked to stop, to end; whether it stopped. It has
+        STOP_SECONDS to end its step and say it stopped; its prompt cache then writes
+        to disk until `flush` seconds from now (or until a second signal), and its
+        process has EXIT_SECONDS more to exit, else it is killed."""
+        began = time.monotonic()
+        end = began + flush + STOP_SECONDS
+        while not await asyncio.to_thread(self.engine.join, 0.1):
+            now = time.monotonic()
+            if self.engine.state is EngineState.STOPPED:
+                writes_end = now if self._hurry else max(now, began + flush)
+                end = min(end, writes_end + EXIT_SECONDS)
+            if now < end:
+                continue
+            if self.engine.state is not EngineState.STOPPED:
+                log.error("the engine did not stop within %.0fs", now - began)
+                return False
+            log.warning(
+                "the engine stopped, but its process had not exited %.0fs later "
+                "(a write to disk the system holds up?): ending it",
+                EXIT_SECONDS,
+            )
+            self.engine.kill()
+            return True
+        return True
 
 
 async def run(config: ServerConfig) -> int:

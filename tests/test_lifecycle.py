@@ -265,3 +265,20 @@ def test_a_second_stop_request_ends_the_grace_period(start_worker, model_dir, mo
         w.loop.call_soon_threadsafe(w.worker.request_stop)
         assert stopping.result(timeout=15) == 0
         assert collect(call).complete.finish_reason == "abort"
+
+
+def test_an_engine_that_stopped_but_cannot_exit_does_not_hold_up_the_stop(
+    start_worker, model_dir, monkeypatch
+):
+    """As an engine process whose write to a hung disk the system holds: it said it
+    stopped, yet it does not end. The worker kills it once the grace (2 s) and a
+    second are up, and exits 0, where it had waited 30 s more and exited 1."""
+    w = start_worker(model_dir, shutdown_grace_seconds=2.0)
+    engine, killed = w.worker.engine, []
+    monkeypatch.setattr(engine, "join", lambda timeout=None: bool(time.sleep(timeout or 0)))
+    monkeypatch.setattr(engine, "kill", lambda: killed.append(time.monotonic()))
+    began = time.monotonic()
+    w.loop.call_soon_threadsafe(w.worker.request_stop)
+    stopping = ThreadPoolExecutor(1).submit(w.stop)
+    assert stopping.result(timeout=20) == 0
+    assert len(killed) == 1 and 2.0 < killed[0] - began < 6.0

@@ -125,6 +125,11 @@ class EngineClient:
         self._runner.join(timeout)
         return not self._runner.is_alive()
 
+    def kill(self) -> None:
+        """End the engine's process at once (a thread cannot be: it ends with this process)."""
+        if isinstance(self._runner, EngineProcess):
+            self._runner.process.kill()
+
     # ---- the engine's reports, on the loop ----
 
     @property
