@@ -41,19 +41,38 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+TOKEN_ID_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id")
+
+
+def token_ids(value: Any) -> list[int] | None:
+    """The token ids a config gives as one id, a list of them or null ([]);
+    None where it gives something else."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values if v is not None):
+        return None
+    return [v for v in values if v is not None]
+
+
 def generation_config(model_dir: Path) -> dict[str, Any]:
     """The model's generation_config.json ({} without one). One that is not a
-    JSON object is left out with a warning that names it, as mlx-lm leaves it out:
-    it holds defaults, not what the model is."""
+    JSON object, or a token id in it that is none, is left out with a warning
+    that names it, as mlx-lm leaves it out: it holds defaults, not what the
+    model is."""
+    path = model_dir / "generation_config.json"
+    fix = "fix the file, or pass --generation-config none"
     try:
-        return read_json(model_dir / "generation_config.json")
+        config = read_json(path)
     except BadModelConfig as exc:
-        log.warning(
-            "%s; serving without the model's sampling values and end-of-sequence ids in it: "
-            "fix the file, or pass --generation-config none",
-            exc,
-        )
+        log.warning("%s; serving without the model's sampling values and end-of-sequence "
+                    "ids in it: %s", exc, fix)  # fmt: skip
         return {}
+    for key in TOKEN_ID_KEYS:
+        if key in config and token_ids(config[key]) is None:
+            log.warning("%s gives %s as %r, not a token id or a list of them; serving "
+                        "without it: %s", path, key, config.pop(key), fix)  # fmt: skip
+    return config
 
 
 def whole(value: Any, what: str) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import json
 from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
@@ -37,8 +38,17 @@ def check(model_dir: Path) -> None:
         )
     config_file = model_dir / "config.json"
     family = read_json(config_file).get("model_type")
-    if not isinstance(family, str) or not family:
+    if family is None or family == "":
         raise BadModelConfig(f"{config_file} names no model_type (the model's family)")
+    if not isinstance(family, str):
+        raise BadModelConfig(f"{config_file} gives model_type as {family!r}, not a family's name")
+    generation = model_dir / "generation_config.json"
+    why = _unreadable_to_mlx_lm(generation)
+    if why is not None:
+        raise BadModelConfig(
+            f"{generation} {why}: mlx-lm reads it as it loads the model (even with "
+            "--generation-config none) and fails on it; fix the file or remove it"
+        )
     known = families()
     if known is not None and family not in known:
         nearest = difflib.get_close_matches(family, known, n=1)
@@ -47,6 +57,26 @@ def check(model_dir: Path) -> None:
             f"{version('mlx-lm')} does not have"
             + (f" (the nearest: {nearest[0]!r})" if nearest else "")
         )
+
+
+def _unreadable_to_mlx_lm(path: Path) -> str | None:
+    """Why mlx-lm's loader would fail on the generation config `path` (None: it
+    reads it, or passes over it: text that is not JSON, or no such file)."""
+    if not path.exists():
+        return None
+    if not path.is_file():
+        return "is not a file"
+    try:
+        value = json.loads(path.read_bytes().decode())
+    except UnicodeDecodeError:
+        return "is not UTF-8 text"
+    except ValueError:
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if isinstance(value, dict):
+        return None
+    return f"holds a JSON {type(value).__name__}, not an object"
 
 
 def families() -> frozenset[str] | None:

@@ -94,3 +94,18 @@ def test_a_generation_config_that_is_not_json_is_named_and_served_without(
             "sampling values and end-of-sequence ids in it: fix the file, or pass "
             "--generation-config none"
         ]
+
+
+@pytest.mark.parametrize("eos", ["abc", 3.5, [2, "x"]])
+def test_an_end_id_of_the_generation_config_that_is_no_id_is_named_and_left_out(
+    start_worker, model_dir, tmp_path, caplog, eos
+):
+    model = model_copy(model_dir, tmp_path / "bad-eos")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "top_k": 1}))
+    with caplog.at_level(logging.INFO):
+        w = start_worker(model)
+    assert len(collect(w.stub.Generate(unset_sampling(prompt(4)), timeout=60)).tokens) == 16
+    assert f"{model}/generation_config.json gives eos_token_id as {eos!r}, not a token id" in (
+        caplog.text
+    )
+    assert "top_k 1" in caplog.text  # the rest of the file is served

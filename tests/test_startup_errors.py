@@ -72,19 +72,37 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
         ("no weights", "{model} has no weights (no model*.safetensors file)"),
         ("config not JSON", "{model}/config.json is not valid JSON (Expecting value"),
         ("no model_type", "{model}/config.json names no model_type"),
+        ("model_type 5", "{model}/config.json gives model_type as 5, not a family's name"),
+        ("settings missing", "cannot build the model {model}/config.json describes (TypeError"),
+        ("generation list", "{model}/generation_config.json holds a JSON list, not an object: "
+         "mlx-lm reads it as it loads the model (even with --generation-config none)"),
+        ("generation not UTF-8", "{model}/generation_config.json is not UTF-8 text"),
+        ("generation folder", "{model}/generation_config.json is not a file"),
     ],
 )
 def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
     model = model_copy(model_dir, tmp_path / "m", leave_out="model.safetensors")
     if fault != "no weights":
         (model / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    config = json.loads((model / "config.json").read_text())
+    generation = model / "generation_config.json"
     if fault == "config not JSON":
         (model / "config.json").write_text("not json")
     if fault == "no model_type":
-        config = json.loads((model / "config.json").read_text())
         del config["model_type"]
         (model / "config.json").write_text(json.dumps(config))
-    code, lines = serve("--model", str(model), "--port", "0")
+    if fault == "model_type 5":
+        (model / "config.json").write_text(json.dumps({**config, "model_type": 5}))
+    if fault == "settings missing":
+        (model / "config.json").write_text(json.dumps({"model_type": config["model_type"]}))
+    if fault == "generation list":
+        generation.write_text("[1, 2]")
+    if fault == "generation not UTF-8":
+        generation.write_bytes(b"\xff\xfe{")
+    if fault == "generation folder":
+        generation.mkdir()
+    flags = ("--generation-config", "none") if fault.startswith("generation") else ()
+    code, lines = serve("--model", str(model), "--port", "0", *flags)
     assert code == 2
     assert message.format(model=model) in one_error(lines)
 

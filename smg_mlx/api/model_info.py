@@ -13,6 +13,7 @@ from smg_mlx.model_config import (
     first,
     model_configs,
     named_context,
+    token_ids,
     whole,
 )
 
@@ -35,12 +36,15 @@ class ModelInfo:
     pad_token_id: int | None
 
 
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value if v is not None]
+def _ids(value: Any, key: str) -> list[int]:
+    """The ids a config gives under `key` (generation_config.json's are checked
+    as it is read: a wrong one here is config.json's)."""
+    ids = token_ids(value)
+    if ids is None:
+        raise BadModelConfig(
+            f"config.json gives {key} as {value!r}, not a token id or a list of them; fix it"
+        )
+    return ids
 
 
 def load_model_info(
@@ -82,15 +86,15 @@ def load_model_info(
             log.warning("ignoring %s %s: outside the vocabulary", key, sorted(set(ids) - set(kept)))
         return kept
 
-    eos = set(_ids(first(configs, ("eos_token_id",))))
-    eos.update(_ids(gen_config.get("eos_token_id")))
+    eos = set(_ids(first(configs, ("eos_token_id",)), "eos_token_id"))
+    eos.update(_ids(gen_config.get("eos_token_id"), "eos_token_id"))
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
 
     def token_id(key: str, tokenizer_value: int | None) -> int | None:
         value = first([gen_config, *configs], (key,))
         value = value if value is not None else tokenizer_value
-        ids = valid(_ids(value)[:1], key)
+        ids = valid(_ids(value, key)[:1], key)
         return ids[0] if ids else None
 
     return ModelInfo(

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm import load
-from mlx_lm.utils import load_model
+from mlx_lm.utils import load_adapters, load_model
 
 from smg_mlx.config import EngineConfig, cache_home
 from smg_mlx.engine.batch.attention_shapes import SHAPES_REMEMBERED
+from smg_mlx.engine.types import Unservable
 from smg_mlx.logs import format_bytes
 from smg_mlx.model_files import weights_on_disk
 
@@ -54,26 +54,30 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
     started = time.perf_counter()
     log.info("loading the weights (%s)", format_bytes(weights_on_disk(config.model_path)))
     if group is None:
-        adapter = None if config.adapter_path is None else str(config.adapter_path)
-        model = load(str(config.model_path), adapter_path=adapter)[0]
+        # The model alone: the worker's process tokenizes, not this one.
+        model, _ = _model(config.model_path, lazy=False, strict=True)
+        adapter = config.adapter_path
+        if adapter is not None:
+            model = load_adapters(model, str(adapter))
+            model.eval()
         log.info(
             "weights loaded in %.1fs%s",
             time.perf_counter() - started,
             "" if adapter is None else f", with the adapter {adapter}",
         )
         return model
-    model, model_config = load_model(config.model_path, lazy=True, strict=False)
+    model, model_config = _model(config.model_path, lazy=True, strict=False)
     family = model_config.get("model_type", "this model")
     if config.pipeline:
         if not hasattr(getattr(model, "model", None), "pipeline"):
-            raise ValueError(
+            raise Unservable(
                 f"{family} cannot be split as a pipeline (mlx-lm has no pipeline() for it); "
                 "leave out --pipeline to split it tensor parallel"
             )
         model.model.pipeline(group)
     else:
         if not hasattr(model, "shard"):
-            raise ValueError(
+            raise Unservable(
                 f"{family} cannot be split tensor parallel (mlx-lm has no shard() for it); "
                 "try --pipeline"
             )
@@ -87,3 +91,15 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
         time.perf_counter() - started,
     )
     return model
+
+
+def _model(path: Path, lazy: bool, strict: bool) -> tuple[nn.Module, dict]:
+    """mlx-lm's model of `path` and its config; a config.json that lacks what its
+    family's settings need is refused, naming the file (restarts cannot cure it)."""
+    try:
+        return load_model(path, lazy=lazy, strict=strict)
+    except (TypeError, KeyError) as exc:
+        raise Unservable(
+            f"cannot build the model {path}/config.json describes ({type(exc).__name__}: "
+            f"{exc}): the file lacks or misstates settings its model_type needs"
+        ) from None
