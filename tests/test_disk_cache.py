@@ -450,6 +450,21 @@ def test_a_cache_folder_deleted_while_in_use_is_made_again_with_one_warning(
     assert len(warnings) == 1 and "was deleted; making it again" in warnings[0]
 
 
+def test_the_free_space_asked_while_the_folder_was_gone_is_not_kept(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch
+):
+    # Free space is asked once a minute here: the first ask finds no folder.
+    monkeypatch.setattr(disk_tier, "FREE_SECONDS", 60.0)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache", prompt_cache_bytes=300_000)
+    shutil.rmtree(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING):
+        for key in (2, 3, 4, 5):
+            same_as_cold(w, cold, prompt(400, key))  # each pushes the last out, to disk
+        assert wait_until(lambda: len(files(tmp_path)) >= 2, 10)
+    warnings = logged(caplog, level=logging.WARNING)
+    assert len(warnings) == 1 and "was deleted; making it again" in warnings[0]
+
+
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])  # no inodes left; a failing disk
 def test_writes_that_fail_say_so_once_and_writing_resumes(
     start_worker, model_dir, cold, tmp_path, caplog, monkeypatch, code

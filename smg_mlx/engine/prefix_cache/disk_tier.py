@@ -399,6 +399,7 @@ class DiskTier(DiskReads):
 
     def _remade(self, remade: Remade) -> None:
         self._remaking = False
+        self._free_at = -FREE_SECONDS  # asked while it was gone: ask again
         if remade.error is not None:
             self._turn_off(f"cannot make {self._folder.path} again: {remade.error}")
 
