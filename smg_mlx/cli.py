@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 if the worker reports SERVING, else 1 with the reason on stderr "
         "(an exec probe)",
     )
-    health.add_argument("--host", default=ServerConfig.host, help="worker address (%(default)s)")
+    health.add_argument(
+        "--host",
+        type=flag_types.host,
+        default=ServerConfig.host,
+        help="worker address (%(default)s)",
+    )
     health.add_argument(
         "--port",
         type=flag_types.fixed_port,

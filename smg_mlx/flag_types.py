@@ -146,3 +146,8 @@ any_port = _port(0)  # 0: the system picks one
 fixed_port = _port(1)
 non_negative = _number(float, 0, "a number, 0 or more")
 positive_float = _number(float, 1, "a number, 1 or more")
+
+
+def host(text: str) -> str:
+    """--host: a name or an address; an IPv6 address may come in brackets, as in a URL."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text

@@ -14,14 +14,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from smg_mlx.logs import one_line
+from smg_mlx.logs import host_port, one_line
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def probe(host: str, port: int, timeout: float, tls_ca: Path | None = None) -> str | None:
     """None when the worker at host:port reports SERVING, else why not, in one line."""
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    target = host_port(host, port)
     if tls_ca is None:
         channel = grpc.insecure_channel(target)
     else:

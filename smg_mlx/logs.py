@@ -36,6 +36,11 @@ def _escaped(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
+def host_port(host: str, port: int) -> str:
+    """An address as gRPC takes it and a reader expects it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def one_line(text: object) -> str:
     """`text` (an exception, another library's message) on one line, each run
     of whitespace one space: a log line or a status detail must not span lines.

@@ -31,6 +31,7 @@ from smg_mlx.flag_types import (
     directory,
     draft_tokens,
     fixed_port,
+    host,
     message_size,
     model_name,
     non_negative,
@@ -102,8 +103,9 @@ def _listening(serve: argparse.ArgumentParser) -> None:
     """Where the worker listens and the name it serves under."""
     serve.add_argument(
         "--host",
+        type=host,
         default=ServerConfig.host,
-        help="address to listen on, 0.0.0.0 for all (%(default)s)",
+        help="address to listen on, 0.0.0.0 for all, :: for all of IPv6 too (%(default)s)",
     )
     serve.add_argument(
         "--port",

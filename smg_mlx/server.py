@@ -27,7 +27,7 @@ from smg_mlx.api.servicer import MlxEngineServicer
 from smg_mlx.config import ServerConfig
 from smg_mlx.engine.ranks.launched import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
-from smg_mlx.logs import READY, counted, format_bytes, one_line
+from smg_mlx.logs import READY, counted, format_bytes, host_port, one_line
 from smg_mlx.model_config import BadModelConfig, generation_config
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def listen_failure(flag: str, host: str, port: int, exc: OSError | None = None) 
     StartupError whose exit code says whether a restart could cure it (a port
     in use) or a flag must change. gRPC's own error names no cause: without
     `exc`, a socket bound there finds it."""
-    where = f"cannot listen on {host}:{port}"
+    where = f"cannot listen on {host_port(host, port)}"
     if exc is None:
         try:
             _bind(host, port)
@@ -197,7 +197,7 @@ class Worker:
         Until then the port is open and health says NOT_SERVING: probes and the
         router see a worker starting, not a dead host."""
         await self._set_health(NOT_SERVING)
-        address = f"{self.config.host}:{self.config.port}"
+        address = host_port(self.config.host, self.config.port)
         try:
             credentials = self._tls_credentials()
             if credentials is None:
@@ -215,11 +215,11 @@ class Worker:
                 raise listen_failure(
                     "--metrics-port", self.config.host, self.config.metrics_port, exc
                 ) from None
-            log.info("metrics on http://%s:%d/metrics", self.config.host, self.config.metrics_port)
+            metrics = host_port(self.config.host, self.config.metrics_port)
+            log.info("metrics on http://%s/metrics", metrics)
         log.info(
-            "listening on %s:%d (%s)",
-            self.config.host,
-            self.port,
+            "listening on %s (%s)",
+            host_port(self.config.host, self.port),
             "TLS" if credentials else "plaintext",
         )
         started = time.perf_counter()
@@ -267,12 +267,11 @@ class Worker:
         await self._set_health(SERVING)
         self.serving = True
         logging.getLogger(READY).info(
-            "SERVING %s (context %d, vocab %d) on %s:%d, ready in %.1fs%s",
+            "SERVING %s (context %d, vocab %d) on %s, ready in %.1fs%s",
             info.served_model_name,
             info.context_length,
             info.vocab_size,
-            self.config.host,
-            self.port,
+            host_port(self.config.host, self.port),
             time.perf_counter() - started,
             self._ranks(),
         )

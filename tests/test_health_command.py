@@ -4,10 +4,13 @@ else 1 with a one-line reason on stderr."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
+import urllib.request
 
 import grpc
+import pytest
 from test_security import self_signed
 
 from bench.workers import free_port
@@ -75,3 +78,18 @@ def test_tls(spawn, model_dir, tmp_path):
     assert plaintext.stderr == (
         f"127.0.0.1:{p.port} serves TLS: pass --tls-ca with the certificate to trust\n"
     )
+
+
+def test_an_ipv6_address_is_served_and_probed_bare_or_in_brackets(spawn, model_dir):
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    metrics = free_port()
+    worker = spawn("--model", str(model_dir), "--host", "::1", "--metrics-port", str(metrics))
+    assert wait_until(lambda: health(worker.port, "--host", "::1").returncode == 0, 60)
+    assert health(worker.port, "--host", "[::1]").returncode == 0
+    assert f"on [::1]:{worker.port}, ready in" in worker.log.read_text()
+    with urllib.request.urlopen(f"http://[::1]:{metrics}/metrics", timeout=10) as page:
+        assert b"smg_mlx_" in page.read()
