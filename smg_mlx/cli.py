@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     health.add_argument(
         "--timeout",
-        type=flag_types.non_negative,
+        type=flag_types.timeout,
         default=5.0,
         help="seconds to wait for the answer (%(default)s)",
     )
@@ -114,6 +114,19 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.draft_model is not None and args.speculative == "off":
         parser.error("--draft-model proposes tokens for speculative decoding, which "
                      "--speculative off turns off: leave one of them out")  # fmt: skip
+    speculating = args.speculative not in (None, "off") or (
+        args.speculative is None and args.draft_model is not None
+    )
+    if args.num_draft_tokens is not None and not speculating:
+        parser.error(
+            "--num-draft-tokens: speculative decoding is off (its default, or --speculative "
+            "off): add --speculative auto (or a --draft-model), or leave it out"
+        )
+    if args.kv_group_size is not None and args.kv_bits is None:
+        parser.error(
+            "--kv-group-size: the KV caches are not quantized without --kv-bits: add "
+            "--kv-bits 8 (or 4), or leave it out"
+        )
     if args.quantized_kv_start:
         parser.error(
             f"--quantized-kv-start {args.quantized_kv_start}: a batch holds all its rows' KV "
@@ -141,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "health":
+        # gRPC's own log lines (a failed TLS handshake's, say) would repeat the one-line reason.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
         from smg_mlx import health_check  # grpc only, no model or logging set-up
 
         return health_check.main(args.host, args.port, args.timeout, args.tls_ca)
@@ -189,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             batching=args.batching,
             adapter_path=args.adapter_path,
             speculative=args.speculative or ("auto" if args.draft_model else "off"),
-            num_draft_tokens=args.num_draft_tokens,
+            num_draft_tokens=args.num_draft_tokens or EngineConfig.num_draft_tokens,
             draft_model=args.draft_model,
             kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
+            kv_group_size=args.kv_group_size or EngineConfig.kv_group_size,
         ),
         demo=args.demo,
         revision=args.revision,

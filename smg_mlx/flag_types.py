@@ -106,6 +106,9 @@ def model_name(text: str) -> Path:
 def adapter_dir(text: str) -> Path:
     # What mlx_lm.lora writes, and mlx-lm's loader reads.
     path = Path(text).expanduser()
+    if not path.is_dir():
+        what = "a file" if path.exists() else "no such directory"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a LoRA adapter's directory ({what})")
     for name in ("adapter_config.json", "adapters.safetensors"):
         if not (path / name).is_file():
             raise argparse.ArgumentTypeError(
@@ -151,3 +154,11 @@ positive_float = _number(float, 1, "a number, 1 or more")
 def host(text: str) -> str:
     """--host: a name or an address; an IPv6 address may come in brackets, as in a URL."""
     return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
+def timeout(text: str) -> float:
+    """Seconds to wait, above 0: a wait of none can never be met."""
+    seconds = non_negative(text)
+    if seconds == 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return seconds

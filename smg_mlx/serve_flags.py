@@ -207,9 +207,8 @@ def _running(serve: argparse.ArgumentParser) -> None:
         "--kv-group-size",
         type=int,
         choices=KV_GROUP_SIZES,
-        default=EngineConfig.kv_group_size,
         help="with --kv-bits: values quantized together, each group with its own scale and "
-        "bias; smaller keeps more precision and costs more memory (%(default)s)",
+        f"bias; smaller keeps more precision and costs more memory ({EngineConfig.kv_group_size})",
     )
     serve.add_argument(
         "--quantized-kv-start",
@@ -259,10 +258,9 @@ def _running(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--num-draft-tokens",
         type=draft_tokens,
-        default=EngineConfig.num_draft_tokens,
         metavar="N",
-        help="proposed tokens a stream may have checked in one pass, at most, 1 to "
-        f"{MOST_DRAFT_TOKENS} (%(default)s)",
+        help="with speculative decoding: proposed tokens a stream may have checked in one "
+        f"pass, at most, 1 to {MOST_DRAFT_TOKENS} ({EngineConfig.num_draft_tokens})",
     )
 
 

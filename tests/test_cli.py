@@ -164,7 +164,7 @@ def test_the_model_may_be_named_as_vllm_does():
 def test_an_adapter_path_names_an_adapter(capsys):
     with pytest.raises(SystemExit):
         serve_args("--demo", "--adapter-path", "/no/adapter")
-    assert "'/no/adapter' is not a LoRA adapter's directory (no adapter_config.json" in (
+    assert "'/no/adapter' is not a LoRA adapter's directory (no such directory)" in (
         capsys.readouterr().err
     )
 
@@ -179,6 +179,10 @@ def test_an_adapter_path_names_an_adapter(capsys):
         (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
         (["--demo", "--kv-bits", "6"], "--kv-bits: invalid choice"),
         (["--demo", "--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size: invalid choice"),
+        (["--demo", "--kv-group-size", "32"], "--kv-group-size: the KV caches are not quantized"),
+        (["--demo", "--num-draft-tokens", "8"], "--num-draft-tokens: speculative decoding is off"),
+        (["--demo", "--num-draft-tokens", "8", "--speculative", "off"],
+         "--num-draft-tokens: speculative decoding is off"),
         (["--demo", "--kv-bits", "8", "--quantized-kv-start", "5000"],
          "--quantized-kv-start 5000: a batch holds all its rows' KV caches in one format"),
     ],

@@ -78,6 +78,12 @@ def test_tls(spawn, model_dir, tmp_path):
     assert plaintext.stderr == (
         f"127.0.0.1:{p.port} serves TLS: pass --tls-ca with the certificate to trust\n"
     )
+    # TLS asked of a plaintext worker: the reason, on one line (gRPC logs none of its own).
+    plain = spawn("--model", str(model_dir))
+    assert wait_until(lambda: health(plain.port).returncode == 0, 60)
+    mismatched = health(plain.port, "--tls-ca", str(cert))
+    assert mismatched.returncode == 1
+    assert len(mismatched.stderr.splitlines()) == 1, mismatched.stderr
 
 
 def test_an_ipv6_address_is_served_and_probed_bare_or_in_brackets(spawn, model_dir):

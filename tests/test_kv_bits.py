@@ -165,7 +165,11 @@ def test_models_whose_caches_cannot_be_quantized_are_refused(model_dir, tmp_path
     # The regression model's heads are 16 wide: no whole group of 64.
     code, lines = serve("--model", str(model_dir), "--kv-bits", "8", "--port", "0")
     assert code == 2 and not any("Traceback" in line for line in lines)
-    why = "--kv-bits 8: this model's head sizes (16) are not a multiple of --kv-group-size 64"
+    why = (
+        "--kv-bits 8: this model's head sizes (16) are not a multiple of --kv-group-size 64, "
+        "which quantization needs; no --kv-group-size offered (32, 64, 128) does: this "
+        "model's KV cannot be quantized, leave out --kv-bits"
+    )
     assert why in lines[-1]
     windowed = build_model(tmp_path / "windowed", ["--head-dim", "64", "--sliding-window", "8"])
     code, lines = serve("--model", str(windowed), "--kv-bits", "4", "--port", "0")

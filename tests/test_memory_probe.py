@@ -90,3 +90,12 @@ def test_a_known_attention_working_set_is_taken_and_the_rest_measured(model_dir)
     assert (memory.prefill_per_context, memory.prefill_row_per_key) == (4.0, fitted.kv_per_token)
     # With no slope to take off, a chunk token costs at least what the fit gives at no context.
     assert memory.prefill_per_token >= fitted.prefill_per_token * 0.9
+
+
+def test_a_budget_past_the_devices_memory_is_taken_with_a_warning(caplog):
+    memory, _ = memory_probe.device_memory()
+    with caplog.at_level(logging.WARNING):
+        assert memory_probe.budget(memory // 2, None) == memory // 2
+        assert caplog.text == ""
+        assert memory_probe.budget(4 * memory, None) == 4 * memory
+    assert "is more than the device has" in caplog.text

@@ -136,14 +136,21 @@ def test_bad_flag_values_exit_two_before_anything_starts(model_dir, args):
     assert "error: " in lines[-1] and "Traceback" not in "\n".join(lines)
 
 
-def test_health_refuses_a_port_out_of_range():
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "70000"], "from 1 to 65535, got '70000'"),
+        (["--timeout", "0"], "expected a number of seconds above 0, got '0'"),
+    ],
+)
+def test_health_refuses_what_it_cannot_ask(args, message):
     done = subprocess.run(
-        [sys.executable, "-m", "smg_mlx", "health", "--port", "70000"],
+        [sys.executable, "-m", "smg_mlx", "health", *args],
         capture_output=True,
         text=True,
         timeout=30,
     )
-    assert done.returncode == 2 and "from 1 to 65535, got '70000'" in done.stderr
+    assert done.returncode == 2 and message in done.stderr
 
 
 def test_an_address_this_machine_does_not_have_exits_two(model_dir):

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from smg_mlx.config import EngineConfig
+from smg_mlx.config import KV_GROUP_SIZES, EngineConfig
 from smg_mlx.engine.batch import quantized_kv  # noqa: F401 - gives QuantizedKVCache its merge
 from smg_mlx.engine.memory.probe import kv_per_token
 from smg_mlx.engine.types import LayerCaches, Unservable
@@ -48,10 +48,16 @@ def caches_for(config: EngineConfig, model: nn.Module) -> LayerCaches | None:
     arrays = [a for layer in cache if layer.keys is not None for a in (layer.keys, layer.values)]
     heads = sorted({a.shape[-1] for a in arrays})
     if any(size % group for size in heads):
+        fits = [g for g in KV_GROUP_SIZES if not any(size % g for size in heads)]
+        fix = (
+            f"give --kv-group-size {' or '.join(map(str, fits))}, or leave out --kv-bits"
+            if fits
+            else f"no --kv-group-size offered ({', '.join(map(str, KV_GROUP_SIZES))}) does: "
+            "this model's KV cannot be quantized, leave out --kv-bits"
+        )
         raise Unservable(
             f"{flag}: this model's head sizes ({', '.join(map(str, heads))}) are not a "
-            f"multiple of --kv-group-size {group}, which quantization needs; choose a group "
-            "size that divides them, or leave out --kv-bits"
+            f"multiple of --kv-group-size {group}, which quantization needs; {fix}"
         )
     layers = len(cache)
 

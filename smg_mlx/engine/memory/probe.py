@@ -93,10 +93,16 @@ def device_memory() -> tuple[int, float]:
 def budget(size: int | None, share: float | None) -> int:
     """Bytes to budget: `size`, or else `share` of the device's memory, or else
     the default share."""
-    if size is not None:
-        return size
     memory, default = device_memory()
-    return int(memory * (default if share is None else share))
+    if size is None:
+        return int(memory * (default if share is None else share))
+    if size > memory:
+        log.warning(
+            "--memory-budget %s is more than the device has (%s): a worker that grows past "
+            "that runs the machine out of memory; give at most that, or a percentage",
+            format_bytes(size), format_bytes(memory),
+        )  # fmt: skip
+    return size
 
 
 def _one_prompt(

@@ -30,7 +30,9 @@ def drafting_for(
     ranks = group.size() if group is not None else 1
     why_not = _why_not(config, model, ranks, batched)
     if why_not is not None:
-        log.info("speculative decoding: off (%s)", why_not)
+        # Asked for (its default is off), it is worth a warning.
+        say = log.info if setting == "off" else log.warning
+        say("speculative decoding: off (%s)", why_not)
         return None
     always = setting == "always"
     draft = None if config.draft_model is None else _draft(config, model)
