@@ -5,6 +5,7 @@ file that is not this model's or cannot be read is never trusted."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,15 @@ def test_a_long_check_says_how_far_it_has_come(restart, model_dir, monkeypatch):
     assert "batch check: 5 of 5 runs, " in log
     assert "memory probe: 1 of 3 prompts, " in log
     assert "warm-up: one short request ran, in " in log
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_warning_of_the_start_ups_checks(
+    start_worker, model_dir, tmp_path, caplog
+):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with caplog.at_level(logging.INFO, logger="smg_mlx.engine.remembered"):
+        start_worker(model_dir, prompt_cache_dir=blocked, prompt_cache_disk_bytes=0)
+    said = [r for r in caplog.records if "cannot remember it in" in r.getMessage()]
+    # The batch check's verdict and the memory probe's figures, one warning between them.
+    assert [r.levelno for r in said] == [logging.WARNING, logging.INFO], said

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -32,6 +33,8 @@ from smg_mlx.engine.prefix_cache.fingerprint import fingerprint
 from smg_mlx.logs import error_line
 
 log = logging.getLogger(__name__)
+
+_UNWRITABLE: set[Path] = set()  # folders a write to has failed in, already warned of
 
 MOST_BYTES = 64 << 10  # what is remembered is a few hundred bytes: a larger file is not it
 
@@ -102,7 +105,11 @@ class Remembered:
             safe_files.make_folder(self.path.parent)
             safe_files.write_whole(self.path, text.encode())
         except OSError as exc:  # safe_files.Unsafe is one
-            log.warning("%s: cannot remember it in %s (%s); it runs again at the next start",
-                        self.what, self.path, error_line(exc))  # fmt: skip
+            # One warning a folder: what else cannot be remembered there is no news.
+            root = self.path.parent.parent
+            say = log.info if root in _UNWRITABLE else log.warning
+            _UNWRITABLE.add(root)
+            say("%s: cannot remember it in %s (%s); it runs again at the next start",
+                self.what, self.path, error_line(exc))  # fmt: skip
         else:
             log.info("%s: %s remembered in %s", self.what, summary, self.path)
