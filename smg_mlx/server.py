@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import signal
 import socket
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -76,14 +78,23 @@ def load_tokenizer(model_dir: Path) -> Any:
         if not any(model_dir.glob("tokenizer*")):
             raise missing from None
         # Its files, or what their config asks for, are to be fixed: a restart cannot cure it.
-        raise StartupError(
-            f"cannot load the tokenizer of {model_dir}: {one_line(exc)}", exit_code=2
-        ) from None
+        where = next(_unreadable_json(model_dir.glob("*token*.json")), model_dir)
+        why = f"cannot load the tokenizer of {where}: {one_line(exc)}"
+        raise StartupError(why, exit_code=2) from None
     # Without tokenizer files transformers may build an empty tokenizer of the
     # model's family, which turns every text into no tokens at all.
     if not tokenizer.encode("Hello"):
         raise missing
     return tokenizer
+
+
+def _unreadable_json(paths: Iterable[Path]) -> Iterator[Path]:
+    """Those of `paths` that do not hold JSON (the file to name when a tokenizer fails)."""
+    for path in sorted(paths):
+        try:
+            json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            yield path
 
 
 def _bind(host: str, port: int) -> None:

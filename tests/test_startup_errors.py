@@ -78,6 +78,7 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
          "mlx-lm reads it as it loads the model (even with --generation-config none)"),
         ("generation not UTF-8", "{model}/generation_config.json is not UTF-8 text"),
         ("generation folder", "{model}/generation_config.json is not a file"),
+        ("tokenizer not JSON", "cannot load the tokenizer of {model}/tokenizer_config.json:"),
     ],
 )
 def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
@@ -101,6 +102,9 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
         generation.write_bytes(b"\xff\xfe{")
     if fault == "generation folder":
         generation.mkdir()
+    if fault == "tokenizer not JSON":
+        (model / "tokenizer_config.json").unlink()
+        (model / "tokenizer_config.json").write_text("{not json")
     flags = ("--generation-config", "none") if fault.startswith("generation") else ()
     code, lines = serve("--model", str(model), "--port", "0", *flags)
     assert code == 2
