@@ -1,8 +1,8 @@
 """A follower rank: the engine core alone, applying rank 0's turns, no gRPC server.
 
 When several ranks serve one model, rank 0 is the worker the router sees;
-every other rank runs this. It ends when rank 0 tells it to stop (exit 0), or
-when rank 0 dies or hangs (exit 1).
+every other rank runs this. It ends when rank 0 tells it to stop (exit 0), when
+rank 0 dies or hangs (exit 1), or when the model cannot be served so (exit 2).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class _Outcome:
         log.info("rank 0 stopped the worker")
         self.exit_code = 0
 
-    def failed(self, message: str) -> None:
+    def failed(self, message: str, permanent: bool = False) -> None:
         log.error("%s", message)
-        self.exit_code = 1
+        self.exit_code = 2 if permanent else 1  # permanent: no restart can cure it
 
 
 def _ignore(signum: int, frame: object) -> None:
