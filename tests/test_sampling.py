@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 
 from smg_mlx.engine.batch.sampling import SamplerCache, make_sampler
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
@@ -49,6 +50,16 @@ def test_top_k_samples_only_among_the_k_most_likely_tokens():
         drawn = {sample(logprobs).item() for _ in range(200)}
         assert drawn <= set(range(64 - k, 64)), (k, sorted(drawn))
         assert len(drawn) == k  # and every one of them
+
+
+@pytest.mark.parametrize("temperature", [1.1e-5, 3e-5, 5e-5])
+def test_a_low_temperature_over_float16_log_probabilities_is_nearly_greedy(temperature):
+    # A flat distribution (each log-probability near -4) tempered by 1/temperature
+    # (20,000 to 90,000) leaves float16's range (up to 65504) for every token.
+    scores = (mx.arange(64)[None] / 100).astype(mx.float16)
+    logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+    sample = make_sampler(SamplingSettings(temperature=temperature, seed=7))
+    assert {sample(logprobs).item() for _ in range(50)} == {63}
 
 
 # Samples with thousands of top_k values none of which came before, past a

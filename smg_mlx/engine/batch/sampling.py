@@ -87,7 +87,9 @@ class _Draw:
     def __call__(self, logprobs: mx.array, key: mx.array | None = None) -> mx.array:
         for keep in self._filters:
             logprobs = keep(logprobs)
-        return mx.random.categorical(logprobs * self._scale, key=key)
+        # In float32: a low temperature's scale (up to 1e5) overflows float16 to
+        # inf, and every token would be drawn alike.
+        return mx.random.categorical(logprobs.astype(mx.float32) * self._scale, key=key)
 
 
 class SeededSampler:
