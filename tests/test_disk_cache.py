@@ -119,6 +119,24 @@ def test_a_killed_worker_keeps_what_it_wrote_behind(spawn, model_dir, cold, tmp_
     assert got.tokens == generate(cold.stub, history + [7], max_tokens=8).tokens
 
 
+def test_entries_of_earlier_runs_deleted_to_fit_a_smaller_bound_are_said(
+    start_worker, model_dir, tmp_path, caplog
+):
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    for key in (1, 2):
+        generate(w.stub, prompt(400, key), max_tokens=8)
+    w.stop()
+    written = files(tmp_path)
+    assert len(written) == 2
+    bound = max(f.stat().st_size for f in written) + 1000  # room for one
+    with caplog.at_level(logging.INFO):
+        start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_disk_bytes=bound)
+        assert wait_until(lambda: "from earlier runs" in caplog.text, 10)
+    line = next(r.getMessage() for r in caplog.records if "from earlier runs" in r.getMessage())
+    assert "; 2 entries (" in line and ", the oldest 1 (" in line, line
+    assert wait_until(lambda: len(files(tmp_path)) == 1)
+
+
 def _written(start_worker, model: Path, directory: Path) -> tuple[list[int], Path]:
     """Serve A once and stop: its entry is in `directory`."""
     w = start_worker(model, prompt_cache_dir=directory)

@@ -226,13 +226,18 @@ class DiskTier(DiskReads):
         self._max_bytes, self._read_rate = opened.max_bytes, opened.write_rate
         for name, header, tokens, size in opened.files:
             self._index(tokens, name, size, header.trimmable, logging.INFO)
+        found, found_bytes = len(self.tree), self.tree.nbytes
         self._evict(0)
         self.open = True
+        evicted = found - len(self.tree)
         log.info(
             "prompt cache on disk: %s, up to %s (--prompt-cache-disk-bytes); %s "
-            "(%s) from earlier runs, indexed in %.2fs; writes %s/s",
-            opened.path, format_bytes(self._max_bytes), counted(len(self.tree), "entry", "entries"),
-            format_bytes(self.tree.nbytes), opened.seconds, format_bytes(opened.write_rate),
+            "(%s) from earlier runs%s, indexed in %.2fs; writes %s/s",
+            opened.path, format_bytes(self._max_bytes), counted(found, "entry", "entries"),
+            format_bytes(found_bytes),
+            f", the oldest {evicted} ({format_bytes(found_bytes - self.tree.nbytes)}) deleted "
+            "to fit that" if evicted else "",
+            opened.seconds, format_bytes(opened.write_rate),
         )  # fmt: skip
 
     def _turn_off(self, why: str) -> None:
