@@ -131,4 +131,6 @@ def test_counts_in_refusals_are_said_in_the_singular_for_one(start_worker, model
     with pytest.raises(grpc.RpcError) as full:
         generate(w.stub, prompt(4), max_tokens=2)
     running.cancel()
-    assert "the worker is full (1 request in flight)" in full.value.details()
+    assert "the worker is full (1 request in flight: --completion-batch-size running, " in (
+        full.value.details()
+    )

@@ -5,6 +5,7 @@ distribution (sampling), and a finished row's cache holds exactly its tokens."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 from collections import Counter
@@ -501,3 +502,13 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(model_dir, t
                                 "--port", "0", cwd=tmp_path)  # fmt: skip
     assert code == 2  # a path, never taken for a repo id
     assert f"--draft-model: {tmp_path}/no/such/draft is not a model directory" in lines[-1]
+
+
+def test_speculation_asked_for_but_off_is_a_warning_naming_the_flag_that_turns_it_off(
+    start_worker, model_dir, caplog
+):
+    with caplog.at_level(logging.WARNING, logger="smg_mlx.engine.speculative.choice"):
+        start_worker(model_dir, speculative="always", batching="equal-lengths")
+    assert "speculative decoding: off (--batching equal-lengths: prompts prefill together" in (
+        caplog.text
+    )

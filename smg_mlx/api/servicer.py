@@ -113,8 +113,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         if self._calls >= self._capacity:
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker is full ({counted(self._calls, 'request')} in flight); "
-                "retry elsewhere",
+                f"the worker is full ({counted(self._calls, 'request')} in flight: "
+                "--completion-batch-size running, --max-pending waiting); retry elsewhere",
             )
         return self._counted()
 

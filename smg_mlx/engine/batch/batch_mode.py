@@ -92,7 +92,8 @@ def _named(asked: Mode, model: nn.Module, stream: mx.Stream, verdict: Verdict | 
     if ORDER.index(found.mode) > ORDER.index(asked):
         reason = f"{found.reason}; not {asked.value} as --batching asks, which would change outputs"
         return Choice(found.mode, reason, found.seconds, found.basis)
-    return Choice(asked, _asked_for(asked), 0.0, found.basis)
+    basis = found.basis if found.mode is asked else f"{found.basis}, which found {found.mode.value}"
+    return Choice(asked, _asked_for(asked), 0.0, basis)
 
 
 def _asked_for(mode: Mode) -> str:

@@ -83,5 +83,7 @@ def _why_not(config: EngineConfig, model: nn.Module, ranks: int, batched: bool) 
     if (names := other_kinds(make_prompt_cache(model))) is not None:
         return f"this model's caches ({names}) cannot take tokens back"
     if not batched:
+        if config.batching == "equal-lengths":
+            return "--batching equal-lengths: prompts prefill together only at equal lengths"
         return "this model's prompts prefill together only at equal lengths"
     return None
