@@ -49,11 +49,13 @@ serve: install
 lint: install
 	$(PY) -m ruff check smg_mlx tests bench proto
 
-# Two processes: most tests wait on workers more than they compute.
+# Two processes: most tests wait on workers more than they compute. Work stealing:
+# a process left without tests takes some of the other's, so a slow one at the end
+# holds up less.
 TEST_JOBS ?= 2
 
 test: lint $(WHEELS)
-	$(PY) -m pytest -q -n $(TEST_JOBS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 # Engine ceiling vs this worker vs the peer worker; BENCH_ARGS=--short for a quick run.
 bench: install
