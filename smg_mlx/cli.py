@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check flag by flag; exits 2 (parser.error) saying what
-    is wrong. `args.model` is then the model named either way."""
+    is wrong. `args.model` is then the model named either way, and
+    `args.speculative` the setting in effect."""
     named = [what for what in (args.model_arg, args.model) if what is not None]
     if len(named) + args.demo != 1:
         parser.error(
@@ -114,10 +115,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.draft_model is not None and args.speculative == "off":
         parser.error("--draft-model proposes tokens for speculative decoding, which "
                      "--speculative off turns off: leave one of them out")  # fmt: skip
-    speculating = args.speculative not in (None, "off") or (
-        args.speculative is None and args.draft_model is not None
-    )
-    if args.num_draft_tokens is not None and not speculating:
+    args.speculative = args.speculative or ("auto" if args.draft_model else "off")
+    if args.num_draft_tokens is not None and args.speculative == "off":
         parser.error(
             "--num-draft-tokens: speculative decoding is off (its default, or --speculative "
             "off): add --speculative auto (or a --draft-model), or leave it out"
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             pipeline=args.pipeline,
             batching=args.batching,
             adapter_path=args.adapter_path,
-            speculative=args.speculative or ("auto" if args.draft_model else "off"),
+            speculative=args.speculative,
             num_draft_tokens=args.num_draft_tokens or EngineConfig.num_draft_tokens,
             draft_model=args.draft_model,
             kv_bits=args.kv_bits,

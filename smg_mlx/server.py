@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import signal
 import socket
@@ -30,7 +29,7 @@ from smg_mlx.config import ServerConfig
 from smg_mlx.engine.ranks.launched import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
 from smg_mlx.logs import READY, counted, format_bytes, host_port, one_line
-from smg_mlx.model_config import BadModelConfig, generation_config
+from smg_mlx.model_config import BadModelConfig, generation_config, read_json
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +91,8 @@ def _unreadable_json(paths: Iterable[Path]) -> Iterator[Path]:
     """Those of `paths` that do not hold JSON (the file to name when a tokenizer fails)."""
     for path in sorted(paths):
         try:
-            json.loads(path.read_bytes())
-        except (OSError, ValueError):
+            read_json(path)
+        except (BadModelConfig, OSError):
             yield path
 
 
