@@ -4,6 +4,7 @@ distribution (sampling), and a finished row's cache holds exactly its tokens."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -245,25 +246,29 @@ class Clock:
         return self.now
 
 
+def run_block(
+    pacing: Pacing, clock: Clock, rows: int, plain: tuple[float, int], checking: tuple[float, int]
+) -> bool:
+    """One run of passes, each taking (seconds, tokens) as its kind does:
+    whether it checked."""
+    block = pacing.start(rows)
+    seconds, tokens = checking if block.checking else plain
+    while not block.over:
+        block.begins()
+        new = pacing.new_shape(rows, 5 if block.checking else 1)
+        clock.now += 1.0 if new else seconds  # a first pass builds kernels: counts nowhere
+        block.ran(tokens, new, checked=block.checking)
+    pacing.ended(block)
+    return block.checking
+
+
 def test_pacing_checks_proposals_only_where_that_pays(monkeypatch):
     from smg_mlx.engine.speculative import pacing as paced
 
     clock = Clock()
     monkeypatch.setattr(paced.time, "perf_counter", clock)
     pacing = Pacing()
-
-    def run(rows: int, plain: tuple[float, int], checking: tuple[float, int]) -> bool:
-        """One run of passes, each taking (seconds, tokens) as its kind does:
-        whether it checked."""
-        block = pacing.start(rows)
-        seconds, tokens = checking if block.checking else plain
-        while not block.over:
-            block.begins()
-            new = pacing.new_shape(rows, 5 if block.checking else 1)
-            clock.now += 1.0 if new else seconds  # a first pass builds kernels: counts nowhere
-            block.ran(tokens, new)
-        pacing.ended(block)
-        return block.checking
+    run = functools.partial(run_block, pacing, clock)
 
     plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
     assert not run(8, plain, paying)  # plain first: the measure to hold against
@@ -276,6 +281,44 @@ def test_pacing_checks_proposals_only_where_that_pays(monkeypatch):
     assert not pacing.start(2).checking  # another batch size has its own measures: none yet
     checks = sum(run(8, plain, losing) for _ in range(200))
     assert 1 <= checks <= 4  # a losing checking run is tried again now and then, less often
+
+
+def test_pacing_times_plain_passes_again_while_checking_wins(monkeypatch):
+    """Plain passes timed once in a slow moment (kernels being built, a
+    burst of prompts) must not keep a checking run going that loses to
+    plain passes as they run now: plain runs again now and then, and once
+    its measure is fresh the worker stops checking."""
+    from smg_mlx.engine.speculative import pacing as paced
+
+    clock = Clock()
+    monkeypatch.setattr(paced.time, "perf_counter", clock)
+    pacing = Pacing()
+    run = functools.partial(run_block, pacing, clock)
+    slow_plain, plain, checking = (0.050, 8), (0.010, 8), (0.030, 9)
+    assert not run(8, slow_plain, checking)
+    assert run(8, plain, checking)  # 9 tokens in 30 ms beat 8 in 50
+    ran = [run(8, plain, checking) for _ in range(60)]
+    assert not all(ran)  # plain timed again...
+    assert sum(ran[-30:]) <= 2  # ...and then checking stops, but for a trial now and then
+
+
+def test_a_checking_run_with_nothing_to_propose_counts_as_plain(monkeypatch):
+    """Runs meant to check whose rows found nothing to propose ran plain
+    passes: they time plain decoding, not checking, so the first run that
+    has proposals is still tried against plain passes."""
+    from smg_mlx.engine.speculative import pacing as paced
+
+    clock = Clock()
+    monkeypatch.setattr(paced.time, "perf_counter", clock)
+    pacing = Pacing()
+    for _ in range(3):
+        block = pacing.start(8)
+        while not block.over:
+            block.begins()
+            clock.now += 0.010
+            block.ran(8, pacing.new_shape(8, 1))
+        pacing.ended(block)
+    assert run_block(pacing, clock, 8, (0.010, 8), (0.012, 20))
 
 
 @pytest.mark.parametrize("after_checking, keeps_checking", [(0.012, True), (0.110, False)])

@@ -12,10 +12,11 @@ next block's (`Block`). A single pass could not be timed alone: how long it
 takes depends on what the pass before left running. For each batch size (by
 powers of two) a moving average of the tokens a second of checking blocks
 and of plain ones; a block checks where its rate beats the plain one's.
-Until both are measured it is tried, and after a losing run it is tried
-again now and then, as the batch and its proposals change; a checking block
-clearly losing after its first passes ends there (`losing`), so that a trial
-costs a few passes. A pass of a
+Until both are measured it is tried; whichever kind loses runs again now and
+then, as the batch, its proposals and the machine change (a losing checking
+run after ever longer waits; plain, which costs little where checking wins,
+every few blocks); a checking block clearly losing after its first passes
+ends there (`losing`), so that a trial costs a few passes. A pass of a
 shape run for the first time counts in no block, neither its time nor its
 tokens (the backend may build kernels for it first); a block the engine set
 aside (`Block.void`) counts not at all.
@@ -27,8 +28,9 @@ import time
 
 BLOCK = 8  # passes a block runs
 WEIGHT = 0.25  # of each new block in a moving average
-# Plain blocks after which a losing checking block is tried again, doubling
-# after each retry that loses again, up to the most.
+# Blocks after which the kind that lost runs again: a losing checking block
+# after RETRY, doubling after each retry that loses again, up to the most;
+# plain every RETRY.
 RETRY, MOST_RETRY = 8, 512
 # A checking block whose rate after EARLY passes is under this share of the
 # plain rate ends there.
@@ -41,14 +43,19 @@ def _size_class(rows: int) -> int:
 
 
 class _Average:
-    __slots__ = ("seconds", "tokens")
+    """A moving average; over its first blocks, their mean (a block timed in a
+    slow moment weighs no more than its share)."""
+
+    __slots__ = ("seconds", "tokens", "blocks")
 
     def __init__(self, seconds: float, tokens: float) -> None:
-        self.seconds, self.tokens = seconds, tokens
+        self.seconds, self.tokens, self.blocks = seconds, tokens, 1
 
     def add(self, seconds: float, tokens: float) -> None:
-        self.seconds += WEIGHT * (seconds - self.seconds)
-        self.tokens += WEIGHT * (tokens - self.tokens)
+        self.blocks += 1
+        weight = max(WEIGHT, 1 / self.blocks)
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens += weight * (tokens - self.tokens)
 
     @property
     def rate(self) -> float:
@@ -58,13 +65,16 @@ class _Average:
 class Block:
     """A run of one batch's passes, all checking or all plain."""
 
-    __slots__ = ("size", "checking", "started", "passes", "tokens", "counted", "skipped", "_pass")
+    __slots__ = (
+        "size", "checking", "started", "passes", "checked", "tokens", "counted", "skipped",
+        "_pass",
+    )  # fmt: skip
 
     def __init__(self, rows: int, checking: bool) -> None:
         self.size = _size_class(rows)
         self.checking = checking
         self.started = self._pass = time.perf_counter()
-        self.passes = self.tokens = 0
+        self.passes = self.checked = self.tokens = 0
         self.skipped = 0.0  # seconds of passes that do not count
         self.counted = True
 
@@ -72,12 +82,14 @@ class Block:
         """One of its passes begins."""
         self._pass = time.perf_counter()
 
-    def ran(self, tokens: int, new_shape: bool) -> None:
-        """The pass that began returned `tokens` (`new_shape`: its shape's first run)."""
+    def ran(self, tokens: int, new_shape: bool, checked: bool = False) -> None:
+        """The pass that began returned `tokens` (`new_shape`: its shape's
+        first run; `checked`: it checked proposals)."""
         if new_shape:
             self.skipped += time.perf_counter() - self._pass
             return
         self.passes += 1
+        self.checked += checked
         self.tokens += tokens
 
     @property
@@ -119,7 +131,7 @@ class Pacing:
     def losing(self, block: Block) -> bool:
         """Whether `block`, checking, makes clearly fewer tokens a second so far
         than plain blocks do: it ends now, its passes measured as they are."""
-        if not block.checking or self.always or block.passes < EARLY or not block.counted:
+        if not block.checked or self.always or block.passes < EARLY or not block.counted:
             return False
         plain, seconds = self._plain.get(block.size), block.seconds()
         return plain is not None and seconds > 0 and block.tokens / seconds < LOSING * plain.rate
@@ -129,7 +141,8 @@ class Pacing:
         if not block.counted:
             return
         seconds = block.seconds()
-        kept = self._checking if block.checking else self._plain
+        # A checking block whose rows had nothing to propose ran plain passes.
+        kept = self._checking if block.checked else self._plain
         if block.size in kept:
             kept[block.size].add(seconds, block.tokens)
         else:
@@ -141,13 +154,21 @@ class Pacing:
         plain, checking = self._plain.get(size), self._checking.get(size)
         if plain is None:
             return False  # plain blocks first: the measure a checking one is held against
-        if checking is None or checking.rate > plain.rate:
-            self._retry[size] = RETRY
+        if checking is None:
             return True
+        wins = checking.rate > plain.rate
+        # The kind that lost runs again now and then: its measure goes stale
+        # as the batch, its proposals and the machine change (a plain block
+        # timed while kernels were built would keep a losing checking run
+        # going). A plain block costs little where checking wins: every RETRY
+        # blocks; a losing checking run, after ever longer waits.
+        if wins:
+            self._retry[size] = RETRY
         waited = self._waited[size] = self._waited.get(size, 0) + 1
         retry = self._retry.get(size, RETRY)
         if waited < retry:
-            return False
+            return wins
         self._waited[size] = 0
-        self._retry[size] = min(2 * retry, MOST_RETRY)
-        return True
+        if not wins:
+            self._retry[size] = min(2 * retry, MOST_RETRY)
+        return not wins
