@@ -353,6 +353,41 @@ def test_pacing_counts_what_a_checking_pass_costs_until_the_next_pass(
         assert stats.passes <= 12, stats.passes
 
 
+def test_lining_rows_up_after_checking_counts_as_checking_time(monkeypatch):
+    """Checking passes leave rows ending apart, and lining them up again
+    copies the cache: that copy is what checking cost. Where it eats what
+    checking gained, the worker stops checking; the plain passes after it
+    are not charged with it."""
+    from smg_mlx.engine.speculative import pacing, ragged_kv
+
+    clock = Clock()
+    monkeypatch.setattr(pacing.time, "perf_counter", clock)
+    compact = ragged_kv.Ragged.compact
+    lined_up = []
+
+    def slow_compact(self) -> None:
+        if self._ends is not None:
+            clock.now += 0.25  # a layer (of two): more than a checking run gains
+            lined_up.append(self)
+        compact(self)
+
+    monkeypatch.setattr(ragged_kv.Ragged, "compact", slow_compact)
+    model = tiny_model("llama", scale=1.5)  # proposals often right, rows keep apart
+    stats = DraftStats()
+    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
+    generator._generation_batch = SpeculativeGenerationBatch.start(
+        model, generator.sampler, Drafting(most=4, pacing=Pacing(), stats=stats)
+    )
+    generator.insert(repetitive_prompts(4, 5), [1500] * 4)
+    calls = 240
+    for _ in range(calls):
+        generator.next()
+        clock.now += 0.010
+    generator.close()
+    assert lined_up  # rows did end apart, and were lined up
+    assert stats.passes <= 40, stats.passes  # tried now and then, not kept
+
+
 def test_rows_that_ended_apart_line_up_when_checking_stops_and_stay_exact():
     """A checking pass leaves rows' caches ending at different columns; once
     pacing stops checking, they end together again (plain passes run plain)

@@ -15,9 +15,10 @@ logprob returned is the model's.
 
 Such a pass must see its rows' latest tokens before it is built, so it waits
 for the pass before it, where mlx-lm would overlap them: `Pacing` has passes
-check only where measured runs of them (`pacing.Block`) say that pays. Where
-a plain run starts, a cache whose rows ended apart is lined up again, so that
-its passes run, and are timed, as plain ones.
+check only where measured runs of them (`pacing.Block`) say that pays. A
+cache whose rows ended apart is lined up again at the end of each checking
+run, on that run's clock, so that plain passes run, and are timed, as plain
+ones.
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
             return []
         pacing = self.drafting.pacing
         if self._block is not None and (self._block.over or pacing.losing(self._block)):
+            if self._block.checked:
+                # Its passes left the rows ending apart: lined up on its own
+                # clock, as what checking costs, not the plain block after it.
+                self._line_up()
             pacing.ended(self._block)
             self._block = None
         if self._block is None:
