@@ -590,3 +590,14 @@ def test_speculation_asked_for_but_off_is_a_warning_naming_the_flag_that_turns_i
     assert "speculative decoding: off (--batching equal-lengths: prompts prefill together" in (
         caplog.text
     )
+
+
+def test_the_passes_bench_times_plain_and_checking_passes_apart():
+    from bench.spec_passes import measure
+
+    model = tiny_model("llama", scale=1.0)  # repeats itself: proposals are right
+    plain = measure(model, rows=4, mode="plain", most=4, seconds=0.3)
+    always = measure(model, rows=4, mode="always", most=4, seconds=0.3)
+    assert plain["checking_passes"] == 0 and plain["tok_s"] > 0
+    assert always["checking_passes"] == always["passes"] > 0
+    assert always["accepted"] > 0 and always["tok_s"] * always["ms_per_pass"] / 1000 > 4

@@ -1,0 +1,98 @@
+"""What checking passes do alone, without the worker (`python -m bench.spec_passes`).
+
+mlx-lm's BatchGenerator, its decoding rows replaced by the worker's
+speculative ones, runs ROWS greedy streams that never end (no admissions,
+no server, no prefix cache): plain decoding, checking every pass
+(`--speculative always`) and paced (`auto`), each for `--seconds` after a
+warm-up. Where the worker's own figures (`python -m bench --speculation`)
+fall short of these, the cost is in the serving around the passes, not in
+the passes. On mlx's CUDA backend the worker's attention shapes are
+installed, as the worker installs them. The bench's random models repeat
+themselves under greedy decoding: proposals are right once a stream has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+
+from bench.model import SHAPES, ensure_model
+from smg_mlx.engine.batch.attention_shapes import AttentionShapes
+from smg_mlx.engine.batch.batch import CUDA_CHUNK
+from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
+from smg_mlx.engine.speculative.pacing import Pacing
+
+MODES = ("plain", "always", "paced")
+PROMPT_TOKENS = 64
+WARM_UP_CALLS = 40
+
+
+def measure(model, rows: int, mode: str, most: int, seconds: float) -> dict:
+    """One mode at one batch size: tokens a second, and what checking did."""
+    rng = np.random.default_rng(rows)
+    prompts = rng.integers(0, model.args.vocab_size, size=(rows, PROMPT_TOKENS)).tolist()
+    generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=8)
+    stats = DraftStats()
+    if mode != "plain":
+        drafting = Drafting(most, Pacing(always=mode == "always"), stats)
+        generator._generation_batch = SpeculativeGenerationBatch.start(
+            model, generator.sampler, drafting
+        )
+    generator.insert(prompts, [1 << 30] * rows)
+    for _ in range(WARM_UP_CALLS):
+        generator.next()
+    counts = lambda: (stats.passes, stats.proposed, stats.accepted)  # noqa: E731
+    before = counts()
+    calls = tokens = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        tokens += len(generator.next()[1])
+        calls += 1
+    wall = time.perf_counter() - started
+    generator.close()
+    passes, proposed, accepted = (now - then for now, then in zip(counts(), before, strict=True))
+    return {
+        "rows": rows, "mode": mode, "tok_s": tokens / wall, "ms_per_pass": 1000 * wall / calls,
+        "passes": calls, "checking_passes": passes, "proposed": proposed, "accepted": accepted,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.spec_passes", description=__doc__)
+    p.add_argument("--model", type=Path, help="a model directory (default: build --shape)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--work-dir", type=Path, default=Path(".bench/models"))
+    p.add_argument("--rows", default="4,16,64", help="batch sizes")
+    p.add_argument("--num-draft-tokens", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=5.0, help="timed, per mode and batch size")
+    p.add_argument("--out", type=Path, help="JSON results")
+    args = p.parse_args(argv)
+    model, _ = load(str(args.model or ensure_model(args.shape, args.work_dir)))
+    if mx.default_device() == mx.gpu and not mx.metal.is_available():
+        AttentionShapes(CUDA_CHUNK).install()
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        plain = None
+        for mode in MODES:
+            r = measure(model, rows, mode, args.num_draft_tokens, args.seconds)
+            plain = plain or r["tok_s"]
+            kept = f"{r['accepted']} of {r['proposed']} proposed kept" if r["proposed"] else ""
+            print(f"rows {rows:3d} {mode:6s} {r['tok_s']:8.0f} tok/s (x{r['tok_s'] / plain:.2f}), "
+                  f"{r['ms_per_pass']:.1f} ms a pass, {r['checking_passes']} of {r['passes']} "
+                  f"checking; {kept}", flush=True)  # fmt: skip
+            results.append(r)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"command": sys.argv, "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
