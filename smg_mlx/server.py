@@ -37,8 +37,9 @@ ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_na
 HEALTH_NAMES = ("", ENGINE_SERVICE)  # "" is the whole server, as Kubernetes probes ask
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# At a stop, how long the engine thread may take to end besides the prefix
-# cache's writes (its step, then releasing the model on its own thread).
+# At a stop, how long an engine thread (it cannot be killed, as its process can)
+# may take to end besides the prefix cache's writes (its step, then releasing
+# the model on its own thread).
 STOP_SECONDS = 30.0
 # Once the engine has stopped and its writes' time is up, how long its process may
 # take to exit before it is killed: a write the system holds up (a hung disk) cannot
@@ -414,27 +415,40 @@ class Worker:
         return 1 if failed else 0
 
     async def _engine_ends(self, flush: float) -> bool:
-        """Wait for the engine, asked to stop, to end; whether it stopped. It has
-        STOP_SECONDS to end its step and say it stopped; its prompt cache then writes
-        to disk until `flush` seconds from now (or until a second signal), and its
-        process has EXIT_SECONDS more to exit, else it is killed."""
+        """Wait for the engine, asked to stop, to end; whether it stopped. Its
+        prompt cache writes to disk until `flush` seconds from now (or until a
+        second signal). In a process of its own it then has EXIT_SECONDS more
+        to end, else it is killed, in its step or not: no stream is open any
+        more, and a step of a request already aborted (a long prompt's chunk on
+        a slow machine) would hold the exit past the grace for nothing. A
+        thread cannot be killed: it has STOP_SECONDS besides the writes to end
+        its step and say it stopped."""
         began = time.monotonic()
-        end = began + flush + STOP_SECONDS
+        killable = self.config.engine_process
+        end = began + flush + (EXIT_SECONDS if killable else STOP_SECONDS)
         while not await asyncio.to_thread(self.engine.join, 0.1):
             now = time.monotonic()
-            if self.engine.state is EngineState.STOPPED:
+            stopped = self.engine.state is EngineState.STOPPED
+            if stopped:
                 writes_end = now if self._hurry else max(now, began + flush)
                 end = min(end, writes_end + EXIT_SECONDS)
             if now < end:
                 continue
-            if self.engine.state is not EngineState.STOPPED:
+            if not stopped and not killable:
                 log.error("the engine did not stop within %.0fs", now - began)
                 return False
-            log.warning(
-                "the engine stopped, but its process had not exited %.0fs later "
-                "(a write to disk the system holds up?): ending it",
-                EXIT_SECONDS,
-            )
+            if stopped:
+                log.warning(
+                    "the engine stopped, but its process had not exited %.0fs later "
+                    "(a write to disk the system holds up?): ending it",
+                    EXIT_SECONDS,
+                )
+            else:
+                log.warning(
+                    "the engine was still in a step %.1fs after it was asked to stop, "
+                    "with no request open: ending its process",
+                    now - began,
+                )
             self.engine.kill()
             return True
         return True

@@ -103,3 +103,17 @@ def test_ctrl_c_in_a_terminal_drains_and_exits_zero(model_dir, tmp_path):
     finally:
         proc.kill()
     assert "Traceback" not in log.read_text()
+
+
+def test_a_stop_ends_within_its_grace_while_the_engine_is_stuck_in_a_step(spawn, model_dir):
+    # A stopped engine process stands in for a step that outlasts the grace (a
+    # long prompt's chunk of a request already aborted, on a slow machine).
+    p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "1")
+    p.wait_serving()
+    engine = engine_pid(p.proc.pid)
+    os.kill(engine, signal.SIGSTOP)
+    began = time.monotonic()
+    assert p.stop() == 0  # no request was open: nothing was lost
+    assert time.monotonic() - began < 6  # the grace and a second, not the step's end
+    assert wait_until(lambda: not alive(engine), 10)
+    assert "the engine was still in a step" in p.log.read_text()
