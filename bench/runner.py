@@ -130,11 +130,14 @@ def _started(name: str, opts: Options, tag: str) -> tuple[WorkerProcess, dict]:
 
 
 def _steps(info: dict) -> tuple[float, float, float] | None:
-    """Our worker's steps so far: how many, their seconds and their rows, from its
-    metrics (None for a worker without them)."""
+    """Our worker's steps so far (see `steps_so_far`; None for a worker without metrics)."""
     port = info.get("metrics_port")
-    if port is None:
-        return None
+    return None if port is None else steps_so_far(port)
+
+
+def steps_so_far(port: int) -> tuple[float, float, float] | None:
+    """Our worker's steps so far: how many, their seconds and their rows, from
+    its metrics on `port` (None where unread)."""
     step = "smg_mlx_engine_step_duration_seconds"
     values = metrics(port, f"{step}_count", f"{step}_sum", "smg_mlx_engine_batch_size_sum")
     return None if None in values else tuple(values)

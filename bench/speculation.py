@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench.grpc_client import closed_loop
 from bench.long_prompts import default_worker, metrics
-from bench.runner import progress
+from bench.runner import progress, steps_so_far
 from bench.workload import Workload
 
 KINDS = ("right", "wrong", "half")
@@ -58,15 +58,19 @@ class Speculation:
     draft: Path | None = None  # its --draft-model (None: prompt lookup)
 
 
-def _round(address: str, workload: Workload, kind: str, c: int, first: int, tag: str) -> tuple:
-    """Warm-up, then the timed requests: (tokens, seconds, errors)."""
+def _round(address: str, port: int, workload: Workload, kind: str, c: int, first: int,
+           tag: str) -> tuple:  # fmt: skip
+    """Warm-up, then the timed requests: (tokens, seconds, errors, and the
+    worker's steps, their seconds and their rows meanwhile)."""
     warm, timed = workload.warmup(c), workload.requests(c)
     hot = partial(temperature, kind)
     asyncio.run(closed_loop(address, workload, c, range(first, first + warm), tag, hot))
     span = range(first + warm, first + warm + timed)
+    before = steps_so_far(port) or (0.0, 0.0, 0.0)
     records, wall = asyncio.run(closed_loop(address, workload, c, span, tag, hot))
+    steps = [b - a for a, b in zip(before, steps_so_far(port) or before, strict=True)]
     errors = sum(r.error is not None for r in records)
-    return sum(r.tokens for r in records), wall, errors
+    return sum(r.tokens for r in records), wall, errors, *steps
 
 
 def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload: Workload,
@@ -77,19 +81,22 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
     counted = counters("prompt_lookup" if spec.draft is None else "draft_model")
     with (
         default_worker(model_dir, work_dir, [*extra, "--speculative", "off"], "spec-off",
-                       timeout_s) as (off, _),
+                       timeout_s) as (off, off_metrics),
         default_worker(model_dir, work_dir, [*extra, "--speculative", spec.setting, *drafting],
                        "spec-on", timeout_s) as (on, on_metrics),
     ):  # fmt: skip
         first = 0
+        workers = {"off": (off, off_metrics), "on": (on, on_metrics)}
         for kind in spec.kinds:
             for c in spec.levels:
-                figures = {"off": [0, 0.0, 0], "on": [0, 0.0, 0]}
+                # tokens, seconds, errors; steps, their seconds and rows
+                figures = {"off": [0, 0.0, 0, 0, 0.0, 0], "on": [0, 0.0, 0, 0, 0.0, 0]}
                 before = metrics(on_metrics, *counted)
                 for r in range(spec.rounds):
-                    order = (("off", off), ("on", on)) if r % 2 == 0 else (("on", on), ("off", off))
-                    for name, worker in order:
-                        got = _round(worker.address, workload, kind, c, first, f"{kind}-{c}-{r}")
+                    for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                        worker, port = workers[name]
+                        got = _round(worker.address, port, workload, kind, c, first,
+                                     f"{kind}-{c}-{r}")  # fmt: skip
                         figures[name] = [a + b for a, b in zip(figures[name], got, strict=True)]
                     first += workload.warmup(c) + workload.requests(c)
                 after = metrics(on_metrics, *counted)
@@ -105,6 +112,13 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
                     "checking_passes": passes, "tokens_per_checking_pass": tokens / max(1, passes),
                 }  # fmt: skip
                 row["on_over_off"] = row["on_tok_s"] / row["off_tok_s"]
+                for name, (_, wall, _, steps, seconds, rows_stepped) in figures.items():
+                    # Where the time goes: steps (passes, their syncs) or between them
+                    # (the engine's work on each step's tokens, admissions, waiting).
+                    row[f"{name}_steps"] = steps
+                    row[f"{name}_step_ms"] = 1e3 * seconds / max(1, steps)
+                    row[f"{name}_rows_per_step"] = rows_stepped / max(1, steps)
+                    row[f"{name}_stepping_share"] = seconds / wall
                 progress(f"{kind} c={c}: {format_row(row)}")
                 rows.append(row)
     return rows
@@ -116,7 +130,10 @@ def format_row(row: dict) -> str:
         f"off {row['off_tok_s']:.0f} tok/s, on {row['on_tok_s']:.0f} "
         f"(x{row['on_over_off']:.2f}); {row['accepted']:.0f} of {row['proposed']:.0f} "
         f"proposed tokens kept ({100 * accepted:.0f}%), "
-        f"{row['tokens_per_checking_pass']:.1f} tokens a checking pass"
+        f"{row['tokens_per_checking_pass']:.1f} tokens a checking pass; steps off / on: "
+        f"{row['off_steps']:.0f} / {row['on_steps']:.0f} of {row['off_step_ms']:.1f} / "
+        f"{row['on_step_ms']:.1f} ms, stepping {100 * row['off_stepping_share']:.0f}% / "
+        f"{100 * row['on_stepping_share']:.0f}% of the time"
     )
 
 
