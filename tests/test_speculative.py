@@ -10,6 +10,7 @@ import logging
 import math
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -321,6 +322,27 @@ def test_a_checking_run_with_nothing_to_propose_counts_as_plain(monkeypatch):
     assert run_block(pacing, clock, 8, (0.010, 8), (0.012, 20))
 
 
+def run_paced(
+    scale: float, clock: Clock, after: Callable[[bool], float], calls: int
+) -> DraftStats:
+    """Four repeating streams through `calls` calls of a paced generator over a
+    model of `scale`, the clock moved on after each call by `after(whether it
+    checked)` seconds: what speculation did."""
+    model = tiny_model("llama", scale=scale)
+    stats = DraftStats()
+    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
+    generator._generation_batch = SpeculativeGenerationBatch.start(
+        model, generator.sampler, Drafting(most=4, pacing=Pacing(), stats=stats)
+    )
+    generator.insert(repetitive_prompts(4, 5), [1500] * 4)
+    for _ in range(calls):
+        checked = stats.passes
+        generator.next()
+        clock.now += after(stats.passes > checked)
+    generator.close()
+    return stats
+
+
 @pytest.mark.parametrize("after_checking, keeps_checking", [(0.012, True), (0.110, False)])
 def test_pacing_counts_what_a_checking_pass_costs_until_the_next_pass(
     monkeypatch, after_checking, keeps_checking
@@ -332,19 +354,9 @@ def test_pacing_counts_what_a_checking_pass_costs_until_the_next_pass(
 
     clock = Clock()
     monkeypatch.setattr(pacing.time, "perf_counter", clock)
-    model = tiny_model("llama", scale=1.0)  # repeats itself: proposals are right
-    stats = DraftStats()
-    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
-    generator._generation_batch = SpeculativeGenerationBatch.start(
-        model, generator.sampler, Drafting(most=4, pacing=Pacing(), stats=stats)
-    )
-    generator.insert(repetitive_prompts(4, 5), [1500] * 4)
     calls = 240
-    for _ in range(calls):
-        checked = stats.passes
-        generator.next()
-        clock.now += after_checking if stats.passes > checked else 0.010
-    generator.close()
+    # (a model that repeats itself: proposals are right)
+    stats = run_paced(1.0, clock, lambda checked: after_checking if checked else 0.010, calls)
     assert stats.passes >= 1  # tried
     if keeps_checking:
         assert stats.passes > calls / 2 and stats.accepted > 0
@@ -372,18 +384,8 @@ def test_lining_rows_up_after_checking_counts_as_checking_time(monkeypatch):
         compact(self)
 
     monkeypatch.setattr(ragged_kv.Ragged, "compact", slow_compact)
-    model = tiny_model("llama", scale=1.5)  # proposals often right, rows keep apart
-    stats = DraftStats()
-    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
-    generator._generation_batch = SpeculativeGenerationBatch.start(
-        model, generator.sampler, Drafting(most=4, pacing=Pacing(), stats=stats)
-    )
-    generator.insert(repetitive_prompts(4, 5), [1500] * 4)
-    calls = 240
-    for _ in range(calls):
-        generator.next()
-        clock.now += 0.010
-    generator.close()
+    # (proposals often right, and rows keep apart)
+    stats = run_paced(1.5, clock, lambda checked: 0.010, calls=240)
     assert lined_up  # rows did end apart, and were lined up
     assert stats.passes <= 40, stats.passes  # tried now and then, not kept
 
