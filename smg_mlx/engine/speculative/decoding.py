@@ -63,7 +63,6 @@ class SpeculativeGenerationBatch(GenerationBatch):
     _draft_rows: DraftRows | None
     _steps: int
     _block: Block | None  # the run of passes under way (pacing)
-    _checked: bool  # whether the last pass checked proposals
 
     @classmethod
     def start(cls, model: Any, sampler: Any, drafting: Drafting) -> SpeculativeGenerationBatch:
@@ -74,14 +73,12 @@ class SpeculativeGenerationBatch(GenerationBatch):
         batch._draft_rows = DraftRows(drafting.draft) if drafting.draft is not None else None
         batch._steps = 0
         batch._block = None
-        batch._checked = False
         return batch
 
     @property
     def checking(self) -> bool:
-        """Whether its last pass checked proposals: it waited for its tokens,
-        where a plain pass leaves them to the next one."""
-        return self._checked
+        """Whether its passes run in a checking run: each waits for the one before."""
+        return self._block is not None and self._block.checking
 
     def disturbed(self) -> None:
         """The other lane's passes ran between two of these: the run under way
@@ -101,7 +98,6 @@ class SpeculativeGenerationBatch(GenerationBatch):
             del self._rows[uid]
 
     def next(self) -> list:
-        self._checked = False
         if not self.uids:
             return []
         pacing = self.drafting.pacing
@@ -126,7 +122,6 @@ class SpeculativeGenerationBatch(GenerationBatch):
             drafts = self._proposals(likely, pending)
             if any(drafts):
                 out = self._check(pending, drafts)
-                self._checked = True
                 width = 1 + self.drafting.most
                 self._block.ran(len(out), pacing.new_shape(rows, width), checked=True)
                 return out
