@@ -531,18 +531,24 @@ def test_a_chats_first_token_goes_out_before_the_long_prompts_chunks_of_its_step
     assert reports[first].events[0].first
 
 
-def test_where_passes_check_proposals_a_new_streams_first_token_goes_out_a_step_sooner(
-    model_dir,
+@pytest.mark.parametrize("proposals, sooner", [(True, 1), (False, 0)],
+                         ids=["proposals found", "none found"])  # fmt: skip
+def test_a_new_streams_first_token_goes_out_a_step_sooner_where_passes_check_proposals(
+    model_dir, proposals, sooner
 ):
     """A checking pass waits for the pass before it anyway: a prompt that
     moves into the decoding rows sends its first token in that step, not
-    the next (a chat beside speculating streams waits one pass less)."""
+    the next (a chat beside speculating streams waits one pass less). Where
+    the streams find nothing to propose, their passes run plain, each
+    overlapping the next, and the first token goes out as without speculation."""
 
     def steps_to_first_token(speculative: str) -> int:
         inbox = Inbox()
         sink, thread = start_core(model_dir, inbox, speculative=speculative)
         try:
-            inbox.submit(Request(1, spec(prompt(12, 1), max_tokens=60)))
+            # A phrase said four times: the stream finds proposals to check.
+            opening = prompt(5, 1) * 4 if proposals else prompt(12, 1)
+            inbox.submit(Request(1, spec(opening, max_tokens=60)))
             assert len(sink.events_of(1, 3)) == 3  # it decodes
             inbox.submit(Request(2, spec(prompt(8, 2), max_tokens=4)))
             reports = run_until_ended(sink, {1, 2})
@@ -554,7 +560,7 @@ def test_where_passes_check_proposals_a_new_streams_first_token_goes_out_a_step_
             inbox.stop()
             thread.join(TIMEOUT)
 
-    assert steps_to_first_token("always") == steps_to_first_token("off") - 1
+    assert steps_to_first_token("always") == steps_to_first_token("off") - sooner
 
 
 def test_the_prefill_chunk_is_the_backends_unless_one_is_given(model_dir, monkeypatch):

@@ -77,8 +77,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
 
     @property
     def checking(self) -> bool:
-        """Whether its passes run in a checking run: each waits for the one before."""
-        return self._block is not None and self._block.checking
+        """Whether its passes run in a checking run that has found proposals to
+        check: each waits for the one before. (Where the rows find none, its
+        passes run plain, overlapping as mlx-lm's do.)"""
+        return self._block is not None and self._block.checked > 0
 
     def disturbed(self) -> None:
         """The other lane's passes ran between two of these: the run under way
