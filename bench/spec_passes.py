@@ -1,10 +1,12 @@
 """What checking passes do alone, without the worker (`python -m bench.spec_passes`).
 
 mlx-lm's BatchGenerator, its decoding rows replaced by the worker's
-speculative ones, runs ROWS greedy streams that never end (no admissions,
-no server, no prefix cache): plain decoding, checking every pass
+speculative ones, runs ROWS streams that never end (no admissions, no
+server, no prefix cache): plain decoding, checking every pass
 (`--speculative always`) and paced (`auto`), each for `--seconds` after a
-warm-up. Where the worker's own figures (`python -m bench --speculation`)
+warm-up. The streams are greedy (`right`), or every other one is sampled at
+temperature 1 (`half`: those find nothing to propose), as in `python -m
+bench --speculation`. Where the worker's own figures (`python -m bench --speculation`)
 fall short of these, the cost is in the serving around the passes, not in
 the passes. On mlx's CUDA backend the worker's attention shapes are
 installed, as the worker installs them. The bench's random models repeat
@@ -27,15 +29,20 @@ from mlx_lm.generate import BatchGenerator
 from bench.model import SHAPES, ensure_model
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes
 from smg_mlx.engine.batch.batch import CUDA_CHUNK
+from smg_mlx.engine.batch.sampling import make_sampler
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.pacing import Pacing
+from smg_mlx.engine.types import SamplingSettings
 
 MODES = ("plain", "always", "paced")
+WORKLOADS = ("right", "half")
 PROMPT_TOKENS = 64
 WARM_UP_CALLS = 40
 
 
-def measure(model, rows: int, mode: str, most: int, seconds: float) -> dict:
+def measure(
+    model, rows: int, mode: str, most: int, seconds: float, workload: str = "right"
+) -> dict:
     """One mode at one batch size: tokens a second, and what checking did."""
     rng = np.random.default_rng(rows)
     prompts = rng.integers(0, model.args.vocab_size, size=(rows, PROMPT_TOKENS)).tolist()
@@ -46,7 +53,9 @@ def measure(model, rows: int, mode: str, most: int, seconds: float) -> dict:
         generator._generation_batch = SpeculativeGenerationBatch.start(
             model, generator.sampler, drafting
         )
-    generator.insert(prompts, [1 << 30] * rows)
+    greedy, hot = (make_sampler(SamplingSettings(temperature=t)) for t in (0.0, 1.0))
+    samplers = [hot if workload == "half" and i % 2 else greedy for i in range(rows)]
+    generator.insert(prompts, [1 << 30] * rows, samplers=samplers)
     for _ in range(WARM_UP_CALLS):
         generator.next()
     counts = lambda: (stats.passes, stats.proposed, stats.accepted)  # noqa: E731
@@ -60,7 +69,8 @@ def measure(model, rows: int, mode: str, most: int, seconds: float) -> dict:
     generator.close()
     passes, proposed, accepted = (now - then for now, then in zip(counts(), before, strict=True))
     return {
-        "rows": rows, "mode": mode, "tok_s": tokens / wall, "ms_per_pass": 1000 * wall / calls,
+        "workload": workload, "rows": rows, "mode": mode, "tok_s": tokens / wall,
+        "ms_per_pass": 1000 * wall / calls,
         "passes": calls, "checking_passes": passes, "proposed": proposed, "accepted": accepted,
     }  # fmt: skip
 
@@ -71,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--work-dir", type=Path, default=Path(".bench/models"))
     p.add_argument("--rows", default="4,16,64", help="batch sizes")
+    p.add_argument("--workload", choices=WORKLOADS, default="right")
     p.add_argument("--num-draft-tokens", type=int, default=8)
     p.add_argument("--seconds", type=float, default=5.0, help="timed, per mode and batch size")
     p.add_argument("--out", type=Path, help="JSON results")
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (int(r) for r in args.rows.split(",")):
         plain = None
         for mode in MODES:
-            r = measure(model, rows, mode, args.num_draft_tokens, args.seconds)
+            r = measure(model, rows, mode, args.num_draft_tokens, args.seconds, args.workload)
             plain = plain or r["tok_s"]
             kept = f"{r['accepted']} of {r['proposed']} proposed kept" if r["proposed"] else ""
             print(f"rows {rows:3d} {mode:6s} {r['tok_s']:8.0f} tok/s (x{r['tok_s'] / plain:.2f}), "
