@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
@@ -41,7 +42,7 @@ WARM_UP_CALLS = 40
 
 
 def measure(
-    model, rows: int, mode: str, most: int, seconds: float, workload: str = "right"
+    model: nn.Module, rows: int, mode: str, most: int, seconds: float, workload: str = "right"
 ) -> dict:
     """One mode at one batch size: tokens a second, and what checking did."""
     rng = np.random.default_rng(rows)
