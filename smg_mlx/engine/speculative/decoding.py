@@ -104,16 +104,14 @@ class SpeculativeGenerationBatch(GenerationBatch):
             return []
         pacing = self.drafting.pacing
         if self._block is not None and (self._block.over or pacing.losing(self._block)):
-            if self._block.checked:
-                # Its passes left the rows ending apart: lined up on its own
-                # clock, as what checking costs, not the plain block after it.
+            if self._block.checking:
+                # Its passes may have left the rows ending apart: lined up on
+                # its own clock, as what checking costs, not the block after it.
                 self._line_up()
             pacing.ended(self._block)
             self._block = None
         if self._block is None:
             self._block = pacing.start(len(self.uids))
-            if not self._block.checking:
-                self._line_up()
         self._block.begins()
         self._steps += 1
         rows = len(self.uids)
