@@ -24,6 +24,7 @@ from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.schedule.scheduler import Scheduler
+from smg_mlx.engine.speculative.ragged_kv import Ragged
 from smg_mlx.engine.types import (
     Event,
     GenerationSpec,
@@ -261,6 +262,35 @@ def test_the_thorough_warm_up_leaves_nothing_behind(model_dir, monkeypatch):
     assert thorough == plain
     assert [cached for _, cached in thorough] == [0, 0]  # the warm-up's prompt is not cached
     assert len(set(plain[0][0])) > 1  # the model's output varies
+
+
+def test_the_thorough_warm_up_checks_proposals_where_speculation_is_on(model_dir, monkeypatch):
+    """Where kernels are built on first use (CUDA: seconds, every stream
+    stalled), the warm-up runs a pass checking proposals and one over rows that
+    end apart, lined up after, before the worker is ready; its passes count in
+    no metric, and requests then answer as without speculation."""
+    lined_up = []
+    compact = Ragged.compact
+
+    def spied(self) -> None:
+        lined_up.append(self._ends is not None)  # the rows ended apart
+        compact(self)
+
+    monkeypatch.setattr(Ragged, "compact", spied)
+    answers, counted = {}, {}
+    for speculative, thorough in (("off", True), ("always", False), ("always", True)):
+        monkeypatch.setattr(Batch, "shape_builds", property(lambda self, t=thorough: t))
+        inbox = Inbox()
+        sink, thread = start_core(model_dir, inbox, speculative=speculative)
+        inbox.submit(Request(1, spec(prompt(40, 2), max_tokens=12)))
+        answers[speculative, thorough] = [e.token for e in sink.events_of(1)]
+        counted[speculative, thorough] = sink.settled().speculation
+        inbox.stop()
+        thread.join(TIMEOUT)
+        assert any(lined_up) == ((speculative, thorough) == ("always", True))
+    assert answers["always", True] == answers["always", False] == answers["off", True]
+    assert counted["always", True] == counted["always", False]
+    assert len(set(answers["off", True])) > 1  # the model's output varies
 
 
 def test_the_worker_is_ready_before_the_attention_shapes_are_built_and_builds_them_idle(

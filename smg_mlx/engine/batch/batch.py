@@ -362,6 +362,15 @@ class Batch(PrefixCalls):
         tokens of rows it moves into decoding go out now (`_first_tokens`), else
         with its next call, as mlx-lm hands them over."""
         prefilling, responses = self._lanes.next(lane, chunk)
+        return self._handled(lane, prefilling, responses, early)
+
+    def exercise_speculation(self) -> list[Event]:
+        """The warm-up's: each kind of pass speculative decoding adds, once, on
+        the short lane's decoding rows (nothing where it is off)."""
+        return self._handled(SHORT, [], self._lanes.exercise_speculation(SHORT), early=False)
+
+    def _handled(self, lane: int, prefilling: list, responses: list, early: bool) -> list[Event]:
+        """The events of what a call of a lane's BatchGenerator returned (`_next`)."""
         decoding = []  # the rows that moved into the decoding rows in this pass
         for r in prefilling:
             row = self._rows.get((lane, r.uid))

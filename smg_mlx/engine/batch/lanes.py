@@ -97,6 +97,15 @@ class Lanes:
         which wait for the pass before them anyway."""
         return self.drafting is not None and self._generators[lane]._generation_batch.checking
 
+    def exercise_speculation(self, lane: int) -> list:
+        """Each kind of pass speculation adds, once, on the lane's decoding rows
+        (the warm-up's; see `SpeculativeGenerationBatch.exercise`): their
+        responses, as `next` gives them."""
+        if self.drafting is None:
+            return []
+        with self._buffers():
+            return self._generators[lane]._generation_batch.exercise()
+
     def move_to_long(
         self, lane: int, uid: int, token: int, left: int, options: tuple
     ) -> tuple[int, list[int]]:

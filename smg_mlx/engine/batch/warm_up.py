@@ -9,9 +9,11 @@ So on such a backend the warm-up runs each kind of step serving runs:
 prompts alone and batched (with padding and without), decoding past 256
 tokens of cache (where the cache first grows), rows joining and leaving a
 running batch, sampling with every filter, penalties, logit bias and
-logprobs, and a long prompt prefilling in its lane, several chunks a step,
-while a short one starts in the other; then it builds the attention shapes
-prompts up to the model's context meet (`engine.batch.attention_shapes`).
+logprobs, a long prompt prefilling in its lane, several chunks a step,
+while a short one starts in the other, and, where speculative decoding is
+on, the passes it adds (`SpeculativeGenerationBatch.exercise`); then it
+builds the attention shapes prompts up to the model's context meet
+(`engine.batch.attention_shapes`).
 Elsewhere one short generation is enough. Nothing of it stays: the batch is
 empty afterwards, its prefix cache too.
 """
@@ -79,22 +81,28 @@ class _Script:
         self.running |= keys
         return keys
 
-    def step(self, *long_chunks: int) -> list:
-        """One step, as the engine loop runs it: its events, then what ended keeps."""
-        events = self.batch.step(CHUNK, long_chunks)[0]
+    def step(self, *long_chunks: int) -> None:
+        """One step, as the engine loop runs it."""
+        self._ran(self.batch.step(CHUNK, long_chunks)[0])
+
+    def exercise_speculation(self) -> None:
+        """Each kind of pass speculative decoding adds, on the rows decoding now."""
+        self._ran(self.batch.exercise_speculation())
+
+    def _ran(self, events: list) -> None:
+        """What ended keeps; those requests run no more."""
         self.batch.keep_ended()
-        return events
+        for event in events:
+            if event.ends:
+                self.running.discard(event.key)
+                self.progress.done += 1
 
     def until(self, keys: Iterable[int]) -> None:
         """Step until these requests end."""
-        left = set(keys)
-        while left:
+        keys = set(keys)
+        while keys & self.running:
             self.progress.tick()
-            for event in self.step():
-                if event.ends:
-                    self.running.discard(event.key)
-                    left.discard(event.key)
-                    self.progress.done += 1
+            self.step()
 
 
 def run(batch: Batch, thorough: bool) -> None:
@@ -138,3 +146,8 @@ def _every_kind_of_step(script: _Script) -> None:
     script.step(CHUNK, CHUNK)
     script.until(script.running)
     script.until(script.start(script.request(300, 2)))  # a batch of one
+    # Proposals checked (speculative decoding), greedy and sampled rows together.
+    both = script.start(script.request(40, 24), script.request(50, 24, SAMPLED))
+    script.step()
+    script.exercise_speculation()
+    script.until(both)

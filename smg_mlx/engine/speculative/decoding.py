@@ -129,6 +129,35 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._block.ran(len(responses), pacing.new_shape(rows, 1))
         return responses
 
+    def exercise(self) -> list:
+        """Each kind of pass speculation adds, once (the warm-up's: mlx builds
+        some of their kernels on first use, seconds on CUDA, which would stall
+        every stream the first time a row's proposals are checked): a checking
+        pass over the rows decoding now, its responses returned; then, on a
+        copy of the first row's cache twice, rows ending apart written,
+        attended and lined up. Its passes count in no metric."""
+        if not self.uids:
+            return []
+        width = 1 + self.drafting.most
+        mx.eval(self._next_tokens)
+        pending = self._next_tokens.tolist()
+        drafts = self._proposals(self._likely(), pending)
+        stats, self.drafting.stats = self.drafting.stats, DraftStats()
+        try:
+            out = self._check(pending, [d or [y] * self.drafting.most
+                                        for d, y in zip(drafts, pending, strict=True)])  # fmt: skip
+        finally:
+            self.drafting.stats = stats
+        self._line_up()
+        pair = [ragged(type(c).merge([c.extract(0)] * 2)) for c in self.prompt_cache]
+        for cache in pair:
+            cache.rewind([1, 0])
+        mx.eval(self.model(mx.array([pending[:1] * width] * 2), cache=pair))
+        for cache in pair:
+            cache.compact()
+        mx.eval([(cache.keys, cache.values) for cache in pair])
+        return out
+
     def _line_up(self) -> None:
         """Rows that ended apart (`ragged_kv`) end together again."""
         for cache in self.prompt_cache:
