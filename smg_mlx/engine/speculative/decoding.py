@@ -104,12 +104,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
             return []
         pacing = self.drafting.pacing
         if self._block is not None and (self._block.over or pacing.losing(self._block)):
-            if self._block.checking:
-                # Its passes may have left the rows ending apart: lined up on
-                # its own clock, as what checking costs, not the block after it.
-                self._line_up()
-            pacing.ended(self._block)
-            self._block = None
+            ended = self._block
+            pacing.ended(ended)
+            self._block = pacing.start(len(self.uids))
+            if ended.checking and not self._block.checking:
+                # The checking run's passes may have left the rows ending apart:
+                # lined up for the plain passes, on the run's clock.
+                pacing.charge(ended, self._block, self._line_up)
         if self._block is None:
             self._block = pacing.start(len(self.uids))
         self._block.begins()
@@ -159,10 +160,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
         return out
 
     def _line_up(self) -> None:
-        """Rows that ended apart (`ragged_kv`) end together again."""
-        for cache in self.prompt_cache:
-            if isinstance(cache, Ragged):
-                cache.compact()
+        """Rows that ended apart (`ragged_kv`) end together again, copied now
+        (where it is timed, not in the pass after it)."""
+        apart = [c for c in self.prompt_cache if isinstance(c, Ragged) and c._ends is not None]
+        for cache in apart:
+            cache.compact()
+        if apart:
+            mx.eval([(cache.keys, cache.values) for cache in apart])
 
     def _proposals(self, likely: set[int], pending: list[int]) -> list[list[int]]:
         """Each row's proposals (none for rows not `likely`)."""

@@ -25,6 +25,7 @@ aside (`Block.void`) counts not at all.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 BLOCK = 8  # passes a block runs
 WEIGHT = 0.25  # of each new block in a moving average
@@ -46,16 +47,21 @@ class _Average:
     """A moving average; over its first blocks, their mean (a block timed in a
     slow moment weighs no more than its share)."""
 
-    __slots__ = ("seconds", "tokens", "blocks")
+    __slots__ = ("seconds", "tokens", "blocks", "weight")
 
     def __init__(self, seconds: float, tokens: float) -> None:
         self.seconds, self.tokens, self.blocks = seconds, tokens, 1
+        self.weight = 1.0  # the last block's
 
     def add(self, seconds: float, tokens: float) -> None:
         self.blocks += 1
-        weight = max(WEIGHT, 1 / self.blocks)
+        self.weight = weight = max(WEIGHT, 1 / self.blocks)
         self.seconds += weight * (seconds - self.seconds)
         self.tokens += weight * (tokens - self.tokens)
+
+    def later(self, seconds: float) -> None:
+        """The last block took `seconds` more."""
+        self.seconds += self.weight * seconds
 
     @property
     def rate(self) -> float:
@@ -141,12 +147,25 @@ class Pacing:
         if not block.counted:
             return
         seconds = block.seconds()
-        # A checking block whose rows had nothing to propose ran plain passes.
-        kept = self._checking if block.checked else self._plain
+        kept = self._kept(block)
         if block.size in kept:
             kept[block.size].add(seconds, block.tokens)
         else:
             kept[block.size] = _Average(seconds, block.tokens)
+
+    def charge(self, ended: Block, then: Block, work: Callable[[], object]) -> None:
+        """Run `work` (lining up the rows `ended` left apart) on `ended`'s clock,
+        not on `then`'s, the block after it."""
+        started = time.perf_counter()
+        work()
+        seconds = time.perf_counter() - started
+        then.skipped += seconds
+        if ended.counted:
+            self._kept(ended)[ended.size].later(seconds)
+
+    def _kept(self, block: Block) -> dict[int, _Average]:
+        # A checking block whose rows had nothing to propose ran plain passes.
+        return self._checking if block.checked else self._plain
 
     def _checks(self, size: int) -> bool:
         if self.always:
