@@ -31,6 +31,12 @@ SHAPES: dict[str, list[str]] = {
         "--kv-heads", "8", "--head-dim", "128", "--intermediate-size", "12288",
         "--vocab-size", "151936", "--dtype", "bfloat16", "--context-length", "40960",
     ],
+    # Llama-3-8B's shapes, random bf16 weights: speculative decoding's targets.
+    "llama-8b": [
+        "--family", "llama", "--hidden-size", "4096", "--layers", "32", "--heads", "32",
+        "--kv-heads", "8", "--intermediate-size", "14336", "--vocab-size", "128256",
+        "--dtype", "bfloat16", "--context-length", "8192",
+    ],
 }  # fmt: skip
 
 
