@@ -150,6 +150,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
         finally:
             self.drafting.stats = stats
         self._line_up()
+        if not self.uids:  # (every row ended in that pass)
+            return out
         pair = [ragged(type(c).merge([c.extract(0)] * 2)) for c in self.prompt_cache]
         for cache in pair:
             cache.rewind([1, 0])
