@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bench import cores, gate, machine, model, report
 from bench.agent import Agent, format_agent, run_agent, run_followups
+from bench.kv_formats import KvFormats, format_kv_formats, run_kv_formats
 from bench.long_prompts import run_long_prompts
 from bench.mixed import Mixed, format_mixed, run_mixed
 from bench.runner import Options, progress, run_all
@@ -145,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the table: send this many long prompts at once to our worker with "
         "its default flags, e.g. 4,8,40 (one fresh worker per count)",
     )
+    p.add_argument(
+        "--kv-formats",
+        metavar="BITS",
+        help="instead of the table: our worker with each KV format (16: the model's own; 8, "
+        "4: --kv-bits) in turn, the tokens one memory budget holds, then prefill and decode "
+        "of --kv-concurrency long prompts at once (see bench/kv_formats.py)",
+    )
+    p.add_argument("--kv-fill-tokens", type=int, default=8192,
+                   help="each prompt that fills the memory (--kv-formats)")  # fmt: skip
+    p.add_argument("--kv-context-tokens", type=int, default=32768,
+                   help="each prompt decoded from (--kv-formats)")  # fmt: skip
+    p.add_argument("--kv-concurrency", type=int, default=16,
+                   help="prompts prefilled and decoded at once (--kv-formats)")  # fmt: skip
     p.add_argument("--long-prompt-tokens", type=int, default=24_000)
     p.add_argument("--long-gen-tokens", type=int, default=16)
     p.add_argument(
@@ -259,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         return _agent(args, model_dir, argv)
     if args.followups:
         return _followups(args, model_dir, argv)
+    if args.kv_formats:
+        return _kv_formats(args, model_dir, argv)
     opts = Options(
         systems=systems,
         levels=levels,
@@ -452,6 +468,16 @@ def _followups(args: argparse.Namespace, model_dir: Path, argv: list[str] | None
               f"{r['followup_ttft_ms']:>18.0f} {r['again_followup_ttft_ms']:>6.0f}")  # fmt: skip
     _write(args, argv, model_dir, followups=results)
     return 0
+
+
+def _kv_formats(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
+    run = KvFormats(tuple(parse_levels(args.kv_formats)), args.kv_fill_tokens,
+                    args.kv_context_tokens, args.kv_concurrency, args.gen_tokens)  # fmt: skip
+    result = run_kv_formats(model_dir.resolve(), args.work_dir.resolve(), run,
+                            shlex.split(args.worker_args), args.start_timeout)  # fmt: skip
+    print(format_kv_formats(result))
+    _write(args, argv, model_dir, kv_formats=result)
+    return 0 if not any(r.get("errors") for r in result["formats"].values()) else 1
 
 
 if __name__ == "__main__":

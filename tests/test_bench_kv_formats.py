@@ -1,0 +1,23 @@
+"""`python -m bench --kv-formats`: what one memory budget holds with each KV format."""
+
+from pathlib import Path
+
+from bench.kv_formats import KvFormats, format_kv_formats, run_kv_formats
+from smg_mlx.demo_model import build_model
+
+
+def test_quantized_kv_holds_as_many_more_tokens_as_its_bytes_allow(models_root, tmp_path):
+    """Filled until the memory tier drops an entry: 8-bit KV holds about as many
+    times more tokens as a token's bytes shrink, and both formats stream."""
+    model = build_model(models_root / "tiny-head64", ["--head-dim", "64"])
+    run = KvFormats(formats=(16, 8), fill_tokens=256, context_tokens=256, concurrency=4,
+                    gen_tokens=8)  # fmt: skip
+    result = run_kv_formats(Path(model), tmp_path, run, ["--memory-budget", "12MiB"], 120)
+    own, eight = result["formats"]["16"], result["formats"]["8"]
+    for figures in (own, eight):
+        assert figures["filled"] and figures["errors"] == 0
+        assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0
+    smaller = own["kv_bytes_per_token"] / eight["kv_bytes_per_token"]
+    assert smaller > 3  # float32 keys and values at 8 bits, group 64
+    assert eight["tokens_held"] / own["tokens_held"] > 0.9 * smaller
+    assert "8 bits: holds" in format_kv_formats(result)
