@@ -263,9 +263,12 @@ def run_block(
     return block.checking
 
 
-def test_pacing_checks_proposals_only_where_that_pays(monkeypatch):
+def test_pacing_checks_proposals_only_where_that_pays(monkeypatch, caplog):
+    """And with --log-level debug it says what each run of passes made, beside
+    each kind's rate: why it checks where it does."""
     from smg_mlx.engine.speculative import pacing as paced
 
+    caplog.set_level(logging.DEBUG, logger=paced.__name__)
     clock = Clock()
     monkeypatch.setattr(paced.time, "perf_counter", clock)
     pacing = Pacing()
@@ -274,6 +277,10 @@ def test_pacing_checks_proposals_only_where_that_pays(monkeypatch):
     plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
     assert not run(8, plain, paying)  # plain first: the measure to hold against
     assert run(8, plain, paying)  # checking not measured yet: tried
+    assert caplog.messages[-1] == (
+        "speculation: up to 8 rows, 8 checking passes made 160 tokens in 96.0 ms; "
+        "tokens a second, checking 1667, plain 800"
+    )
     assert run(8, plain, paying)  # 20 tokens in 12 ms beat 8 in 10
     assert run(8, plain, paying)
     for _ in range(8):

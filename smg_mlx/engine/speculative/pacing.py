@@ -24,6 +24,7 @@ aside (`Block.void`) counts not at all.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -36,6 +37,8 @@ RETRY, MOST_RETRY = 8, 512
 # A checking block whose rate after EARLY passes is under this share of the
 # plain rate ends there.
 EARLY, LOSING = 2, 0.75
+
+log = logging.getLogger(__name__)
 
 
 def _size_class(rows: int) -> int:
@@ -152,6 +155,15 @@ class Pacing:
             kept[block.size].add(seconds, block.tokens)
         else:
             kept[block.size] = _Average(seconds, block.tokens)
+        if log.isEnabledFor(logging.DEBUG):
+            plain, checking = self._plain.get(block.size), self._checking.get(block.size)
+            log.debug(
+                "speculation: up to %d rows, %d %s passes made %d tokens in %.1f ms; tokens a "
+                "second, checking %s, plain %s", block.size, block.passes,
+                "checking" if block.checked else "plain", block.tokens, 1e3 * seconds,
+                f"{checking.rate:.0f}" if checking else "not measured",
+                f"{plain.rate:.0f}" if plain else "not measured",
+            )  # fmt: skip
 
     def charge(self, ended: Block, then: Block, work: Callable[[], object]) -> None:
         """Run `work` (lining up the rows `ended` left apart) on `ended`'s clock,
