@@ -12,7 +12,7 @@ def test_quantized_kv_holds_as_many_more_tokens_as_its_bytes_allow(models_root, 
     model = build_model(models_root / "tiny-head64", ["--head-dim", "64"])
     run = KvFormats(formats=(16, 8), fill_tokens=256, context_tokens=256, concurrency=4,
                     gen_tokens=8)  # fmt: skip
-    result = run_kv_formats(Path(model), tmp_path, run, ["--memory-budget", "12MiB"], 120)
+    result = run_kv_formats(Path(model), tmp_path, run, ["--memory-budget", "10MiB"], 120)
     own, eight = result["formats"]["16"], result["formats"]["8"]
     for figures in (own, eight):
         assert figures["filled"] and figures["errors"] == 0
