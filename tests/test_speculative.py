@@ -617,3 +617,18 @@ def test_the_passes_bench_times_plain_and_checking_passes_apart():
     assert plain["checking_passes"] == 0 and plain["tok_s"] > 0
     assert always["checking_passes"] == always["passes"] > 0
     assert always["accepted"] > 0 and always["tok_s"] * always["ms_per_pass"] / 1000 > 4
+
+
+def test_the_copies_bench_times_each_change_of_rows_on_the_models_cache(model_dir, tmp_path):
+    """`python -m bench.batch_copies`: a row leaving and one joining, rows lined
+    up, and a row written in place, each timed on a model's cache."""
+    from bench.batch_copies import main
+
+    out = tmp_path / "copies.json"
+    assert main(["--model", str(model_dir), "--rows", "4", "--runs", "1", "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["rows"] == 4
+    assert set(result["ms"]) == {
+        "a row leaving and one joining", "rows lined up", "a row written in place"
+    }
+    assert all(ms > 0 for ms in result["ms"].values())
