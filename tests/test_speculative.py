@@ -278,7 +278,7 @@ def test_pacing_checks_proposals_only_where_that_pays(monkeypatch, caplog):
     assert not run(8, plain, paying)  # plain first: the measure to hold against
     assert run(8, plain, paying)  # checking not measured yet: tried
     assert caplog.messages[-1] == (
-        "speculation: up to 8 rows, 8 checking passes made 160 tokens in 96.0 ms; "
+        "speculation, batches of at most 8: 8 checking passes made 160 tokens in 96.0 ms; "
         "tokens a second, checking 1667, plain 800"
     )
     assert run(8, plain, paying)  # 20 tokens in 12 ms beat 8 in 10

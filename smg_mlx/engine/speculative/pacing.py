@@ -158,8 +158,8 @@ class Pacing:
         if log.isEnabledFor(logging.DEBUG):
             plain, checking = self._plain.get(block.size), self._checking.get(block.size)
             log.debug(
-                "speculation: up to %d rows, %d %s passes made %d tokens in %.1f ms; tokens a "
-                "second, checking %s, plain %s", block.size, block.passes,
+                "speculation, batches of at most %d: %d %s passes made %d tokens in %.1f ms; "
+                "tokens a second, checking %s, plain %s", block.size, block.passes,
                 "checking" if block.checked else "plain", block.tokens, 1e3 * seconds,
                 f"{checking.rate:.0f}" if checking else "not measured",
                 f"{plain.rate:.0f}" if plain else "not measured",
