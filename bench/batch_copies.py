@@ -19,10 +19,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
-from bench.model import SHAPES, ensure_model
+from bench.model import add_model_flags, load_model
 from smg_mlx.engine.speculative.ragged_kv import ragged
 
 
@@ -87,15 +86,13 @@ def measure(model: nn.Module, rows: int, context: int, runs: int) -> dict[str, f
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.batch_copies", description=__doc__)
-    p.add_argument("--model", type=Path, help="a model directory (default: build --shape)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--work-dir", type=Path, default=Path(".bench/models"))
+    add_model_flags(p)
     p.add_argument("--rows", default="16,32", help="batch sizes")
     p.add_argument("--context", type=int, default=300, help="tokens in each row's cache")
     p.add_argument("--runs", type=int, default=8, help="timed runs of each")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
-    model, _ = load(str(args.model or ensure_model(args.shape, args.work_dir)))
+    model = load_model(args)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         figures = measure(model, rows, args.context, args.runs)

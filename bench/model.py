@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from smg_mlx.demo_model import build_model
 
@@ -44,6 +46,20 @@ def ensure_model(shape: str, root: Path) -> Path:
     """The model directory for `shape` under `root`, built on first use (in a child
     process: the bench itself never runs MLX, it only measures)."""
     return build_model(root / shape, SHAPES[shape])
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --shape and --work-dir, for the benches that run a model in process."""
+    p.add_argument("--model", type=Path, help="a model directory (default: build --shape)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--work-dir", type=Path, default=Path(".bench/models"))
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """The model those flags name, loaded in this process."""
+    from mlx_lm import load  # (the bench's own process runs no MLX: imported here)
+
+    return load(str(args.model or ensure_model(args.shape, args.work_dir)))[0]
 
 
 def describe(model_dir: Path) -> dict:

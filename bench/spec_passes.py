@@ -24,10 +24,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
-from bench.model import SHAPES, ensure_model
+from bench.model import add_model_flags, load_model
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes
 from smg_mlx.engine.batch.batch import CUDA_CHUNK
 from smg_mlx.engine.batch.sampling import make_sampler
@@ -78,16 +77,14 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.spec_passes", description=__doc__)
-    p.add_argument("--model", type=Path, help="a model directory (default: build --shape)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--work-dir", type=Path, default=Path(".bench/models"))
+    add_model_flags(p)
     p.add_argument("--rows", default="4,16,64", help="batch sizes")
     p.add_argument("--workload", choices=WORKLOADS, default="right")
     p.add_argument("--num-draft-tokens", type=int, default=8)
     p.add_argument("--seconds", type=float, default=5.0, help="timed, per mode and batch size")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
-    model, _ = load(str(args.model or ensure_model(args.shape, args.work_dir)))
+    model = load_model(args)
     if mx.default_device() == mx.gpu and not mx.metal.is_available():
         AttentionShapes(CUDA_CHUNK).install()
     results = []
