@@ -57,13 +57,8 @@ def flags(bits: int) -> list[str]:
     return [] if bits == MODEL_OWN else ["--kv-bits", str(bits)]
 
 
-async def _one(address: str, ids: list[int], gen: int, tag: str) -> RequestRecord:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
-        return await stream_one(stub, token_request(ids, gen, tag), gen)
-
-
-async def _together(address: str, prompts: list[list[int]], gen: int, tag: str) -> list:
+async def _together(address: str, prompts: list[list[int]], gen: int,
+                    tag: str) -> list[RequestRecord]:  # fmt: skip
     async with grpc.aio.insecure_channel(address) as channel:
         stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
         return await asyncio.gather(*(
@@ -82,7 +77,7 @@ def capacity(address: str, port: int, fill: Workload) -> dict:
     most = int(1.5 * budget / (per_token * fill.prompt_tokens)) + 2
     sent, dropped = 0, 0.0
     while sent < most and not dropped:
-        record = asyncio.run(_one(address, fill.prompt(sent), 1, f"fill-{sent}"))
+        (record,) = asyncio.run(_together(address, [fill.prompt(sent)], 1, f"fill-{sent}"))
         if record.error:
             raise RuntimeError(f"a capacity prompt failed: {record.error}")
         sent += 1

@@ -32,7 +32,7 @@ from mlx_lm.generate import GenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
-from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
+from smg_mlx.engine.speculative.ragged_kv import line_up, ragged
 
 
 @dataclass
@@ -156,19 +156,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
         for cache in pair:
             cache.rewind([1, 0])
         mx.eval(self.model(mx.array([pending[:1] * width] * 2), cache=pair))
-        for cache in pair:
-            cache.compact()
-        mx.eval([(cache.keys, cache.values) for cache in pair])
+        line_up(pair)
         return out
 
     def _line_up(self) -> None:
         """Rows that ended apart (`ragged_kv`) end together again, copied now
         (where it is timed, not in the pass after it)."""
-        apart = [c for c in self.prompt_cache if isinstance(c, Ragged) and c._ends is not None]
-        for cache in apart:
-            cache.compact()
-        if apart:
-            mx.eval([(cache.keys, cache.values) for cache in apart])
+        line_up(self.prompt_cache)
 
     def _proposals(self, likely: set[int], pending: list[int]) -> list[list[int]]:
         """Each row's proposals (none for rows not `likely`)."""

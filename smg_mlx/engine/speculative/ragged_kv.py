@@ -191,6 +191,16 @@ class RaggedBatchQuantizedKVCache(Ragged, BatchQuantizedKVCache):
         self.keys, self.values = put(self.keys, qk), put(self.values, qv)
 
 
+def line_up(caches: list) -> None:
+    """The caches among `caches` whose rows ended apart end together again,
+    copied now (`Ragged.compact`, evaluated)."""
+    apart = [c for c in caches if isinstance(c, Ragged) and c._ends is not None]
+    for cache in apart:
+        cache.compact()
+    if apart:
+        mx.eval([(cache.keys, cache.values) for cache in apart])
+
+
 def ragged(cache: Any) -> Ragged:
     """A target model's batch cache as its ragged class, sharing its arrays."""
     if isinstance(cache, BatchQuantizedKVCache):
