@@ -11,5 +11,6 @@ proposals decode in the same pass. `pacing` decides from timed runs of passes
 whether a wider pass pays, and each row's proposals adapt to how many of
 them were right.
 
-May import mlx, mlx-lm and numpy; imported by the batch (engine.batch) alone.
+May import mlx, mlx-lm, numpy and the batch's cache classes (engine.batch's
+`quantized_kv`, `row_places`); imported by the batch (engine.batch) alone.
 """

@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
@@ -55,8 +56,8 @@ class Drafting:
     draft: Any = None  # the draft model (engine.speculative.draft_model); None: prompt lookup
 
 
-class SpeculativeGenerationBatch(GenerationBatch):
-    """`GenerationBatch` whose `next` may return several tokens a row."""
+class SpeculativeGenerationBatch(PlacedGenerationBatch):
+    """`PlacedGenerationBatch` whose `next` may return several tokens a row."""
 
     drafting: Drafting
     _rows: dict[int, RowDrafts]
@@ -67,7 +68,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     @classmethod
     def start(cls, model: Any, sampler: Any, drafting: Drafting) -> SpeculativeGenerationBatch:
         """An empty batch, as a lane's BatchGenerator starts with."""
-        batch = cls.empty(model, sampler)
+        batch = super().start(model, sampler)
         batch.drafting = drafting
         batch._rows = {}
         batch._draft_rows = DraftRows(drafting.draft) if drafting.draft is not None else None
@@ -99,7 +100,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         for uid in [u for u in self._rows if u not in kept]:
             del self._rows[uid]
 
-    def next(self) -> list:
+    def _decode(self) -> list:
         if not self.uids:
             return []
         pacing = self.drafting.pacing
@@ -126,7 +127,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 width = 1 + self.drafting.most
                 self._block.ran(len(out), pacing.new_shape(rows, width), checked=True)
                 return out
-        responses = super().next()
+        responses = super()._decode()
         self._block.ran(len(responses), pacing.new_shape(rows, 1))
         return responses
 
@@ -152,10 +153,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._line_up()
         if not self.uids:  # (every row ended in that pass)
             return out
-        pair = [ragged(type(c).merge([c.extract(0)] * 2)) for c in self.prompt_cache]
+        layers = zip(self.prompt_cache, self.extract_cache(0), strict=True)
+        pair = [ragged(type(c).merge([one] * 2)) for c, one in layers]
         for cache in pair:
             cache.rewind([1, 0])
-        mx.eval(self.model(mx.array([pending[:1] * width] * 2), cache=pair))
+        mx.eval(self._target(mx.array([pending[:1] * width] * 2), cache=pair))
         line_up(pair)
         return out
 
@@ -236,8 +238,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             # (a row that ended keeps its entries until the filter below drops them)
             next_tokens.append(sampled[i][kept])
             next_logprobs.append(logprobs[i, kept])
-        for cache in self.prompt_cache:
-            cache.rewind(rewind)
+        self.rewind(rewind)
         if self._draft_rows is not None:
             self._draft_rows.kept(accepted, self.drafting.most)
         out = self._responses(responses)

@@ -1,0 +1,203 @@
+"""mlx-lm's decoding rows, where a row joining takes the place a row left (engine thread only).
+
+mlx-lm's `GenerationBatch` keeps every row of a layer's cache in one array:
+a row leaving gathers the others into new arrays (`filter`), a row joining
+concatenates them (`extend`). Each is a copy of every layer's cache, and on
+CUDA each costs far more than the bytes it moves; under load a row leaves or
+joins nearly every pass, and speculative decoding, whose rows finish apart,
+makes that every pass.
+
+Here a row that leaves leaves its place empty (a hole) and nothing is
+copied. A row joining is written into a hole, one slice a layer, ending
+where the batch's rows end (its padding masks what lies before it); only a
+row longer than the batch's cache, or one that finds no hole, is appended as
+mlx-lm appends it. Holes still run in each pass, their outputs dropped, so
+once they outnumber `HOLES_KEPT` (or a quarter of the rows) at the start of a
+pass they are gathered out as mlx-lm's filter does. Columns that no row uses any more are cut off
+the front when a row leaves, as mlx-lm's filter cuts them (a view, no copy).
+
+The batch's own lists (uids, tokens, samplers, ...) are mlx-lm's, in its
+order; `_places[i]` is row i's place in the cache. A row's tokens are those
+its cache holds (mlx-lm keeps them so), which says where its entries start.
+Only caches whose every layer is a plain batch KV cache keep places; others
+(rotating windows, recurrent state, quantized) filter and extend as mlx-lm's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from smg_mlx.engine.speculative.ragged_kv import Ragged, RaggedBatchKVCache
+
+# Holes a batch keeps for rows to join, whatever its size.
+HOLES_KEPT = 2
+PLACEABLE = (BatchKVCache, RaggedBatchKVCache)
+
+
+def _placeable(cache: list) -> bool:
+    return bool(cache) and all(type(c) in PLACEABLE for c in cache)
+
+
+def _ends(cache: Any) -> list[int]:
+    """Where each place's entries end (one column for all, unless ragged)."""
+    if isinstance(cache, Ragged):
+        return cache._row_ends()
+    return [cache._idx] * cache.offset.shape[0]
+
+
+class PlacedGenerationBatch(GenerationBatch):
+    """`GenerationBatch` whose rows keep their places in the cache (module doc)."""
+
+    _target: nn.Module  # the model (`model` routes rows to their places)
+    _places: list[int]  # row i's place in the cache
+    _width: int  # places in the cache: rows and holes
+    # (each place's row, each row's place); None: row i at place i, no hole
+    _route: tuple[mx.array, mx.array] | None
+
+    @classmethod
+    def start(cls, model: nn.Module, sampler: Any) -> Any:
+        """An empty batch, as a lane's BatchGenerator starts with."""
+        batch = cls.empty(model, sampler)
+        batch._target = model
+        batch.model = batch._through_places
+        batch._places, batch._width, batch._route = [], 0, None
+        return batch
+
+    @property
+    def holes(self) -> int:
+        return self._width - len(self._places)
+
+    def _through_places(self, inputs: mx.array, cache: list) -> mx.array:
+        """The model over every place (a hole runs any row's inputs), its
+        outputs in the rows' order."""
+        if self._route is None:
+            return self._target(inputs, cache=cache)
+        rows, places = self._route
+        return self._target(inputs[rows], cache=cache)[places]
+
+    def _placed(self, places: list[int], width: int) -> None:
+        self._places, self._width = places, width
+        if places == list(range(width)):
+            self._route = None
+            return
+        row_at = dict(zip(places, range(len(places)), strict=True))
+        rows = [row_at.get(p, 0) for p in range(width)]
+        self._route = mx.array(rows), mx.array(places)
+
+    @contextmanager
+    def _rows_only(self) -> Iterator[list]:
+        """mlx-lm's bookkeeping of the rows, with its copies of the cache left out
+        (what it would copy is yielded)."""
+        cache, self.prompt_cache = self.prompt_cache, []
+        try:
+            yield cache
+        finally:
+            self.prompt_cache = cache
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        return [c.extract(self._places[idx]) for c in self.prompt_cache]
+
+    def filter(self, keep: list[int]) -> None:
+        if not keep or not _placeable(self.prompt_cache):
+            super().filter(keep)
+            self._placed(list(range(len(keep))), len(keep))
+            return
+        with self._rows_only():
+            super().filter(keep)
+        self._placed([self._places[i] for i in keep], self._width)
+        self._cut_front()
+
+    def next(self) -> list:
+        # Holes rows left in the last call may have been filled by rows joining
+        # since (BatchGenerator moves prompts in after each pass): only holes
+        # still empty now count.
+        if self.holes > max(HOLES_KEPT, len(self._places) // 4):
+            self._gather()
+        return self._decode()
+
+    def _decode(self) -> list:
+        """One pass over the rows (mlx-lm's)."""
+        return super().next()
+
+    def _gather(self) -> None:
+        """The rows gathered into places of their own order, holes left out
+        (mlx-lm's filter: a copy of every layer's cache)."""
+        if self._route is not None:
+            for c in self.prompt_cache:
+                c.filter(self._places)
+        self._placed(list(range(len(self._places))), len(self._places))
+
+    def _cut_front(self) -> None:
+        """Drop the columns before the rows' first entries (views of the arrays)."""
+        ends = _ends(self.prompt_cache[0])
+        unused = min(ends[p] - len(t) for p, t in zip(self._places, self.tokens, strict=True))
+        if unused <= 0:
+            return
+        for c in self.prompt_cache:
+            c.keys, c.values = c.keys[..., unused:, :], c.values[..., unused:, :]
+            c._idx -= unused
+            c.left_padding = mx.maximum(c.left_padding - unused, 0)  # holes' too
+            if isinstance(c, Ragged) and c._ends is not None:
+                c._ends = [e - unused for e in c._ends]
+
+    def extend(self, other: GenerationBatch) -> None:
+        if not self.uids or not _placeable(self.prompt_cache) or not _placeable(other.prompt_cache):
+            self._gather()
+            super().extend(other)
+            self._placed(list(range(len(self.uids))), len(self.uids))
+            return
+        top = self.prompt_cache[0]._idx
+        free = sorted(set(range(self._width)) - set(self._places))
+        lengths = [len(t) for t in other.tokens]
+        into = {}  # other's row -> the hole it takes
+        for j, length in enumerate(lengths):
+            if free and length <= top:
+                into[j] = free.pop(0)
+        if into:
+            self._write_into_holes(other.prompt_cache, into, lengths)
+        appended = [j for j in range(len(lengths)) if j not in into]
+        if appended:
+            for c, o in zip(self.prompt_cache, other.prompt_cache, strict=True):
+                o.filter(appended)
+                c.extend(o)
+        width = self._width
+        new = dict(into) | {j: width + k for k, j in enumerate(appended)}
+        with self._rows_only():
+            super().extend(other)
+        self._placed(self._places + [new[j] for j in range(len(lengths))], width + len(appended))
+
+    def _write_into_holes(self, theirs: list, into: dict[int, int], lengths: list[int]) -> None:
+        """Other's rows `into` the holes named, each ending at the batch's last column."""
+        for c, o in zip(self.prompt_cache, theirs, strict=True):
+            top, first = c._idx, [0] * c.offset.shape[0]
+            taken, counts = [False] * len(first), list(first)
+            for j, place in into.items():
+                n = lengths[j]
+                row, theirs = slice(place, place + 1), slice(o._idx - n, o._idx)
+                c.keys[row, :, top - n : top, :] = o.keys[j : j + 1, :, theirs, :]
+                c.values[row, :, top - n : top, :] = o.values[j : j + 1, :, theirs, :]
+                taken[place], first[place], counts[place] = True, top - n, n
+                if isinstance(c, Ragged) and c._ends is not None:
+                    c._ends[place] = top
+            at = mx.array(taken)
+            c.left_padding = mx.where(at, mx.array(first), c.left_padding)
+            c.offset = mx.where(at, mx.array(counts), c.offset)
+
+    def rewind(self, counts: list[int]) -> None:
+        """Each row takes back its newest `counts[i]` entries (ragged caches); a
+        hole ends where the furthest row ends, so that holes never drift away
+        from the rows (`ragged_kv.SPREAD`)."""
+        for c in self.prompt_cache:
+            ends = _ends(c)
+            furthest = max(ends[p] - n for p, n in zip(self._places, counts, strict=True))
+            each = [ends[p] - furthest for p in range(self._width)]
+            for p, n in zip(self._places, counts, strict=True):
+                each[p] = n
+            c.rewind(each)

@@ -1,0 +1,139 @@
+"""Decoding rows keep their places (engine.batch.row_places): a row joining the
+running batch takes the place a finished row left, without copying the batch's
+cache, and every row decodes as it does in mlx-lm's own batch."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+from test_speculative import tiny_model
+
+from smg_mlx.engine.batch.row_places import HOLES_KEPT, PlacedGenerationBatch
+
+
+def _requests(count: int, seed: int) -> list[tuple[list[int], int]]:
+    """Prompts of 2-60 tokens, each with 1-30 tokens to generate."""
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.integers(0, 50, size=int(rng.integers(2, 60))).tolist(), int(rng.integers(1, 30)))
+        for _ in range(count)
+    ]
+
+
+def _run(model, requests, places: bool, running: int, monkeypatch) -> dict:
+    """Every request through one BatchGenerator, at most `running` at once, a new
+    one admitted as soon as one ends (the batch never empties until the last):
+    the tokens, logprobs and finished caches of each, how often the batch's
+    cache was copied whole, and what the cache held beside its rows."""
+    generator = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=4)
+    if places:
+        generator._generation_batch = PlacedGenerationBatch.start(model, generator.sampler)
+    copies = {"extend": 0, "filter": 0}
+    extend, filter_rows = BatchKVCache.extend, BatchKVCache.filter
+
+    def decoding(cache: BatchKVCache) -> bool:
+        return any(cache is c for c in generator._generation_batch.prompt_cache)
+
+    def counted_extend(self, other):
+        copies["extend"] += decoding(self)
+        extend(self, other)
+
+    def counted_filter(self, indices):
+        copies["filter"] += decoding(self) and indices != list(range(len(indices)))
+        filter_rows(self, indices)
+
+    monkeypatch.setattr(BatchKVCache, "extend", counted_extend)
+    monkeypatch.setattr(BatchKVCache, "filter", counted_filter)
+    waiting = list(enumerate(requests))
+    which, out, spare, widest = {}, {}, 0, 0
+    tokens = {i: [] for i in range(len(requests))}
+    logprobs = {i: [] for i in range(len(requests))}
+
+    def admit() -> None:
+        i, (prompt, max_tokens) = waiting.pop(0)
+        which[generator.insert([prompt], [max_tokens])[0]] = i
+
+    for _ in range(running):
+        admit()
+    while len(out) < len(requests):
+        responses = generator.next()[1]
+        left = sum(r.finish_reason is not None for r in responses)
+        for r in responses:
+            i = which[r.uid]
+            tokens[i].append(r.token)
+            logprobs[i].append(r.logprobs[r.token].item())
+            if r.finish_reason is not None:
+                keys = r.prompt_cache[0].keys[..., : r.prompt_cache[0].offset, :]
+                out[i] = (len(r.all_tokens), np.array(keys))
+                if waiting:
+                    admit()
+        rows = generator._generation_batch
+        if rows.uids and rows.prompt_cache:
+            longest = max(len(t) for t in rows.tokens)
+            spare = max(spare, rows.prompt_cache[0]._idx - longest)
+            # (holes but those the rows that finished in this call left)
+            widest = max(widest, rows.prompt_cache[0].keys.shape[0] - len(rows.uids) - left)
+    generator.close()
+    return dict(tokens=tokens, logprobs=logprobs, finished=out, copies=copies,
+                spare_columns=spare, holes=widest)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rows_joining_into_places_left_decode_as_in_mlx_lms_batch(family, monkeypatch):
+    model = tiny_model(family, scale=1.5)
+    requests = _requests(40, seed=5)
+    theirs = _run(model, requests, places=False, running=8, monkeypatch=monkeypatch)
+    ours = _run(model, requests, places=True, running=8, monkeypatch=monkeypatch)
+    assert any(len(set(t)) > 3 for t in theirs["tokens"].values()), "output should vary"
+    assert ours["tokens"] == theirs["tokens"]
+    for i in theirs["logprobs"]:
+        assert ours["logprobs"][i] == pytest.approx(theirs["logprobs"][i], abs=1e-4)
+    # A finished row's cache holds its tokens, as mlx-lm's batch leaves it.
+    for i, (length, keys) in theirs["finished"].items():
+        assert ours["finished"][i][0] == length
+        np.testing.assert_allclose(ours["finished"][i][1], keys, atol=1e-4)
+    # mlx-lm copies the batch's cache for nearly every row leaving and joining;
+    # here only a row longer than the batch's cache is appended so.
+    assert theirs["copies"]["filter"] + theirs["copies"]["extend"] > 40
+    assert sum(ours["copies"].values()) < sum(theirs["copies"].values()) / 3
+    assert ours["holes"] <= HOLES_KEPT
+
+
+def test_a_batch_that_never_empties_holds_no_more_columns_than_its_longest_row(monkeypatch):
+    """Rows keep joining as others leave for 120 requests: the cache's length
+    follows the longest row's, never the batch's age."""
+    model = tiny_model("llama", scale=1.5)
+    ours = _run(model, _requests(120, seed=6), places=True, running=6, monkeypatch=monkeypatch)
+    assert ours["spare_columns"] == 0
+    assert ours["holes"] <= HOLES_KEPT
+
+
+def test_a_row_longer_than_the_batch_joins_at_its_end_and_decodes_exactly(monkeypatch):
+    """Where a joining row's cache is longer than the batch's, it cannot take a
+    hole's place: the batch grows to hold it, as mlx-lm's does."""
+    model = tiny_model("qwen3", scale=1.5)
+    requests = [([3, 1, 4], 25), ([1, 5], 4), (list(range(2, 50)), 20), ([9, 2, 6], 20)]
+    theirs = _run(model, requests, places=False, running=2, monkeypatch=monkeypatch)
+    ours = _run(model, requests, places=True, running=2, monkeypatch=monkeypatch)
+    assert ours["tokens"] == theirs["tokens"]
+    assert ours["spare_columns"] == 0
+
+
+def test_the_model_runs_each_row_at_its_own_place(monkeypatch):
+    """With a hole in the batch, the model's outputs come back in the rows' order."""
+    model = tiny_model("llama", scale=1.5)
+    batch = PlacedGenerationBatch.start(model, None)
+    batch._placed([2, 0], 3)
+    seen = []
+
+    def target(inputs, cache):
+        seen.append(inputs.tolist())
+        return inputs * 10
+
+    batch._target = target
+    assert batch.model(mx.array([[7], [8]]), cache=[]).tolist() == [[70], [80]]
+    assert seen == [[[8], [7], [7]]]  # place 1, a hole, runs any row's input
+    assert isinstance(batch, GenerationBatch)
