@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--gen-spread", type=int, default=0, metavar="N",
+                   help="answers of --gen-tokens +- N tokens, drawn per request (default 0: "
+                   "all the same, so requests that start together end together)")  # fmt: skip
     p.add_argument(
         "--requests", type=int, help="timed requests per level at least (default 64, short 16)"
     )
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(
         prompt_tokens=args.prompt_tokens,
         gen_tokens=args.gen_tokens,
+        gen_spread=args.gen_spread,
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
         warmup_per_slot=args.warmup or (2 if args.gate else 1),

@@ -36,7 +36,7 @@ def _closed_loop(generator, workload: Workload, concurrency: int, indices: range
     from mlx_lm.sample_utils import make_sampler
 
     sampler = make_sampler(temp=0.0)  # one shared greedy sampler: batched sampling
-    started: dict[int, tuple[float, RequestRecord]] = {}
+    started: dict[int, tuple[float, RequestRecord, int]] = {}  # uid: start, record, length
     records: list[RequestRecord] = []
     issued = 0
 
@@ -45,13 +45,13 @@ def _closed_loop(generator, workload: Workload, concurrency: int, indices: range
         n = min(n, len(indices) - issued)
         if n <= 0:
             return
-        prompts = [workload.prompt(indices[issued + i]) for i in range(n)]
-        uids = generator.insert(
-            prompts, max_tokens=[workload.gen_tokens] * n, samplers=[sampler] * n
-        )
+        taken = [indices[issued + i] for i in range(n)]
+        lengths = [workload.answer_tokens(index) for index in taken]
+        prompts = [workload.prompt(index) for index in taken]
+        uids = generator.insert(prompts, max_tokens=lengths, samplers=[sampler] * n)
         now = time.perf_counter()
-        for uid in uids:
-            started[uid] = (now, RequestRecord())
+        for uid, length in zip(uids, lengths, strict=True):
+            started[uid] = (now, RequestRecord(), length)
         issued += n
 
     begin = time.perf_counter()
@@ -61,10 +61,10 @@ def _closed_loop(generator, workload: Workload, concurrency: int, indices: range
         now = time.perf_counter()
         finished = 0
         for r in responses:
-            t0, record = started[r.uid]
+            t0, record, length = started[r.uid]
             record.arrived(now - t0, 1)
             if r.finish_reason is not None:
-                if record.tokens != workload.gen_tokens:
+                if record.tokens != length:
                     record.error = f"{r.finish_reason} after {record.tokens} tokens"
                 records.append(record)
                 del started[r.uid]

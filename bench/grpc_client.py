@@ -38,9 +38,9 @@ def token_request(
 def generate_request(
     workload: Workload, index: int, tag: str, temperature: float = 0.0
 ) -> pb.GenerateRequest:
-    """Prompt number `index` of the workload, `gen_tokens` long answer."""
+    """Prompt number `index` of the workload and its answer's length."""
     return token_request(
-        workload.prompt(index), workload.gen_tokens, f"bench-{tag}-{index}", temperature
+        workload.prompt(index), workload.answer_tokens(index), f"bench-{tag}-{index}", temperature
     )
 
 
@@ -91,7 +91,8 @@ async def closed_loop(
             while queue:
                 index = queue.pop()
                 request = generate_request(workload, index, tag, temperature(index))
-                records.append(await stream_one(stub, request, workload.gen_tokens))
+                expected = workload.answer_tokens(index)
+                records.append(await stream_one(stub, request, expected))
 
         begin = time.perf_counter()
         await asyncio.gather(*(slot() for _ in range(concurrency)))

@@ -26,6 +26,9 @@ class Workload:
 
     prompt_tokens: int = 64
     gen_tokens: int = 64
+    # Answers of gen_tokens +- gen_spread tokens, drawn per prompt: requests
+    # that start together end apart, as real answers do.
+    gen_spread: int = 0
     # Timed requests per level: max(min_requests, requests_per_slot * concurrency),
     # so high concurrency levels run long enough to reach a steady state.
     min_requests: int = 64
@@ -52,6 +55,13 @@ class Workload:
         rng = random.Random(self.seed * 1_000_003 + index)
         low, high = PROMPT_ID_RANGE
         return [rng.randrange(low, high) for _ in range(self.prompt_tokens)]
+
+    def answer_tokens(self, index: int) -> int:
+        """How many tokens request number `index` asks for (the same in every system)."""
+        if not self.gen_spread:
+            return self.gen_tokens
+        rng = random.Random(self.seed * 1_000_003 + index + 1)
+        return max(1, self.gen_tokens + rng.randint(-self.gen_spread, self.gen_spread))
 
     def plan(self, levels: list[int], rounds: int = 1) -> list[Level]:
         """Each level's rounds, level by level, numbered so that every request of a
