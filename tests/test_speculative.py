@@ -548,6 +548,29 @@ def test_a_worker_speculating_answers_as_one_that_does_not(family, model_dir, fa
     assert plain.worker.engine.speculation.passes == 0
 
 
+def test_the_same_prompt_again_is_proposed_what_the_cached_answer_said(family_model,
+                                                                     start_worker):  # fmt: skip
+    """A prompt the prefix cache has seen, with its answer after it (asked again,
+    retried): the answer's tokens are proposed, and kept where the model says
+    them again; a prompt whose own tokens never recur proposes nothing."""
+    model = family_model("llama")  # its greedy output does not repeat itself
+    worker = start_worker(model, speculative="always")
+    ids = helpers.prompt(40, 3)
+    first = helpers.generate(worker.stub, ids, max_tokens=40)
+    assert len(set(first.tokens)) > 10, "the model's output should vary"
+    stats = worker.worker.engine.speculation
+    before = (stats.proposed, stats.accepted)
+    again = helpers.generate(worker.stub, ids, max_tokens=40)
+    assert again.tokens == first.tokens
+    assert again.complete.cached_tokens == len(ids) - 1
+    stats = worker.worker.engine.speculation
+    assert stats.accepted - before[1] >= 30  # the answer, bar the first tokens
+    assert stats.accepted - before[1] == stats.proposed - before[0]
+    # A longer answer than the cached one: proposals run out where it ended.
+    longer = helpers.generate(worker.stub, ids, max_tokens=60)
+    assert longer.tokens[:40] == first.tokens
+
+
 def test_a_worker_with_a_draft_model_answers_as_one_without(model_dir, tmp_path, start_worker):
     """Drafts from the model itself (every proposal right) and from another model
     of the same vocabulary (most wrong): greedy output, logprobs, stop tokens,

@@ -33,11 +33,13 @@ from smg_mlx.engine.memory import buffer_cache, probe_results
 from smg_mlx.engine.memory import probe as memory_probe
 from smg_mlx.engine.memory.planner import MemoryPlanner
 from smg_mlx.engine.prefix_cache.cache import PrefixCache
+from smg_mlx.engine.prefix_cache.token_tree import Entry
 from smg_mlx.engine.schedule.scheduler import Running
 from smg_mlx.engine.schedule.step_clock import StepClock
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT, Passes
 from smg_mlx.engine.speculative.choice import drafting_for
-from smg_mlx.engine.types import Event, Request, SpeculationStats
+from smg_mlx.engine.speculative.prompt_lookup import Ahead
+from smg_mlx.engine.types import Event, GenerationSpec, Request, SpeculationStats
 from smg_mlx.model_config import DEFAULT_CONTEXT_LENGTH, named_context_length
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,10 @@ class Batch(PrefixCalls):
     @property
     def speculation(self) -> SpeculationStats:
         return self._lanes.speculation
+
+    def uncount_speculation(self) -> None:
+        """What speculation has done so far counts in no metric (the warm-up's)."""
+        self._lanes.uncount_speculation()
 
     @property
     def size(self) -> int:
@@ -264,6 +270,15 @@ class Batch(PrefixCalls):
                 row.request, row.cached, row.pace = resumed.request, resumed.cached, resumed.pace
                 row.fresh, row.generated = resumed.fresh, resumed.generated
             self._rows.add((lane, uid), row)
+            if entry is not None and self._lanes.drafting is not None:
+                self._expect(lane, uid, request.spec, entry)
+
+    def _expect(self, lane: int, uid: int, spec: GenerationSpec, entry: Entry) -> None:
+        """Where the prefix cache's entry is a sequence that began with the whole
+        prompt, the row proposes what it said next (speculation's prompt lookup)."""
+        ahead = self.prefixes.ahead_of(spec.prompt, entry, spec.max_tokens)
+        if ahead:
+            self._lanes.expect(lane, uid, Ahead(len(spec.prompt), ahead))
 
     def _forget(self, place: tuple[int, int]) -> Row:
         """The row leaves the batch, and gives up the entry it carried."""
@@ -283,6 +298,7 @@ class Batch(PrefixCalls):
             if not uids:
                 continue
             kept = generator.remove(uids, return_prompt_caches=self.prefixes is not None)
+            self._lanes.forget(lane, uids)
             for uid in uids:
                 row = self._forget((lane, uid))
                 cache, tokens = kept.get(uid) or (None, ())

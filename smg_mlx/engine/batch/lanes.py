@@ -13,7 +13,8 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT
-from smg_mlx.engine.speculative.decoding import Drafting, SpeculativeGenerationBatch
+from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
+from smg_mlx.engine.speculative.prompt_lookup import Ahead
 from smg_mlx.engine.types import SpeculationStats, TokenLogprobs
 
 
@@ -68,6 +69,10 @@ class Lanes:
         drafter = "prompt_lookup" if self.drafting.draft is None else "draft_model"
         return SpeculationStats(**vars(self.drafting.stats), drafter=drafter)
 
+    def uncount_speculation(self) -> None:
+        if self.drafting is not None:
+            self.drafting.stats = DraftStats()
+
     def __getitem__(self, lane: int) -> BatchGenerator:
         return self._generators[lane]
 
@@ -105,6 +110,17 @@ class Lanes:
             return []
         with self._buffers():
             return self._generators[lane]._generation_batch.exercise()
+
+    def expect(self, lane: int, uid: int, ahead: Ahead) -> None:
+        """Row `uid` of the lane has a cached continuation of its prompt to
+        propose from (speculation by prompt lookup; nothing where it is off)."""
+        if self.drafting is not None:
+            self._generators[lane]._generation_batch.expect(uid, ahead)
+
+    def forget(self, lane: int, uids: list[int]) -> None:
+        """Rows of the lane removed (those not decoding yet may have been expected)."""
+        if self.drafting is not None:
+            self._generators[lane]._generation_batch.forget(uids)
 
     def move_to_long(
         self, lane: int, uid: int, token: int, left: int, options: tuple

@@ -112,8 +112,10 @@ def run(batch: Batch, thorough: bool) -> None:
         _every_kind_of_step(script)
     else:
         script.until(script.start(script.request(4, 2)))
-    # Its entries are no client's: kept, they would only count in the metrics.
+    # Its entries are no client's: kept, they would only count in the metrics,
+    # as its proposals would (its prompts recur: each proposes what the last said).
     batch.drop_cached(batch.cached_over(0)[0])
+    batch.uncount_speculation()
     log.info(
         "warm-up: %s, in %.1fs", "every kind of step ran" if thorough else "one short request ran",
         script.progress.seconds,

@@ -28,7 +28,7 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.engine.prefix_cache.disk_folder import Read
 from smg_mlx.engine.prefix_cache.disk_tier import DiskTier
 from smg_mlx.engine.prefix_cache.memory_tier import LayerCache, MemoryTier, Pace
-from smg_mlx.engine.prefix_cache.token_tree import Entry
+from smg_mlx.engine.prefix_cache.token_tree import Entry, TokenTree
 from smg_mlx.engine.schedule.waiting_room import Reuse
 from smg_mlx.engine.types import CacheStats
 
@@ -116,6 +116,18 @@ class PrefixCache:
         else:
             self._memory_tokens += n
         return Start(cache, n, entry, pace)
+
+    @staticmethod
+    def ahead_of(prompt: Sequence[int], entry: Entry, most: int) -> tuple[int, ...]:
+        """Up to `most` tokens `entry`'s sequence had after `prompt`, where it
+        began with all of it (the same prompt again): what that sequence said
+        next. Empty where it did not."""
+        if entry.length <= len(prompt):  # (a conversation's earlier turn: nothing after)
+            return ()
+        key = TokenTree.tokens(entry)
+        if key[: len(prompt)] != tuple(prompt):
+            return ()
+        return key[len(prompt) : len(prompt) + most]
 
     def keep(
         self, tokens: Sequence[int], cache: list[LayerCache], pace: Pace | None = None

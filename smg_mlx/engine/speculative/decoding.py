@@ -32,7 +32,7 @@ from mlx_lm.generate import GenerationBatch
 from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
-from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
+from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
 from smg_mlx.engine.speculative.ragged_kv import line_up, ragged
 
 
@@ -61,6 +61,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
 
     drafting: Drafting
     _rows: dict[int, RowDrafts]
+    _ahead: dict[int, Ahead]  # rows not decoding yet: their prompts' cached continuations
     _draft_rows: DraftRows | None
     _steps: int
     _block: Block | None  # the run of passes under way (pacing)
@@ -71,6 +72,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         batch = super().start(model, sampler)
         batch.drafting = drafting
         batch._rows = {}
+        batch._ahead = {}
         batch._draft_rows = DraftRows(drafting.draft) if drafting.draft is not None else None
         batch._steps = 0
         batch._block = None
@@ -94,11 +96,24 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             self._block = None  # the batch stood empty, waiting for requests, since
         super().extend(other)
 
+    def expect(self, uid: int, ahead: Ahead) -> None:
+        """Row `uid`, when it decodes, proposes from `ahead` (prompt lookup) while
+        its tokens follow it."""
+        if self.drafting.draft is None:
+            self._ahead[uid] = ahead
+
+    def forget(self, uids: list[int]) -> None:
+        """Rows that left: their cached continuations, where not taken yet."""
+        for uid in uids:
+            self._ahead.pop(uid, None)
+
     def filter(self, keep: list[int]) -> None:
         kept = {self.uids[i] for i in keep}
+        left = [u for u in self.uids if u not in kept]
         super().filter(keep)
         for uid in [u for u in self._rows if u not in kept]:
             del self._rows[uid]
+        self.forget(left)
 
     def _decode(self) -> list:
         if not self.uids:
@@ -191,7 +206,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 continue
             row = self._rows.get(uid)
             if row is None:
-                row = self._rows[uid] = RowDrafts(self.drafting.most)
+                row = self._rows[uid] = RowDrafts(self.drafting.most, self._ahead.pop(uid, None))
             if row.likely(self._steps, self.tokens[i]):
                 likely.add(i)
         return likely

@@ -6,6 +6,11 @@ tool output. The proposal is what followed the most recent earlier
 occurrence of the row's last few tokens (the longest suffix that occurred
 before, of LONGEST down to SHORTEST tokens), in its prompt and its output.
 
+A row whose prompt an earlier sequence in the prefix cache began with (the
+same question again, a retried or regenerated answer) also has that
+sequence's continuation ahead of it (`Ahead`): while the row's output follows
+it, it proposes what came next there, before looking in its own tokens.
+
 Each row's proposals adapt to how they fare (`RowDrafts`): as long as its
 proposals are right it proposes up to the most asked for; a wrong one
 shortens the next; a row whose lookups find nothing, or whose proposals are
@@ -42,18 +47,45 @@ def lookup(tokens: np.ndarray, n: int, most: int) -> list[int]:
     return []
 
 
+class Ahead:
+    """The tokens a cached sequence had after a row's prompt: `tokens`, from
+    token number `start` of the row's on."""
+
+    __slots__ = ("start", "tokens", "checked")
+
+    def __init__(self, start: int, tokens: tuple[int, ...]) -> None:
+        self.start = start
+        self.tokens = np.array(tokens, dtype=np.int64)
+        self.checked = start  # the row's tokens up to here are known to follow it
+
+    def follows(self, tokens: np.ndarray, n: int) -> bool:
+        """Whether the row's `tokens[:n]` still follow it, with some left ahead."""
+        end = min(n, self.start + len(self.tokens))
+        if end > self.checked:
+            mine = tokens[self.checked : end]
+            if not np.array_equal(mine, self.tokens[self.checked - self.start : end - self.start]):
+                return False
+            self.checked = end
+        return n < self.start + len(self.tokens)
+
+    def after(self, n: int, most: int) -> list[int]:
+        """Up to `most` tokens it has after the row's first `n`."""
+        return self.tokens[n - self.start : n - self.start + most].tolist()
+
+
 class RowDrafts:
     """One row's tokens and how its proposals have fared."""
 
-    __slots__ = ("_tokens", "_n", "_most", "_length", "_pause", "_next_look")
+    __slots__ = ("_tokens", "_n", "_most", "_length", "_pause", "_next_look", "_ahead")
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, ahead: Ahead | None = None) -> None:
         self._tokens = np.zeros(256, dtype=np.int64)
         self._n = 0
         self._most = most
         self._length = most  # tokens the next proposal may have
         self._pause = 1  # steps to wait after the next lookup that finds nothing
         self._next_look = 0  # the step at which to look again
+        self._ahead = ahead  # a cached continuation of its prompt, while it follows it
 
     def sync(self, tokens: list[int]) -> None:
         """Catch up with the tokens in the row's cache (they only grow)."""
@@ -65,12 +97,17 @@ class RowDrafts:
         self._n = len(tokens)
 
     def likely(self, step: int, tokens: list[int]) -> bool:
-        """Whether this row should look now, and its `tokens` so far (those in
-        its cache) end as they did before (then the token being sampled will
-        likely follow it too); if not, it waits before it looks again."""
-        if step < self._next_look:
+        """Whether this row should look now: its `tokens` so far (those in its
+        cache) still follow its cached continuation, or end as they did before
+        (then the token being sampled will likely follow it too); if not, it
+        waits before it looks again."""
+        if step < self._next_look and self._ahead is None:
             return False  # a pausing row does not even catch up: its steps cost nothing
         self.sync(tokens)
+        if self._following(self._n):
+            return True
+        if step < self._next_look:
+            return False
         if lookup(self._tokens, self._n, 1):
             return True
         self._wait(step)
@@ -80,7 +117,10 @@ class RowDrafts:
         """Up to `most` tokens that should follow this row's tokens and
         `pending` (sampled, not in its cache yet); [] where none."""
         self._tokens[self._n] = pending
-        proposal = lookup(self._tokens, self._n + 1, min(most, self._length))
+        most = min(most, self._length)
+        if self._following(self._n + 1):
+            return self._ahead.after(self._n + 1, most)
+        proposal = lookup(self._tokens, self._n + 1, most)
         if not proposal:
             self._wait(step)
         return proposal
@@ -95,6 +135,13 @@ class RowDrafts:
         else:
             self._length = accepted + 1
             self._pause = 1
+
+    def _following(self, n: int) -> bool:
+        """Whether its first `n` tokens follow the cached continuation (which
+        is dropped once they do not, or it has nothing left)."""
+        if self._ahead is not None and not self._ahead.follows(self._tokens, n):
+            self._ahead = None
+        return self._ahead is not None
 
     def _wait(self, step: int) -> None:
         self._next_look = step + self._pause
