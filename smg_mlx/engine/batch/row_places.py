@@ -92,12 +92,11 @@ class PlacedGenerationBatch(GenerationBatch):
         self._route = mx.array(rows), mx.array(places)
 
     @contextmanager
-    def _rows_only(self) -> Iterator[list]:
-        """mlx-lm's bookkeeping of the rows, with its copies of the cache left out
-        (what it would copy is yielded)."""
+    def _rows_only(self) -> Iterator[None]:
+        """mlx-lm's bookkeeping of the rows, with its copies of the cache left out."""
         cache, self.prompt_cache = self.prompt_cache, []
         try:
-            yield cache
+            yield
         finally:
             self.prompt_cache = cache
 
@@ -180,9 +179,9 @@ class PlacedGenerationBatch(GenerationBatch):
             taken, counts = [False] * len(first), list(first)
             for j, place in into.items():
                 n = lengths[j]
-                row, theirs = slice(place, place + 1), slice(o._idx - n, o._idx)
-                c.keys[row, :, top - n : top, :] = o.keys[j : j + 1, :, theirs, :]
-                c.values[row, :, top - n : top, :] = o.values[j : j + 1, :, theirs, :]
+                row, span = slice(place, place + 1), slice(o._idx - n, o._idx)
+                c.keys[row, :, top - n : top, :] = o.keys[j : j + 1, :, span, :]
+                c.values[row, :, top - n : top, :] = o.values[j : j + 1, :, span, :]
                 taken[place], first[place], counts[place] = True, top - n, n
                 if isinstance(c, Ragged) and c._ends is not None:
                     c._ends[place] = top
