@@ -193,10 +193,10 @@ class PlacedGenerationBatch(GenerationBatch):
         """Each row takes back its newest `counts[i]` entries (ragged caches); a
         hole ends where the furthest row ends, so that holes never drift away
         from the rows (`ragged_kv.SPREAD`)."""
+        ends = _ends(self.prompt_cache[0])  # every layer's: written and taken back together
+        furthest = max(ends[p] - n for p, n in zip(self._places, counts, strict=True))
+        each = [ends[p] - furthest for p in range(self._width)]
+        for p, n in zip(self._places, counts, strict=True):
+            each[p] = n
         for c in self.prompt_cache:
-            ends = _ends(c)
-            furthest = max(ends[p] - n for p, n in zip(self._places, counts, strict=True))
-            each = [ends[p] - furthest for p in range(self._width)]
-            for p, n in zip(self._places, counts, strict=True):
-                each[p] = n
             c.rewind(each)
