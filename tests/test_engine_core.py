@@ -293,6 +293,47 @@ def test_the_thorough_warm_up_checks_proposals_where_speculation_is_on(model_dir
     assert len(set(answers["off", True])) > 1  # the model's output varies
 
 
+def test_every_index_the_engine_builds_is_int32(model_dir, monkeypatch):
+    """On CUDA every gather or scatter of a new (dtype, index dtype) pair is a
+    kernel compiled at a host's first start, seconds each, before the worker
+    is ready: tokens, sampled ones too, and the indices made from them are
+    int32 through the warm-up's every kind of step (speculation, sampling,
+    penalties, logit bias, logprobs), and nothing indexes logits by tokens."""
+    kinds = set()
+
+    def index_kinds(index) -> None:
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(part, slice) for part in parts):
+            kinds.update("slice with " + type(part).__name__ for part in parts
+                         if isinstance(part, (mx.array, list)))  # fmt: skip
+        for part in parts:
+            if isinstance(part, mx.array):
+                kinds.add(str(part.dtype))
+            elif isinstance(part, list):
+                kinds.add("list")
+
+    def recording(original, index_at):
+        def call(*args, **kwargs):
+            index_kinds(args[index_at])
+            return original(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(mx.array, "__getitem__", recording(mx.array.__getitem__, 1))
+    monkeypatch.setattr(mx.array, "__setitem__", recording(mx.array.__setitem__, 1))
+    for name in ("take", "take_along_axis", "put_along_axis"):
+        monkeypatch.setattr(mx, name, recording(getattr(mx, name), 1))
+    monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
+    inbox = Inbox()
+    sink, thread = start_core(model_dir, inbox, speculative="always")
+    inbox.submit(Request(1, spec(prompt(40, 2), max_tokens=12)))
+    assert len(sink.events_of(1)) == 12
+    inbox.stop()
+    thread.join(TIMEOUT)
+    assert kinds <= {"mlx.core.int32", "list"}, kinds
+    assert "mlx.core.int32" in kinds  # the recording saw the engine's indexing
+
+
 def test_the_worker_is_ready_before_the_attention_shapes_are_built_and_builds_them_idle(
     tmp_path, monkeypatch, caplog
 ):

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import QuantizedKVCache
 
+from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.types import LayerCaches, Unservable
 from smg_mlx.logs import error_line
@@ -118,7 +118,7 @@ def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_
          caches: LayerCaches | None) -> list[_Row]:  # fmt: skip
     """Greedy outputs of `prompts` run together under these limits, each from
     `caches()` (None: the model's own); one run more done, for `progress`."""
-    generator = BatchGenerator(
+    generator = batch_generator(
         model, completion_batch_size=batch_size, prefill_batch_size=prefill_rows,
         prefill_step_size=CHUNK, stream=stream,
     )  # fmt: skip

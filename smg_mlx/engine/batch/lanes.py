@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
+from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.prompt_lookup import Ahead
@@ -46,7 +47,7 @@ class Lanes:
         """Fresh generators (the old ones closed): empty lanes of these sizes."""
         self.close()
         self._generators = tuple(
-            BatchGenerator(
+            batch_generator(
                 self._model,
                 completion_batch_size=batch_size,
                 prefill_batch_size=prefill_rows,
@@ -164,10 +165,11 @@ def logprobs(responses: list, wanted: list[int | None]) -> list[TokenLogprobs | 
     for i, (r, n) in enumerate(zip(responses, wanted, strict=True)):
         if n is None:
             continue
-        top = mx.array([], dtype=mx.uint32)
+        # int32 indices, as the tokens are (engine.batch.sampling: kernels).
+        top = mx.array([], dtype=mx.int32)
         if n:
-            top = mx.argpartition(-r.logprobs, kth=n - 1)[:n]
-            top = top[mx.argsort(-r.logprobs[top])]
+            top = mx.argpartition(-r.logprobs, kth=n - 1)[:n].astype(mx.int32)
+            top = top[mx.argsort(-r.logprobs[top]).astype(mx.int32)]
         rows.append(i)
         lazy.append((r.logprobs[r.token], top, r.logprobs[top]))
     if lazy:

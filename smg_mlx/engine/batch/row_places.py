@@ -65,6 +65,7 @@ class PlacedGenerationBatch(GenerationBatch):
     def start(cls, model: nn.Module, sampler: Any) -> Any:
         """An empty batch, as a lane's BatchGenerator starts with."""
         batch = cls.empty(model, sampler)
+        batch._next_tokens = None  # not uint32: see sampling.batch_generator
         batch._target = model
         batch.model = batch._through_places
         batch._places, batch._width, batch._route = [], 0, None

@@ -5,10 +5,16 @@ sampler object, so unseeded requests with equal settings share one. A seeded
 request gets its own sampler with its own random key: reproducible whatever
 else is in the batch, and the process-wide generator is never reseeded.
 
-The top-p, min-p and top-k filters are our own: mlx-lm compiles its filters
-with the value as a constant, so every new value from a client would compile
-anew, on the engine thread, while every stream waits, and stay in MLX's
-compile cache for good. Ours take the value as an array: compiled once.
+Kernels: mlx's CUDA backend compiles a kernel the first time it meets a fused
+(`mx.compile`) graph or a gather or scatter of a new pair of dtypes, seconds
+each, once per host, while every stream waits (and before the first start is
+ready: the warm-up meets them all). So what is here keeps to kernels built
+in advance: tokens are int32 everywhere (prompts are, so sampled tokens are
+made so too, and the index arrays taken from them), the top-p, min-p and
+top-k filters are plain array arithmetic taking their value as an array
+(mlx-lm's compile it as a constant: a new kernel for every new value), and
+the penalties and logit bias read and write along the logits' last axis, as
+the cache and the top-p filter do, not by indexing them with token ids.
 
 Stop tokens are a set lookup (`StopTokens`), not mlx-lm's `StopSequences`
 automaton: every stop sequence here is one token, and building that automaton
@@ -20,16 +26,17 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator
 
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
 Sampler = Callable[[mx.array], mx.array]
 
 
-@mx.compile
 def keep_top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:
     """Keep the most likely tokens whose probabilities sum to `top_p` (at least one)."""
     ordered = mx.sort(logprobs, axis=-1)
@@ -41,14 +48,12 @@ def keep_top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:
     return mx.where(logprobs < threshold, -mx.inf, logprobs)
 
 
-@mx.compile
 def keep_min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
     """Keep the tokens at least `min_p` times as likely as the most likely one."""
     floor = mx.max(logprobs, axis=-1, keepdims=True) + log_min_p
     return mx.where(logprobs < floor, -mx.inf, logprobs)
 
 
-@mx.compile
 def keep_top_k(logprobs: mx.array, top_k: mx.array) -> mx.array:
     """Keep the `top_k` most likely tokens (and any tied with the last of them)."""
     ordered = mx.sort(logprobs, axis=-1)
@@ -57,10 +62,24 @@ def keep_top_k(logprobs: mx.array, top_k: mx.array) -> mx.array:
     return mx.where(logprobs < threshold, -mx.inf, logprobs)
 
 
+def greedy(logprobs: mx.array) -> mx.array:
+    """The most likely token of each row, as int32 (argmax gives uint32)."""
+    return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+
+
+def batch_generator(model: nn.Module, **options: Any) -> BatchGenerator:
+    """mlx-lm's BatchGenerator with int32 tokens throughout (greedy by default,
+    and its empty decoding rows holding no uint32 array for the first rows to
+    join: concatenated with int32 it would make int64)."""
+    generator = BatchGenerator(model, sampler=greedy, **options)
+    generator._generation_batch._next_tokens = None
+    return generator
+
+
 def make_sampler(settings: SamplingSettings) -> Sampler:
     """A sampler over log-probabilities; seeded ones carry their own key."""
     if settings.greedy:
-        return greedy_sampler
+        return greedy
     filters = []
     if settings.top_p < 1.0:
         top_p = mx.array(settings.top_p, dtype=mx.float32)
@@ -89,7 +108,8 @@ class _Draw:
             logprobs = keep(logprobs)
         # In float32: a low temperature's scale (up to 1e5) overflows float16 to
         # inf, and every token would be drawn alike.
-        return mx.random.categorical(logprobs.astype(mx.float32) * self._scale, key=key)
+        drawn = mx.random.categorical(logprobs.astype(mx.float32) * self._scale, key=key)
+        return drawn.astype(mx.int32)
 
 
 class SeededSampler:
@@ -122,17 +142,54 @@ class SeededSampler:
         return mx.concatenate(draws), keep
 
 
-def make_processors(settings: LogitsSettings) -> list:
-    if not settings.active:
-        return []
-    return make_logits_processors(
-        logit_bias=dict(settings.logit_bias) or None,
-        repetition_penalty=(
-            settings.repetition_penalty if settings.repetition_penalty != 1.0 else None
-        ),
-        frequency_penalty=settings.frequency_penalty or None,
-        presence_penalty=settings.presence_penalty or None,
-    )
+CONTEXT = 20  # the penalties look back this many tokens (mlx-lm's default)
+
+
+def make_processors(settings: LogitsSettings) -> list[Callable[[mx.array, mx.array], mx.array]]:
+    return [Penalties(settings)] if settings.active else []
+
+
+class Penalties:
+    """mlx-lm's logits processors (`make_logits_processors`: the logit bias,
+    then the repetition, presence and frequency penalties over the last
+    `CONTEXT` tokens) in one, reading and writing the logits along their last
+    axis: mlx-lm's index them by token ids, a gather and two scatters of
+    their own to build on CUDA, where these share the kernels the cache and
+    the top-p filter already use (see the module's doc). A token seen n times
+    in the window loses n times the frequency penalty in one subtraction,
+    where mlx-lm's subtracts it n times."""
+
+    def __init__(self, settings: LogitsSettings) -> None:
+        self._settings = settings
+        bias = settings.logit_bias
+        self._bias = (
+            (mx.array([[t for t, _ in bias]], mx.int32), mx.array([[v for _, v in bias]]))
+            if bias else None
+        )  # fmt: skip
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """`logits` (1, vocabulary) after the row's `tokens` (1-D, int32)."""
+        s = self._settings
+        if self._bias is not None:
+            at, values = self._bias
+            biased = mx.take_along_axis(logits, at, axis=-1) + values.astype(logits.dtype)
+            logits = mx.put_along_axis(logits, at, biased, axis=-1)
+        window = tokens[None, -CONTEXT:]
+        if window.size == 0 or not (
+            s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty
+        ):
+            return logits
+        seen = mx.take_along_axis(logits, window, axis=-1)
+        if s.repetition_penalty != 1.0:
+            p = s.repetition_penalty
+            seen = mx.where(seen < 0, seen * p, seen / p)
+        if s.presence_penalty:
+            seen = seen - s.presence_penalty
+        if s.frequency_penalty:
+            times = (window[0, :, None] == window[0, None, :]).sum(axis=-1)
+            seen = seen - (times * s.frequency_penalty).astype(seen.dtype)
+        # A token twice in the window is written twice, with the same value.
+        return mx.put_along_axis(logits, window, seen, axis=-1)
 
 
 class StopTokens:

@@ -33,9 +33,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
 from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.types import LayerCaches
@@ -112,7 +112,7 @@ def _one_prompt(
     """Peak bytes above what was allocated before, for one prompt of `length`
     tokens prefilled in chunks of `chunk` and one generated token; and each
     full chunk's (context before it, seconds). One prompt more for `progress`."""
-    generator = BatchGenerator(
+    generator = batch_generator(
         model, completion_batch_size=1, prefill_batch_size=1, prefill_step_size=chunk,
         stream=stream,
     )  # fmt: skip

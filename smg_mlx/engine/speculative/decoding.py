@@ -172,7 +172,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         pair = [ragged(type(c).merge([one] * 2)) for c, one in layers]
         for cache in pair:
             cache.rewind([1, 0])
-        mx.eval(self._target(mx.array([pending[:1] * width] * 2), cache=pair))
+        mx.eval(self._target(mx.array([pending[:1] * width] * 2, mx.int32), cache=pair))
         line_up(pair)
         return out
 
@@ -220,7 +220,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         pairs = zip(pending, drafts, strict=True)
         inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
         self.prompt_cache = [ragged(c) for c in self.prompt_cache]
-        logits = self.model(mx.array(inputs), cache=self.prompt_cache)
+        # int32, as every token array is (engine.batch.sampling: kernels).
+        logits = self.model(mx.array(inputs, dtype=mx.int32), cache=self.prompt_cache)
         logits = self._processed(logits, pending)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled, keeps = self._sample(logprobs)

@@ -73,7 +73,7 @@ class DraftRows:
             return {}
         feeds = [rows[uid][0][self._seen[uid] :] + [rows[uid][1]] for uid in self._uids]
         width = max(len(feed) for feed in feeds)
-        inputs = mx.array([feed + [feed[-1]] * (width - len(feed)) for feed in feeds])
+        inputs = mx.array([feed + [feed[-1]] * (width - len(feed)) for feed in feeds], mx.int32)
         logits = self._model(inputs, cache=self._cache)
         last = mx.array([len(feed) - 1 for feed in feeds])
         token = mx.argmax(logits[mx.arange(len(feeds)), last], axis=-1)
