@@ -148,7 +148,7 @@ class WatchInit:
             init = module.distributed.init
 
             def watched(*args, **kwargs):
-                loaded = sorted({m.split(".")[0] for m in sys.modules} & HEAVY)
+                loaded = sorted({m.split(".")[0] for m, v in sys.modules.items() if v} & HEAVY)
                 with open(os.environ["INIT_WATCH"] + os.environ["MLX_RANK"], "a") as out:
                     out.write(json.dumps(loaded) + "\\n")
                 return init(*args, **kwargs)

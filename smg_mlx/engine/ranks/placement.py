@@ -29,7 +29,7 @@ def join(rank: int) -> None:
     """Pick this rank's device, log where it runs, and join the launcher's group
     (a no-op when it launched one rank). Raises when the group cannot form or two
     ranks would share a GPU."""
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:
         log.warning(
             "PyTorch was imported before MLX (by a sitecustomize or .pth file?): on CUDA this "
             "rank then uses PyTorch's libnccl, which may differ from the other ranks' (NCCL "
