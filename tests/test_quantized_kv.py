@@ -12,6 +12,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from smg_mlx.demo_model import build_model
+from smg_mlx.engine.batch import quantized_kv
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 
 from helpers import prompt
@@ -90,10 +91,13 @@ def test_batched_decoding_matches_each_prompt_alone(model, bits):
     assert all(len(set(tokens)) > 3 for tokens in want)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["views", "copied out (CUDA)"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_long_prompts_prefilled_in_ragged_chunks_match_too(model, bits):
+def test_long_prompts_prefilled_in_ragged_chunks_match_too(model, bits, whole, monkeypatch):
     """Chunks of 16 (each right-padded, then rolled into left padding) and caches
-    that grow past an allocation step (256 positions) while prefilling and decoding."""
+    that grow past an allocation step (256 positions) while prefilling and decoding;
+    attention reading views of the cache, or (as on CUDA) copies of them."""
+    monkeypatch.setattr(quantized_kv, "WHOLE", whole)
     waves = [
         [(prompt(5, 0), 20), (prompt(300, 1), 12), (prompt(40, 2), 250)],
         [(prompt(270, 3), 15), (prompt(1, 4), 10)],

@@ -240,8 +240,10 @@ def _alone(model: nn.Module, stream: mx.Stream, prompts: list[list[int]],
             if tuple(p) not in alone:
                 alone[tuple(p)] = _run(model, stream, [p], 1, 1, progress, caches)[0]
     except Exception as exc:  # noqa: BLE001 - the model's own fault, said in one line
+        quantized = " with its KV cache quantized (leave out --kv-bits?)" if caches else ""
         raise Unservable(
-            f"mlx-lm cannot generate with this model even one prompt at a time ({error_line(exc)})"
+            f"mlx-lm cannot generate with this model{quantized} even one prompt at a time "
+            f"({error_line(exc)})"
         ) from exc
 
 

@@ -24,6 +24,12 @@ from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
 
 Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 
+# mlx's CUDA quantized matmul takes only arrays stored whole, end to end: a
+# view of the cache's first positions, with room to grow after them, is
+# refused ("No implementation for problem shape"). There the positions
+# attention reads are copied out first.
+WHOLE = mx.cuda.is_available()
+
 
 def map_parts(fn: Callable[[mx.array], mx.array], q: Quantized) -> Quantized:
     return tuple(fn(x) for x in q)  # type: ignore[return-value]
@@ -97,6 +103,8 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def keys_and_values(self) -> tuple[Quantized, Quantized]:
         cut = lambda x: x[:, :, : self._idx]  # noqa: E731
+        if WHOLE:
+            cut = lambda x: mx.contiguous(x[:, :, : self._idx])  # noqa: E731
         return map_parts(cut, self.keys), map_parts(cut, self.values)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
