@@ -298,10 +298,13 @@ def test_every_index_the_engine_builds_is_int32(model_dir, monkeypatch):
     kernel compiled at a host's first start, seconds each, before the worker
     is ready: tokens, sampled ones too, and the indices made from them are
     int32 through the warm-up's every kind of step (speculation, sampling,
-    penalties, logit bias, logprobs), and nothing indexes logits by tokens."""
+    penalties, logit bias, logprobs); nothing indexes logits by tokens, nor
+    takes x[i] (mlx makes i a uint32 array)."""
     kinds = set()
 
     def index_kinds(index) -> None:
+        if isinstance(index, int):  # mlx takes x[i] with i made a uint32 array
+            kinds.add("int")
         parts = index if isinstance(index, tuple) else (index,)
         if any(isinstance(part, slice) for part in parts):
             kinds.update("slice with " + type(part).__name__ for part in parts

@@ -171,7 +171,8 @@ def logprobs(responses: list, wanted: list[int | None]) -> list[TokenLogprobs | 
             top = mx.argpartition(-r.logprobs, kth=n - 1)[:n].astype(mx.int32)
             top = top[mx.argsort(-r.logprobs[top]).astype(mx.int32)]
         rows.append(i)
-        lazy.append((r.logprobs[r.token], top, r.logprobs[top]))
+        # A slice, not x[i]: mlx takes that with i made a uint32 array.
+        lazy.append((r.logprobs[r.token : r.token + 1], top, r.logprobs[top]))
     if lazy:
         mx.eval(lazy)
     for i, (chosen, top, values) in zip(rows, lazy, strict=True):

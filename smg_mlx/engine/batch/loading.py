@@ -35,7 +35,7 @@ CUDA_CACHE_SETTINGS = {
 def kernel_folder(config: EngineConfig) -> Path:
     """Where mlx's CUDA backend keeps the kernels it compiles on first use
     (MLX_PTX_CACHE_DIR; its own default is under /tmp, which a container or a
-    reboot empties: then every start compiles them again, a minute or more).
+    reboot empties: then every start compiles them again).
     Beside the batch check's verdicts, on the volume a deployment keeps; one
     folder per mlx version and device, as kernels are built for both."""
     device = re.sub(r"[^A-Za-z0-9.]+", "-", mx.device_info().get("device_name", "gpu")).strip("-")

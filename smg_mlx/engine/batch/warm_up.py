@@ -2,9 +2,10 @@
 (runs on the engine thread, through the batch's own paths).
 
 mlx builds some kernels the first time it meets them. On its CUDA backend a
-kernel it compiles costs about a second, once per host (they are kept on
-disk, under MLX_PTX_CACHE_DIR), and a new attention variant about as much
-(cuDNN): a request that meets one first stalls every stream for that long.
+kernel it compiles costs seconds, once per host (they are kept on disk, under
+MLX_PTX_CACHE_DIR; `engine.batch.sampling` says how few there are), and a
+new attention variant a little (cuDNN): a request that meets one first
+stalls every stream for that long.
 So on such a backend the warm-up runs each kind of step serving runs:
 prompts alone and batched (with padding and without), decoding past 256
 tokens of cache (where the cache first grows), rows joining and leaving a
@@ -127,7 +128,7 @@ def run(batch: Batch, thorough: bool) -> None:
 def _every_kind_of_step(script: _Script) -> None:
     log.info(
         "warm-up: running every kind of step once (a first start on this host builds "
-        "the kernels, which takes a minute or more)"
+        "mlx's kernels, seconds each)"
     )
     # Unequal prompts batched (a padding mask), each sampled another way; the
     # first goes on decoding while the others leave the batch.
