@@ -8,13 +8,13 @@ else is in the batch, and the process-wide generator is never reseeded.
 Kernels: mlx's CUDA backend compiles a kernel the first time it meets a fused
 (`mx.compile`) graph or a gather or scatter of a new pair of dtypes, seconds
 each, once per host, while every stream waits (and before the first start is
-ready: the warm-up meets them all). So what is here keeps to kernels built
-in advance: tokens are int32 everywhere (prompts are, so sampled tokens are
-made so too, and the index arrays taken from them), the top-p, min-p and
-top-k filters are plain array arithmetic taking their value as an array
-(mlx-lm's compile it as a constant: a new kernel for every new value), and
-the penalties and logit bias read and write along the logits' last axis, as
-the cache and the top-p filter do, not by indexing them with token ids.
+ready: the warm-up meets them all). So what is here keeps that set small:
+tokens are int32 everywhere (prompts are, so sampled tokens are made so too,
+and the index arrays taken from them), the top-p, min-p and top-k filters
+are plain array arithmetic taking their value as an array (mlx-lm's compile
+it as a constant: a new kernel for every new value), and the penalties and
+logit bias read and write along the logits' last axis, as the cache and the
+top-p filter do, not by indexing them with token ids.
 
 Stop tokens are a set lookup (`StopTokens`), not mlx-lm's `StopSequences`
 automaton: every stop sequence here is one token, and building that automaton
