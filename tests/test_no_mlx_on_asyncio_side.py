@@ -19,6 +19,7 @@ MLX_SIDE = {
     "smg_mlx.engine.batch.batch_kv",
     "smg_mlx.engine.batch.kv_format",
     "smg_mlx.engine.batch.quantized_kv",
+    "smg_mlx.engine.batch.quantized_attention",
     "smg_mlx.engine.batch.attention_shapes",
     "smg_mlx.engine.memory.buffer_cache",
     "smg_mlx.engine.memory.probe",

@@ -23,6 +23,7 @@ from smg_mlx.engine.batch import (
     batch_mode,
     kv_format,
     loading,
+    quantized_attention,
 )
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes
 from smg_mlx.engine.batch.lanes import Lanes, Sampled, logprobs
@@ -117,6 +118,8 @@ class Batch(PrefixCalls):
                 probe_results.keep(kept, self.memory, self.speed, time.perf_counter() - probed)
         if config.kv_format is not None:
             kv_format.log_cost(config.kv_format, self.memory.kv_per_token, self.model, self._stream)
+            # Measured unbounded above (and remembered so); bounded from here on.
+            self.memory = quantized_attention.install(self.memory)
         if drafting is not None and drafting.draft is not None:
             self.memory = memory_probe.with_draft(self.memory, drafting.draft, self._stream)
         # The longest a step should take at the probe's context: a full chunk.
