@@ -164,7 +164,17 @@ class Process:
 
     def wait_serving(self, timeout: float = 60) -> None:
         grpc.channel_ready_future(self.channel).result(timeout)
-        assert wait_until(lambda: self.check() == SERVING, timeout), self.log.read_text()
+        assert wait_until(self._serving, timeout), self.log.read_text()
+
+    def _serving(self) -> bool:
+        """SERVING now; a refused check is not yet, unless the worker is gone
+        (then its log says why)."""
+        try:
+            return self.check() == SERVING
+        except grpc.RpcError:
+            exited = self.proc.poll()
+            assert exited is None, f"exited {exited}: {self.log.read_text()}"
+            return False
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         self.proc.send_signal(sig)
