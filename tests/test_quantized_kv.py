@@ -93,12 +93,13 @@ def test_batched_decoding_matches_each_prompt_alone(model, bits):
     assert all(len(set(tokens)) > 3 for tokens in want)
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["views", "copied out (CUDA)"])
+@pytest.mark.parametrize("whole", [False, True], ids=["views", "whole buffers (CUDA)"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_long_prompts_prefilled_in_ragged_chunks_match_too(model, bits, whole, monkeypatch):
     """Chunks of 16 (each right-padded, then rolled into left padding) and caches
     that grow past an allocation step (256 positions) while prefilling and decoding;
-    attention reading views of the cache, or (as on CUDA) copies of them."""
+    attention reading views of the positions written, or (as on CUDA) the whole
+    buffers with the rest masked."""
     monkeypatch.setattr(quantized_kv, "WHOLE", whole)
     waves = [
         [(prompt(5, 0), 20), (prompt(300, 1), 12), (prompt(40, 2), 250)],
@@ -106,6 +107,32 @@ def test_long_prompts_prefilled_in_ragged_chunks_match_too(model, bits, whole, m
     ]
     got = batched(model, waves, bits, prefill_step=16)
     assert got == [alone(model, ids, n, bits, 16) for wave in waves for ids, n in wave]
+
+
+def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_masked(
+    monkeypatch,
+):
+    """mlx's CUDA quantized matmul refuses views: attention gets the whole
+    buffers (not a copy made every step), and the mask hides every position not
+    yet written, also after a filter cut the buffers."""
+    monkeypatch.setattr(quantized_kv, "WHOLE", True)
+    cache = BatchQuantizedKVCache([0, 2], group_size=GROUP, bits=8)
+
+    def write(n: int) -> tuple[mx.array, mx.array]:
+        mask = cache.make_mask(n)
+        kv = mx.random.normal((cache.offset.shape[0], 2, n, GROUP), key=mx.random.key(n))
+        keys, _ = cache.update_and_fetch(kv, kv)
+        return mask, keys
+
+    mask, keys = write(5)
+    assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
+    assert mask.shape[-1] == keys[0].shape[2] == BatchQuantizedKVCache.step
+    assert mask[..., :5].any() and not mask[..., 5:].any()
+    cache.filter(mx.array([1]))  # the kept row's 2 padding positions are cut off
+    mask, keys = write(1)
+    assert keys[0].shape[2] == BatchQuantizedKVCache.step - 2 == mask.shape[-1]
+    assert mask[0, 0, 0, :4].all() and not mask[..., 4:].any()
+    assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
 
 
 def test_quantized_attention_holds_one_block_of_scores_at_a_time_and_answers_the_same(

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.sample_utils import make_sampler
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine.batch import quantized_kv  # noqa: F401 - QuantizedKVCache's merge
+from smg_mlx.engine.batch import quantized_kv  # QuantizedKVCache's merge too
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
@@ -109,12 +109,17 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
 
 
 @pytest.mark.parametrize(
-    "family, bits", [("llama", None), ("qwen3", None), ("qwen3", 8), ("qwen3", 4)],
-    ids=["llama", "qwen3", "qwen3 8-bit KV", "qwen3 4-bit KV"],
+    "family, bits, whole",
+    [("llama", None, False), ("qwen3", None, False), ("qwen3", 8, False), ("qwen3", 4, False),
+     ("qwen3", 8, True)],
+    ids=["llama", "qwen3", "qwen3 8-bit KV", "qwen3 4-bit KV",
+         "qwen3 8-bit KV, whole buffers (CUDA)"],
 )  # fmt: skip
-def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family, bits):
+def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family, bits, whole, monkeypatch):
     """With --kv-bits (`bits`), rows keep their keys and values quantized and each
-    takes back its own rejected proposals as from 16-bit caches (ragged_kv)."""
+    takes back its own rejected proposals as from 16-bit caches (ragged_kv);
+    attention reading, as on CUDA, the whole buffers, masked past each row's end."""
+    monkeypatch.setattr(quantized_kv, "WHOLE", whole)
     model = tiny_model(family, scale=1.5, head_dim=16 if bits is None else 64)
 
     def quantized() -> list[QuantizedKVCache]:

@@ -26,8 +26,9 @@ Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 
 # mlx's CUDA quantized matmul takes only arrays stored whole, end to end: a
 # view of the cache's first positions, with room to grow after them, is
-# refused ("No implementation for problem shape"). There the positions
-# attention reads are copied out first.
+# refused ("No implementation for problem shape"). There attention reads the
+# whole buffers, and the mask hides the positions not yet written (copying
+# the written ones out would move the whole cache every step).
 WHOLE = mx.cuda.is_available()
 
 
@@ -71,12 +72,18 @@ class BatchQuantizedKVCache(_BaseCache):
     def _capacity(self) -> int:
         return 0 if self.keys is None else self.keys[0].shape[2]
 
+    def _capacity_for(self, n: int) -> int:
+        """The positions allocated once `n` more are written after `_idx`."""
+        if self._idx + n <= self._capacity():
+            return self._capacity()
+        return -(-(self._idx + n) // self.step) * self.step
+
     def _reserve(self, n: int, qk: Quantized, qv: Quantized) -> None:
         """Room for `n` more positions after `_idx` (`qk`, `qv`: what they will hold)."""
         prev = self._idx
-        if prev + n <= self._capacity():
+        size = self._capacity_for(n)
+        if size == self._capacity():
             return
-        size = -(-(prev + n) // self.step) * self.step
         B = qk[0].shape[0]
         if self.keys is None:
             self.keys = _zeros_like_rows(qk, B, size)
@@ -99,18 +106,34 @@ class BatchQuantizedKVCache(_BaseCache):
                 buf[:, :, prev : prev + n] = part
         self._idx += n
         self.offset = self.offset + n
-        return self.keys_and_values()
+        return self._fetch()
 
     def keys_and_values(self) -> tuple[Quantized, Quantized]:
+        """The positions written."""
         cut = lambda x: x[:, :, : self._idx]  # noqa: E731
-        if WHOLE:
-            cut = lambda x: mx.contiguous(x[:, :, : self._idx])  # noqa: E731
         return map_parts(cut, self.keys), map_parts(cut, self.values)
+
+    def _fetch(self) -> tuple[Quantized, Quantized]:
+        """What attention reads: the positions written, or (WHOLE) the buffers,
+        their unwritten tail masked by `make_mask`."""
+        if not WHOLE:
+            return self.keys_and_values()
+        # A buffer cut by `filter` is a view: made whole once, and kept so.
+        self.keys = map_parts(mx.contiguous, self.keys)
+        self.values = map_parts(mx.contiguous, self.values)
+        return self.keys, self.values
+
+    def _mask_width(self, N: int) -> int:
+        """The keys attention will read once `N` more are written."""
+        return self._capacity_for(N) if WHOLE else self._idx + N
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         # Always an array: left padding must be masked, and the quantized
         # attention has no fused kernel that a "causal" string would unlock.
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        # Positions past the newest are unwritten: a query never sees them.
+        tail = self._mask_width(N) - (self._idx + N)
+        return mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, tail)]) if tail else mask
 
     # -- ragged prompts -------------------------------------------------------
 

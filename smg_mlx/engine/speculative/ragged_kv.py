@@ -97,14 +97,14 @@ class Ragged:
         self._write_at(self._ends, keys, values)
         self.offset = self.offset + n
         self._set_ends([e + n for e in self._ends])
-        return self.keys_and_values()
+        return self._fetch()
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         if self._ends is None:
             return super().make_mask(N, return_array=return_array, **kwargs)
         if kwargs.get("window_size") is not None:
             raise ValueError("a ragged cache has no sliding window")
-        keys = mx.arange(self._idx + N)[None, None, None, :]
+        keys = mx.arange(self._mask_width(N))[None, None, None, :]
         queries = (mx.array(self._ends)[:, None] + mx.arange(N)[None])[:, None, :, None]
         first = self.left_padding[:, None, None, None]
         return (keys >= first) & (keys <= queries)
@@ -148,6 +148,12 @@ def _where(ends: list[int], n: int) -> mx.array:
 
 class RaggedBatchKVCache(Ragged, BatchKVCache):
     """mlx-lm's BatchKVCache with a per-row end."""
+
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        return self.keys_and_values()
+
+    def _mask_width(self, N: int) -> int:
+        return self._idx + N
 
     def _arrays(self, fn: Callable[[mx.array], mx.array]) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
