@@ -195,6 +195,30 @@ def test_the_batch_check_runs_rows_quantized(model64, monkeypatch):
     assert batch_check.choose(model, stream, 8, 32, fresh).mode is not batch_check.Mode.BATCHED
 
 
+def test_no_pass_attends_through_a_view_as_on_cuda(model64, monkeypatch):
+    """mlx's CUDA quantized matmul refuses views of a cache ("No implementation
+    for problem shape"), such as mlx-lm's single-sequence QuantizedKVCache
+    hands attention. Refused here as there, a worker with --kv-bits and
+    speculation starts (batch check, probe, warm-up) and serves from the whole
+    buffers of the batch cache."""
+    from smg_mlx.engine.batch import quantized_kv
+
+    def refused(self, keys, values):
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+
+    monkeypatch.setattr(QuantizedKVCache, "update_and_fetch", refused)
+    monkeypatch.setattr(quantized_kv, "WHOLE", True)
+    inbox = Inbox()
+    sink, thread = start_core(model64, inbox, kv_bits=8, speculative="on")
+    try:
+        inbox.submit(Request(1, spec(prompt(300, 1), max_tokens=40)))
+        tokens = [e.token for e in sink.events_of(1)]
+        assert len(tokens) == 40 and len(set(tokens)) > 3
+    finally:
+        inbox.stop()
+        thread.join(TIMEOUT)
+
+
 # ---- the entries themselves ----
 
 

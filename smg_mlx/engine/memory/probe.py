@@ -191,6 +191,11 @@ def _seconds_per_token(model: nn.Module, stream: mx.Stream, caches: LayerCaches)
     return fastest / FIRST_LOOK_TOKENS
 
 
+def _one_row(caches: LayerCaches) -> list:
+    """A sequence's fresh caches (`caches()`) as a batch cache of one row."""
+    return [layer.merge([layer]) for layer in caches()]
+
+
 def _probe_chunk(per_token: float, max_chunk: int) -> int:
     """The largest chunk, a power of two, whose probe takes about PROBE_SECONDS."""
     chunk = PROBE_CHUNK
@@ -214,10 +219,15 @@ def measure(
     model's own)."""
     started = time.perf_counter()
     if caches is None:
-        caches = partial(make_prompt_cache, model)
+        caches = passes = partial(make_prompt_cache, model)
+    else:
+        # The probe's own passes run a batch of one, as rows run: mlx's CUDA
+        # quantized matmul refuses the views that mlx-lm's single-sequence
+        # quantized cache hands attention.
+        passes = partial(_one_row, caches)
     held = weights(model)
-    per_kv_token = kv_per_token(model, stream, caches)
-    per_token = _seconds_per_token(model, stream, caches)
+    per_kv_token = kv_per_token(model, stream, passes)
+    per_token = _seconds_per_token(model, stream, passes)
     chunk = _probe_chunk(per_token, max_chunk)
     if group is not None:  # each rank timed itself: the slowest one's chunk for all
         chunk = mx.distributed.all_min(mx.array(chunk), group=group, stream=stream).item()
