@@ -22,6 +22,7 @@ from test_engine_core import TIMEOUT, spec, start_core
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import batch_check
+from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.handoff import Inbox
 from smg_mlx.engine.prefix_cache import kv_files
@@ -195,19 +196,31 @@ def test_the_batch_check_runs_rows_quantized(model64, monkeypatch):
     assert batch_check.choose(model, stream, 8, 32, fresh).mode is not batch_check.Mode.BATCHED
 
 
-def test_no_pass_attends_through_a_view_as_on_cuda(model64, monkeypatch):
+def test_quantized_attention_runs_as_cudas_quantized_matmul_needs(model64, monkeypatch):
     """mlx's CUDA quantized matmul refuses views of a cache ("No implementation
     for problem shape"), such as mlx-lm's single-sequence QuantizedKVCache
-    hands attention. Refused here as there, a worker with --kv-bits and
-    speculation starts (batch check, probe, warm-up) and serves from the whole
-    buffers of the batch cache."""
+    hands attention, and takes keys broadcast along a batch axis (as mlx-lm's
+    attention gives grouped query heads theirs) for one matrix shared by the
+    whole batch. Both refused here, and prompts' attention padded to few
+    shapes as there: a worker with --kv-bits and speculation starts (batch
+    check, probe, warm-up) and serves."""
     from smg_mlx.engine.batch import quantized_kv
 
     def refused(self, keys, values):
         raise RuntimeError("[quantized_matmul] No implementation for problem shape")
 
+    matmul = mx.quantized_matmul
+
+    def unbroadcast(x, w, *args, **kwargs):
+        if w.ndim > 2 and x.shape[:-2] != w.shape[:-2]:
+            raise RuntimeError("keys broadcast along a batch axis: CUDA would use the first's")
+        return matmul(x, w, *args, **kwargs)
+
     monkeypatch.setattr(QuantizedKVCache, "update_and_fetch", refused)
     monkeypatch.setattr(quantized_kv, "WHOLE", True)
+    monkeypatch.setattr(mx, "quantized_matmul", unbroadcast)
+    # And prompts' attention padded to few shapes, as there (engine.batch.attention_shapes).
+    monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
     inbox = Inbox()
     sink, thread = start_core(model64, inbox, kv_bits=8, speculative="on")
     try:

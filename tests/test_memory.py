@@ -3,7 +3,6 @@ never fit is refused at once, and a step that still runs out of memory is contai
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,32 +74,6 @@ def test_copies_of_the_keys_cost_each_row_its_context_whatever_the_chunk():
     # Half the chunk saves half its tokens' set, not half of the copies.
     assert one - halved == pytest.approx(1024 * (4096 + 1024) * p.safety)
     assert halved > 30_000 * 1024 * p.safety
-
-
-def test_bounded_scores_cost_a_prefill_their_bound_and_a_mask_byte_a_key():
-    """Quantized attention holds one block of queries' scores at a time
-    (engine.batch.quantized_attention): a long prompt's chunk costs the bound,
-    not its chunk x context x the probed cost of a query and key."""
-    scores = MemoryModel(100 * MIB, 1024, prefill_per_token=4096, prefill_per_context=300)
-    bounded = dataclasses.replace(scores, scores_bound=256 * MIB)
-    long_chunk = [Cost(32_768, 32_800, 32_768)]
-    unbounded = MemoryPlanner(scores, 10_000 * MIB, max_chunk=4096, prefill_rows=1)
-    kept = MemoryPlanner(bounded, 10_000 * MIB, max_chunk=4096, prefill_rows=1)
-    assert unbounded.prefill_bytes(long_chunk, 4096) > 30 * 2**30  # 4,096 x 32k x 300 B
-    pairs = 4096 * 32_768
-    assert kept.prefill_bytes(long_chunk, 4096) == pytest.approx(
-        (4096 * 4096 + pairs + 256 * MIB) * kept.safety
-    )
-    # A short prompt's scores are under the bound: the same either way.
-    short = [Cost(500, 516, 500)]
-    assert kept.prefill_bytes(short, 4096) == unbounded.prefill_bytes(short, 4096)
-    assert kept.longest_sequence > unbounded.longest_sequence
-    # Where even the smallest block (16 queries) holds more, that block counts.
-    tight = MemoryPlanner(dataclasses.replace(bounded, scores_bound=MIB), 10_000 * MIB,
-                          max_chunk=4096, prefill_rows=1)  # fmt: skip
-    assert tight.prefill_bytes(long_chunk, 4096) == pytest.approx(
-        (4096 * 4096 + pairs + 16 * 32_768 * 300) * tight.safety
-    )
 
 
 def test_a_request_waits_when_the_batch_with_it_would_not_fit():

@@ -9,13 +9,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models import base
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import quantized_attention, quantized_kv
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
-from smg_mlx.engine.memory.costs import MemoryModel
 
 from helpers import prompt
 
@@ -135,40 +135,22 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
     assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
 
 
-def test_quantized_attention_holds_one_block_of_scores_at_a_time_and_answers_the_same(
-    monkeypatch,
-):
-    """A long chunk's queries over many quantized keys run in blocks whose
-    scores fit the bound (engine.batch.quantized_attention): the same output,
-    a fraction of the memory."""
-    B, heads, kv_heads, L, S, D = 1, 8, 4, 512, 4096, 64
-    queries = mx.random.normal((B, heads, L, D), key=mx.random.key(1))
+@pytest.mark.parametrize("length", [1, 16, 17, 512])
+def test_quantized_attention_is_mlx_lms_for_few_queries_and_long_chunks(length):
+    """engine.batch.quantized_attention: a few queries a row read the keys
+    quantized, heads folded; a longer chunk attends them dequantized. Either
+    way the result is mlx-lm's (which the CUDA backend gets wrong)."""
+    B, heads, kv_heads, S, D = 2, 8, 4, 1024, 64
+    queries = mx.random.normal((B, heads, length, D), key=mx.random.key(1))
     q_keys = mx.quantize(mx.random.normal((B, kv_heads, S, D), key=mx.random.key(2)), GROUP, 8)
     q_values = mx.quantize(mx.random.normal((B, kv_heads, S, D), key=mx.random.key(3)), GROUP, 8)
-    mask = mx.random.uniform(shape=(B, 1, L, S), key=mx.random.key(4)) > 0.3
-    mx.eval(queries, q_keys, q_values, mask)
-
-    def attention(run) -> tuple[mx.array, int]:
-        mx.clear_cache()
-        before = mx.get_active_memory()
-        mx.reset_peak_memory()
-        # A copy: mlx-lm scales its queries in place.
-        out = run(mx.array(queries), q_keys, q_values, 0.125, mask, GROUP, 8)
-        mx.eval(out)
-        return out, mx.get_peak_memory() - before
-
-    whole, whole_peak = attention(quantized_attention._whole)
-    per_score = whole_peak / (B * L * S)  # as the probe would find it
-    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", quantized_attention._whole)
-    monkeypatch.setattr(quantized_attention, "QUANTIZED_SCORES_BYTES", whole_peak // 8)
-    memory = quantized_attention.install(
-        MemoryModel(0, 0, prefill_per_token=0, prefill_per_context=per_score)
-    )
-    assert memory.scores_bound == whole_peak // 8
-    assert base.quantized_scaled_dot_product_attention is quantized_attention.bounded
-    blocks, blocks_peak = attention(quantized_attention.bounded)
-    assert mx.array_equal(blocks, whole)
-    assert blocks_peak < whole_peak / 3
+    # Each row's left padding hidden, and the last 100 keys unwritten, as the cache masks them.
+    mask = create_causal_mask(length, offset=S - 100 - length, left_padding=mx.array([0, 37]))
+    mask = mx.pad(mask, [(0, 0), (0, 0), (0, 0), (0, 100)])
+    ours = quantized_attention.attention(queries, q_keys, q_values, 0.125, mask, GROUP, 8)
+    # A copy: mlx-lm scales its queries in place.
+    theirs = mlx_lm_attention(mx.array(queries), q_keys, q_values, 0.125, mask, GROUP, 8)
+    assert mx.allclose(ours, theirs, atol=1e-4)
 
 
 def test_four_bits_change_what_is_generated(model):

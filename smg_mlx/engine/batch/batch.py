@@ -63,6 +63,8 @@ class Batch(PrefixCalls):
         self.model = loading.load_for(config, group)
         # --kv-bits: rows' fresh caches, quantized (None: mlx-lm makes the model's own).
         self._fresh_caches = kv_format.caches_for(config, self.model)
+        if self._fresh_caches is not None:
+            quantized_attention.install()
         # Where each new attention shape costs a build (mlx's CUDA backend),
         # prefills run in few shapes, from the first pass on.
         builds = self.shape_builds
@@ -97,9 +99,8 @@ class Batch(PrefixCalls):
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes != 0 else None
         )
         # The probe's prompts are short: padded to a key bucket, their attention would
-        # pass for what much longer prompts cost. (Quantized rows never use the fused
-        # kernel whose padded copies `attention` knows: theirs is measured.)
-        known = self.attention if self._fresh_caches is None else None
+        # pass for what much longer prompts cost.
+        known = self._padded_attention()
         kept = None if group is not None else probe_results.remembered(
             config, self.max_chunk, known is not None
         )  # fmt: skip
@@ -111,15 +112,13 @@ class Batch(PrefixCalls):
             with self.attention.bypassed() if self.attention is not None else nullcontext():
                 self.memory, self.speed = memory_probe.measure(
                     self.model, self._stream, self.max_chunk, group,
-                    known.working_set if known is not None else None,
+                    known,
                     self._fresh_caches,
                 )  # fmt: skip
             if kept is not None:
                 probe_results.keep(kept, self.memory, self.speed, time.perf_counter() - probed)
         if config.kv_format is not None:
             kv_format.log_cost(config.kv_format, self.memory.kv_per_token, self.model, self._stream)
-            # Measured unbounded above (and remembered so); bounded from here on.
-            self.memory = quantized_attention.install(self.memory)
         if drafting is not None and drafting.draft is not None:
             self.memory = memory_probe.with_draft(self.memory, drafting.draft, self._stream)
         # The longest a step should take at the probe's context: a full chunk.
@@ -129,6 +128,18 @@ class Batch(PrefixCalls):
         mx.reset_peak_memory()
         log.info("model %s loaded and measured in %.2fs on %s", config.model_path,
                  time.perf_counter() - started, mx.default_device())  # fmt: skip
+
+    def _padded_attention(self) -> Callable[[float], tuple[float, float] | None] | None:
+        """What prefill attention holds, given the KV bytes per token, where it
+        runs padded (`attention_shapes`; None: the probe measures it)."""
+        if self.attention is None:
+            return None
+        if self._fresh_caches is None:
+            return self.attention.working_set
+        # Quantized rows' prompts attend dequantized copies (quantized_attention),
+        # padded again: two of the model's own keys and values per key.
+        own = memory_probe.kv_per_token(self.model, self._stream)
+        return lambda _: self.attention.working_set(2 * own)
 
     def serve_as(self, mode: batch_check.Mode) -> None:
         """Serve in `mode` from now on (the batch must be empty)."""

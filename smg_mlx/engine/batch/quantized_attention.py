@@ -1,65 +1,84 @@
-"""Attention over quantized KV caches with its scores bounded (engine thread).
+"""Attention over quantized KV caches (engine thread).
 
-mlx-lm's attention over a quantized cache
-(`models.base.quantized_scaled_dot_product_attention`) holds every query's
-scores over every key at once: a 4,096-token prefill chunk over 32k keys of
-a 32-head model holds gigabytes. Once installed, it runs on blocks of a
-pass's queries whose scores fit `costs.QUANTIZED_SCORES_BYTES`, each block
-evaluated before the next (left lazy, MLX would hold every block's scores
-together). A query's output depends on no other query's, so the result is
-the same.
+Under --kv-bits, `install` puts `attention` in place of mlx-lm's
+(`models.base.quantized_scaled_dot_product_attention`) before any pass runs:
+
+- **A pass of a few queries a row** (decoding, checking proposals) reads the
+  keys and values quantized, as mlx-lm does, with one change: mlx-lm gives
+  each KV head's group of query heads its keys broadcast along a batch axis,
+  and mlx's CUDA quantized matmul takes keys broadcast along any batch axis
+  for one matrix shared by the whole batch (every row and head would attend
+  to the first one's keys). Here a KV head's query heads are folded into the
+  query axis instead, so nothing is broadcast.
+- **A longer pass** (a prompt's chunk) dequantizes them and runs the fused
+  attention, as the model's own caches do. mlx-lm's way holds every query's
+  scores over every key at once (a 4,096-token chunk over 32k keys of a
+  32-head model: gigabytes) through kernels made for a few rows; the
+  dequantized copies cost what the model's own keys and values would, one
+  layer at a time, once per chunk.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import base
 
-from smg_mlx.engine.memory.costs import QUANTIZED_SCORES_BYTES, SMALLEST_BLOCK, MemoryModel
-from smg_mlx.logs import format_bytes
+from smg_mlx.config import MOST_DRAFT_TOKENS
 
-log = logging.getLogger(__name__)
+Quantized = tuple[mx.array, mx.array, mx.array]
 
-_whole = base.quantized_scaled_dot_product_attention
-_per_score = 0.0  # bytes a prefill holds per query and key (the probe's figure)
-
-
-def install(memory: MemoryModel) -> MemoryModel:
-    """Bound the quantized attention's scores from now on, by what `memory`
-    says a query and key cost; `memory`, bounded as the planner then sees it."""
-    global _per_score
-    _per_score = memory.prefill_per_context
-    base.quantized_scaled_dot_product_attention = bounded
-    log.info(
-        "quantized attention: a pass's queries run in blocks whose scores fit %s",
-        format_bytes(QUANTIZED_SCORES_BYTES),
-    )
-    return dataclasses.replace(memory, scores_bound=QUANTIZED_SCORES_BYTES)
+# The most queries a row that read the keys quantized: a decoding or checking
+# pass's (a token and its proposals).
+FEW_QUERIES = MOST_DRAFT_TOKENS + 1
 
 
-def bounded(
-    queries: mx.array, q_keys: tuple, q_values: tuple, scale: float, mask: Any,
+def install() -> None:
+    """Quantized attention by `attention` from now on."""
+    base.quantized_scaled_dot_product_attention = attention
+
+
+def attention(
+    queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
     group_size: int = 64, bits: int = 8,
 ) -> mx.array:  # fmt: skip
-    """mlx-lm's quantized attention, on blocks of queries (module doc); never
-    fewer than SMALLEST_BLOCK: decoding and checking passes (a few queries a
-    row) run whole, as before, and no prompt in blocks of a handful."""
-    rows, _, length, _ = queries.shape
-    keys = q_keys[0].shape[-2]
-    block = max(SMALLEST_BLOCK, int(QUANTIZED_SCORES_BYTES // max(rows * keys * _per_score, 1.0)))
-    if length <= block or isinstance(mask, str):
-        return _whole(queries, q_keys, q_values, scale, mask, group_size, bits)
-    parts = []
-    for start in range(0, length, block):
-        end = start + block
-        part = _whole(
-            queries[:, :, start:end], q_keys, q_values, scale,
-            None if mask is None else mask[..., start:end, :], group_size, bits,
-        )  # fmt: skip
-        mx.eval(part)
-        parts.append(part)
-    return mx.concatenate(parts, axis=2)
+    """softmax(queries · keysᵀ · scale, masked) · values, the keys and values
+    quantized (module doc)."""
+    if queries.shape[2] > FEW_QUERIES:
+        keys, values = (
+            mx.dequantize(*q, group_size=group_size, bits=bits) for q in (q_keys, q_values)
+        )
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
+
+
+def _few(
+    queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
+    group_size: int, bits: int,
+) -> mx.array:  # fmt: skip
+    """`attention` by quantized matmuls, each KV head's query heads folded into
+    the query axis (module doc)."""
+    rows, heads, length, dim = queries.shape
+    kv_heads = q_keys[0].shape[1]
+    repeats = heads // kv_heads
+    folded = (queries * scale).reshape(rows, kv_heads, repeats * length, dim)
+    scores = mx.quantized_matmul(
+        folded, *q_keys, transpose=True, group_size=group_size, bits=bits
+    ).reshape(rows, kv_heads, repeats, length, -1)
+    if isinstance(mask, str):
+        keys = scores.shape[-1]
+        mask = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
+    if mask is not None:
+        if mask.ndim > 3:  # (rows, 1 or KV heads, queries, keys): the same for each repeat
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(
+        weights.reshape(rows, kv_heads, repeats * length, -1), *q_values,
+        transpose=False, group_size=group_size, bits=bits,
+    )  # fmt: skip
+    return out.reshape(rows, heads, length, -1)

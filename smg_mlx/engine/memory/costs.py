@@ -8,9 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZED_SCORES_BYTES = 512 * 2**20  # the bound on quantized attention's scores...
-SMALLEST_BLOCK = 16  # ...unless its smallest block of queries holds more
-
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -21,9 +18,6 @@ class MemoryModel:
     prefill_per_token: float  # prefill working set per chunk token...
     prefill_per_context: float  # ...plus this for each token it attends to
     prefill_row_per_key: float = 0.0  # and a prompt's copies of the keys it attends to, per key
-    # What the attention's scores may hold at once, where a pass's queries run
-    # in blocks (quantized KV: engine.batch.quantized_attention); 0: unbounded.
-    scores_bound: int = 0
 
 
 @dataclass(frozen=True)

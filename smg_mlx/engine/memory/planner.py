@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from smg_mlx.engine.memory.costs import SMALLEST_BLOCK, MemoryModel
+from smg_mlx.engine.memory.costs import MemoryModel
 from smg_mlx.engine.types import Request
 
 # The cache grows in blocks of this many tokens.
@@ -111,14 +111,10 @@ class MemoryPlanner:
             rows = min(len(lane), self.prefill_rows)
             tokens = min(chunk, max(s.prefill for s in lane))
             context = max(s.prompt for s in lane)
-            pairs = rows * tokens * context  # of a query and a key the last chunk attends to
-            scores = self.model.prefill_per_context * pairs
-            if self.model.scores_bound:  # a block of queries' scores at a time, beside a mask
-                block = rows * SMALLEST_BLOCK * context * self.model.prefill_per_context
-                scores = min(scores, pairs + max(self.model.scores_bound, block))
+            per_token = self.model.prefill_per_token + self.model.prefill_per_context * context
             # the keys the last chunk attends to, padded by up to a chunk
             copies = self.model.prefill_row_per_key * (context + tokens)
-            most = max(most, rows * (tokens * self.model.prefill_per_token + copies) + scores)
+            most = max(most, rows * (tokens * per_token + copies))
         return most * self.safety
 
     def need(self, costs: list[Cost], chunk: int | None = None, extra: int = 0) -> float:
