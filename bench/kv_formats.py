@@ -128,7 +128,9 @@ def run_kv_formats(model_dir: Path, work_dir: Path, run: KvFormats, extra: list[
         ):  # fmt: skip
             progress(f"{tag}: capacity")
             held = capacity(worker.address, port, fill)
-            progress(f"{tag}: {run.concurrency} x {run.context_tokens} tokens at once")
+            progress(f"{tag}: holds {held['tokens_held']:.0f} tokens, "
+                     f"{held['kv_bytes_per_token']:.0f} B a token; "
+                     f"now {run.concurrency} x {run.context_tokens} tokens at once")  # fmt: skip
             results[bits] = {**held, **speed(worker.address, run, tag)}
         progress(f"{tag}: {format_row(bits, results[bits], results.get(MODEL_OWN))}")
     return {"run": asdict(run), "formats": {str(b): r for b, r in results.items()}}
