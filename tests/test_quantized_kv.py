@@ -128,10 +128,13 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
     assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
     assert mask.shape[-1] == keys[0].shape[2] == BatchQuantizedKVCache.step
     assert mask[..., :5].any() and not mask[..., 5:].any()
+    buffers = cache.keys
+    write(1)  # written in place: no new array made for attention
+    assert cache.keys is buffers
     cache.filter(mx.array([1]))  # the kept row's 2 padding positions are cut off
     mask, keys = write(1)
     assert keys[0].shape[2] == BatchQuantizedKVCache.step - 2 == mask.shape[-1]
-    assert mask[0, 0, 0, :4].all() and not mask[..., 4:].any()
+    assert mask[0, 0, 0, :5].all() and not mask[..., 5:].any()
     assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
 
 

@@ -52,6 +52,7 @@ class BatchQuantizedKVCache(_BaseCache):
     """Left-padded rows of quantized keys and values; see BatchKVCache for the layout."""
 
     step = 256  # positions are allocated in blocks, as mlx-lm's caches do
+    _cut = False  # whether a buffer may be a view (WHOLE: made whole before attention reads it)
 
     def __init__(self, left_padding: Sequence[int], group_size: int = 64, bits: int = 8) -> None:
         self.keys: Quantized | None = None
@@ -118,9 +119,10 @@ class BatchQuantizedKVCache(_BaseCache):
         their unwritten tail masked by `make_mask`."""
         if not WHOLE:
             return self.keys_and_values()
-        # A buffer cut by `filter` is a view: made whole once, and kept so.
-        self.keys = map_parts(mx.contiguous, self.keys)
-        self.values = map_parts(mx.contiguous, self.values)
+        if self._cut:  # made whole once, not every step: the next write then updates it in place
+            self.keys = map_parts(mx.contiguous, self.keys)
+            self.values = map_parts(mx.contiguous, self.values)
+            self._cut = False
         return self.keys, self.values
 
     def _mask_width(self, N: int) -> int:
@@ -179,6 +181,7 @@ class BatchQuantizedKVCache(_BaseCache):
             if self.keys is not None:
                 drop = lambda x: x[:, :, shared:]  # noqa: E731
                 self.keys, self.values = map_parts(drop, self.keys), map_parts(drop, self.values)
+                self._cut = True
             self._idx -= shared
             self.left_padding = self.left_padding - shared
 
@@ -263,6 +266,7 @@ class BatchQuantizedKVCache(_BaseCache):
     @state.setter
     def state(self, v: tuple) -> None:
         self.keys, self.values, self.offset, self.left_padding, self._idx = v
+        self._cut = True
 
     def is_trimmable(self) -> bool:
         return True

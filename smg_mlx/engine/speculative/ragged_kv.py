@@ -182,6 +182,7 @@ class RaggedBatchQuantizedKVCache(Ragged, BatchQuantizedKVCache):
 
     def _arrays(self, fn: Callable[[mx.array], mx.array]) -> None:
         self.keys, self.values = map_parts(fn, self.keys), map_parts(fn, self.values)
+        self._cut = True  # `compact` cuts them
 
     def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
         qk, qv = self._quantize(keys), self._quantize(values)
