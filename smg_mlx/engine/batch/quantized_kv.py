@@ -130,10 +130,9 @@ class BatchQuantizedKVCache(_BaseCache):
         return self._capacity_for(N) if WHOLE else self._idx + N
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        # Always an array: left padding must be masked, and the quantized
-        # attention has no fused kernel that a "causal" string would unlock.
+        # Always an array: left padding must be masked (and where WHOLE, the
+        # positions past the newest, which are not written yet).
         mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
-        # Positions past the newest are unwritten: a query never sees them.
         tail = self._mask_width(N) - (self._idx + N)
         return mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, tail)]) if tail else mask
 
