@@ -32,6 +32,7 @@ from smg_mlx.engine.memory import probe_results
 from smg_mlx.engine.prefix_cache import disk_folder, disk_tier, fingerprint, kv_files
 from smg_mlx.engine.prefix_cache.disk_folder import Folder
 from smg_mlx.engine.prefix_cache.folder_contents import file_name
+from smg_mlx.engine.schedule.bursts import BurstGatherer
 
 from helpers import generate, prompt, wait_until
 
@@ -509,6 +510,34 @@ def test_writes_that_fail_say_so_once_and_writing_resumes(
         assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
     warnings = logged(caplog, level=logging.WARNING)
     assert len(warnings) == 1 and os.strerror(code) in warnings[0]
+
+
+def test_an_idle_engine_waiting_on_slow_writes_sleeps(start_worker, model_dir, tmp_path,
+                                                      monkeypatch):
+    """Entries due for writing while the disk is still busy with earlier ones
+    (MAX_QUEUED_WRITES) wait for a write to finish: the idle engine sleeps until
+    then rather than turning its loop over and over (a core, and the GIL the
+    writers need)."""
+    stuck, write = threading.Event(), kv_files.write
+    monkeypatch.setattr(kv_files, "write", lambda *args: stuck.wait(60) and write(*args))
+    monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
+    turns, gather = [], BurstGatherer.gather
+
+    def counted(self, inbox) -> None:  # once for each time the idle engine wakes
+        turns.append(1)
+        gather(self, inbox)
+
+    monkeypatch.setattr(BurstGatherer, "gather", counted)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    try:
+        for key in range(1, disk_tier.MAX_QUEUED_WRITES + 3):  # more than can be written at once
+            generate(w.stub, prompt(400, key), max_tokens=4)
+        time.sleep(0.5)  # every entry due, the writes all stuck
+        before = len(turns)
+        time.sleep(1.0)
+        assert len(turns) - before < 20
+    finally:
+        stuck.set()
 
 
 def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(

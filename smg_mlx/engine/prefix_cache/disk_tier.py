@@ -156,6 +156,8 @@ class DiskTier(DiskReads):
             return 0.0
         if not self.open or not self._candidates:
             return None
+        if len(self._writes) >= MAX_QUEUED_WRITES:
+            return None  # until a write ends, which wakes the engine
         due = max(self._candidates[0][0] + WRITE_AFTER, self._retry_at or 0.0)
         return max(0.0, due - time.monotonic())
 
