@@ -18,8 +18,9 @@ the next-token distributions:
 Random-weight models say how far the cache's rounding moves a distribution of
 a given sharpness (the reference's mean entropy is reported beside it), not
 what a trained model loses on real text: run it with `--model` on yours.
-It runs MLX in this process, through mlx-lm's single-sequence caches, which
-quantize exactly as the worker's batched rows do.
+It runs MLX in this process, through the worker's own quantized cache (a
+batch of one row) and quantized attention, so on any backend it measures what
+the worker does.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache
 
 from smg_mlx.demo_model import build_model
+from smg_mlx.engine.batch import quantized_attention
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 
 # Test models whose heads split into quantization groups (64), with greedy
 # output that varies: the suite's (float32) and a wider, deeper one.
@@ -74,6 +77,7 @@ def _greedy(model, prompt: list[int], n: int, cache: list) -> list[int]:
 
 
 def measure(model_dir: Path, prompt_len: int, new_tokens: int, group: int, seed: int) -> dict:
+    quantized_attention.install()
     model, _ = load(str(model_dir))
     layers = len(model.layers)
     vocab = model.args.vocab_size
@@ -97,7 +101,7 @@ def measure(model_dir: Path, prompt_len: int, new_tokens: int, group: int, seed:
     for bits in (8, 4):
 
         def quantized(bits: int = bits) -> list:
-            return [QuantizedKVCache(group_size=group, bits=bits) for _ in range(layers)]
+            return [BatchQuantizedKVCache([0], group_size=group, bits=bits) for _ in range(layers)]
 
         lp = _next_logprobs(model, tokens, quantized(), prompt_len)
         kl = np.array((mx.exp(ref_lp) * (ref_lp - lp)).sum(-1))
