@@ -77,7 +77,7 @@ def _greedy(model, prompt: list[int], n: int, cache: list) -> list[int]:
 
 
 def measure(model_dir: Path, prompt_len: int, new_tokens: int, group: int, seed: int) -> dict:
-    quantized_attention.install()
+    quantized_attention.install(None)
     model, _ = load(str(model_dir))
     layers = len(model.layers)
     vocab = model.args.vocab_size

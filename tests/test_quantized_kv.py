@@ -9,12 +9,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models import base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import quantized_attention, quantized_kv
+from smg_mlx.engine.batch.attention_shapes import AttentionShapes, key_bucket
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 
 from helpers import prompt
@@ -154,6 +156,46 @@ def test_quantized_attention_is_mlx_lms_for_few_queries_and_long_chunks(length):
     # A copy: mlx-lm scales its queries in place.
     theirs = mlx_lm_attention(mx.array(queries), q_keys, q_values, 0.125, mask, GROUP, 8)
     assert mx.allclose(ours, theirs, atol=1e-4)
+
+
+def test_prefill_in_few_shapes_pads_keys_while_quantized(monkeypatch):
+    """Where prefills run in few shapes (CUDA), a chunk's quantized keys and
+    values are padded to the shape before they are dequantized (one full-size
+    copy, not two), and attention is still exact over the dequantized keys."""
+    B, heads, kv_heads, S, D, length = 2, 8, 4, 1000, 64, 300
+    queries = mx.random.normal((B, heads, length, D), key=mx.random.key(1)).astype(mx.bfloat16)
+    q_keys, q_values = (
+        mx.quantize(mx.random.normal((B, kv_heads, S, D), key=mx.random.key(n)).astype(
+            mx.bfloat16), GROUP, 8) for n in (2, 3)
+    )  # fmt: skip
+    mask = create_causal_mask(length, offset=S - 100 - length, left_padding=mx.array([0, 37]))
+    mask = mx.pad(mask, [(0, 0), (0, 0), (0, 0), (0, 100)])
+    # In float32: mlx-lm's own path rounds its scores to bfloat16.
+    keys, values = (dequantized(q, 8).astype(mx.float32) for q in (q_keys, q_values))
+    exact = mx.fast.scaled_dot_product_attention(
+        queries.astype(mx.float32), keys, values, scale=0.125, mask=mask
+    )
+    dequantized_lengths = []
+    dequantize = mx.dequantize
+
+    def recorded(w, *rest, **kw):
+        dequantized_lengths.append(w.shape[2])
+        return dequantize(w, *rest, **kw)
+
+    monkeypatch.setattr(mx, "dequantize", recorded)
+    shapes = AttentionShapes(512)
+    shapes.install()
+    try:
+        quantized_attention.install(shapes)
+        ours = base.quantized_scaled_dot_product_attention(
+            queries, q_keys, q_values, scale=0.125, mask=mask, group_size=GROUP, bits=8
+        )
+        mx.eval(ours)
+    finally:
+        shapes.uninstall()
+        quantized_attention.install(None)
+    assert dequantized_lengths and set(dequantized_lengths) == {key_bucket(S)} != {S}
+    assert mx.allclose(ours, exact, atol=2e-2)
 
 
 def test_four_bits_change_what_is_generated(model):

@@ -160,6 +160,17 @@ def attend_few(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -
     return (weights @ v[:, :, None]).reshape(rows, heads, queries, v.shape[-1])
 
 
+def _whole(x: mx.array) -> mx.array:
+    return x
+
+
+def _pad_keys(x: Any, extra: int) -> Any:
+    """`x` (an array, or a quantized array's parts) with `extra` keys at the end."""
+    if not isinstance(x, mx.array):
+        return [_pad_keys(part, extra) for part in x]
+    return mx.pad(x, [(0, 0), (0, 0), (0, extra), (0, 0)]) if extra else x
+
+
 class AttentionShapes:
     """Wraps mlx's fused attention so that prefills run in few shapes, and
     remembers which have been built."""
@@ -209,29 +220,50 @@ class AttentionShapes:
         """A step ended: the mask kept for its layers is not needed."""
         self._bias = None
 
+    @property
+    def installed(self) -> bool:
+        """Whether mlx's fused attention runs through this now (not `bypassed`)."""
+        return self._fused is not None
+
     def attention(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float,
                   mask: Any = None, **rest: Any) -> mx.array:  # fmt: skip
         fused = self._fused
         if q.shape[2] == 1:  # a decoding step, every layer: nothing to pad, and first
             return fused(q, k, v, scale=scale, mask=mask, **rest)
         if any(value is not None for value in rest.values()) or not _supported(q, v):
-            self.unpadded = self.unpadded or q.shape[2] > 1
+            self.unpadded = True
             return fused(q, k, v, scale=scale, mask=mask, **rest)
-        rows, queries, keys = q.shape[0], q.shape[2], k.shape[2]
-        if queries <= FEW_QUERIES and not isinstance(mask, str):
+        if q.shape[2] <= FEW_QUERIES and not isinstance(mask, str):
             return attend_few(q, k, v, scale, mask)
-        self._geometries.add((q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.dtype))
+        return self.prefill(q, k, v, scale, mask)
+
+    def prefill(self, q: mx.array, k: Any, v: Any, scale: float, mask: Any,
+                dequantize: Callable[[Any], mx.array] | None = None) -> mx.array:  # fmt: skip
+        """A prefill pass's attention, in its shape. Quantized keys and values
+        (`engine.batch.quantized_attention`) come with `dequantize`: they are
+        padded while quantized, so that the padded copy is the only full-size one."""
+        fused = self._fused
+        whole = _whole if dequantize is None else dequantize
+        rows, queries = q.shape[0], q.shape[2]
+        keys = (k if isinstance(k, mx.array) else k[0]).shape[2]
         causal = isinstance(mask, str)
         key = shape_key(rows, queries, keys, causal, self.windows)
-        self._remember(key)
         _, tq, tk, regular = key
+        # Lazy: neither copy is made unless used.
+        padded_k, padded_v = (whole(_pad_keys(x, tk - keys)) for x in (k, v))
+        if not _supported(q, padded_v):
+            self.unpadded = True
+            return fused(q, whole(k), whole(v), scale=scale, mask=mask)
+        self._geometries.add(
+            (q.shape[1], padded_k.shape[1], q.shape[-1], padded_v.shape[-1], q.dtype)
+        )
+        self._remember(key)
         # Keys and values padded at the end; queries at the end by as many
         # (a regular chunk also in front, to a full chunk).
         after = tk - keys if regular else tq - queries
         before = tq - queries - after
         q = mx.pad(q, [(0, 0), (0, 0), (before, after), (0, 0)])
-        k, v = (mx.pad(x, [(0, 0), (0, 0), (0, tk - keys), (0, 0)]) for x in (k, v))
-        q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
+        q, k, v = mx.contiguous(q), mx.contiguous(padded_k), mx.contiguous(padded_v)
         if regular:
             return fused(q, k, v, scale=scale, mask=mask)[:, :, before : before + queries]
         bias = self._padded_mask(mask, queries, keys, tq, tk, q.dtype)

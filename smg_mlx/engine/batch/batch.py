@@ -63,8 +63,6 @@ class Batch(PrefixCalls):
         self.model = loading.load_for(config, group)
         # --kv-bits: rows' fresh caches, quantized (None: mlx-lm makes the model's own).
         self._fresh_caches = kv_format.caches_for(config, self.model)
-        if self._fresh_caches is not None:
-            quantized_attention.install()
         # Where each new attention shape costs a build (mlx's CUDA backend),
         # prefills run in few shapes, from the first pass on.
         builds = self.shape_builds
@@ -75,6 +73,8 @@ class Batch(PrefixCalls):
         self.attention = AttentionShapes(self.max_chunk) if builds else None
         if self.attention is not None:
             self.attention.install()
+        if self._fresh_caches is not None:
+            quantized_attention.install(self.attention)
         # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.memory.buffer_cache`).
         self._buffers = buffer_cache.kept if builds else nullcontext
         self._cache_limit: int | None = None  # MLX's, before bound_buffer_cache set one
@@ -136,10 +136,10 @@ class Batch(PrefixCalls):
             return None
         if self._fresh_caches is None:
             return self.attention.working_set
-        # Quantized rows' prompts attend dequantized copies (quantized_attention),
-        # padded again: two of the model's own keys and values per key.
+        # Quantized rows' prompts attend copies padded while quantized, then
+        # dequantized (quantized_attention): both are held, per key.
         own = memory_probe.kv_per_token(self.model, self._stream)
-        return lambda _: self.attention.working_set(2 * own)
+        return lambda quantized: self.attention.working_set(own + quantized)
 
     def serve_as(self, mode: batch_check.Mode) -> None:
         """Serve in `mode` from now on (the batch must be empty)."""

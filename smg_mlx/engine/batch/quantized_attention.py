@@ -14,18 +14,22 @@ Under --kv-bits, `install` puts `attention` in place of mlx-lm's
   attention, as the model's own caches do. mlx-lm's way holds every query's
   scores over every key at once (a 4,096-token chunk over 32k keys of a
   32-head model: gigabytes) through kernels made for a few rows; the
-  dequantized copies cost what the model's own keys and values would, one
-  layer at a time, once per chunk.
+  dequantized copies cost what the model's own keys and values would, once
+  per chunk. Where prefills run in few shapes (`attention_shapes`, CUDA),
+  the keys and values are padded to the shape while still quantized, and
+  dequantized from there: one full-size copy rather than two.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import base
 
 from smg_mlx.config import MOST_DRAFT_TOKENS
+from smg_mlx.engine.batch.attention_shapes import AttentionShapes
 
 Quantized = tuple[mx.array, mx.array, mx.array]
 
@@ -34,23 +38,28 @@ Quantized = tuple[mx.array, mx.array, mx.array]
 FEW_QUERIES = MOST_DRAFT_TOKENS + 1
 
 
-def install() -> None:
-    """Quantized attention by `attention` from now on."""
-    base.quantized_scaled_dot_product_attention = attention
+def install(shapes: AttentionShapes | None) -> None:
+    """Quantized attention by `attention` from now on, prefills in `shapes`
+    where they are given and installed."""
+    base.quantized_scaled_dot_product_attention = partial(attention, shapes=shapes)
 
 
 def attention(
     queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
-    group_size: int = 64, bits: int = 8,
+    group_size: int = 64, bits: int = 8, shapes: AttentionShapes | None = None,
 ) -> mx.array:  # fmt: skip
     """softmax(queries · keysᵀ · scale, masked) · values, the keys and values
     quantized (module doc)."""
-    if queries.shape[2] > FEW_QUERIES:
-        keys, values = (
-            mx.dequantize(*q, group_size=group_size, bits=bits) for q in (q_keys, q_values)
-        )
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-    return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
+    if queries.shape[2] <= FEW_QUERIES:
+        return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
+
+    def dequantize(parts: Quantized) -> mx.array:
+        return mx.dequantize(*parts, group_size=group_size, bits=bits)
+
+    if shapes is not None and shapes.installed:
+        return shapes.prefill(queries, q_keys, q_values, scale, mask, dequantize)
+    keys, values = dequantize(q_keys), dequantize(q_values)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 def _few(
