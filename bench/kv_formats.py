@@ -8,10 +8,14 @@ with its default flags, `--worker-args` and that setting:
   for room; the tokens it then holds (its bytes over one token's, both from
   the worker's metrics) are what one memory budget holds. Running rows take
   their room from the same budget, so this counts running and cached alike.
-- **prefill and decode**: `--kv-concurrency` requests of `--kv-context-tokens`
-  distinct tokens at once, `--gen-tokens` out: prefill is their prompt tokens
-  over the time to the last first token; decode, the streams over the median
-  gap between tokens once every stream has its first (the batch's step).
+- **prefill**: `--kv-concurrency` requests of `--kv-context-tokens` distinct
+  tokens at once, one token out: their prompt tokens over the time to the
+  last first token.
+- **decode**: as many streams over one context of `--kv-context-tokens`
+  (cached by a request sent first), each with a short tail of its own and
+  `--gen-tokens` out: the tokens they make a second from the first stream's
+  first token to the last one's last. Each row holds the whole context, so
+  the budget decides how many decode at once: what a format buys.
 
 Each format's figures are then put over the model's own; the quantized-KV
 issue's targets: capacity at least 1.85x at 8 bits and 3.3x at 4, decode at
@@ -41,6 +45,7 @@ DROPPED = 'smg_mlx_prefix_cache_evicted_total{tier="memory"}'
 PER_TOKEN = "smg_mlx_memory_kv_bytes_per_token"
 BUDGET = "smg_mlx_memory_budget_bytes"
 SETTLE_S = 1.0  # for the worker's figures to take in the last request's entry
+DECODE_TAIL_TOKENS = 16  # each decoding stream's own tokens after the shared context
 
 
 @dataclass(frozen=True)
@@ -93,26 +98,47 @@ def capacity(address: str, port: int, fill: Workload) -> dict:
 
 
 def speed(address: str, run: KvFormats, tag: str) -> dict:
-    """Prefill and decode of `run.concurrency` long prompts sent at once."""
-    context = Workload(prompt_tokens=run.context_tokens, gen_tokens=run.gen_tokens, seed=7)
+    """Prefill, then decode (see the module's doc)."""
+    return {**prefill(address, run, tag), **decode(address, run, tag)}
+
+
+def prefill(address: str, run: KvFormats, tag: str) -> dict:
+    """`run.concurrency` distinct long prompts sent at once: their tokens over
+    the time to the last first token."""
+    context = Workload(prompt_tokens=run.context_tokens, gen_tokens=1, seed=7)
     prompts = [context.prompt(i) for i in range(run.concurrency)]
-    records = asyncio.run(_together(address, prompts, run.gen_tokens, tag))
+    records = asyncio.run(_together(address, prompts, 1, f"{tag}-prefill"))
     failed = [r.error for r in records if r.error]
     if failed:
         return {"errors": len(failed), "first_error": failed[0]}
     all_started = max(r.ttft for r in records)
-    gaps = []
-    for r in records:  # each gap after every stream had its first token
-        at = r.ttft
-        for gap in r.itl:
-            at += gap
-            if at > all_started:
-                gaps.append(gap)
-    step = statistics.median(gaps) if gaps else None
     return {
         "errors": 0, "prefill_tok_s": run.concurrency * run.context_tokens / all_started,
-        "last_first_token_s": all_started, "decode_step_ms": 1e3 * step if step else None,
-        "decode_tok_s": run.concurrency / step if step else None,
+        "last_first_token_s": all_started,
+    }  # fmt: skip
+
+
+def decode(address: str, run: KvFormats, tag: str) -> dict:
+    """`run.concurrency` streams over one long context, cached by a request
+    sent first, each with a short tail of its own: they decode together (as
+    many as the budget holds at once), each row holding the whole context.
+    What they make a second, from the first one's first token to the last
+    one's last."""
+    context = Workload(prompt_tokens=run.context_tokens, seed=8).prompt(0)
+    tails = Workload(prompt_tokens=DECODE_TAIL_TOKENS, seed=9)
+    (first,) = asyncio.run(_together(address, [context], 1, f"{tag}-context"))
+    prompts = [context + tails.prompt(i) for i in range(run.concurrency)]
+    records = asyncio.run(_together(address, prompts, run.gen_tokens, f"{tag}-decode"))
+    failed = [r.error for r in [first, *records] if r.error]
+    if failed:
+        return {"errors": len(failed), "first_error": failed[0]}
+    span = max(r.last for r in records) - min(r.ttft for r in records)
+    made = sum(r.tokens - 1 for r in records)
+    gaps = [gap for r in records for gap in r.itl]
+    return {
+        "decode_tok_s": made / span if span > 0 else None, "decode_span_s": span,
+        "decode_step_ms": 1e3 * statistics.median(gaps) if gaps else None,
+        "decode_cached_tokens": min(r.cached_tokens for r in records),
     }  # fmt: skip
 
 

@@ -116,7 +116,7 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
 ):
     """mlx's CUDA quantized matmul refuses views: attention gets the whole
     buffers (not a copy made every step), and the mask hides every position not
-    yet written, also after a filter cut the buffers."""
+    yet written, also after a filter cut the buffers; but for one row's prompt."""
     monkeypatch.setattr(quantized_kv, "WHOLE", True)
     cache = BatchQuantizedKVCache([0, 2], group_size=GROUP, bits=8)
 
@@ -137,6 +137,12 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
     mask, keys = write(1)
     assert keys[0].shape[2] == BatchQuantizedKVCache.step - 2 == mask.shape[-1]
     assert mask[0, 0, 0, :5].all() and not mask[..., 5:].any()
+    assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
+    # One row's prompt chunk is dequantized for attention anyway: it reads the
+    # positions written and runs causal, with no mask array (faster).
+    mask, keys = write(40)
+    assert mask == "causal" and keys[0].shape[2] == 5 + 40
+    mask, keys = write(1)  # decoding again: the whole buffers
     assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
 
 

@@ -72,7 +72,7 @@ TOLERANCE = 0.05
 # Part of the key of a remembered verdict (engine.batch_mode): a change to
 # what the check runs or how it judges must change it, so that verdicts of
 # the old check are not reused.
-VERSION = "smg-mlx batch check 2"
+VERSION = "smg-mlx batch check 3"
 
 
 class Mode(enum.Enum):

@@ -22,6 +22,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
 
+from smg_mlx.engine.batch.quantized_attention import FEW_QUERIES
+
 Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 
 # mlx's CUDA quantized matmul takes only arrays stored whole, end to end: a
@@ -107,17 +109,25 @@ class BatchQuantizedKVCache(_BaseCache):
                 buf[:, :, prev : prev + n] = part
         self._idx += n
         self.offset = self.offset + n
-        return self._fetch()
+        return self._fetch(n)
 
     def keys_and_values(self) -> tuple[Quantized, Quantized]:
         """The positions written."""
         cut = lambda x: x[:, :, : self._idx]  # noqa: E731
         return map_parts(cut, self.keys), map_parts(cut, self.values)
 
-    def _fetch(self) -> tuple[Quantized, Quantized]:
-        """What attention reads: the positions written, or (WHOLE) the buffers,
-        their unwritten tail masked by `make_mask`."""
-        if not WHOLE:
+    def _one_prompt(self, N: int) -> bool:
+        """Whether a pass of `N` new positions is one row's prompt chunk: its
+        attention dequantizes what it reads into a copy anyway
+        (`quantized_attention`), and runs causal, with no mask array: the
+        fused kernel is several times faster so."""
+        return N > FEW_QUERIES and self.left_padding.size == 1
+
+    def _fetch(self, n: int) -> tuple[Quantized, Quantized]:
+        """What attention reads after `n` positions were written: the
+        positions written, or (WHOLE, but for one prompt) the buffers, their
+        unwritten tail masked by `make_mask`."""
+        if not WHOLE or self._one_prompt(n):
             return self.keys_and_values()
         if self._cut:  # made whole once, not every step: the next write then updates it in place
             self.keys = map_parts(mx.contiguous, self.keys)
@@ -127,10 +137,12 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def _mask_width(self, N: int) -> int:
         """The keys attention will read once `N` more are written."""
-        return self._capacity_for(N) if WHOLE else self._idx + N
+        return self._capacity_for(N) if WHOLE and not self._one_prompt(N) else self._idx + N
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        # Always an array: left padding must be masked (and where WHOLE, the
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if self._one_prompt(N) and not return_array and all(v is None for v in kwargs.values()):
+            return "causal"
+        # Else an array: left padding must be masked (and where WHOLE, the
         # positions past the newest, which are not written yet).
         mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
         tail = self._mask_width(N) - (self._idx + N)

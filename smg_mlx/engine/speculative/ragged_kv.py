@@ -97,7 +97,7 @@ class Ragged:
         self._write_at(self._ends, keys, values)
         self.offset = self.offset + n
         self._set_ends([e + n for e in self._ends])
-        return self._fetch()
+        return self._fetch(n)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         if self._ends is None:
@@ -149,7 +149,7 @@ def _where(ends: list[int], n: int) -> mx.array:
 class RaggedBatchKVCache(Ragged, BatchKVCache):
     """mlx-lm's BatchKVCache with a per-row end."""
 
-    def _fetch(self) -> tuple[mx.array, mx.array]:
+    def _fetch(self, n: int) -> tuple[mx.array, mx.array]:
         return self.keys_and_values()
 
     def _mask_width(self, N: int) -> int:
