@@ -79,6 +79,19 @@ def test_outputs_are_the_same_solo_and_in_a_batch(start_worker, model64, cold, b
         assert [generate(plain.stub, p, max_tokens=12).tokens for p in PROMPTS] != solo
 
 
+@pytest.mark.parametrize("bits", [8], indirect=True, scope="module")  # one width does
+def test_long_prompts_waiting_their_turn_beside_chats_come_back(start_worker, model64, cold, bits):
+    """A long prompt waits in its lane, with fresh caches, while another
+    prefills there, and the chats' lane reports each step between them: what it
+    reports counts those caches (mlx-lm's own count of a fresh quantized cache
+    failed the step, and every request in it)."""
+    w = start_worker(model64, kv_bits=bits, step_budget_seconds=1e-6, prompt_cache_bytes=0)
+    prompts = [prompt(1200, 13), prompt(1100, 17), *(prompt(40, 14 + i) for i in range(3))]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: generate(w.stub, p, max_tokens=24).tokens, prompts))
+    assert together == [varied(generate(cold.stub, p, max_tokens=24).tokens) for p in prompts]
+
+
 @pytest.mark.parametrize("bits", [4], indirect=True, scope="module")  # one width does
 def test_a_long_prompt_in_its_own_lane_beside_chats_is_as_alone(start_worker, model64, cold, bits):
     # A tiny step budget makes a 1,200-token prompt long: it runs in the long

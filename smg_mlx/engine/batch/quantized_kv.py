@@ -10,7 +10,8 @@ dimension, so mlx-lm's attention takes its quantized path (it looks for
 
 Importing this module gives `QuantizedKVCache` a `merge`, which is how
 mlx-lm's BatchGenerator turns per-sequence caches into a batch cache: insert
-prompts with `caches=[[QuantizedKVCache(group_size, bits) per layer], ...]`.
+prompts with `caches=[[QuantizedKVCache(group_size, bits) per layer], ...]`;
+and an `nbytes` that counts a fresh one as empty.
 """
 
 from __future__ import annotations
@@ -305,5 +306,12 @@ def _merge_quantized(cls: type, caches: Sequence[QuantizedKVCache]) -> BatchQuan
     return BatchQuantizedKVCache.merge(caches)
 
 
+def _nbytes_quantized(self: QuantizedKVCache) -> int:
+    return 0 if self.keys is None else sum(x.nbytes for x in (*self.keys, *self.values))
+
+
 # mlx-lm merges a batch through its first row's cache class (generate._merge_caches).
 QuantizedKVCache.merge = classmethod(_merge_quantized)
+# And counts what waits to be prefilled, fresh caches too, which mlx-lm's own
+# `nbytes` fails on (its keys are None).
+QuantizedKVCache.nbytes = property(_nbytes_quantized)
