@@ -185,6 +185,8 @@ def test_an_adapter_path_names_an_adapter(capsys):
          "--num-draft-tokens: speculative decoding is off"),
         (["--demo", "--kv-bits", "8", "--quantized-kv-start", "5000"],
          "--quantized-kv-start 5000: a batch holds all its rows' KV caches in one format"),
+        (["--demo", "--quantized-kv-start", "5000"],
+         "--quantized-kv-start 5000: the KV caches are not quantized without --kv-bits"),
     ],
 )
 def test_what_flags_say_together_is_checked(argv, message, capsys):

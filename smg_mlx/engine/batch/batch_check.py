@@ -29,7 +29,8 @@ batch does. The worker serves in the first mode whose rows all match:
 
 Rows run from the caches they will be served with: under --kv-bits, quantized
 ones (whose padding is masked apart from the model's own caches'), compared
-dequantized; that verdict is remembered apart from the model's own caches'.
+dequantized, a difference of one quantization step (a rounding either way)
+counting as none; that verdict is remembered apart from the model's own caches'.
 
 A model whose prompts cannot run even alone cannot be served: it is refused
 (`types.Unservable`) before the worker reports SERVING.
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -72,7 +73,7 @@ TOLERANCE = 0.05
 # Part of the key of a remembered verdict (engine.batch_mode): a change to
 # what the check runs or how it judges must change it, so that verdicts of
 # the old check are not reused.
-VERSION = "smg-mlx batch check 3"
+VERSION = "smg-mlx batch check 4"
 
 
 class Mode(enum.Enum):
@@ -106,6 +107,8 @@ class _Row:
     state: list[mx.array]  # its layers' arrays once its prompt was prefilled
     tokens: list[int]
     logprobs: list[mx.array]
+    # For each of `state`'s arrays, a quantized one's step at each element (None: not quantized)
+    steps: list[mx.array | None] = field(default_factory=list)
 
 
 def _prompt(length: int, seed: int = 0) -> list[int]:
@@ -134,8 +137,10 @@ def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_
             # sampled but not yet run: its cache holds the prompt alone.
             ends = [r.uid for r in prefilled if r.end_of_prompt]
             for uid, (cache, _) in generator.extract_cache(ends).items():
-                rows[uid].state = _arrays([_values(c) for c in cache])
-                mx.eval(rows[uid].state)
+                held = [_held(c) for c in cache]
+                rows[uid].state = [a for arrays, _ in held for a in arrays]
+                rows[uid].steps = [step for _, steps in held for step in steps]
+                mx.eval(rows[uid].state, [step for step in rows[uid].steps if step is not None])
             for r in generated:
                 rows[r.uid].tokens.append(r.token)
                 rows[r.uid].logprobs.append(r.logprobs)
@@ -146,15 +151,17 @@ def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_
         generator.close()
 
 
-def _values(layer: object) -> object:
-    """What a layer's cache holds, as numbers to compare: a quantized one's
-    keys and values dequantized (its packed words are not magnitudes)."""
+def _held(layer: object) -> tuple[list[mx.array], list[mx.array | None]]:
+    """What a layer's cache holds, as numbers to compare, and each one's
+    quantization step: a quantized one's keys and values dequantized (its
+    packed words are not magnitudes), each element's step its group's scale."""
     if isinstance(layer, QuantizedKVCache):
-        return [
-            mx.dequantize(*q, group_size=layer.group_size, bits=layer.bits)
-            for q in layer.keys_and_values()
-        ]
-    return layer.state
+        parts = layer.keys_and_values()
+        values = [mx.dequantize(*q, group_size=layer.group_size, bits=layer.bits) for q in parts]
+        # (mlx's scales may be negative)
+        return values, [mx.repeat(mx.abs(q[1]), layer.group_size, axis=-1) for q in parts]
+    arrays = _arrays(layer.state)
+    return arrays, [None] * len(arrays)
 
 
 def _arrays(value: object) -> list[mx.array]:
@@ -172,11 +179,24 @@ def _differs(row: _Row, alone: _Row) -> float:
     if [a.shape for a in row.state] != [a.shape for a in alone.state] or not alone.state:
         return 1.0
     state = max(
-        (mx.abs(a - b).max() / mx.maximum(mx.abs(b).max(), 1e-6)).item()
-        for a, b in zip(row.state, alone.state, strict=True)
+        (_gap(a, b, step_a, step_b).max() / mx.maximum(mx.abs(b).max(), 1e-6)).item()
+        for a, b, step_a, step_b in zip(row.state, alone.state, row.steps, alone.steps,
+                                        strict=True)
         if b.size
-    )
+    )  # fmt: skip
     return max(state, _distance(row, alone))
+
+
+def _gap(a: mx.array, b: mx.array, step_a: mx.array | None,
+         step_b: mx.array | None) -> mx.array:  # fmt: skip
+    """How far each element of `a` is from `b`'s, a quantized element's
+    rounding (up to a step either way) not counted: a bfloat16 row's keys a
+    hair apart may round to neighbouring steps, at 4 bits a tenth of their
+    range."""
+    gap = mx.abs(a - b)
+    if step_a is None or step_b is None:
+        return gap
+    return mx.maximum(gap - mx.maximum(step_a, step_b), 0)
 
 
 def _distance(row: _Row, alone: _Row) -> float:

@@ -248,7 +248,8 @@ def _checked(fields: Any, model: str) -> Header:
     if not isinstance(fields, dict) or not {"model", "byteorder", *_HEADER_FIELDS} <= fields.keys():
         raise BadFile("its header lacks fields")
     if fields["model"] != model:
-        raise BadFile(f"another model made it (fingerprint {str(fields['model'])[:24]!r})")
+        made_by = str(fields["model"])[:24]
+        raise BadFile(f"another model or KV format made it (fingerprint {made_by!r})")
     if fields["byteorder"] != sys.byteorder:
         raise BadFile("written on a machine of the other byte order")
     arrays = fields["arrays"]

@@ -313,7 +313,7 @@ class Scheduler:
                 to_long.add(waiting.request.key)
                 log.info(
                     "request %r: a long prompt starts (%d of %d tokens to prefill) after "
-                    "%.1fs; %s wait",
+                    "%.1fs; waiting: %s",
                     waiting.request.request_id, waiting.prefill,
                     len(waiting.request.spec.prompt), now - waiting.arrived,
                     counted(len(self._room), "request"),
