@@ -51,6 +51,11 @@ def _roll_right(x: mx.array, shifts: mx.array) -> mx.array:
     return mx.take_along_axis(x, src[:, None, :, None], axis=2)
 
 
+def _nbytes(cache: Any) -> int:
+    """A quantized cache's bytes (0 while it holds nothing)."""
+    return 0 if cache.keys is None else sum(x.nbytes for x in (*cache.keys, *cache.values))
+
+
 class BatchQuantizedKVCache(_BaseCache):
     """Left-padded rows of quantized keys and values; see BatchKVCache for the layout."""
 
@@ -297,21 +302,15 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return sum(x.nbytes for x in (*self.keys, *self.values))
+        return _nbytes(self)
 
 
 def _merge_quantized(cls: type, caches: Sequence[QuantizedKVCache]) -> BatchQuantizedKVCache:
     return BatchQuantizedKVCache.merge(caches)
 
 
-def _nbytes_quantized(self: QuantizedKVCache) -> int:
-    return 0 if self.keys is None else sum(x.nbytes for x in (*self.keys, *self.values))
-
-
 # mlx-lm merges a batch through its first row's cache class (generate._merge_caches).
 QuantizedKVCache.merge = classmethod(_merge_quantized)
 # And counts what waits to be prefilled, fresh caches too, which mlx-lm's own
 # `nbytes` fails on (its keys are None).
-QuantizedKVCache.nbytes = property(_nbytes_quantized)
+QuantizedKVCache.nbytes = property(_nbytes)
