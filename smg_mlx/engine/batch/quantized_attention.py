@@ -28,14 +28,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
-from smg_mlx.config import MOST_DRAFT_TOKENS
-from smg_mlx.engine.batch.attention_shapes import AttentionShapes
+from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES, AttentionShapes
 
 Quantized = tuple[mx.array, mx.array, mx.array]
-
-# The most queries a row that read the keys quantized: a decoding or checking
-# pass's (a token and its proposals).
-FEW_QUERIES = MOST_DRAFT_TOKENS + 1
 
 
 def install(shapes: AttentionShapes | None) -> None:

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
 
-from smg_mlx.engine.batch.quantized_attention import FEW_QUERIES
+from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES
 
 Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 
