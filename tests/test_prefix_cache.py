@@ -347,7 +347,7 @@ def test_without_a_cap_a_large_entry_stays_until_memory_is_needed():
     assert len(store) == 0
 
 
-def test_entries_a_request_reuses_stay_and_those_carried_by_a_running_row_go_first():
+def test_entries_a_request_reuses_stay_those_carried_by_a_running_row_go_first_but_wanted_last():
     store = MemoryTier()
     keys = [[i, i + 1, i + 2] for i in range(0, 40, 10)]
     for key in keys:
@@ -359,6 +359,9 @@ def test_entries_a_request_reuses_stay_and_those_carried_by_a_running_row_go_fir
     assert first == [entries[2].id]
     # Pinned for a request starting now: never dropped, even if least recently used.
     assert entries[0].id not in store.over(0, keep={entries[0].id})
+    # Requests waiting to start reuse it: it goes last (a row's copy serves that row alone).
+    assert store.over(3 * size, wanted={entries[2].id}) == [entries[0].id]
+    assert store.over(0, wanted={entries[2].id})[-1] == entries[2].id
     store.carry(entries[2], -1)
     assert store.over(3 * size) == [entries[0].id]
 

@@ -498,6 +498,27 @@ def test_the_entry_a_request_reuses_stays_beside_it_where_memory_holds_both():
     assert keys(one.admit) == [1] and one.keep == (7,) and one.release == (7,)
 
 
+def test_an_entry_others_wait_for_stays_and_the_request_waits_for_room_beside_it():
+    # 40 MiB of shared prefix (a document), a stream running beside it, room
+    # for the entry or a second row, not both.
+    def plan(*waiting: int, running: bool = True) -> Plan:
+        s = make(150, prefixes=Cached(9_000, 40 * MIB))
+        s.add([req(key, 9_016) for key in waiting], now=0)
+        return s.schedule([decoding(9_000)] if running else [], 0, now=0)
+
+    # Alone, it starts from the entry, which leaves once its row has a copy.
+    alone = plan(1)
+    assert keys(alone.admit) == [1] and alone.release == (7,)
+    # Others want the entry too: letting it go would make each prefill the
+    # whole document again. They wait for the stream's room, the entry kept.
+    shared = plan(1, 2, 3)
+    assert shared.admit == () and shared.release == () and shared.wanted == (7,)
+    assert shared.waiting_for_memory == 3
+    # Nothing running frees room: the first starts all the same.
+    idle = plan(1, 2, 3, running=False)
+    assert keys(idle.admit)[:1] == [1] and idle.release == (7,)
+
+
 def test_a_request_waits_for_its_prefix_from_disk_until_read_or_its_deadline():
     cached = Cached(0, reading=True)
     s = make(prefixes=cached)

@@ -323,7 +323,7 @@ class EngineCore:
         )
         batch.forget_resumed([r.key for r in plan.refuse])
         events += [failures.too_big(r, scheduler.planner) for r in plan.refuse]
-        drop, _ = batch.cached_over(plan.prefix_allowance, plan.keep)
+        drop, _ = batch.cached_over(plan.prefix_allowance, plan.keep, plan.wanted)
         if batch.prefixes is not None:
             batch.prefixes.room = plan.prefix_allowance
         turn = Turn(

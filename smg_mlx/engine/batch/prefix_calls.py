@@ -24,12 +24,15 @@ class PrefixCalls:
     def prefix_cache_bytes(self) -> int:
         return self.prefixes.nbytes if self.prefixes is not None else 0
 
-    def cached_over(self, limit: int, keep: Collection[int] = ()) -> tuple[list[int], int]:
+    def cached_over(
+        self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = ()
+    ) -> tuple[list[int], int]:
         """The prompt-cache entries to drop to hold at most `limit` bytes (but
-        those in `keep`), and the bytes it holds then."""
+        those in `keep`; those `wanted` by waiting requests last), and the
+        bytes it holds then."""
         if self.prefixes is None:
             return [], 0
-        return self.prefixes.over(limit, keep)
+        return self.prefixes.over(limit, keep, wanted)
 
     def drop_cached(self, ids: Iterable[int]) -> None:
         ids = list(ids)

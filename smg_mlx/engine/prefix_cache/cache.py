@@ -160,10 +160,12 @@ class PrefixCache:
         pending = self.disk.pending_bytes if self.disk is not None else 0
         return self.memory.nbytes + pending
 
-    def over(self, limit: int, keep: Collection[int] = ()) -> tuple[list[int], int]:
+    def over(
+        self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = ()
+    ) -> tuple[list[int], int]:
         """The memory entries to drop to hold at most `limit` bytes (but those
-        in `keep`), and the bytes held then."""
-        ids = self.memory.over(limit, keep)
+        in `keep`; those `wanted` last), and the bytes held then."""
+        ids = self.memory.over(limit, keep, wanted)
         return ids, self.nbytes - sum(e.nbytes for e in self.memory.entries(ids))
 
     def drop(self, ids: Sequence[int]) -> None:

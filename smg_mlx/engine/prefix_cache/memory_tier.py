@@ -10,7 +10,10 @@ memory budget leaves beside the batch); `over` names what to drop to get
 there: entries whose whole key a running request carries in the batch first
 (it holds a copy, and the entry it leaves when it ends serves all they serve),
 then new conversations' entries, then returning ones' that memory did not
-serve, then returning ones' it served. An optional cap (`--prompt-cache-bytes`)
+serve, then returning ones' it served; entries that requests waiting to start
+reuse go last, carried or not: a row's copy serves that row alone, and every
+request still waiting for a shared prefix (a document many questions ask
+about) would prefill it again. An optional cap (`--prompt-cache-bytes`)
 bounds the tier besides.
 
 A conversation is returning when most of its prompt extends an entry's key, one
@@ -193,11 +196,13 @@ class MemoryTier:
 
     # ---- what memory allows ----
 
-    def over(self, limit: int, keep: Collection[int] = ()) -> list[int]:
+    def over(
+        self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = ()
+    ) -> list[int]:
         """The entries to drop to hold at most `limit` bytes (and the cap), but
         those in `keep`: any larger than the cap alone, then as `Held.rank`
-        says. Asked at every turn that plans, so it looks no further than it
-        must."""
+        says, those `wanted` by requests waiting to start last. Asked at every
+        turn that plans, so it looks no further than it must."""
         cap = self.max_bytes
         if cap is not None:
             limit = min(limit, cap)
@@ -205,8 +210,10 @@ class MemoryTier:
             return []
         now = time.monotonic()
 
-        def group(entry: Entry) -> tuple[int, float]:
-            return (0, 0.0) if cap is not None and entry.nbytes > cap else entry.value.rank(now)
+        def group(entry: Entry) -> tuple[bool, int, float]:
+            if cap is not None and entry.nbytes > cap:
+                return False, 0, 0.0
+            return entry.id in wanted, *entry.value.rank(now)
 
         # A stable sort: least recently used first where ranks tie.
         ordered = sorted((e for e in self.tree if e.id not in keep), key=group)

@@ -90,6 +90,7 @@ class Plan:
     prefix_allowance: int = 0  # bytes the prefix cache may keep
     keep: tuple[int, ...] = ()  # prefix-cache entries the requests admitted reuse
     release: tuple[int, ...] = ()  # of those, the ones that leave once they are copied
+    wanted: tuple[int, ...] = ()  # prefix-cache entries requests still waiting reuse
     expected_seconds: float = 0.0  # how long the step should take
     prefill_bytes: float = 0.0  # the step's prefill working set (estimated)
     waiting_for_memory: int = 0  # requests seen waiting for memory alone
@@ -152,6 +153,7 @@ class Scheduler:
         admitted, to_long, released, refused, for_memory = self._admit(
             running, prefilling, long, now
         )
+        wanted = tuple(self._room.wanted())
         starting_long = [w for w in admitted if w.request.key in to_long]
         starting_short = [w for w in admitted if w.request.key not in to_long]
         starting = [w.cost(w.request.key in to_long) for w in admitted]
@@ -162,7 +164,8 @@ class Scheduler:
         allowance = self.planner.prefix_allowance(costs)
         if not costs:
             self.steps.clear()
-            return Plan(refuse=refused, prefix_allowance=allowance, waiting_for_memory=for_memory)
+            return Plan(refuse=refused, prefix_allowance=allowance, wanted=wanted,
+                        waiting_for_memory=for_memory)  # fmt: skip
         largest = self.planner.chunk(costs, min(prefix_bytes, allowance))
         shorts = [r for r in running if not r.long]
         needs = [r.remaining for r in shorts if r.remaining] + [
@@ -189,6 +192,7 @@ class Scheduler:
             prefix_allowance=allowance,
             keep=keep,
             release=released,
+            wanted=wanted,
             expected_seconds=self.steps.planned_seconds(),
             prefill_bytes=self.planner.prefill_bytes(costs, max((chunk, *long_chunks))),
             waiting_for_memory=for_memory,
@@ -246,6 +250,7 @@ class Scheduler:
         for_memory = 0
         pinned: dict[int, int] = {}  # prefix-cache entries the admitted reuse: their bytes
         released: set[int] = set()  # entries that leave once the admitted have copied them
+        wanted = self._room.wanted()  # entries the waiting reuse: how many reuse each
         for waiting in self._room.ranked(long_tokens, now):
             if slots <= 0:
                 break
@@ -281,8 +286,13 @@ class Scheduler:
                 continue
             fits = self.planner.fits([*costs, new], sum(pins.values()))
             # Without room for the entry beside it, its row's copy is all it
-            # needs of the entry, which leaves the cache then.
-            release = not fits and entry is not None and entry not in pinned
+            # needs of the entry, which leaves the cache then; unless others
+            # waiting reuse it too (each would prefill it again) and rows
+            # running will free the room: it waits with them.
+            release = (
+                not fits and entry is not None and entry not in pinned
+                and (wanted[entry] <= 1 or not costs)
+            )  # fmt: skip
             if release:
                 fits, pins = self.planner.fits([*costs, new], sum(pinned.values())), pinned
             if any(_at_least(new, c) for c in too_big) or not fits:
@@ -300,6 +310,8 @@ class Scheduler:
                 continue
             costs.append(new)
             pinned = pins
+            if entry is not None:
+                wanted[entry] -= 1
             if release:
                 released.add(entry)
             admitted.append(self._room.take(waiting))

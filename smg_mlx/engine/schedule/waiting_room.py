@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -132,6 +133,11 @@ class WaitingRoom:
         reuse = prefixes.reuse(prompt)
         fetch = prefixes.fetch(prompt, reuse)
         self._room[request.key] = Waiting(request, order, arrived, reuse, prefixes.version, fetch)
+
+    def wanted(self) -> Counter[int]:
+        """The prefix-cache entries waiting requests reuse (as last looked
+        up), and how many reuse each."""
+        return Counter(w.reuse.entry for w in self._room.values() if w.reuse.entry is not None)
 
     def remove(self, keys: Iterable[int]) -> list[Request]:
         """Take these requests out of the room (aborted); those that were there."""
