@@ -255,6 +255,34 @@ def test_quantized_attention_runs_as_cudas_quantized_matmul_needs(model64, monke
         thread.join(TIMEOUT)
 
 
+def test_the_warm_up_runs_quantized_attention_at_every_few_query_count(model64, monkeypatch):
+    """On CUDA mlx compiles a quantized-matmul kernel per tile size the query
+    count picks, and for key counts ending part-way through a tile: about a
+    minute each, the first time on a host, every stream stalled behind a pass
+    that meets one (a 16-token follow-up over a cached context did). The
+    warm-up runs every count a pass over quantized caches may have, over key
+    counts on a tile's end and off it, before the worker is ready."""
+    ran = set()
+    few = quantized_attention._few
+
+    def spied(queries, q_keys, *args):
+        ran.add((queries.shape[2], q_keys[0].shape[2] % 64 == 0))
+        return few(queries, q_keys, *args)
+
+    monkeypatch.setattr(quantized_attention, "_few", spied)
+    monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
+    inbox = Inbox()
+    sink, thread = start_core(model64, inbox, kv_bits=8)
+    try:
+        counts = range(1, quantized_attention.FEW_QUERIES + 1)
+        assert {(n, aligned) for n in counts for aligned in (True, False)} <= ran
+        inbox.submit(Request(1, spec(prompt(300, 1), max_tokens=12)))
+        assert len(sink.events_of(1)) == 12
+    finally:
+        inbox.stop()
+        thread.join(TIMEOUT)
+
+
 # ---- the entries themselves ----
 
 

@@ -73,8 +73,10 @@ class Batch(PrefixCalls):
         self.attention = AttentionShapes(self.max_chunk) if builds else None
         if self.attention is not None:
             self.attention.install()
+        # The kinds of few-query passes over quantized caches run (warm-up).
+        self._quantized_kinds: set[quantized_attention.Kind] = set()
         if self._fresh_caches is not None:
-            quantized_attention.install(self.attention)
+            quantized_attention.install(self.attention, self._quantized_kinds)
         # There, too, mlx-lm's passes keep MLX's buffer cache (`engine.memory.buffer_cache`).
         self._buffers = buffer_cache.kept if builds else nullcontext
         self._cache_limit: int | None = None  # MLX's, before bound_buffer_cache set one
@@ -204,6 +206,11 @@ class Batch(PrefixCalls):
         if self.attention is not None:
             context = named_context_length(self._config.model_path) or DEFAULT_CONTEXT_LENGTH
             self.attention.queue(context, self.prefill_rows)
+
+    def build_quantized_kernels(self) -> None:
+        """Under --kv-bits, run few-query passes over quantized caches at every
+        query count (`quantized_attention.build_kernels`)."""
+        quantized_attention.build_kernels(self._quantized_kinds)
 
     @property
     def shapes_queued(self) -> bool:

@@ -18,10 +18,18 @@ Under --kv-bits, `install` puts `attention` in place of mlx-lm's
   per chunk. Where prefills run in few shapes (`attention_shapes`, CUDA),
   the keys and values are padded to the shape while still quantized, and
   dequantized from there: one full-size copy rather than two.
+
+On CUDA mlx compiles a quantized-matmul kernel for each tile size the folded
+query count picks and for key counts that end part-way through a tile: about
+a minute each the first time on a host, and a pass that meets one first
+stalls every stream that long. The warm-up runs the few-query passes at every
+query count (`build_kernels`), for each kind the model's passes showed.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -29,23 +37,35 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES, AttentionShapes
+from smg_mlx.engine.progress import Progress
+
+log = logging.getLogger(__name__)
 
 Quantized = tuple[mx.array, mx.array, mx.array]
+# What picks a few-query pass's kernels: heads, KV heads, key and value head
+# sizes, dtype, the quantization's group size and bits.
+Kind = tuple[int, int, int, int, Any, int, int]
+# Key counts `build_kernels` runs at: a whole number of any tile, and one more.
+BUILD_KEYS = (256, 257)
 
 
-def install(shapes: AttentionShapes | None) -> None:
+def install(shapes: AttentionShapes | None, seen: set[Kind] | None = None) -> None:
     """Quantized attention by `attention` from now on, prefills in `shapes`
-    where they are given and installed."""
-    base.quantized_scaled_dot_product_attention = partial(attention, shapes=shapes)
+    where they are given and installed; the kinds of its few-query passes
+    go in `seen` (for `build_kernels`)."""
+    base.quantized_scaled_dot_product_attention = partial(attention, shapes=shapes, seen=seen)
 
 
 def attention(
     queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
     group_size: int = 64, bits: int = 8, shapes: AttentionShapes | None = None,
+    seen: set[Kind] | None = None,
 ) -> mx.array:  # fmt: skip
     """softmax(queries · keysᵀ · scale, masked) · values, the keys and values
     quantized (module doc)."""
     if queries.shape[2] <= FEW_QUERIES:
+        if seen is not None:
+            seen.add(_kind(queries, q_keys, q_values, group_size, bits))
         return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
 
     def dequantize(parts: Quantized) -> mx.array:
@@ -86,3 +106,37 @@ def _few(
         transpose=False, group_size=group_size, bits=bits,
     )  # fmt: skip
     return out.reshape(rows, heads, length, -1)
+
+
+def _kind(queries: mx.array, q_keys: Quantized, q_values: Quantized, group_size: int,
+          bits: int) -> Kind:  # fmt: skip
+    """A pass's `Kind`."""
+    per = 32 // bits  # quantized values per packed word
+    return (
+        queries.shape[1], q_keys[0].shape[1], q_keys[0].shape[-1] * per,
+        q_values[0].shape[-1] * per, queries.dtype, group_size, bits,
+    )  # fmt: skip
+
+
+def build_kernels(kinds: Iterable[Kind]) -> None:
+    """Run a few-query pass at every query count up to FEW_QUERIES, over key
+    counts on and off a tile's end, for each kind (module doc)."""
+    todo = [(kind, n, keys) for kind in sorted(kinds, key=str)
+            for n in range(1, FEW_QUERIES + 1) for keys in BUILD_KEYS]  # fmt: skip
+    progress = Progress(log, "quantized attention kernels", "passes run", len(todo))
+    for (heads, kv_heads, dk, dv, dtype, group_size, bits), n, keys in todo:
+        q_keys, q_values = (
+            tuple(mx.quantize(mx.zeros((1, kv_heads, keys, dim), dtype), group_size=group_size,
+                              bits=bits))
+            for dim in (dk, dv)
+        )  # fmt: skip
+        queries = mx.zeros((1, heads, n, dk), dtype)
+        mask = mx.ones((1, 1, n, keys), mx.bool_)
+        mx.eval(_few(queries, q_keys, q_values, 1.0, mask, group_size, bits))  # type: ignore[arg-type]
+        progress.advance()
+    if todo:
+        log.info(
+            "quantized attention: passes of 1 to %d queries a row run in %.1fs (mlx builds "
+            "their kernels the first time on a host, about a minute each)",
+            FEW_QUERIES, progress.seconds,
+        )  # fmt: skip

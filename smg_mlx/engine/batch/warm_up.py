@@ -12,9 +12,10 @@ tokens of cache (where the cache first grows), rows joining and leaving a
 running batch, sampling with every filter, penalties, logit bias and
 logprobs, a long prompt prefilling in its lane, several chunks a step,
 while a short one starts in the other, and, where speculative decoding is
-on, the passes it adds (`SpeculativeGenerationBatch.exercise`); then it
-builds the attention shapes prompts up to the model's context meet
-(`engine.batch.attention_shapes`).
+on, the passes it adds (`SpeculativeGenerationBatch.exercise`); then, under
+--kv-bits, passes of every few-query count over quantized caches
+(`engine.batch.quantized_attention`), and it queues the attention shapes
+prompts up to the model's context meet (`engine.batch.attention_shapes`).
 Elsewhere one short generation is enough. Nothing of it stays: the batch is
 empty afterwards, its prefix cache too.
 """
@@ -122,6 +123,7 @@ def run(batch: Batch, thorough: bool) -> None:
         script.progress.seconds,
     )  # fmt: skip
     if thorough:
+        batch.build_quantized_kernels()
         batch.queue_attention_shapes()
 
 
