@@ -737,3 +737,37 @@ def test_replacements_of_a_wave_that_ended_start_together(model_dir, beside):
     finally:
         inbox.stop()
         thread.join(TIMEOUT)
+
+
+def test_streams_grown_long_move_lanes_together_and_go_on_as_alone(model_dir, monkeypatch):
+    """Streams that grew long beside chats leave the chats' lane in one turn
+    (one at a time, both lanes would run a pass each step until the last had
+    moved), each going on as it would have alone."""
+    turns = []  # the keys each turn moved
+    move = Batch.move
+
+    def spied(self, keys):
+        turns.append(sorted(keys))
+        return move(self, turns[-1])
+
+    monkeypatch.setattr(Batch, "move", spied)
+    inbox = Inbox()
+    sink, thread = start_core(model_dir, inbox, step_budget_seconds=1e-6)
+    try:
+        inbox.submit(Request(1, spec(prompt(8, 1), max_tokens=800)))
+        alone = [e.token for e in sink.events_of(1)]
+        streamed: dict[int, list[int]] = {key: [] for key in (2, 3, 4)}
+        for key in streamed:
+            inbox.submit(Request(key, spec(prompt(8, 1), max_tokens=800)))
+        while min(len(tokens) for tokens in streamed.values()) < 600:  # long by now
+            for e in sink.next_report().events:
+                streamed[e.key].append(e.token)
+        inbox.submit(Request(5, spec(prompt(20, 5), max_tokens=20)))  # a chat
+        for key, tokens in sink.tokens_of([2, 3, 4, 5]).items():
+            streamed.get(key, []).extend(t for t in tokens if t is not None)
+        assert [keys for keys in turns if keys] == [[2, 3, 4]]
+        assert all(tokens == alone for tokens in streamed.values())
+        assert len(set(alone)) > 1  # the model's output varies
+    finally:
+        inbox.stop()
+        thread.join(TIMEOUT)

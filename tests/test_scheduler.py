@@ -563,6 +563,24 @@ def test_a_stream_grown_long_leaves_the_chats_lane_while_the_long_lane_prefills_
     assert s.schedule([grown, chat, busy], 0, now=0).move == ()  # it would be padded to that
 
 
+def test_streams_grown_long_leave_the_chats_lane_together():
+    # One at a time, both lanes would run a pass each step until the last moved
+    # (each pass over 32k-token rows about as long as one over all of them).
+    s = make()
+    long_tokens = LONG_PROMPT_STEPS * s.steps.row_chunk(1, 0)
+    grown = [stream(key, long_tokens + 10 * key) for key in (1, 2, 3)]
+    chat = stream(4, 60, left=20)
+    assert s.schedule([*grown, chat], 0, now=0).move == (3, 2, 1)
+    # Only long streams in the chats' lane: moving them spares nothing...
+    assert s.schedule(grown, 0, now=0).move == ()
+    # ...unless the long lane decodes too: then one pass a step serves them all.
+    there = Running(Cost(long_tokens + 5, long_tokens + 100, 0, True), 0, long_tokens + 5, 9)
+    assert s.schedule([*grown, there], 0, now=0).move == (3, 2, 1)
+    # As many as memory holds there.
+    tight = make(budget_mib=210)  # two of them there: 199 MiB in all; three: 220
+    assert tight.schedule([*grown, chat], 0, now=0).move == (3, 2)
+
+
 def test_a_stream_moves_sooner_where_chats_wait_for_the_memory_its_padding_holds():
     s = make(budget_mib=140)
     running = [stream(1, 3000, left=100)]

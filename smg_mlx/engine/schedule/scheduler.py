@@ -201,29 +201,45 @@ class Scheduler:
     def _to_move(
         self, running: Sequence[Running], starting: list[Cost], long_tokens: int, for_memory: int
     ) -> tuple[int, ...]:
-        """The key of a decoding sequence of the short lane to move to the long
-        lane now, if any. mlx-lm pads every row of a lane to its longest: a
-        stream grown long makes each chat beside it attend over, and hold
-        memory for, as many tokens. It moves once it is long (as a prompt of
-        its length would be), or sooner where requests wait for memory its
-        padding holds; only while the long lane prefills nothing (it would be
-        padded to that prompt) and the batch fits with it there."""
+        """The keys of decoding sequences of the short lane to move to the long
+        lane now. mlx-lm pads every row of a lane to its longest: a stream grown
+        long makes each chat beside it attend over, and hold memory for, as many
+        tokens. Streams move once long (as a prompt of their length would be),
+        where a shorter row stays behind or the long lane decodes too, all at
+        once: one at a time, both lanes would run a pass every step until the
+        last had moved, each as long as the one pass over all of them. The
+        longest moves sooner where requests wait for memory its padding holds.
+        Only while the long lane prefills nothing (they would be padded to that
+        prompt), and as many as the batch fits with them there."""
         shorts = [r for r in running if not r.long] + [c for c in starting if not c.long]
         if any(r.long and r.cost.prefilling for r in running) or any(c.long for c in starting):
             return ()
-        grown = [r for r in running if not r.long and not r.cost.prefilling]
-        if not grown or (len(shorts) < 2 and not for_memory):
-            return ()
-        stream = max(grown, key=lambda r: r.cost.length)
-        costs = [r.cost for r in running] + starting
-        moved = [_moved(r).cost if r is stream else r.cost for r in running] + starting
-        if not self.planner.fits(moved):
-            return ()
-        if stream.cost.length > long_tokens or (
-            for_memory and self.planner.need(moved) < self.planner.need(costs)
-        ):
-            return (stream.key,)
+        grown = sorted((r for r in running if not r.long and not r.cost.prefilling),
+                       key=lambda r: -r.cost.length)  # fmt: skip
+        long = [r for r in grown if r.cost.length > long_tokens]
+        if long and (len(long) < len(shorts) or for_memory or any(r.long for r in running)):
+            return self._moving(running, starting, long)
+        if grown and for_memory:
+            costs = [r.cost for r in running] + starting
+            moved = self._moving(running, starting, grown[:1])
+            after = [_moved(r).cost if r.key in moved else r.cost for r in running] + starting
+            if moved and self.planner.need(after) < self.planner.need(costs):
+                return moved
         return ()
+
+    def _moving(
+        self, running: Sequence[Running], starting: list[Cost], streams: list[Running]
+    ) -> tuple[int, ...]:
+        """The keys of `streams` (in order) that move while the batch fits with
+        them in the long lane."""
+        keys: list[int] = []
+        for stream in streams:
+            trial = {*keys, stream.key}
+            moved = [_moved(r).cost if r.key in trial else r.cost for r in running] + starting
+            if not self.planner.fits(moved):
+                break
+            keys.append(stream.key)
+        return tuple(keys)
 
     def _admit(
         self, running: Sequence[Running], prefilling: list[Running], long_tokens: int, now: float
