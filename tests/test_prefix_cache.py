@@ -577,3 +577,24 @@ def test_chats_beside_a_long_history_resent_from_the_cache_start_at_once(
     first = generate(w.stub, history, max_tokens=8)
     resent = _chats_end_while_it_runs(w, history + first.tokens + prompt(8, 31))
     assert resent.complete.cached_tokens == len(history) + len(first.tokens)
+
+
+def test_a_document_many_ask_about_at_once_is_prefilled_once(start_worker, models_root):
+    # Much KV per token beside little else: the document's entry and a few rows
+    # reusing it fit, not all of them. Those that wait for room start from the
+    # entry too: it stays while requests waiting reuse it.
+    model = build_model(
+        models_root / "wide-kv",
+        ["--layers", "4", "--kv-heads", "4", "--head-dim", "64"],
+    )
+    budget = (model / "model.safetensors").stat().st_size + (9 << 20)
+    w = start_worker(model, memory_budget_bytes=budget)
+    cold = start_worker(model, prompt_cache_bytes=0)
+    document = prompt(w.worker.engine.memory.longest_sequence // 5, 40)
+    generate(w.stub, document, max_tokens=1)
+    questions = [document + prompt(8, 41 + i) for i in range(6)]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(lambda ids: generate(w.stub, ids, max_tokens=24), questions))
+    assert [a.complete.cached_tokens >= len(document) for a in answers] == [True] * 6
+    assert [a.tokens for a in answers] == [generate(cold.stub, q, max_tokens=24).tokens
+                                           for q in questions]  # fmt: skip
