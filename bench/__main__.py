@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench import cores, gate, machine, model, report
 from bench.agent import Agent, format_agent, run_agent, run_followups
-from bench.kv_formats import KvFormats, format_kv_formats, run_kv_formats
+from bench.kv_formats import PARTS, KvFormats, format_kv_formats, run_kv_formats
 from bench.long_prompts import run_long_prompts
 from bench.mixed import Mixed, format_mixed, run_mixed
 from bench.runner import Options, progress, run_all
@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each prompt decoded from (--kv-formats)")  # fmt: skip
     p.add_argument("--kv-concurrency", type=int, default=16,
                    help="prompts prefilled and decoded at once (--kv-formats)")  # fmt: skip
+    p.add_argument("--kv-parts", default=",".join(PARTS),
+                   help="which of capacity, prefill, decode --kv-formats measures")  # fmt: skip
     p.add_argument("--long-prompt-tokens", type=int, default=24_000)
     p.add_argument("--long-gen-tokens", type=int, default=16)
     p.add_argument(
@@ -475,8 +477,12 @@ def _followups(args: argparse.Namespace, model_dir: Path, argv: list[str] | None
 
 
 def _kv_formats(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
+    parts = tuple(args.kv_parts.split(","))
+    if set(parts) - set(PARTS):
+        raise SystemExit(f"--kv-parts: each of {', '.join(PARTS)}, not {args.kv_parts}")
     run = KvFormats(tuple(parse_levels(args.kv_formats)), args.kv_fill_tokens,
-                    args.kv_context_tokens, args.kv_concurrency, args.gen_tokens)  # fmt: skip
+                    args.kv_context_tokens, args.kv_concurrency, args.gen_tokens,
+                    parts)  # fmt: skip
     result = run_kv_formats(model_dir.resolve(), args.work_dir.resolve(), run,
                             shlex.split(args.worker_args), args.start_timeout)  # fmt: skip
     print(format_kv_formats(result))

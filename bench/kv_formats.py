@@ -17,7 +17,8 @@ with its default flags, `--worker-args` and that setting:
   first token to the last one's last. Each row holds the whole context, so
   the budget decides how many decode at once: what a format buys.
 
-Each format's figures are then put over the model's own; the quantized-KV
+`--kv-parts` runs some of the three (a device's time is short). Each format's
+figures are then put over the model's own; the quantized-KV
 issue's targets: capacity at least 1.85x at 8 bits and 3.3x at 4, decode at
 least 1.0x and prefill 0.8x at 8 bits.
 """
@@ -40,6 +41,7 @@ from bench.workload import Workload
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 MODEL_OWN = 16  # the format named for the model's own KV (no --kv-bits)
+PARTS = ("capacity", "prefill", "decode")
 HELD = 'smg_mlx_prefix_cache_tier_bytes{tier="memory"}'
 DROPPED = 'smg_mlx_prefix_cache_evicted_total{tier="memory"}'
 PER_TOKEN = "smg_mlx_memory_kv_bytes_per_token"
@@ -55,6 +57,7 @@ class KvFormats:
     context_tokens: int = 32768
     concurrency: int = 16
     gen_tokens: int = 128
+    parts: tuple[str, ...] = PARTS
 
 
 def flags(bits: int) -> list[str]:
@@ -95,11 +98,6 @@ def capacity(address: str, port: int, fill: Workload) -> dict:
         "prompts": sent, "filled": bool(dropped), "kv_bytes_per_token": per_token,
         "budget_bytes": budget, "tokens_held": (held or 0) / per_token,
     }  # fmt: skip
-
-
-def speed(address: str, run: KvFormats, tag: str) -> dict:
-    """Prefill, then decode (see the module's doc)."""
-    return {**prefill(address, run, tag), **decode(address, run, tag)}
 
 
 def prefill(address: str, run: KvFormats, tag: str) -> dict:
@@ -152,12 +150,17 @@ def run_kv_formats(model_dir: Path, work_dir: Path, run: KvFormats, extra: list[
         with default_worker(model_dir, work_dir, [*extra, *flags(bits)], tag, timeout_s) as (
             worker, port,
         ):  # fmt: skip
-            progress(f"{tag}: capacity")
-            held = capacity(worker.address, port, fill)
-            progress(f"{tag}: holds {held['tokens_held']:.0f} tokens, "
-                     f"{held['kv_bytes_per_token']:.0f} B a token; "
-                     f"now {run.concurrency} x {run.context_tokens} tokens at once")  # fmt: skip
-            results[bits] = {**held, **speed(worker.address, run, tag)}
+            figures: dict = {}
+            if "capacity" in run.parts:
+                progress(f"{tag}: capacity")
+                figures |= capacity(worker.address, port, fill)
+                progress(f"{tag}: holds {figures['tokens_held']:.0f} tokens, "
+                         f"{figures['kv_bytes_per_token']:.0f} B a token")  # fmt: skip
+            for part, measure in (("prefill", prefill), ("decode", decode)):
+                if part in run.parts and not figures.get("errors"):
+                    progress(f"{tag}: {part}, {run.concurrency} x {run.context_tokens} tokens")
+                    figures |= measure(worker.address, run, tag)
+            results[bits] = figures
         progress(f"{tag}: {format_row(bits, results[bits], results.get(MODEL_OWN))}")
     return {"run": asdict(run), "formats": {str(b): r for b, r in results.items()}}
 
@@ -181,13 +184,16 @@ def format_row(bits: int, result: dict, own: dict | None) -> str:
     def x(key: str) -> str:
         return f" (x{rel[key]:.2f})" if rel.get(key) is not None else ""
 
-    filled = "" if result["filled"] else " (never filled: more prompts needed)"
-    return (
-        f"{name}: holds {result['tokens_held']:.0f} tokens{x('tokens_held')}{filled}, "
-        f"{result['kv_bytes_per_token']:.0f} B a token; prefill {result['prefill_tok_s']:.0f} "
-        f"tok/s{x('prefill_tok_s')}, decode {result['decode_tok_s'] or 0:.0f} tok/s"
-        f"{x('decode_tok_s')}"
-    )
+    said = []
+    if "tokens_held" in result:
+        filled = "" if result["filled"] else " (never filled: more prompts needed)"
+        said.append(f"holds {result['tokens_held']:.0f} tokens{x('tokens_held')}{filled}, "
+                    f"{result['kv_bytes_per_token']:.0f} B a token")  # fmt: skip
+    if "prefill_tok_s" in result:
+        said.append(f"prefill {result['prefill_tok_s']:.0f} tok/s{x('prefill_tok_s')}")
+    if "decode_tok_s" in result:
+        said.append(f"decode {result['decode_tok_s'] or 0:.0f} tok/s{x('decode_tok_s')}")
+    return f"{name}: {'; '.join(said)}"
 
 
 def format_kv_formats(result: dict) -> str:

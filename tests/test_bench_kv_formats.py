@@ -22,3 +22,13 @@ def test_quantized_kv_holds_as_many_more_tokens_as_its_bytes_allow(models_root, 
     assert smaller > 3  # float32 keys and values at 8 bits, group 64
     assert eight["tokens_held"] / own["tokens_held"] > 0.9 * smaller
     assert "8 bits: holds" in format_kv_formats(result)
+
+
+def test_a_run_may_measure_some_parts_alone(models_root, tmp_path):
+    model = build_model(models_root / "tiny-head64", ["--head-dim", "64"])
+    run = KvFormats(formats=(16, 8), context_tokens=256, concurrency=4, gen_tokens=8,
+                    parts=("decode",))  # fmt: skip
+    result = run_kv_formats(Path(model), tmp_path, run, ["--memory-budget", "10MiB"], 120)
+    for figures in result["formats"].values():
+        assert figures["decode_tok_s"] > 0 and "tokens_held" not in figures
+    assert "8 bits: decode" in format_kv_formats(result)
