@@ -483,18 +483,24 @@ def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, mod
         assert again.tokens == first.tokens
 
 
-def test_prompts_near_the_memory_limit_start_from_their_entries(start_worker, models_root):
-    # Much KV per token beside little else: a prompt's entry and its row's copy of
-    # it do not both fit, and the entry leaves once copied. Before, such a prompt
-    # waited for room that never came and, once it had waited 10 s, held back
-    # every request behind it.
+def _wide_kv_workers(start_worker, models_root):
+    """Much KV per token beside little else: a worker with 9 MiB beside the
+    weights, and one of the same model without a prompt cache."""
     model = build_model(
         models_root / "wide-kv",
         ["--layers", "4", "--kv-heads", "4", "--head-dim", "64"],
     )
     budget = (model / "model.safetensors").stat().st_size + (9 << 20)
-    w = start_worker(model, memory_budget_bytes=budget)
-    cold = start_worker(model, prompt_cache_bytes=0)
+    return start_worker(model, memory_budget_bytes=budget), start_worker(
+        model, prompt_cache_bytes=0
+    )
+
+
+def test_prompts_near_the_memory_limit_start_from_their_entries(start_worker, models_root):
+    # A prompt's entry and its row's copy of it do not both fit, and the entry
+    # leaves once copied. Before, such a prompt waited for room that never came
+    # and, once it had waited 10 s, held back every request behind it.
+    w, cold = _wide_kv_workers(start_worker, models_root)
     longest = w.worker.engine.memory.longest_sequence
 
     def within(stub, ids: list[int], max_tokens: int):
@@ -580,16 +586,10 @@ def test_chats_beside_a_long_history_resent_from_the_cache_start_at_once(
 
 
 def test_a_document_many_ask_about_at_once_is_prefilled_once(start_worker, models_root):
-    # Much KV per token beside little else: the document's entry and a few rows
-    # reusing it fit, not all of them. Those that wait for room start from the
-    # entry too: it stays while requests waiting reuse it.
-    model = build_model(
-        models_root / "wide-kv",
-        ["--layers", "4", "--kv-heads", "4", "--head-dim", "64"],
-    )
-    budget = (model / "model.safetensors").stat().st_size + (9 << 20)
-    w = start_worker(model, memory_budget_bytes=budget)
-    cold = start_worker(model, prompt_cache_bytes=0)
+    # The document's entry and a few rows reusing it fit, not all of them.
+    # Those that wait for room start from the entry too: it stays while
+    # requests waiting reuse it.
+    w, cold = _wide_kv_workers(start_worker, models_root)
     document = prompt(w.worker.engine.memory.longest_sequence // 5, 40)
     generate(w.stub, document, max_tokens=1)
     questions = [document + prompt(8, 41 + i) for i in range(6)]
