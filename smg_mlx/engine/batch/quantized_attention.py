@@ -110,11 +110,10 @@ def _few(
 
 def _kind(queries: mx.array, q_keys: Quantized, q_values: Quantized, group_size: int,
           bits: int) -> Kind:  # fmt: skip
-    """A pass's `Kind`."""
-    per = 32 // bits  # quantized values per packed word
+    """A pass's `Kind` (the values' head size from their scales: a group each)."""
     return (
-        queries.shape[1], q_keys[0].shape[1], q_keys[0].shape[-1] * per,
-        q_values[0].shape[-1] * per, queries.dtype, group_size, bits,
+        queries.shape[1], q_keys[0].shape[1], queries.shape[-1],
+        q_values[1].shape[-1] * group_size, queries.dtype, group_size, bits,
     )  # fmt: skip
 
 
