@@ -283,6 +283,20 @@ def test_the_warm_up_runs_quantized_attention_at_every_few_query_count(model64, 
         thread.join(TIMEOUT)
 
 
+def test_the_values_product_split_along_the_keys_is_the_same(monkeypatch):
+    """On CUDA the values' product runs in parts along the keys, side by side
+    (one product waits on a serial loop over every key); it is the same product."""
+    queries = mx.random.normal((2, 8, 3, 64), key=mx.random.key(1))
+    keys, values = (mx.random.normal((2, 2, 4096, 64), key=mx.random.key(i)) for i in (2, 3))
+    q_keys, q_values = (tuple(mx.quantize(x, group_size=64, bits=8)) for x in (keys, values))
+    mask = mx.random.bernoulli(0.9, (2, 1, 3, 4096), key=mx.random.key(4))
+    whole = quantized_attention._few(queries, q_keys, q_values, 0.125, mask, 64, 8)
+    monkeypatch.setattr(quantized_attention, "SPLIT", True)
+    assert quantized_attention._parts(4096, 2 * 2) > 1
+    parts = quantized_attention._few(queries, q_keys, q_values, 0.125, mask, 64, 8)
+    assert mx.allclose(parts, whole, atol=1e-5).item()
+
+
 # ---- the entries themselves ----
 
 

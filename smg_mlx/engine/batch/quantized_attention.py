@@ -47,6 +47,11 @@ Quantized = tuple[mx.array, mx.array, mx.array]
 Kind = tuple[int, int, int, int, Any, int, int]
 # Key counts `build_kernels` runs at: a whole number of any tile, and one more.
 BUILD_KEYS = (256, 257)
+# Keys a part of the values' product covers (`_weighted`), where the batch
+# reads its whole buffers (CUDA: allocated in blocks that this divides).
+SPLIT_KEYS = 256
+SPLIT = mx.cuda.is_available()
+SIDE_BY_SIDE = 512  # products a GPU runs at once, about (a few per multiprocessor)
 
 
 def install(shapes: AttentionShapes | None, seen: set[Kind] | None = None) -> None:
@@ -101,11 +106,27 @@ def _few(
         else:
             scores = scores + mask
     weights = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(
-        weights.reshape(rows, kv_heads, repeats * length, -1), *q_values,
-        transpose=False, group_size=group_size, bits=bits,
-    )  # fmt: skip
-    return out.reshape(rows, heads, length, -1)
+    weights = weights.reshape(rows, kv_heads, repeats * length, -1)
+    return _weighted(weights, q_values, group_size, bits).reshape(rows, heads, length, -1)
+
+
+def _weighted(weights: mx.array, q_values: Quantized, group_size: int, bits: int) -> mx.array:
+    """weights · values. mlx's kernel for this product (its keys along the
+    reduction) runs one serial loop over every key per head and row: at long
+    context it waits on that loop, not on memory. Where the keys split evenly
+    (the batch's whole buffers, on CUDA), the keys are cut into parts, each
+    its own product, run side by side, and the parts are summed."""
+    rows, kv_heads, m, keys = weights.shape
+    parts = _parts(keys, rows * kv_heads)
+    if parts < 2:
+        return mx.quantized_matmul(
+            weights, *q_values, transpose=False, group_size=group_size, bits=bits
+        )
+    chunk = keys // parts
+    chunks = mx.contiguous(weights.reshape(rows, kv_heads, m, parts, chunk).swapaxes(2, 3))
+    values = map(lambda x: x.reshape(rows, kv_heads, parts, chunk, x.shape[-1]), q_values)
+    out = mx.quantized_matmul(chunks, *values, transpose=False, group_size=group_size, bits=bits)
+    return out.astype(mx.float32).sum(axis=2).astype(weights.dtype)
 
 
 def _kind(queries: mx.array, q_keys: Quantized, q_values: Quantized, group_size: int,
@@ -139,3 +160,15 @@ def build_kernels(kinds: Iterable[Kind]) -> None:
             "their kernels the first time on a host, about a minute each)",
             FEW_QUERIES, progress.seconds,
         )  # fmt: skip
+
+
+def _parts(keys: int, products: int) -> int:
+    """The parts `_weighted` cuts `keys` into, beside `products` (rows times
+    KV heads): enough that SIDE_BY_SIDE products run at once, each of a
+    whole number of SPLIT_KEYS."""
+    if not SPLIT or keys % SPLIT_KEYS:
+        return 1
+    parts = keys // SPLIT_KEYS
+    while parts % 2 == 0 and parts // 2 * products >= SIDE_BY_SIDE:
+        parts //= 2
+    return parts
