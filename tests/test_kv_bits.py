@@ -130,6 +130,33 @@ def test_a_prefix_from_disk_after_a_restart_is_as_prefilled(
     assert same_as_cold(again, cold, A[:300] + prompt(50, 6)).complete.cached_tokens == 300
 
 
+def test_prefixes_reused_together_from_memory_and_from_disk_are_as_prefilled(
+    start_worker, model64, cold, bits, tmp_path
+):
+    """Conversations going on at once, each from its own cached history (of
+    other lengths), beside a prompt that reuses nothing: in one batch, from
+    memory, then from disk after a restart."""
+    w = start_worker(model64, kv_bits=bits, prompt_cache_dir=tmp_path)
+    starts = [prompt(n, 20 + i) for i, n in enumerate((260, 330, 410))]
+    histories = [p + same_as_cold(w, cold, p).tokens for p in starts]
+
+    def together(worker, turn: int) -> list:
+        asks = [h + prompt(20 + 9 * i, turn + i) for i, h in enumerate(histories)]
+        asks.append(prompt(120, turn + 9))  # nothing cached
+        with ThreadPoolExecutor(len(asks)) as pool:
+            got = list(pool.map(lambda p: generate(worker.stub, p, max_tokens=10), asks))
+        assert [g.tokens for g in got] == [
+            varied(generate(cold.stub, p, max_tokens=10).tokens) for p in asks
+        ]
+        return [g.complete.cached_tokens for g in got]
+
+    assert together(w, 30) == [*map(len, histories), 0]
+    w.stop()  # a graceful stop writes what memory holds
+    again = start_worker(model64, kv_bits=bits, prompt_cache_dir=tmp_path)
+    assert together(again, 40) == [*map(len, histories), 0]
+    assert again.worker.engine.cache.disk_tokens == sum(map(len, histories))
+
+
 def kv_bytes_per_token(worker) -> int:
     _, call = worker.stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
     return int(dict(call.initial_metadata())["kv-bytes-per-token"])

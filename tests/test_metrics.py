@@ -256,3 +256,20 @@ def test_the_serving_mode_is_a_short_name_and_the_log_says_what_it_means(
         "serving equal-lengths, which is slower than batched: prompts prefill together only "
         "at equal lengths, since --batching asks for it"
     ) in caplog.text
+
+
+def test_speculation_counters_move_by_what_was_proposed_and_kept(start_worker, model_dir):
+    port = free_port()
+    w = start_worker(model_dir, metrics_port=port, speculative="always")
+    before = scrape(port)
+    for i, n in enumerate((30, 90)):  # prompts that repeat themselves: lookups find proposals
+        generate(w.stub, (prompt(n, i)[:7] * 40)[:n], max_tokens=40, ignore_eos=True)
+    after = scrape(port)
+
+    def m(name):
+        return moved(before, after, f"smg_mlx_speculative_{name}_total", drafter="prompt_lookup")
+
+    s = w.worker.engine.speculation
+    assert 0 < m("accepted_tokens") == s.accepted <= m("proposed_tokens") == s.proposed
+    # A checking pass returns a token a row and the proposals it kept.
+    assert 0 < m("passes") == s.passes < m("pass_tokens") == s.tokens

@@ -660,3 +660,38 @@ def test_the_copies_bench_times_each_change_of_rows_on_the_models_cache(model_di
         "a row leaving and one joining", "rows lined up", "a row written in place"
     }
     assert all(ms > 0 for ms in result["ms"].values())
+
+
+def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_back_or_ranks_differ(
+    model_dir, caplog
+):
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from smg_mlx.config import EngineConfig
+    from smg_mlx.engine.speculative.choice import drafting_for
+
+    class Model:  # what drafting_for reads of a model: its caches
+        def __init__(self, *caches):
+            self.caches = caches
+
+        def make_cache(self):
+            return list(self.caches)
+
+    class Ranks:
+        def size(self):
+            return 2
+
+    config = EngineConfig(model_path=model_dir, speculative="always")
+    plain = Model(KVCache(), KVCache())
+    assert drafting_for(config, plain, None, batched=True) is not None
+    with caplog.at_level(logging.WARNING, logger="smg_mlx.engine.speculative.choice"):
+        for model, group, why in (
+            (Model(KVCache(), RotatingKVCache(max_size=64)), None,
+             "this model's caches (KVCache, RotatingKVCache) cannot take tokens back"),
+            (Model(ArraysCache(2), KVCache()), None,
+             "this model's caches (ArraysCache, KVCache) cannot take tokens back"),
+            (plain, Ranks(), "several ranks"),
+        ):  # fmt: skip
+            caplog.clear()
+            assert drafting_for(config, model, group, batched=True) is None
+            assert f"speculative decoding: off ({why})" in caplog.text
