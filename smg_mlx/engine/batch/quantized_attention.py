@@ -105,17 +105,22 @@ def _few(
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    # The weights stay float32 into the values' product: mlx's product of
+    # 16-bit weights with quantized values rounds its sums (on the CPU, at
+    # least) far past what quantizing the values costs.
+    weights = mx.softmax(scores.astype(mx.float32), axis=-1)
     weights = weights.reshape(rows, kv_heads, repeats * length, -1)
-    return _weighted(weights, q_values, group_size, bits).reshape(rows, heads, length, -1)
+    out = _weighted(weights, q_values, group_size, bits)
+    return out.astype(queries.dtype).reshape(rows, heads, length, -1)
 
 
 def _weighted(weights: mx.array, q_values: Quantized, group_size: int, bits: int) -> mx.array:
-    """weights · values. mlx's kernel for this product (its keys along the
-    reduction) runs one serial loop over every key per head and row: at long
-    context it waits on that loop, not on memory. Where the keys split evenly
-    (the batch's whole buffers, on CUDA), the keys are cut into parts, each
-    its own product, run side by side, and the parts are summed."""
+    """weights · values, float32 as the weights are. mlx's kernel for this
+    product (its keys along the reduction) runs one serial loop over every key
+    per head and row: at long context it waits on that loop, not on memory.
+    Where the keys split evenly (the batch's whole buffers, on CUDA), the keys
+    are cut into parts, each its own product, run side by side, and the parts
+    are summed."""
     rows, kv_heads, m, keys = weights.shape
     parts = _parts(keys, rows * kv_heads)
     if parts < 2:
@@ -126,7 +131,7 @@ def _weighted(weights: mx.array, q_values: Quantized, group_size: int, bits: int
     chunks = mx.contiguous(weights.reshape(rows, kv_heads, m, parts, chunk).swapaxes(2, 3))
     values = map(lambda x: x.reshape(rows, kv_heads, parts, chunk, x.shape[-1]), q_values)
     out = mx.quantized_matmul(chunks, *values, transpose=False, group_size=group_size, bits=bits)
-    return out.astype(mx.float32).sum(axis=2).astype(weights.dtype)
+    return out.sum(axis=2)
 
 
 def _kind(queries: mx.array, q_keys: Quantized, q_values: Quantized, group_size: int,
