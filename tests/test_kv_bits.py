@@ -412,13 +412,20 @@ def test_a_quantized_stream_grown_long_moves_lanes_and_goes_on_as_alone(model64,
 
 @pytest.mark.parametrize("bits", [8], indirect=True, scope="module")  # one width does
 def test_a_draft_models_proposals_over_quantized_rows_leave_the_tokens_as_they_were(
-    start_worker, model64, cold, bits
+    start_worker, model64, cold, bits, model_dir
 ):
-    # The model as its own draft (its cache unquantized): every proposal right.
+    # The model as its own draft, its cache quantized as the model's: a token of
+    # context costs twice what it costs the model alone.
     w = start_worker(model64, kv_bits=bits, draft_model=model64, speculative="always")
+    assert kv_bytes_per_token(w) == 2 * kv_bytes_per_token(cold)
     for p in PROMPTS[1:3]:
         assert varied(generate(w.stub, p, max_tokens=24).tokens) == generate(
             cold.stub, p, max_tokens=24
         ).tokens
     stats = w.worker.engine.speculation
-    assert stats.drafter == "draft_model" and stats.proposed > 0
+    assert stats.drafter == "draft_model" and stats.accepted > 0
+    # A draft whose caches cannot be stored so is refused, naming it.
+    code, lines = serve("--model", str(model64), "--draft-model", str(model_dir),
+                        "--kv-bits", str(bits), "--port", "0")  # fmt: skip
+    assert code == 2
+    assert f"--draft-model {model_dir}: --kv-bits {bits}: this model's head sizes (16)" in lines[-1]

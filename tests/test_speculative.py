@@ -611,7 +611,15 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(model_dir, t
     code, lines = helpers.serve("--model", str(model_dir), "--draft-model", str(other),
                                 "--port", "0")  # fmt: skip
     assert code == 2
-    assert f"--draft-model {other}: its tokenizer's vocabulary" in lines[-1]
+    said = lines[-1]
+    # Refused before the model's batch check (which may take a minute) starts.
+    fresh = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    code, lines = helpers.serve("--model", str(model_dir), "--draft-model", str(other),
+                                "--port", "0", env=fresh)  # fmt: skip
+    assert code == 2 and lines[-1].endswith(said.partition(" ERROR ")[2])
+    assert not any("batch check" in line for line in lines), lines
+    assert f"--draft-model {other}: its tokenizer's vocabulary is not the model's (token " in said
+    assert " is id 101 there, 100 here)" in said  # the lowest id that differs
     assert not any("Traceback" in line for line in lines)
     wider = build_model(tmp_path / "wider", ["--vocab-size", "1024"])  # the same tokenizer
     code, lines = helpers.serve("--model", str(model_dir), "--draft-model", str(wider),
@@ -683,7 +691,7 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
 
     config = EngineConfig(model_path=model_dir, speculative="always")
     plain = Model(KVCache(), KVCache())
-    assert drafting_for(config, plain, None, batched=True) is not None
+    assert drafting_for(config, plain, None, batched=True, draft=None) is not None
     with caplog.at_level(logging.WARNING, logger="smg_mlx.engine.speculative.choice"):
         for model, group, why in (
             (Model(KVCache(), RotatingKVCache(max_size=64)), None,
@@ -693,5 +701,5 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
             (plain, Ranks(), "several ranks"),
         ):  # fmt: skip
             caplog.clear()
-            assert drafting_for(config, model, group, batched=True) is None
+            assert drafting_for(config, model, group, batched=True, draft=None) is None
             assert f"speculative decoding: off ({why})" in caplog.text

@@ -38,7 +38,7 @@ from smg_mlx.engine.prefix_cache.token_tree import Entry
 from smg_mlx.engine.schedule.scheduler import Running
 from smg_mlx.engine.schedule.step_clock import StepClock
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT, Passes
-from smg_mlx.engine.speculative.choice import drafting_for
+from smg_mlx.engine.speculative.choice import draft_for, drafting_for
 from smg_mlx.engine.speculative.prompt_lookup import Ahead
 from smg_mlx.engine.types import Event, GenerationSpec, Request, SpeculationStats
 from smg_mlx.model_config import DEFAULT_CONTEXT_LENGTH, named_context_length
@@ -63,6 +63,7 @@ class Batch(PrefixCalls):
         self.model = loading.load_for(config, group)
         # --kv-bits: rows' fresh caches, quantized (None: mlx-lm makes the model's own).
         self._fresh_caches = kv_format.caches_for(config, self.model)
+        draft = draft_for(config, self.model, group)  # refused before the batch check, if so
         # Where each new attention shape costs a build (mlx's CUDA backend),
         # prefills run in few shapes, from the first pass on.
         builds = self.shape_builds
@@ -90,7 +91,7 @@ class Batch(PrefixCalls):
             split=group is not None, caches=self._fresh_caches,
         )  # fmt: skip
         batched = self.choice.mode is not batch_check.Mode.EQUAL_LENGTHS
-        drafting = drafting_for(config, self.model, group, batched)
+        drafting = drafting_for(config, self.model, group, batched, draft)
         self._lanes = Lanes(self.model, self._stream, self.max_chunk, self._buffers, drafting)
         self.serve_as(self.choice.mode)
         self._samplers = SamplerCache()
@@ -122,7 +123,9 @@ class Batch(PrefixCalls):
         if config.kv_format is not None:
             kv_format.log_cost(config.kv_format, self.memory.kv_per_token, self.model, self._stream)
         if drafting is not None and drafting.draft is not None:
-            self.memory = memory_probe.with_draft(self.memory, drafting.draft, self._stream)
+            self.memory = memory_probe.with_draft(
+                self.memory, drafting.draft, self._stream, drafting.draft_caches
+            )
         # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = StepClock(self.speed).seconds(
             self.max_chunk, memory_probe.PROBE_CONTEXT

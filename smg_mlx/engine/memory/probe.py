@@ -153,13 +153,18 @@ def weights(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def with_draft(found: MemoryModel, draft: nn.Module, stream: mx.Stream) -> MemoryModel:
+def with_draft(
+    found: MemoryModel, draft: nn.Module, stream: mx.Stream, caches: LayerCaches | None = None
+) -> MemoryModel:
     """What the model costs with a draft model beside it (engine.speculative):
-    its weights, and its cache's rows, which follow the model's."""
+    its weights, and its cache's rows (`caches()`, else its own), which follow
+    the model's."""
+    per_token = kv_per_token(draft, stream, caches)
+    log.info("the draft model's KV: %s per token", format_bytes(per_token))
     return replace(
         found,
         weights=found.weights + weights(draft),
-        kv_per_token=found.kv_per_token + kv_per_token(draft, stream),
+        kv_per_token=found.kv_per_token + per_token,
     )
 
 

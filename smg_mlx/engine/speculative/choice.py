@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,36 +13,72 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.batch.kv_format import other_kinds
+from smg_mlx.engine.batch.kv_format import caches_for, other_kinds
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
 from smg_mlx.engine.speculative.pacing import Pacing
-from smg_mlx.engine.types import Unservable
+from smg_mlx.engine.types import LayerCaches, Unservable
 
 log = logging.getLogger(__name__)
 
 
+class Draft(NamedTuple):
+    """The draft model, and what makes a row's fresh caches for it (--kv-bits; None: its own)."""
+
+    model: nn.Module
+    caches: LayerCaches | None
+
+
+def draft_for(
+    config: EngineConfig, model: nn.Module, group: mx.distributed.Group | None
+) -> Draft | None:
+    """The --draft-model, loaded and checked, where speculative decoding may
+    run with it (see `drafting_for`): before the batch check, which takes
+    longer, so that a draft that cannot serve is refused first."""
+    if config.draft_model is None or _why_not(config, model, _ranks(group)) is not None:
+        return None
+    draft = _draft(config, model)
+    caches = None
+    if config.kv_bits is not None:
+        try:  # its rows' caches are as many tokens as the model's: stored the same way
+            caches = caches_for(config, draft)
+        except Unservable as exc:
+            raise Unservable(f"--draft-model {config.draft_model}: {exc}") from None
+    return Draft(draft, caches)
+
+
 def drafting_for(
-    config: EngineConfig, model: nn.Module, group: mx.distributed.Group | None, batched: bool
-) -> Drafting | None:
+    config: EngineConfig, model: nn.Module, group: mx.distributed.Group | None, batched: bool,
+    draft: Draft | None,
+) -> Drafting | None:  # fmt: skip
     """What both lanes share to decode speculatively, or None where it is off
     (`batched`: rows of different lengths may share a pass of several tokens
-    a row, as a pass checking proposals is)."""
+    a row, as a pass checking proposals is), with `draft` (`draft_for`) or
+    prompt lookup."""
     setting, most = config.speculative, config.num_draft_tokens
-    ranks = group.size() if group is not None else 1
-    why_not = _why_not(config, model, ranks, batched)
+    why_not = _why_not(config, model, _ranks(group))
+    if why_not is None and not batched:
+        if config.batching == "equal-lengths":
+            why_not = "--batching equal-lengths: prompts prefill together only at equal lengths"
+        else:
+            why_not = "this model's prompts prefill together only at equal lengths"
     if why_not is not None:
         # Asked for (its default is off), it is worth a warning.
         say = log.info if setting == "off" else log.warning
         say("speculative decoding: off (%s)", why_not)
         return None
     always = setting == "always"
-    draft = None if config.draft_model is None else _draft(config, model)
     log.info(
         "speculative decoding: %s, up to %d proposed tokens a stream a pass, %s",
         "prompt lookup" if draft is None else f"the draft model {config.draft_model}", most,
         "wherever there are some" if always else "where measured pass times say it pays",
     )  # fmt: skip
-    return Drafting(most, Pacing(always=always), DraftStats(), draft)
+    if draft is None:
+        return Drafting(most, Pacing(always=always), DraftStats())
+    return Drafting(most, Pacing(always=always), DraftStats(), draft.model, draft.caches)
+
+
+def _ranks(group: mx.distributed.Group | None) -> int:
+    return group.size() if group is not None else 1
 
 
 def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
@@ -52,11 +89,11 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
     draft_path = config.draft_model
     draft, draft_tokenizer = load(str(draft_path))
     vocabulary = load_tokenizer(config.model_path).vocab
-    if draft_tokenizer.vocab != vocabulary:
+    if (differs := _first_difference(draft_tokenizer.vocab, vocabulary)) is not None:
         raise Unservable(
-            f"--draft-model {draft_path}: its tokenizer's vocabulary ({len(draft_tokenizer.vocab)} "
-            f"tokens) is not the model's ({len(vocabulary)}): a draft must share the model's "
-            "tokenizer (e.g. a smaller model of the same family)"
+            f"--draft-model {draft_path}: its tokenizer's vocabulary is not the model's "
+            f"({differs}): a draft must share the model's tokenizer (e.g. a smaller model of "
+            "the same family)"
         )
     token = mx.array([[0]])
     outputs, inputs = draft(token).shape[-1], model(token).shape[-1]
@@ -74,7 +111,18 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
     return draft
 
 
-def _why_not(config: EngineConfig, model: nn.Module, ranks: int, batched: bool) -> str | None:
+def _first_difference(draft: dict[str, int], model: dict[str, int]) -> str | None:
+    """Where the draft's vocabulary (token: id) first departs from the model's, said."""
+    if len(draft) != len(model):
+        return f"{len(draft)} tokens against {len(model)}"
+    for token, id in sorted(model.items(), key=lambda item: item[1]):
+        if draft.get(token) != id:
+            return f"token {token!r} is id {draft.get(token)} there, {id} here"
+    return None
+
+
+def _why_not(config: EngineConfig, model: nn.Module, ranks: int) -> str | None:
+    """Why speculation is off whatever the batch check finds (None: it may run)."""
     if config.speculative == "off":
         return "--speculative off"
     if ranks > 1:
@@ -82,8 +130,4 @@ def _why_not(config: EngineConfig, model: nn.Module, ranks: int, batched: bool) 
         return "several ranks"
     if (names := other_kinds(make_prompt_cache(model))) is not None:
         return f"this model's caches ({names}) cannot take tokens back"
-    if not batched:
-        if config.batching == "equal-lengths":
-            return "--batching equal-lengths: prompts prefill together only at equal lengths"
-        return "this model's prompts prefill together only at equal lengths"
     return None

@@ -54,6 +54,7 @@ class Drafting:
     pacing: Pacing
     stats: DraftStats
     draft: Any = None  # the draft model (engine.speculative.draft_model); None: prompt lookup
+    draft_caches: Any = None  # what makes a draft row's fresh caches (--kv-bits); None: its own
 
 
 class SpeculativeGenerationBatch(PlacedGenerationBatch):
@@ -73,7 +74,9 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         batch.drafting = drafting
         batch._rows = {}
         batch._ahead = {}
-        batch._draft_rows = DraftRows(drafting.draft) if drafting.draft is not None else None
+        batch._draft_rows = (
+            DraftRows(drafting.draft, drafting.draft_caches) if drafting.draft is not None else None
+        )
         batch._steps = 0
         batch._block = None
         return batch

@@ -29,9 +29,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from smg_mlx.engine.speculative.ragged_kv import RaggedBatchKVCache
+from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
+from smg_mlx.engine.types import LayerCaches
 
 # A row's unseen tokens one batched pass feeds at most; one further behind
 # catches up alone first.
@@ -43,9 +44,11 @@ JOIN_TOKENS = 2048
 class DraftRows:
     """The draft model's cache for one lane's decoding rows (see the module's doc)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, caches: LayerCaches | None = None) -> None:
         self._model = model
-        self._cache: list[RaggedBatchKVCache] | None = None  # per layer; None: no row
+        # A row's fresh caches: quantized under --kv-bits, as the model's rows are.
+        self._fresh = caches or (lambda: make_prompt_cache(model))
+        self._cache: list[Ragged] | None = None  # per layer; None: no row
         self._uids: list[int] = []  # the draft batch's rows, in its order
         self._seen: dict[int, int] = {}  # tokens of each row its cache holds
         self._joining: dict[int, list[Any]] = {}  # rows catching up alone: their caches
@@ -138,7 +141,7 @@ class DraftRows:
             if uid in self._seen and uid not in self._joining:
                 continue
             if uid not in self._joining:
-                self._joining[uid] = make_prompt_cache(self._model)
+                self._joining[uid] = self._fresh()
                 self._seen[uid] = 0
             cache, seen = self._joining[uid], self._seen[uid]
             todo = len(tokens) - seen - (FEED_MOST - 1)  # the last few go in the batched pass
@@ -153,7 +156,7 @@ class DraftRows:
 
     def _join(self, uid: int, cache: list[Any]) -> None:
         """A row caught up alone joins the draft's batch."""
-        merged = [RaggedBatchKVCache.adopt(BatchKVCache.merge([c])) for c in cache]
+        merged = [ragged(type(c).merge([c])) for c in cache]
         if self._cache is None:
             self._cache = merged
         else:
