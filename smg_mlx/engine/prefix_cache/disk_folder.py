@@ -288,8 +288,8 @@ class Folder:
                 os.close(lock)
             held -= size
             log.info(
-                "prompt cache: deleted %s (%s), another model's entries last used %s, to keep "
-                "the directory within %s", folder, format_bytes(size),
+                "prompt cache: deleted %s (%s), the entries of another model or KV format, "
+                "last used %s, to keep the directory within %s", folder, format_bytes(size),
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(used)), format_bytes(max_bytes),
             )  # fmt: skip
 
