@@ -126,7 +126,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             "--kv-group-size: the KV caches are not quantized without --kv-bits: add "
             "--kv-bits 8 (or 4), or leave it out"
         )
-    if args.quantized_kv_start and args.kv_bits is None:
+    if args.quantized_kv_start is not None and args.kv_bits is None:
         parser.error(
             f"--quantized-kv-start {args.quantized_kv_start}: the KV caches are not quantized "
             "without --kv-bits: leave --quantized-kv-start out"

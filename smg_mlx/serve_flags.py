@@ -213,11 +213,10 @@ def _running(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--quantized-kv-start",
         type=count,
-        default=0,
         metavar="N",
         help="mlx-lm's: keep a sequence's KV in 16 bits until it passes N tokens. Here only "
         "0: a batch holds all its rows' caches in one format, so with --kv-bits every row is "
-        "quantized from its first token (%(default)s)",
+        "quantized from its first token (0)",
     )
     serve.add_argument(
         "--pipeline",

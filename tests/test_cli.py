@@ -187,6 +187,8 @@ def test_an_adapter_path_names_an_adapter(capsys):
          "--quantized-kv-start 5000: a batch holds all its rows' KV caches in one format"),
         (["--demo", "--quantized-kv-start", "5000"],
          "--quantized-kv-start 5000: the KV caches are not quantized without --kv-bits"),
+        (["--demo", "--quantized-kv-start", "0"],  # as --kv-group-size alone: it does nothing
+         "--quantized-kv-start 0: the KV caches are not quantized without --kv-bits"),
     ],
 )
 def test_what_flags_say_together_is_checked(argv, message, capsys):
