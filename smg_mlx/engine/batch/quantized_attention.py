@@ -105,19 +105,21 @@ def _few(
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    # The weights stay float32 into the values' product: mlx's product of
-    # 16-bit weights with quantized values rounds its sums (on the CPU, at
-    # least) far past what quantizing the values costs.
-    weights = mx.softmax(scores.astype(mx.float32), axis=-1)
+    if mx.default_device() == mx.cpu:
+        # mlx's CPU kernel for the values' product sums in its inputs' dtype:
+        # in 16 bits that rounds far past what quantizing the values costs.
+        # (Its GPU kernels sum in float32, 16-bit inputs on tensor cores.)
+        scores = scores.astype(mx.float32)
+    weights = mx.softmax(scores, axis=-1, precise=True)
     weights = weights.reshape(rows, kv_heads, repeats * length, -1)
     out = _weighted(weights, q_values, group_size, bits)
     return out.astype(queries.dtype).reshape(rows, heads, length, -1)
 
 
 def _weighted(weights: mx.array, q_values: Quantized, group_size: int, bits: int) -> mx.array:
-    """weights · values, float32 as the weights are. mlx's kernel for this
-    product (its keys along the reduction) runs one serial loop over every key
-    per head and row: at long context it waits on that loop, not on memory.
+    """weights · values (float32 where the parts are summed). mlx's kernel for
+    this product (its keys along the reduction) runs one serial loop over every
+    key per head and row: at long context it waits on that loop, not on memory.
     Where the keys split evenly (the batch's whole buffers, on CUDA), the keys
     are cut into parts, each its own product, run side by side, and the parts
     are summed."""
@@ -131,7 +133,7 @@ def _weighted(weights: mx.array, q_values: Quantized, group_size: int, bits: int
     chunks = mx.contiguous(weights.reshape(rows, kv_heads, m, parts, chunk).swapaxes(2, 3))
     values = map(lambda x: x.reshape(rows, kv_heads, parts, chunk, x.shape[-1]), q_values)
     out = mx.quantized_matmul(chunks, *values, transpose=False, group_size=group_size, bits=bits)
-    return out.sum(axis=2)
+    return out.astype(mx.float32).sum(axis=2)
 
 
 def _kind(queries: mx.array, q_keys: Quantized, q_values: Quantized, group_size: int,
