@@ -19,6 +19,7 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 # Smaller message limits would refuse ordinary requests and responses.
 MIN_MESSAGE_BYTES = 64 << 10
+MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC takes its message limits as a C int
 MAX_PORT = 65535
 MAX_SIZE = 1 << 60
 
@@ -126,6 +127,10 @@ def message_size(text: str) -> int:
     if size < MIN_MESSAGE_BYTES:
         raise argparse.ArgumentTypeError(
             f"expected a size of at least {MIN_MESSAGE_BYTES >> 10}KiB, got {text!r}"
+        )
+    if size > MAX_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"expected a size below 2GiB (the largest message gRPC takes), got {text!r}"
         )
     return size
 

@@ -117,6 +117,7 @@ def test_sizes_take_units(text, expected):
         (["--prompt-cache-disk-bytes", "9" * 400], "more than any machine has"),
         (["--prompt-cache-dir", ""], "expected a directory, got an empty path"),
         (["--max-response-bytes", "1KiB"], "expected a size of at least 64KiB, got '1KiB'"),
+        (["--max-request-bytes", "2GiB"], "expected a size below 2GiB (the largest message"),
         (["--max-pending", "-1"], "expected a whole number, 0 or more, got '-1'"),
         (["--completion-batch-size", "x"], "expected a whole number of at least 1, got 'x'"),
         (["--num-draft-tokens", "40"], "expected a whole number from 1 to 15, got '40'"),
