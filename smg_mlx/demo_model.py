@@ -220,6 +220,9 @@ def ensure_demo_model() -> Path:
 
 
 def main() -> None:
+    # (Imported here: flag_types reaches this module through model_source.)
+    from smg_mlx.flag_types import positive
+
     parser = argparse.ArgumentParser(
         prog="python -m smg_mlx.demo_model",
         description="Write a random-weight mlx-lm model directory OUT, offline. Its text is "
@@ -231,32 +234,49 @@ def main() -> None:
     parser.add_argument(
         "--family", choices=sorted(FAMILIES), default="llama", help="model family" + default
     )
-    parser.add_argument("--hidden-size", type=int, default=64, help="hidden size" + default)
-    parser.add_argument("--layers", type=int, default=2, help="layers" + default)
-    parser.add_argument("--heads", type=int, default=4, help="attention heads" + default)
-    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads" + default)
-    parser.add_argument("--head-dim", type=int, help="size of a head (default: hidden / heads)")
+    parser.add_argument("--hidden-size", type=positive, default=64, help="hidden size" + default)
+    parser.add_argument("--layers", type=positive, default=2, help="layers" + default)
+    parser.add_argument("--heads", type=positive, default=4, help="attention heads" + default)
+    parser.add_argument("--kv-heads", type=positive, default=2, help="key/value heads" + default)
     parser.add_argument(
-        "--intermediate-size", type=int, help="the MLP's hidden size (default: 2 x hidden size)"
+        "--head-dim", type=positive, help="size of a head (default: hidden / heads)"
     )
     parser.add_argument(
-        "--vocab-size", type=int, help="the model's vocabulary (default: the tokenizer's)"
+        "--intermediate-size", type=positive,
+        help="the MLP's hidden size (default: 2 x hidden size)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vocab-size", type=positive, help="the model's vocabulary (default: the tokenizer's)"
     )
     parser.add_argument(
         "--tie-word-embeddings", action="store_true", help="share the input and output embeddings"
     )
     parser.add_argument(
-        "--context-length", type=int, default=2048, help="context length" + default
+        "--context-length", type=positive, default=2048, help="context length" + default
     )
     parser.add_argument(
         "--no-llama3-rope", action="store_true", help="a llama without llama3 rope scaling"
     )
-    parser.add_argument("--dtype", default="float32", help="of the weights" + default)
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        help="of the weights" + default,
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="of the random weights" + default)
     parser.add_argument(
-        "--sliding-window", type=int, help="window of every other layer (default: none)"
+        "--sliding-window", type=positive, help="window of every other layer (default: none)"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="write over OUT's files where it is not empty"
     )
     args = parser.parse_args()
+    if args.out.exists() and any(args.out.iterdir()) and not args.force:
+        parser.error(f"{args.out} is not empty: name a new or empty directory, or give --force "
+                     "to write over its files")  # fmt: skip
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.head_dim is None and args.hidden_size % args.heads:
+        parser.error(f"--hidden-size {args.hidden_size} does not split into --heads "
+                     f"{args.heads}: give a multiple of it, or --head-dim")  # fmt: skip
     write_model(
         args.out,
         hidden_size=args.hidden_size,

@@ -257,3 +257,25 @@ def test_an_unknown_flag_gets_its_commands_usage_and_the_nearest_flag(
     err = capsys.readouterr().err
     assert err.startswith(f"usage: smg-mlx {argv[0]} ")
     assert f"unrecognized argument {unknown} (did you mean {nearest}?)" in err
+
+
+def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):
+    def demo_model(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "smg_mlx.demo_model", *args]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("important")
+    done = demo_model(str(mine))
+    assert done.returncode == 2 and "is not empty: name a new or empty directory" in done.stderr
+    assert (mine / "config.json").read_text() == "important"
+    wrong = [
+        (["--heads", "3"], "--heads 3 is not a multiple of --kv-heads 2"),
+        (["--layers", "0"], "expected a whole number of at least 1, got '0'"),
+    ]
+    for shape, said in wrong:
+        done = demo_model(str(tmp_path / "new"), *shape)
+        assert done.returncode == 2 and said in done.stderr
+    assert demo_model(str(mine), "--force").returncode == 0
+    assert (mine / "config.json").read_text() != "important"
