@@ -36,34 +36,55 @@ def probe(host: str, port: int, timeout: float, tls_ca: Path | None = None) -> s
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return f"{target} did not answer within {timeout:g}s"
-            if tls_ca is None and _speaks_tls(host, port, timeout):
+            details = one_line(exc.details() or "")
+            tls = _speaks_tls(host, port, timeout)
+            if tls is True and tls_ca is None:
                 # gRPC says no more than "Socket closed" of a plaintext call to it.
                 return f"{target} serves TLS: pass --tls-ca with the certificate to trust"
-            details = one_line(exc.details() or "")
+            if tls is False and tls_ca is not None:
+                return f"{target} serves plaintext: leave out --tls-ca"
+            if tls is True:  # and the handshake failed: gRPC's words name no certificate
+                return (
+                    f"cannot check {target}: its certificate is not one --tls-ca {tls_ca} "
+                    f"trusts for {host} ({exc.code().name}: {details})"
+                )
             return f"cannot check {target}: {exc.code().name}: {details}"
     if status == SERVING:
         return None
     return f"{target} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
 
 
-def _speaks_tls(host: str, port: int, timeout: float) -> bool:
-    """Whether host:port answers a TLS handshake (its certificate unchecked)."""
+def _speaks_tls(host: str, port: int, timeout: float) -> bool | None:
+    """Whether host:port answers a TLS handshake (its certificate unchecked);
+    None where nothing accepts the connection."""
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     try:
-        with socket.create_connection((host, port), timeout) as raw:
+        raw = socket.create_connection((host, port), timeout)
+    except OSError:
+        return None
+    with raw:
+        try:
             with context.wrap_socket(raw):
                 return True
-    except OSError:  # refused, closed, or not TLS (ssl.SSLError is one)
-        return False
+        except OSError:  # closed, or not TLS (ssl.SSLError is one)
+            return False
 
 
 def main(host: str, port: int, timeout: float, tls_ca: Path | None) -> int:
-    """Print SERVING and return 0, or print the reason to stderr and return 1."""
-    if tls_ca is not None and not tls_ca.is_file():
-        print(f"{tls_ca} is not a readable file", file=sys.stderr)
-        return 1
+    """Print SERVING and return 0, or print the reason to stderr and return 1
+    (2: the probe itself is told wrong, which no restart of the worker cures)."""
+    if tls_ca is not None:
+        try:
+            pem = tls_ca.read_bytes()
+        except OSError as exc:
+            print(f"--tls-ca {tls_ca}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        if b"-----BEGIN CERTIFICATE-----" not in pem:
+            print(f"--tls-ca {tls_ca} holds no PEM certificate: give the certificate the "
+                  "worker serves (its --tls-cert), not a key", file=sys.stderr)  # fmt: skip
+            return 2
     reason = probe(host, port, timeout, tls_ca)
     if reason is not None:
         print(reason, file=sys.stderr)

@@ -83,7 +83,20 @@ def test_tls(spawn, model_dir, tmp_path):
     assert wait_until(lambda: health(plain.port).returncode == 0, 60)
     mismatched = health(plain.port, "--tls-ca", str(cert))
     assert mismatched.returncode == 1
-    assert len(mismatched.stderr.splitlines()) == 1, mismatched.stderr
+    assert mismatched.stderr == f"127.0.0.1:{plain.port} serves plaintext: leave out --tls-ca\n"
+    # A certificate the worker's is not: said so, on one line.
+    (tmp_path / "other").mkdir()
+    other, _, _ = self_signed(tmp_path / "other")
+    untrusted = health(p.port, "--tls-ca", str(other))
+    assert untrusted.returncode == 1
+    assert untrusted.stderr.startswith(
+        f"cannot check 127.0.0.1:{p.port}: its certificate is not one --tls-ca {other} trusts"
+    )
+    assert len(untrusted.stderr.splitlines()) == 1, untrusted.stderr
+    # The probe told wrong: 2, which no restart of the worker cures.
+    for wrong, said in ((tmp_path / "none.pem", "No such file"), (key, "holds no PEM certificate")):
+        told = health(p.port, "--tls-ca", str(wrong))
+        assert told.returncode == 2 and said in told.stderr, told.stderr
 
 
 def test_an_ipv6_address_is_served_and_probed_bare_or_in_brackets(spawn, model_dir):
