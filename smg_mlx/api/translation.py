@@ -83,7 +83,7 @@ def _penalty(params: Any, name: str, low: float, high: float, off: float) -> flo
     value = getattr(params, name)
     if value == 0:
         return off
-    return _in_range(name, value, low, high, f"0 (off) or in [{low:g}, {high:g}]")
+    return _in_range(name, value, low, high, f"0 (unset) or in [{low:g}, {high:g}]")
 
 
 def prompt_text(request: Any, info: ModelInfo) -> str | None:
