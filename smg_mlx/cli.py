@@ -112,6 +112,10 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--metrics-port {args.metrics_port} is --port's too: give it another")
     if args.revision is not None and args.demo:
         parser.error("--revision names a version of a Hugging Face repo id, not of --demo")
+    if args.kv_bits is not None and args.demo:
+        parser.error("--kv-bits: the demo model's heads (16 wide) are narrower than a "
+                     "quantization group; write one whose heads are with `python -m "
+                     "smg_mlx.demo_model DIR --head-dim 64` and serve --model DIR")  # fmt: skip
     if args.draft_model is not None and args.speculative == "off":
         parser.error("--draft-model proposes tokens for speculative decoding, which "
                      "--speculative off turns off: leave one of them out")  # fmt: skip

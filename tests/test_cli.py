@@ -179,12 +179,13 @@ def test_an_adapter_path_names_an_adapter(capsys):
         (["--demo", "--revision", "v1"], "--revision names a version of a Hugging Face repo id"),
         (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
         (["--demo", "--kv-bits", "6"], "--kv-bits: invalid choice"),
-        (["--demo", "--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size: invalid choice"),
+        (["--demo", "--kv-bits", "8"], "smg_mlx.demo_model DIR --head-dim 64` and serve --model"),
+        (["org/m", "--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size: invalid choice"),
         (["--demo", "--kv-group-size", "32"], "--kv-group-size: the KV caches are not quantized"),
         (["--demo", "--num-draft-tokens", "8"], "--num-draft-tokens: speculative decoding is off"),
         (["--demo", "--num-draft-tokens", "8", "--speculative", "off"],
          "--num-draft-tokens: speculative decoding is off"),
-        (["--demo", "--kv-bits", "8", "--quantized-kv-start", "5000"],
+        (["org/m", "--kv-bits", "8", "--quantized-kv-start", "5000"],
          "--quantized-kv-start 5000: a batch holds all its rows' KV caches in one format"),
         (["--demo", "--quantized-kv-start", "5000"],
          "--quantized-kv-start 5000: the KV caches are not quantized without --kv-bits"),
@@ -200,7 +201,7 @@ def test_what_flags_say_together_is_checked(argv, message, capsys):
 
 
 def test_mlx_lms_quantized_kv_start_is_taken_at_0_the_only_start_a_batch_has():
-    assert serve_args("--demo", "--kv-bits", "8", "--quantized-kv-start", "0").kv_bits == 8
+    assert serve_args("org/m", "--kv-bits", "8", "--quantized-kv-start", "0").kv_bits == 8
 
 
 def test_pipeline_without_a_launcher_is_refused(monkeypatch, capsys):
