@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from helpers import generate, prompt
+from smg_mlx.demo_model import build_model
+
+from helpers import generate, prompt, serve
 
 RANK = 4
 
@@ -49,3 +51,16 @@ def test_an_adapter_changes_what_the_model_says(start_worker, model_dir, tmp_pat
     before = [generate(base.stub, p, max_tokens=8, ignore_eos=True).tokens for p in prompts]
     after = [generate(adapted.stub, p, max_tokens=8, ignore_eos=True).tokens for p in prompts]
     assert before != after
+
+
+def test_an_adapter_made_for_another_model_is_refused_for_good(model_dir, tmp_path):
+    wide_model = build_model(tmp_path / "m128", ["--hidden-size", "128"])
+    wider = write_adapter(tmp_path / "wider", wide_model)
+    no_config = write_adapter(tmp_path / "no-config", model_dir)
+    (no_config / "adapter_config.json").write_text("{}")
+    for adapter in (wider, no_config):
+        code, lines = serve("--model", str(model_dir), "--adapter-path", str(adapter),
+                            "--port", "0")  # fmt: skip
+        # 2: a restart cannot cure it (a supervisor stops trying).
+        assert code == 2, lines
+        assert f"--adapter-path {adapter} does not fit {model_dir}" in lines[-1]

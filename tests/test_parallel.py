@@ -236,12 +236,21 @@ def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process(
     assert ranks.ranks[1].proc.poll() is None
 
 
-def test_a_model_that_cannot_be_split_so_is_refused_on_every_rank(start_ranks, models):
+def test_a_model_that_cannot_be_split_so_is_refused_on_every_rank(start_ranks, models, tmp_path):
     ranks = start_ranks("--model", str(models["llama"]), "--pipeline", serving=False)
     assert [r.proc.wait(60) for r in ranks.ranks] == [2, 2]  # no restart can cure it
     for rank in ranks.ranks:
         assert "llama cannot be split as a pipeline" in rank.log.read_text()
         assert "Traceback" not in rank.log.read_text()
+    # Tensor parallel, where a layer's sizes do not divide by the ranks.
+    odd = build_model(tmp_path / "odd", ["--hidden-size", "48", "--heads", "3", "--kv-heads", "3",
+                                         "--intermediate-size", "99"])  # fmt: skip
+    ranks = start_ranks("--model", str(odd), serving=False)
+    assert [r.proc.wait(60) for r in ranks.ranks] == [2, 2]
+    for rank in ranks.ranks:
+        said = rank.log.read_text()
+        assert "llama cannot be split tensor parallel over 2 ranks (" in said, said
+        assert "start a number of ranks its sizes divide by" in said
 
 
 def test_sigterm_to_rank_0_drains_then_stops_every_rank(start_ranks, models):

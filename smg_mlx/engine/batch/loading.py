@@ -58,7 +58,14 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
         model, _ = _model(config.model_path, lazy=False, strict=True)
         adapter = config.adapter_path
         if adapter is not None:
-            model = load_adapters(model, str(adapter))
+            try:
+                model = load_adapters(model, str(adapter))
+            except (ValueError, AttributeError, KeyError, TypeError) as exc:
+                # An adapter made for another model, or a config that misstates it.
+                raise Unservable(
+                    f"--adapter-path {adapter} does not fit {config.model_path} "
+                    f"({type(exc).__name__}: {exc}): give an adapter trained for this model"
+                ) from None
             model.eval()
         log.info(
             "weights loaded in %.1fs%s",
@@ -74,14 +81,26 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
                 f"{family} cannot be split as a pipeline (mlx-lm has no pipeline() for it); "
                 "leave out --pipeline to split it tensor parallel"
             )
-        model.model.pipeline(group)
+        try:
+            model.model.pipeline(group)
+        except ValueError as exc:
+            raise Unservable(
+                f"{family} cannot be split as a pipeline over {group.size()} ranks ({exc}): "
+                "start fewer ranks, or leave out --pipeline"
+            ) from None
     else:
         if not hasattr(model, "shard"):
             raise Unservable(
                 f"{family} cannot be split tensor parallel (mlx-lm has no shard() for it); "
                 "try --pipeline"
             )
-        model.shard(group)
+        try:
+            model.shard(group)
+        except ValueError as exc:
+            raise Unservable(
+                f"{family} cannot be split tensor parallel over {group.size()} ranks ({exc}): "
+                "start a number of ranks its sizes divide by (2 or 4, often), or try --pipeline"
+            ) from None
     mx.eval(model.parameters())
     log.info(
         "rank %d of %d holds its %s part of the model (loaded in %.1fs)",
