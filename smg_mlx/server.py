@@ -146,6 +146,7 @@ class Worker:
         self.model_dir = config.engine.model_path
         self.port: int | None = None
         self._stop_requested = asyncio.Event()
+        self._asked_to_stop = False  # by a signal (or a test), not by an engine failure
         self._hurry = False  # a second stop request: no more grace
         self.serving = False  # started and reported SERVING
         self.engine = EngineClient(
@@ -200,7 +201,7 @@ class Worker:
         asyncio.get_running_loop().create_task(self._set_health(NOT_SERVING))
         # Supervisors restart a worker that exits, not one that stays up broken.
         log.error("the engine failed: stopping the worker (exit code 1)")
-        self.request_stop()
+        self._stop_requested.set()  # no one asked: a signal that comes now is the first
 
     async def start(self) -> None:
         """Listen, find the model (which may mean a download or building the demo
@@ -366,11 +367,12 @@ class Worker:
     def request_stop(self) -> None:
         """Begin a graceful shutdown; a second request skips what is left of the
         grace period. Signal handlers and tests call this on the loop."""
-        if self._stop_requested.is_set() and not self._hurry:
+        if self._asked_to_stop and not self._hurry:
             log.warning("asked again to stop: aborting what is still running and writing "
                         "nothing more to disk")  # fmt: skip
             self._hurry = True
             self.engine.hurry()
+        self._asked_to_stop = True
         self._stop_requested.set()
 
     async def stop_requested(self) -> None:
