@@ -85,7 +85,7 @@ class Remembered:
             if not isinstance(found, dict) or found.get("fingerprint") != self.key:
                 raise ValueError("it is another model's")
             return found
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing remembered there
             return None
         except (OSError, ValueError) as exc:
             self.ignore(error_line(exc))
