@@ -220,9 +220,6 @@ def ensure_demo_model() -> Path:
 
 
 def main() -> None:
-    # (Imported here: flag_types reaches this module through model_source.)
-    from smg_mlx.flag_types import positive
-
     parser = argparse.ArgumentParser(
         prog="python -m smg_mlx.demo_model",
         description="Write a random-weight mlx-lm model directory OUT, offline. Its text is "
@@ -234,25 +231,25 @@ def main() -> None:
     parser.add_argument(
         "--family", choices=sorted(FAMILIES), default="llama", help="model family" + default
     )
-    parser.add_argument("--hidden-size", type=positive, default=64, help="hidden size" + default)
-    parser.add_argument("--layers", type=positive, default=2, help="layers" + default)
-    parser.add_argument("--heads", type=positive, default=4, help="attention heads" + default)
-    parser.add_argument("--kv-heads", type=positive, default=2, help="key/value heads" + default)
+    parser.add_argument("--hidden-size", type=int, default=64, help="hidden size" + default)
+    parser.add_argument("--layers", type=int, default=2, help="layers" + default)
+    parser.add_argument("--heads", type=int, default=4, help="attention heads" + default)
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads" + default)
     parser.add_argument(
-        "--head-dim", type=positive, help="size of a head (default: hidden / heads)"
+        "--head-dim", type=int, help="size of a head (default: hidden / heads)"
     )
     parser.add_argument(
-        "--intermediate-size", type=positive,
+        "--intermediate-size", type=int,
         help="the MLP's hidden size (default: 2 x hidden size)",
     )  # fmt: skip
     parser.add_argument(
-        "--vocab-size", type=positive, help="the model's vocabulary (default: the tokenizer's)"
+        "--vocab-size", type=int, help="the model's vocabulary (default: the tokenizer's)"
     )
     parser.add_argument(
         "--tie-word-embeddings", action="store_true", help="share the input and output embeddings"
     )
     parser.add_argument(
-        "--context-length", type=positive, default=2048, help="context length" + default
+        "--context-length", type=int, default=2048, help="context length" + default
     )
     parser.add_argument(
         "--no-llama3-rope", action="store_true", help="a llama without llama3 rope scaling"
@@ -263,12 +260,15 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="of the random weights" + default)
     parser.add_argument(
-        "--sliding-window", type=positive, help="window of every other layer (default: none)"
+        "--sliding-window", type=int, help="window of every other layer (default: none)"
     )
     parser.add_argument(
         "--force", action="store_true", help="write over OUT's files where it is not empty"
     )
     args = parser.parse_args()
+    for name, value in vars(args).items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1 and name != "seed":
+            parser.error(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
     if args.out.exists() and any(args.out.iterdir()) and not args.force:
         parser.error(f"{args.out} is not empty: name a new or empty directory, or give --force "
                      "to write over its files")  # fmt: skip

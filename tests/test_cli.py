@@ -273,7 +273,7 @@ def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):
     assert (mine / "config.json").read_text() == "important"
     wrong = [
         (["--heads", "3"], "--heads 3 is not a multiple of --kv-heads 2"),
-        (["--layers", "0"], "expected a whole number of at least 1, got '0'"),
+        (["--layers", "0"], "--layers: expected at least 1, got 0"),
     ]
     for shape, said in wrong:
         done = demo_model(str(tmp_path / "new"), *shape)
