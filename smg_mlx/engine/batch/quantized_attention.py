@@ -108,7 +108,7 @@ def _few(
     if mx.default_device() == mx.cpu:
         # mlx's CPU kernel for the values' product sums in its inputs' dtype:
         # in 16 bits that rounds far past what quantizing the values costs.
-        # (Its GPU kernels sum in float32, 16-bit inputs on tensor cores.)
+        # (CUDA's sums 16-bit inputs in float32, on tensor cores.)
         scores = scores.astype(mx.float32)
     weights = mx.softmax(scores, axis=-1, precise=True)
     weights = weights.reshape(rows, kv_heads, repeats * length, -1)

@@ -72,9 +72,7 @@ def drafting_for(
         "prompt lookup" if draft is None else f"the draft model {config.draft_model}", most,
         "wherever there are some" if always else "where measured pass times say it pays",
     )  # fmt: skip
-    if draft is None:
-        return Drafting(most, Pacing(always=always), DraftStats())
-    return Drafting(most, Pacing(always=always), DraftStats(), draft.model, draft.caches)
+    return Drafting(most, Pacing(always=always), DraftStats(), *(draft or ()))
 
 
 def _ranks(group: mx.distributed.Group | None) -> int:
@@ -115,9 +113,9 @@ def _first_difference(draft: dict[str, int], model: dict[str, int]) -> str | Non
     """Where the draft's vocabulary (token: id) first departs from the model's, said."""
     if len(draft) != len(model):
         return f"{len(draft)} tokens against {len(model)}"
-    for token, id in sorted(model.items(), key=lambda item: item[1]):
-        if draft.get(token) != id:
-            return f"token {token!r} is id {draft.get(token)} there, {id} here"
+    for token, number in sorted(model.items(), key=lambda item: item[1]):
+        if draft.get(token) != number:
+            return f"token {token!r} is id {draft.get(token)} there, {number} here"
     return None
 
 
