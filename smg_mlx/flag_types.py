@@ -15,8 +15,8 @@ from smg_mlx import model_source
 from smg_mlx.config import MOST_DRAFT_TOKENS
 from smg_mlx.model_config import BadModelConfig, read_json
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?))?b?", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 # Smaller message limits would refuse ordinary requests and responses.
 MIN_MESSAGE_BYTES = 64 << 10
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC takes its message limits as a C int
@@ -25,7 +25,7 @@ MAX_SIZE = 1 << 60
 
 
 def byte_size(text: str) -> int:
-    """Bytes from "4GiB", "512MB", "2G" or "1073741824": KiB/MiB/GiB and bare
+    """Bytes from "4GiB", "512MB", "2G" or "1073741824": KiB to PiB and bare
     K/M/G are powers of 1024, KB/MB/GB powers of 1000."""
     match = _SIZE.fullmatch(text.strip())
     if match is None:

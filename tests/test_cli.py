@@ -98,7 +98,7 @@ def test_help_says_each_default_once(capsys):
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("4GiB", 4 << 30), ("512MB", 512_000_000), ("2G", 2 << 30), ("1073741824", 1 << 30),
-     ("0", 0), ("1.5GiB", 3 << 29), ("64 MiB", 64 << 20)],
+     ("0", 0), ("1.5GiB", 3 << 29), ("64 MiB", 64 << 20), ("999PiB", 999 << 50)],
 )  # fmt: skip
 def test_sizes_take_units(text, expected):
     assert byte_size(text) == expected
