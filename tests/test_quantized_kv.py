@@ -146,11 +146,23 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
     assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
 
 
+@pytest.mark.parametrize("cuda", [False, True], ids=["keys quantized", "keys dequantized (CUDA)"])
 @pytest.mark.parametrize("length", [1, 16, 17, 512])
-def test_quantized_attention_is_mlx_lms_for_few_queries_and_long_chunks(length):
+def test_quantized_attention_is_mlx_lms_for_few_queries_and_long_chunks(length, cuda, monkeypatch):
     """engine.batch.quantized_attention: a few queries a row read the keys
     quantized, heads folded; a longer chunk attends them dequantized. Either
-    way the result is mlx-lm's (which the CUDA backend gets wrong)."""
+    way the result is mlx-lm's (which the CUDA backend gets wrong). Heads of
+    one quantization group each: on CUDA their keys' product is no quantized
+    matmul (mlx's Hopper kernel returns NaN there), only the values' is."""
+    monkeypatch.setattr(quantized_attention, "WHOLE_GROUP_KEYS_DEQUANTIZED", cuda)
+    products = []
+    quantized_matmul = mx.quantized_matmul
+
+    def recorded(*args, transpose: bool = True, **kwargs):
+        products.append("keys" if transpose else "values")
+        return quantized_matmul(*args, transpose=transpose, **kwargs)
+
+    monkeypatch.setattr(mx, "quantized_matmul", recorded)
     B, heads, kv_heads, S, D = 2, 8, 4, 1024, 64
     queries = mx.random.normal((B, heads, length, D), key=mx.random.key(1))
     q_keys = mx.quantize(mx.random.normal((B, kv_heads, S, D), key=mx.random.key(2)), GROUP, 8)
@@ -160,8 +172,11 @@ def test_quantized_attention_is_mlx_lms_for_few_queries_and_long_chunks(length):
     mask = mx.pad(mask, [(0, 0), (0, 0), (0, 0), (0, 100)])
     ours = quantized_attention.attention(queries, q_keys, q_values, 0.125, mask, GROUP, 8)
     # A copy: mlx-lm scales its queries in place.
+    monkeypatch.setattr(mx, "quantized_matmul", quantized_matmul)
     theirs = mlx_lm_attention(mx.array(queries), q_keys, q_values, 0.125, mask, GROUP, 8)
     assert mx.allclose(ours, theirs, atol=1e-4)
+    if length <= 16:
+        assert products == (["values"] if cuda else ["keys", "values"])
 
 
 def test_prefill_in_few_shapes_pads_keys_while_quantized(monkeypatch):

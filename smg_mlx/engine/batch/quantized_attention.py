@@ -52,6 +52,10 @@ BUILD_KEYS = (256, 257)
 SPLIT_KEYS = 256
 SPLIT = mx.cuda.is_available()
 SIDE_BY_SIDE = 512  # products a GPU runs at once, about (a few per multiprocessor)
+# mlx's CUDA kernel for the keys' product where a head is one quantization
+# group (Hopper's) returns wrong scores, NaN among them, for these batched
+# products: there the keys are dequantized first (`_scores`).
+WHOLE_GROUP_KEYS_DEQUANTIZED = mx.cuda.is_available()
 
 
 def install(shapes: AttentionShapes | None, seen: set[Kind] | None = None) -> None:
@@ -92,9 +96,7 @@ def _few(
     kv_heads = q_keys[0].shape[1]
     repeats = heads // kv_heads
     folded = (queries * scale).reshape(rows, kv_heads, repeats * length, dim)
-    scores = mx.quantized_matmul(
-        folded, *q_keys, transpose=True, group_size=group_size, bits=bits
-    ).reshape(rows, kv_heads, repeats, length, -1)
+    scores = _scores(folded, q_keys, group_size, bits).reshape(rows, kv_heads, repeats, length, -1)
     if isinstance(mask, str):
         keys = scores.shape[-1]
         mask = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
@@ -114,6 +116,14 @@ def _few(
     weights = weights.reshape(rows, kv_heads, repeats * length, -1)
     out = _weighted(weights, q_values, group_size, bits)
     return out.astype(queries.dtype).reshape(rows, heads, length, -1)
+
+
+def _scores(folded: mx.array, q_keys: Quantized, group_size: int, bits: int) -> mx.array:
+    """folded queries · keysᵀ, the keys quantized (see WHOLE_GROUP_KEYS_DEQUANTIZED)."""
+    if WHOLE_GROUP_KEYS_DEQUANTIZED and folded.shape[-1] <= group_size:
+        keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits)
+        return folded @ keys.swapaxes(-1, -2)
+    return mx.quantized_matmul(folded, *q_keys, transpose=True, group_size=group_size, bits=bits)
 
 
 def _weighted(weights: mx.array, q_values: Quantized, group_size: int, bits: int) -> mx.array:
