@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_mlx import model_files, model_source
 from smg_mlx.api import responses, sampling_defaults, translation
 from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
+from smg_mlx.api.health_service import HealthServicer
 from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo, load_model_info
 from smg_mlx.api.rpc_handlers import add_engine_service
@@ -167,7 +168,7 @@ class Worker:
             metrics=self.metrics,
             limits=config.limits,
         )
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         self.engine.on_failure(self._on_engine_failure)
         self.server = grpc.aio.server(
             options=[

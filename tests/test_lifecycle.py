@@ -282,3 +282,14 @@ def test_an_engine_that_stopped_but_cannot_exit_does_not_hold_up_the_stop(
     stopping = ThreadPoolExecutor(1).submit(w.stop)
     assert stopping.result(timeout=20) == 0
     assert len(killed) == 1 and 2.0 < killed[0] - began < 6.0
+
+
+def test_a_health_check_of_an_unknown_service_names_the_services_reported(worker):
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        health.Check(health_pb2.HealthCheckRequest(service="bogus"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert err.value.details() == (
+        "unknown service 'bogus'; this worker reports '', 'mlx.grpc.engine.MlxEngine'"
+    )
+    assert health.Check(health_pb2.HealthCheckRequest(service=ENGINE)).status == SERVING

@@ -202,6 +202,9 @@ def test_a_prompt_that_can_never_fit_is_refused_at_once(start_worker, model_dir,
         generate(w.stub, prompt(longest + 10), max_tokens=4)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"holds at most {longest} tokens" in err.value.details()
+    # What GetModelInfo tells a router is the limit refusals apply.
+    info = w.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.max_req_input_len == longest - 1 < info.max_context_length - 1
     # A prompt that fits, asking for more than fits: it stops where memory ends.
     fitting = generate(w.stub, prompt(longest - 20), max_tokens=1000, ignore_eos=True)
     assert len(fitting.tokens) == 20 and fitting.complete.finish_reason == "length"

@@ -140,6 +140,12 @@ def test_one_log_line_per_request_with_its_id_and_counts(worker, caplog):
         assert part in text
     entry = json.loads(JsonFormatter().format(lines[0]))
     assert entry["request_id"] == "req-42"
+    # An id with spaces or quotes is quoted, so that key=value parsers keep it whole.
+    with caplog.at_level(logging.INFO, logger="smg_mlx.requests"):
+        generate(worker.stub, prompt(3), request_id='id 🙂 "x"=1', max_tokens=1)
+        assert wait_until(lambda: any("🙂" in r.getMessage() for r in caplog.records))
+    spaced = next(r.getMessage() for r in caplog.records if "🙂" in r.getMessage())
+    assert 'request_id="id 🙂 \\"x\\"=1" prompt_tokens=3' in spaced
     assert entry["prompt_tokens"] == 9 and entry["completion_tokens"] == 6
     assert entry["cached_tokens"] == 0 and entry["finish_reason"] == "length"
     assert entry["ttft_ms"] >= 0 and entry["duration_ms"] >= entry["ttft_ms"]

@@ -29,7 +29,8 @@ BAD_REQUESTS = [
     ("logprobs too many", request([5, 6], logprobs=21), "logprobs"),
     ("negative logprobs", request([5, 6], logprobs=-1), "logprobs"),
     ("logit_bias outside vocabulary", request([5, 6], logit_bias={100000: 1.0}), "logit_bias"),
-    ("stop token outside vocabulary", request([5, 6], stop_token_ids=[100000]), "stop_token_ids"),
+    ("stop token outside vocabulary", request([5, 6], stop_token_ids=[100000]),
+     "stop_token_ids has 100000, outside the vocabulary (ids must be below 384)"),
     # Values that made logprobs NaN: each refused with its allowed range.
     ("tiny repetition penalty", request([5, 6], repetition_penalty=1e-45),
      "repetition_penalty must be 0 (unset) or in [0.01, 100], got 1.4013e-45"),
@@ -104,6 +105,22 @@ def test_abort_frees_running_and_queued_requests(start_worker, model_dir):
     assert w.active_requests() == 0
     assert w.worker.engine.running == 0
     assert len(generate(w.stub, prompt(4), max_tokens=3).tokens) == 3
+
+
+def test_an_aborted_id_may_be_sent_again_as_soon_as_abort_returns(worker):
+    first = worker.stub.Generate(
+        request(prompt(4), request_id="again", max_tokens=5000), timeout=60
+    )
+    next(first)
+    worker.stub.Abort(pb.AbortRequest(request_ids=["again"]))
+    # Not ALREADY_EXISTS, though the aborted stream may not have ended yet.
+    second = generate(worker.stub, prompt(4, 1), request_id="again", max_tokens=3)
+    assert len(second.tokens) == 3
+    assert list(first)[-1].complete.finish_reason == "abort"
+    # An abort of the id now reaches no one; a third request with it runs whole.
+    worker.stub.Abort(pb.AbortRequest(request_ids=["again"]))
+    assert len(generate(worker.stub, prompt(4, 2), request_id="again", max_tokens=3).tokens) == 3
+    assert wait_until(lambda: worker.active_requests() == 0)
 
 
 def test_abort_of_unknown_id_is_a_no_op(worker):

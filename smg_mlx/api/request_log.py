@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from smg_mlx.api.jobs import Job
@@ -16,6 +17,15 @@ def bounded(text: str) -> str:
     if len(text) <= MAX_LOGGED_ID:
         return text
     return f"{text[:MAX_LOGGED_ID]}...({len(text)} characters)"
+
+
+def _value(value: object) -> str:
+    """A field's value as key=value parsers read it: quoted (JSON) where it is
+    empty or holds a space, a quote, an equals sign or a backslash."""
+    text = str(value)
+    if text and not any(c.isspace() or c in '"=\\' for c in text):
+        return text
+    return json.dumps(text, ensure_ascii=False)
 
 
 def request_ended(job: Job, outcome: str) -> None:
@@ -33,5 +43,5 @@ def request_ended(job: Job, outcome: str) -> None:
         "duration_ms": round((job.ended_at - job.arrived_at) * 1000, 1),
         "finish_reason": outcome,
     }
-    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    text = " ".join(f"{k}={_value(v)}" for k, v in fields.items())
     log.info("request done %s", text, extra={"fields": fields})

@@ -184,7 +184,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             # gRPC asks for the next message only once it sent this one.
             delivered = True
         finally:
-            del self._jobs[request_id]
+            if self._jobs.get(request_id) is job:  # (Abort may have freed its id)
+                del self._jobs[request_id]
             if not job.done:  # the client left or its deadline passed
                 self._engine.abort([job])
             self._request_ended(job, delivered)
@@ -261,6 +262,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         jobs = [job for request_id, job in self._jobs.items() if request_id in ids]
         if jobs:
             self._engine.abort(jobs)
+            # Their ids are free once Abort returns: a client may send one again
+            # at once, while the aborted stream is still sending its last message.
+            for job in jobs:
+                del self._jobs[job.request_id]
         preparing = [request_id for request_id in self._preparing if request_id in ids]
         for request_id in preparing:
             self._preparing[request_id] = True  # Generate ends it once it is prepared
@@ -305,8 +310,15 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             eos_token_ids=info.eos_token_ids,
             pad_token_id=info.pad_token_id or 0,
             bos_token_id=info.bos_token_id or 0,
-            max_req_input_len=info.context_length - 1,
+            max_req_input_len=self._longest_prompt(info.context_length),
         )
+
+    def _longest_prompt(self, context_length: int) -> int:
+        """The longest prompt a request may send: one token short of the
+        context, or of what memory holds for one request, whichever is less
+        (what `Generate` refuses past; unknown until the engine has started)."""
+        longest = self._engine.longest_sequence
+        return (min(context_length, longest) if longest else context_length) - 1
 
     async def GetServerInfo(
         self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext

@@ -281,7 +281,11 @@ def generation_spec(
     max_tokens = _max_tokens(request, room, logprobs, info.vocab_size, limits.max_response_bytes)
     stops = set(params.stop_token_ids)
     bad = [t for t in stops if t >= info.vocab_size]
-    _check(not bad, f"stop_token_ids has {bad[0] if bad else 0}, outside the vocabulary")
+    _check(
+        not bad,
+        f"stop_token_ids has {bad[0] if bad else 0}, outside the vocabulary "
+        f"(ids must be below {info.vocab_size})",
+    )
     if not params.ignore_eos:
         stops.update(info.eos_token_ids)
     return GenerationSpec(
