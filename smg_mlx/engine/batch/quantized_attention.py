@@ -9,7 +9,9 @@ Under --kv-bits, `install` puts `attention` in place of mlx-lm's
   and mlx's CUDA quantized matmul takes keys broadcast along any batch axis
   for one matrix shared by the whole batch (every row and head would attend
   to the first one's keys). Here a KV head's query heads are folded into the
-  query axis instead, so nothing is broadcast.
+  query axis instead, so nothing is broadcast. (On CUDA, keys whose head is
+  one quantization group are dequantized for their product: mlx's kernel for
+  those gets it wrong on Hopper GPUs.)
 - **A longer pass** (a prompt's chunk) dequantizes them and runs the fused
   attention, as the model's own caches do. mlx-lm's way holds every query's
   scores over every key at once (a 4,096-token chunk over 32k keys of a
