@@ -17,7 +17,11 @@ if [ -z "$extra" ] && [ "$(uname -s)" = Linux ]; then
         "as in: $0 $prefix cpu (none installs without one)" >&2
     exit 2
 fi
-[ "$extra" = none ] && extra=
+case $extra in
+    ''|cpu|cuda13) ;;
+    none) extra= ;;
+    *) echo "$0: no backend '$extra': name cpu, cuda13 or none" >&2; exit 2 ;;
+esac
 source=$(cd "$(dirname "$0")/.." && pwd)
 "${PYTHON:-python3}" -m venv "$prefix"
 "$prefix/bin/python" -m pip install --quiet --no-cache-dir "$source${extra:+[$extra]}"

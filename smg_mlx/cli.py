@@ -22,6 +22,7 @@ from smg_mlx.config import (
 )
 from smg_mlx.demo_model import default_demo_dir
 from smg_mlx.engine.ranks.launched import launched_rank
+from smg_mlx.stop_signals import stop_signals
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,9 +156,9 @@ def _stop_before_serving(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Until the event loop takes over (server.run), SIGTERM and SIGINT end the
-    # process quietly with 0, as they do later.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # Until the event loop takes over (server.run), a stop signal ends the
+    # process quietly with 0, as it does later.
+    for sig in stop_signals():
         signal.signal(sig, _stop_before_serving)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -182,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", bad_tls)
         return 2
     missing = mlx_backend.missing_backend()
-    if missing is not None:
+    if missing is not None:  # an install to fix, which no restart cures
         log.error("%s", missing)
-        return 1
+        return 2
     if rank is not None:  # first, before anything that could load another NCCL
         joined = _join(rank)
         if joined is not None:

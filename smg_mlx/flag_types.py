@@ -57,9 +57,14 @@ def memory_budget(text: str) -> tuple[int | None, float | None]:
     """(bytes, None) for a size ("24GiB"), (None, share) for a share of the
     device's memory ("80%")."""
     if text.strip().endswith("%"):
-        share = _number(float, 0, "a percentage such as 80%")(text.strip()[:-1]) / 100
-        if not 0 < share <= 1:
-            raise argparse.ArgumentTypeError(f"expected a percentage up to 100%, got {text!r}")
+        try:
+            share = float(text.strip()[:-1]) / 100
+        except ValueError:
+            share = math.nan
+        if not 0 < share <= 1:  # (nan too)
+            raise argparse.ArgumentTypeError(
+                f"expected a percentage above 0 and up to 100%, got {text!r}"
+            )
         return None, share
     return byte_size(text), None
 
@@ -163,7 +168,15 @@ def host(text: str) -> str:
 
 def timeout(text: str) -> float:
     """Seconds to wait, above 0: a wait of none can never be met."""
-    seconds = non_negative(text)
+    what = "a number of seconds above 0"
+    seconds = _number(float, 0, what)(text)
     if seconds == 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return seconds
+
+
+def served_name(text: str) -> str:
+    """A name for the router (empty: the model's own, as when not given)."""
+    if text and not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a name, got only spaces: {text!r}")
+    return text

@@ -37,6 +37,7 @@ from smg_mlx.flag_types import (
     non_negative,
     positive,
     positive_float,
+    served_name,
 )
 
 
@@ -115,6 +116,7 @@ def _listening(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--served-model-name",
+        type=served_name,
         help="model name reported to the router (default: the model directory's name)",
     )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import signal
 import socket
 import sys
 import time
@@ -31,6 +30,7 @@ from smg_mlx.engine.ranks.launched import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
 from smg_mlx.logs import READY, counted, format_bytes, host_port, one_line
 from smg_mlx.model_config import BadModelConfig, generation_config, read_json
+from smg_mlx.stop_signals import stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +397,7 @@ class Worker:
             await asyncio.sleep(0.05)
         if servicer.active_requests:
             log.warning("aborting %s still running", counted(servicer.active_requests, "request"))
-            self.engine.abort(servicer.jobs)
+            self.engine.abort_all()
             # Let the aborted streams send their final message.
             end = time.monotonic() + 5
             while servicer.active_requests and time.monotonic() < end:
@@ -458,13 +458,13 @@ class Worker:
 
 
 async def run(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT, which may come at any time, even while the
-    model loads; returns the exit code."""
+    """Serve until a stop signal (`stop_signals`), which may come at any time,
+    even while the model loads; returns the exit code."""
     if not config.engine_process:
         sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     worker = Worker(config)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
         loop.add_signal_handler(sig, worker.request_stop)
     starting = asyncio.ensure_future(worker.start())
     stop = asyncio.ensure_future(worker.stop_requested())

@@ -14,14 +14,14 @@ from docs import DEPLOY_README, DOCS, OPERATIONS, README, REPO, section, table
 # What ends the worker with which code, by a word each claim uses. The codes are the
 # worker's own, as the tests that end it each way check: test_exit.py (signals, a taken
 # port, bad flags), test_lifecycle.py (a model that cannot load, an engine failure, no model
-# directory), test_model_source.py (a download), test_package.py (no MLX backend).
+# directory), test_model_source.py (a download), test_package.py (no MLX backend, 2).
 CAUSES = {
     "SIGTERM": 0,
     "loaded": 1,
     "download": 1,
     "engine": 1,
     "port": 1,
-    "backend": 1,
+    "backend": 2,
     "flags": 2,
     "--model": 2,
 }

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -72,6 +73,26 @@ def test_sigterm_lets_in_flight_requests_finish(spawn, model_dir):
     assert "Traceback" not in p.log.read_text()
 
 
+def test_a_hang_up_drains_as_sigterm_does_unless_nohup_ignores_it(spawn, model_dir):
+    # Closing the terminal a foreground worker runs in sends SIGHUP.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts one
+    try:
+        kept = spawn("--model", str(model_dir))
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    p = spawn("--model", str(model_dir))
+    kept.wait_serving()
+    p.wait_serving()
+    call = p.stub.Generate(request(prompt(5), max_tokens=300, ignore_eos=True), timeout=60)
+    next(call)
+    kept.proc.send_signal(signal.SIGHUP)
+    p.proc.send_signal(signal.SIGHUP)
+    assert collect(call).complete.finish_reason == "length"  # let finish, as SIGTERM does
+    assert p.proc.wait(30) == 0
+    assert "shutting down" in p.log.read_text()
+    assert kept.proc.poll() is None and kept.check() == SERVING
+
+
 def test_sigterm_aborts_what_outlives_the_grace_period(spawn, model_dir):
     p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "0.5")
     p.wait_serving()
@@ -84,6 +105,41 @@ def test_sigterm_aborts_what_outlives_the_grace_period(spawn, model_dir):
     for c in calls:
         assert collect(c).complete.finish_reason == "abort"
     assert "Traceback" not in p.log.read_text()
+
+
+def test_past_the_grace_streams_end_with_abort_while_the_engine_is_still_in_a_step(
+    start_worker, model_dir, monkeypatch
+):
+    """A long prompt's chunk on a slow machine holds a step for seconds: past
+    the grace, a stream still open ends with "abort" at once, not once that
+    step ends (nor cut off by the server's own stop)."""
+    w = start_worker(model_dir, shutdown_grace_seconds=0.2)
+    channel = grpc.insecure_channel(f"127.0.0.1:{w.worker.port}")  # (stop closes w's)
+    call = mlx_engine_pb2_grpc.MlxEngineStub(channel).Generate(
+        request(prompt(5), max_tokens=2000), timeout=60
+    )
+    next(call)
+    held, release = threading.Event(), threading.Event()
+    step = Batch.step
+
+    def slow(self, *args, **kwargs):
+        held.set()
+        release.wait(30)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Batch, "step", slow)
+    assert held.wait(10)
+    stopping = threading.Thread(target=w.stop)
+    stopping.start()
+    try:
+        rest = collect(call)
+        assert rest.complete.finish_reason == "abort"
+        assert not release.is_set() and held.is_set()  # the step had not ended
+    finally:
+        release.set()
+        stopping.join(60)
+        channel.close()
+    assert w.exit_code == 0
 
 
 def test_sigterm_under_load_ends_every_stream_cleanly(spawn, model_dir):

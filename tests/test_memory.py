@@ -243,6 +243,16 @@ def test_a_budget_below_the_model_is_refused_at_start(spawn, model_dir):
     assert "raise --memory-budget" in log and "Traceback" not in log
 
 
+def test_a_budget_that_holds_the_model_but_no_request_is_refused_as_a_flag(spawn, model_dir):
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    p = spawn("--model", str(model_dir), "--memory-budget", str(weights + 1024))
+    assert p.proc.wait(60) == 2  # a restart cannot cure it
+    log = p.log.read_text()
+    assert "does not hold the model" in log
+    assert "and one short request: raise --memory-budget" in log
+    assert "Traceback" not in log
+
+
 OUT_OF_MEMORY = RuntimeError("[metal::malloc] Unable to allocate 8589934592 bytes")
 # Not memory: what gemma2's mask raised in a padded batch.
 BAD_SHAPES = ValueError("[broadcast_shapes] Shapes (3,1,22,22) and (3,2,2,22,22)")

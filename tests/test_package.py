@@ -87,6 +87,17 @@ def test_install_sh_on_linux_asks_which_backend_before_installing(tmp_path):
     assert not (tmp_path / "venv").exists()
 
 
+def test_install_sh_refuses_a_backend_it_does_not_know_before_installing(tmp_path):
+    done = subprocess.run(
+        [REPO / "deploy" / "install.sh", tmp_path / "venv", "cuda12"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "no backend 'cuda12': name cpu, cuda13 or none" in done.stderr
+    assert not (tmp_path / "venv").exists()
+
+
 def test_install_sh_from_a_clean_tree_installs_and_serves(tmp_path):
     """deploy/install.sh, the install of the systemd recipe and of the image; on Linux
     first without a backend, whose message names the command that adds one."""
@@ -126,7 +137,7 @@ def test_install_sh_from_a_clean_tree_installs_and_serves(tmp_path):
             timeout=60,
             **isolated,
         )
-        assert bare.returncode == 1
+        assert bare.returncode == 2  # an install to fix: no supervisor should restart it
         assert "Traceback" not in bare.stderr
         command = re.search(r"install one with (.+?) for the CPU", bare.stderr)
         assert command is not None, bare.stderr

@@ -124,7 +124,7 @@ def serve(conn: Connection, stream_interval: int, log_level: int) -> None:
     """The child's entry point: once the worker sends ("start", config), serve
     that model through `conn` until stopped."""
     # Signals are the worker's: it asks this process to stop through the pipe.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     pipe = PipeEnd(conn)
     receiver = PipeReceiver(pipe)

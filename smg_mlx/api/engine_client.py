@@ -107,6 +107,13 @@ class EngineClient:
     def abort(self, jobs: Iterable[Job]) -> None:
         self._inbox.abort(job.key for job in jobs)
 
+    def abort_all(self) -> None:
+        """At a stop, past its grace: every job the engine holds is aborted and
+        ends now, with finish_reason "abort", not at the engine's next step,
+        which a long prompt's chunk on a slow machine may hold for seconds."""
+        self.abort(self._jobs.values())
+        self._end_all(finish_reason="abort")
+
     def stop(self, flush_seconds: float = 0.0) -> None:
         """Ask the engine to end, its prefix cache writing to disk for at most
         `flush_seconds`; jobs it still holds end with finish_reason "abort"."""

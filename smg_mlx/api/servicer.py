@@ -85,10 +85,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         """Requests taken in: running, waiting, or still being parsed or prepared."""
         return self._calls
 
-    @property
-    def jobs(self) -> list[Job]:
-        return list(self._jobs.values())
-
     def unavailable_reason(self) -> str | None:
         """Why the worker cannot take a request now, or None when it can."""
         if self.draining:

@@ -19,6 +19,7 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.engine.memory.costs import MemoryModel
 from smg_mlx.engine.memory.planner import MemoryPlanner
 from smg_mlx.engine.schedule.scheduler import Scheduler
+from smg_mlx.engine.types import Unservable
 from smg_mlx.logs import format_bytes
 
 if TYPE_CHECKING:
@@ -140,7 +141,8 @@ def _planner(
 def _check_budget(planner: MemoryPlanner) -> None:
     longest = planner.longest_sequence
     if longest < 2:
-        raise RuntimeError(
+        # A flag's value, which no restart cures: refused as a bad flag is (exit 2).
+        raise Unservable(
             f"the memory budget ({format_bytes(planner.budget)}) does not hold the "
             f"model ({format_bytes(planner.model.weights)}) and one short request: raise "
             "--memory-budget"
