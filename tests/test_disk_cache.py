@@ -98,6 +98,8 @@ def test_a_restarted_worker_finds_the_entries_it_held_in_memory(
     first = same_as_cold(w, cold, A)
     w.stop()  # a graceful stop writes what memory holds
     again = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    # Counted as soon as it serves, before any request (metrics read these).
+    assert wait_until(lambda: again.worker.engine.cache.disk_entries > 0)
     history = A + first.tokens
     got = same_as_cold(again, cold, history + prompt(30, 5))
     assert got.complete.cached_tokens == len(history)

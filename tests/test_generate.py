@@ -14,6 +14,7 @@ from smg_mlx.api.engine_client import EngineClient
 from smg_mlx.api.jobs import Job
 from smg_mlx.api.streaming import StreamPublisher, tokens_per_message
 from smg_mlx.engine.types import (
+    CacheStats,
     Event,
     GenerationSpec,
     LogitsSettings,
@@ -280,7 +281,7 @@ def test_a_stream_sends_what_it_holds_before_a_slow_step():
 
     async def scenario() -> tuple[list[list[int]], list[list[int]]]:
         client = EngineClient(asyncio.get_running_loop(), stream_interval=2)
-        client.started(memory, 1, "batched")
+        client.started(memory, 1, "batched", CacheStats())
         publisher = StreamPublisher(_at_once, client, minimum=2)
         job = Job("r", spec)
         client.submit(job)

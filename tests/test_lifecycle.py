@@ -142,6 +142,25 @@ def test_past_the_grace_streams_end_with_abort_while_the_engine_is_still_in_a_st
     assert w.exit_code == 0
 
 
+def test_past_the_grace_requests_without_a_token_are_for_another_worker(spawn, model_dir):
+    """Requests still waiting for their first token when the grace ends get
+    UNAVAILABLE (the router retries those on another worker), not an empty OK;
+    one that streamed ends with "abort"."""
+    p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "0.5",
+              "--completion-batch-size", "1", "--prefill-batch-size", "1")  # fmt: skip
+    p.wait_serving()
+    calls = [p.stub.Generate(request(prompt(5, i), max_tokens=2000), timeout=60) for i in range(3)]
+    first = next(calls[0])  # the batch holds one: the others wait
+    assert first.chunk.token_ids
+    assert p.stop() == 0
+    assert collect(calls[0]).complete.finish_reason == "abort"
+    for call in calls[1:]:
+        with pytest.raises(grpc.RpcError) as err:
+            collect(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "had no token yet: send it to another worker" in err.value.details()
+
+
 def test_sigterm_under_load_ends_every_stream_cleanly(spawn, model_dir):
     p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "2")
     p.wait_serving()

@@ -16,6 +16,10 @@ from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
 from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats, StepReport
 
+UNSTARTED_AT_STOP = (
+    "the worker is shutting down and this request had no token yet: send it to another worker"
+)
+
 
 class EngineState(enum.Enum):
     STARTING = "starting"
@@ -109,10 +113,17 @@ class EngineClient:
 
     def abort_all(self) -> None:
         """At a stop, past its grace: every job the engine holds is aborted and
-        ends now, with finish_reason "abort", not at the engine's next step,
-        which a long prompt's chunk on a slow machine may hold for seconds."""
+        ends now, not at the engine's next step, which a long prompt's chunk on
+        a slow machine may hold for seconds. One with tokens ends with
+        finish_reason "abort"; one without, with an error another worker may
+        take it from (UNAVAILABLE: the router retries it)."""
         self.abort(self._jobs.values())
-        self._end_all(finish_reason="abort")
+        for job in self._jobs.values():
+            if job.tokens:
+                job.end(finish_reason="abort")
+            else:
+                job.end(error=UNSTARTED_AT_STOP, retry_elsewhere=True)
+        self._jobs.clear()
 
     def stop(self, flush_seconds: float = 0.0) -> None:
         """Ask the engine to end, its prefix cache writing to disk for at most
@@ -149,8 +160,9 @@ class EngineClient:
         """What one token's keys and values take as stored, in bytes."""
         return self.memory.kv_per_token if self.memory else 0.0
 
-    def started(self, memory: Memory, ranks: int, mode: str) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats) -> None:
         self.memory = memory
+        self.cache = cache
         self.ranks = ranks
         self.mode = mode
         self.state = EngineState.READY
@@ -209,7 +221,7 @@ class EngineClient:
         self.failure = message
         if not self._ready.done():
             self._ready.set_exception(EngineUnavailable(message, permanent))
-        self._end_all(error=message, engine_failed=True)
+        self._end_all(error=message, retry_elsewhere=True)
         for listener in self._failure_listeners:
             listener(message)
 

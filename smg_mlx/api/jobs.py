@@ -25,7 +25,9 @@ class Job:
     finish_reason: str | None = None
     error: str | None = None
     failure: Failure | None = None  # why it ended with an error (from the engine)
-    engine_failed: bool = False  # the error: the engine failed, not this request
+    # The error is the worker's, not this request's (the engine failed, or the
+    # worker stopped before the request had a token): another worker may serve it.
+    retry_elsewhere: bool = False
     streamed: int = 0  # tokens sent to the client so far
     cached_tokens: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -83,8 +85,8 @@ class Job:
         *,
         finish_reason: str | None = None,
         error: str | None = None,
-        engine_failed: bool = False,
+        retry_elsewhere: bool = False,
     ) -> None:
         """End the job without the engine (it stopped or failed)."""
-        self.engine_failed = engine_failed
+        self.retry_elsewhere = retry_elsewhere
         self.apply(Event(self.key, finish_reason=finish_reason, error=error), time.monotonic())

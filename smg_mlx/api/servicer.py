@@ -229,7 +229,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             return grpc.StatusCode.INVALID_ARGUMENT
         if job.failure is Failure.OUT_OF_MEMORY:
             return grpc.StatusCode.RESOURCE_EXHAUSTED
-        if job.engine_failed and not job.streamed:
+        if job.retry_elsewhere and not job.streamed:
             # Nothing reached the client: another worker can serve it (the
             # router retries UNAVAILABLE before the first message).
             return grpc.StatusCode.UNAVAILABLE

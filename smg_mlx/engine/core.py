@@ -109,7 +109,8 @@ class EngineCore:
             return
         ranks = channel.size if channel is not None else 1
         try:
-            self.sink.started(self._memory(batch, scheduler), ranks, batch.mode.value)
+            cache = batch.prefixes.stats() if batch.prefixes is not None else CacheStats()
+            self.sink.started(self._memory(batch, scheduler), ranks, batch.mode.value, cache)
             if channel is not None and channel.rank > 0:
                 self._follow(batch, channel)
             else:

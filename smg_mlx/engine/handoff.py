@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
-from smg_mlx.engine.types import Memory, Request, StepReport
+from smg_mlx.engine.types import CacheStats, Memory, Request, StepReport
 
 
 class Inbox:
@@ -112,10 +112,11 @@ class Inbox:
 class Sink(Protocol):
     """Where the engine reports. Every method is called on the engine thread."""
 
-    def started(self, memory: Memory, ranks: int, mode: str) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats) -> None:
         """The model is loaded and warmed up on `ranks` processes: requests can be
         served (of at most `memory.longest_sequence` tokens each), batched as
-        `mode` says (`engine.batch.batch_check`)."""
+        `mode` says (`engine.batch.batch_check`); the prefix cache holds what
+        `cache` says (the disk tier's entries from earlier runs)."""
 
     def stepping(self, expected_seconds: float) -> None:
         """A step is about to run, expected to take `expected_seconds`."""
