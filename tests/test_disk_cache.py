@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import json
 import logging
 import os
@@ -103,6 +104,11 @@ def test_a_restarted_worker_finds_the_entries_it_held_in_memory(
     history = A + first.tokens
     got = same_as_cold(again, cold, history + prompt(30, 5))
     assert got.complete.cached_tokens == len(history)
+    # What was read back lives in the cache alone: no read still holds a copy
+    # of its arrays (one did, where the reader thread last saw it: a whole
+    # entry's worth of memory past what the budget counts).
+    reads = [o for o in gc.get_objects() if isinstance(o, disk_folder.Read)]
+    assert reads and all(read.rebuild is None for read in reads)
     # A prompt that diverges inside the entry reuses it cut back.
     assert same_as_cold(again, cold, A[:300] + prompt(50, 6)).complete.cached_tokens == 300
 

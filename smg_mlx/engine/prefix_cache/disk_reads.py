@@ -140,8 +140,11 @@ class DiskReads:
             if not read.rebuild.done:
                 continue
             self._copying.pop(0)
+            # The cache alone holds the arrays from here: a read lingers where
+            # the reader thread last saw it, and would keep a copy's worth alive.
+            rebuild, read.rebuild = read.rebuild, None
             try:
-                cache = read.rebuild.cache()
+                cache = rebuild.cache()
             except Exception as exc:  # noqa: BLE001 - a file we cannot make a cache of
                 read.error = kv_files.BadFile(f"its caches cannot be rebuilt ({exc!r})")
                 self._fail(read)
