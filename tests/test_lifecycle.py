@@ -74,13 +74,15 @@ def test_sigterm_lets_in_flight_requests_finish(spawn, model_dir):
 
 
 def test_a_hang_up_drains_as_sigterm_does_unless_nohup_ignores_it(spawn, model_dir):
-    # Closing the terminal a foreground worker runs in sends SIGHUP.
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts one
+    # Closing the terminal a foreground worker runs in sends SIGHUP. A child
+    # inherits an ignored SIGHUP (nohup's way; the test runner's may ignore it too).
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         kept = spawn("--model", str(model_dir))
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        p = spawn("--model", str(model_dir))
     finally:
         signal.signal(signal.SIGHUP, previous)
-    p = spawn("--model", str(model_dir))
     kept.wait_serving()
     p.wait_serving()
     call = p.stub.Generate(request(prompt(5), max_tokens=300, ignore_eos=True), timeout=60)
