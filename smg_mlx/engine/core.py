@@ -109,8 +109,9 @@ class EngineCore:
             return
         ranks = channel.size if channel is not None else 1
         try:
-            cache = batch.prefixes.stats() if batch.prefixes is not None else CacheStats()
-            self.sink.started(self._memory(batch, scheduler), ranks, batch.mode.value, cache)
+            self.sink.started(
+                self._memory(batch, scheduler), ranks, batch.mode.value, _cache_stats(batch)
+            )
             if channel is not None and channel.rank > 0:
                 self._follow(batch, channel)
             else:
@@ -274,8 +275,7 @@ class EngineCore:
             or self._figures is None
             or now - self._figures_at >= FIGURES_SECONDS
         ):
-            cache = batch.prefixes.stats() if batch.prefixes is not None else CacheStats()
-            self._figures = (self._memory(batch, scheduler), cache, batch.speculation)
+            self._figures = (self._memory(batch, scheduler), _cache_stats(batch), batch.speculation)
             self._figures_at, self._counts = now, counts
         memory, cache, speculation = self._figures
         running, prefilling, waiting = counts
@@ -425,3 +425,8 @@ class EngineCore:
                     return
         finally:
             watchdog.close()
+
+
+def _cache_stats(batch: Batch) -> CacheStats:
+    """The prefix cache's figures (all zero where it is off)."""
+    return batch.prefixes.stats() if batch.prefixes is not None else CacheStats()
