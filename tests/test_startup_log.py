@@ -94,6 +94,23 @@ def test_the_start_up_names_the_longest_request_of_context_and_memory(
     assert said.format(longest, "what memory holds") in caplog.text
 
 
+def test_the_start_up_says_where_the_memory_budget_comes_from(start_worker, model_dir, caplog):
+    caplog.set_level(logging.INFO, "smg_mlx.engine.start_up")
+    start_worker(model_dir)
+    # CI's machines have no GPU: the host's share.
+    assert re.search(
+        r"memory budget [\d.]+ \w+ \(75% of the host's memory \(or its container's limit\), "
+        r"[\d.]+ \w+\): the model takes",
+        caplog.text,
+    )
+    caplog.clear()
+    start_worker(model_dir, memory_budget_share=0.5)
+    assert "(50% (--memory-budget) of the host's memory" in caplog.text
+    caplog.clear()
+    start_worker(model_dir, memory_budget_bytes=1 << 30)
+    assert "memory budget 1.00 GiB (--memory-budget): the model takes" in caplog.text
+
+
 def test_pipeline_with_one_rank_says_it_does_nothing(start_worker, model_dir, caplog):
     # As under a launcher that started one rank: the command line lets --pipeline through.
     caplog.set_level(logging.WARNING, "smg_mlx.server")

@@ -69,7 +69,10 @@ def start(config: EngineConfig, wake: Callable[[], None]) -> Started:
             batch.build_shapes(math.inf)
         budget = memory_probe.budget(config.memory_budget_bytes, config.memory_budget_share)
         planner = _planner(batch.memory, budget, channel, batch.prefill_rows, batch.max_chunk)
-        _check_budget(planner)
+        _check_budget(
+            planner,
+            memory_probe.budget_source(config.memory_budget_bytes, config.memory_budget_share),
+        )
         batch.bound_buffer_cache(planner)
         if channel is not None:
             lockstep.same_random_state(channel)
@@ -138,7 +141,7 @@ def _planner(
     )
 
 
-def _check_budget(planner: MemoryPlanner) -> None:
+def _check_budget(planner: MemoryPlanner, source: str) -> None:
     longest = planner.longest_sequence
     if longest < 2:
         # A flag's value, which no restart cures: refused as a bad flag is (exit 2).
@@ -149,7 +152,8 @@ def _check_budget(planner: MemoryPlanner) -> None:
         )
     # What one request may have is the worker's to say: it knows the context too.
     log.info(
-        "memory budget %s: the model takes %s",
+        "memory budget %s (%s): the model takes %s",
         format_bytes(planner.budget),
+        source,
         format_bytes(planner.model.weights),
     )

@@ -105,6 +105,21 @@ def budget(size: int | None, share: float | None) -> int:
     return size
 
 
+def budget_source(size: int | None, share: float | None) -> str:
+    """Where `budget` takes its figure from, for the start-up line."""
+    if size is not None:
+        return "--memory-budget"
+    memory, default = device_memory()
+    device = (
+        "the GPU's memory"
+        if default == GPU_SHARE
+        else "the host's memory (or its container's limit)"
+    )
+    percent = round(100 * (default if share is None else share))
+    named = " (--memory-budget)" if share is not None else ""
+    return f"{percent}%{named} of {device}, {format_bytes(memory)}"
+
+
 def _one_prompt(
     model: nn.Module, stream: mx.Stream, length: int, chunk: int, progress: Progress,
     caches: LayerCaches,
