@@ -561,6 +561,17 @@ def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(
     assert not files(tmp_path)
 
 
+def test_the_lock_names_the_worker_that_holds_it(spawn, model_dir, tmp_path):
+    """The pid an operator would signal: the worker's, not its engine's process's."""
+    first = spawn("--model", str(model_dir), "--prompt-cache-dir", str(tmp_path))
+    first.wait_serving()
+    second = spawn("--model", str(model_dir), "--prompt-cache-dir", str(tmp_path))
+    second.wait_serving()
+    assert f"in use by another worker serving this model (pid {first.proc.pid})" in (
+        second.log.read_text()
+    )
+
+
 def test_a_second_worker_on_the_same_directory_says_why_it_goes_without(
     start_worker, model_dir, cold, tmp_path, caplog
 ):

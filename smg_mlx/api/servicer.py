@@ -110,7 +110,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the worker is full ({counted(self._calls, 'request')} in flight: "
-                "--completion-batch-size running, --max-pending waiting); retry elsewhere",
+                "--completion-batch-size running, --max-pending waiting); retry on another "
+                "worker or later",
             )
         return self._counted()
 

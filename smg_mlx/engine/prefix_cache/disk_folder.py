@@ -30,6 +30,7 @@ import errno
 import fcntl
 import json
 import logging
+import multiprocessing
 import os
 import queue
 import shutil
@@ -306,7 +307,7 @@ class Folder:
                 "give each worker its own --prompt-cache-dir"
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        os.write(fd, str(_worker_pid()).encode())
         return fd
 
     @staticmethod
@@ -354,3 +355,8 @@ class Folder:
         return read
 
 
+def _worker_pid() -> int:
+    """The pid an operator knows the worker by (the one to signal): the
+    engine's own process is a child of the worker's (`api.engine_process`)."""
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None else os.getpid()
