@@ -95,7 +95,7 @@ def test_a_known_attention_working_set_is_taken_and_the_rest_measured(model_dir)
 def test_a_budget_past_the_devices_memory_is_taken_with_a_warning(caplog):
     memory, _ = memory_probe.device_memory()
     with caplog.at_level(logging.WARNING):
-        assert memory_probe.budget(memory // 2, None) == memory // 2
+        assert memory_probe.budget(memory // 2, None) == (memory // 2, "--memory-budget")
         assert caplog.text == ""
-        assert memory_probe.budget(4 * memory, None) == 4 * memory
+        assert memory_probe.budget(4 * memory, None) == (4 * memory, "--memory-budget")
     assert "is more than the device has" in caplog.text

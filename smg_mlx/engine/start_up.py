@@ -67,12 +67,11 @@ def start(config: EngineConfig, wake: Callable[[], None]) -> Started:
         warm_up.run(batch, thorough=batch.shape_builds)
         if channel is not None:  # every rank builds its shapes now: only rank 0 idles
             batch.build_shapes(math.inf)
-        budget = memory_probe.budget(config.memory_budget_bytes, config.memory_budget_share)
-        planner = _planner(batch.memory, budget, channel, batch.prefill_rows, batch.max_chunk)
-        _check_budget(
-            planner,
-            memory_probe.budget_source(config.memory_budget_bytes, config.memory_budget_share),
+        budget, source = memory_probe.budget(
+            config.memory_budget_bytes, config.memory_budget_share
         )
+        planner = _planner(batch.memory, budget, channel, batch.prefill_rows, batch.max_chunk)
+        _check_budget(planner, source)
         batch.bound_buffer_cache(planner)
         if channel is not None:
             lockstep.same_random_state(channel)

@@ -90,34 +90,27 @@ def device_memory() -> tuple[int, float]:
     return host_memory(), HOST_SHARE
 
 
-def budget(size: int | None, share: float | None) -> int:
+def budget(size: int | None, share: float | None) -> tuple[int, str]:
     """Bytes to budget: `size`, or else `share` of the device's memory, or else
-    the default share."""
+    the default share; and where that figure comes from, for the start-up line."""
     memory, default = device_memory()
     if size is None:
-        return int(memory * (default if share is None else share))
+        device = (
+            "the GPU's memory"
+            if default == GPU_SHARE
+            else "the host's memory (or its container's limit)"
+        )
+        named = " (--memory-budget)" if share is not None else ""
+        share = default if share is None else share
+        source = f"{round(100 * share)}%{named} of {device}, {format_bytes(memory)}"
+        return int(memory * share), source
     if size > memory:
         log.warning(
             "--memory-budget %s is more than the device has (%s): a worker that grows past "
             "that runs the machine out of memory; give at most that, or a percentage",
             format_bytes(size), format_bytes(memory),
         )  # fmt: skip
-    return size
-
-
-def budget_source(size: int | None, share: float | None) -> str:
-    """Where `budget` takes its figure from, for the start-up line."""
-    if size is not None:
-        return "--memory-budget"
-    memory, default = device_memory()
-    device = (
-        "the GPU's memory"
-        if default == GPU_SHARE
-        else "the host's memory (or its container's limit)"
-    )
-    percent = round(100 * (default if share is None else share))
-    named = " (--memory-budget)" if share is not None else ""
-    return f"{percent}%{named} of {device}, {format_bytes(memory)}"
+    return size, "--memory-budget"
 
 
 def _one_prompt(
