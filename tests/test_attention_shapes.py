@@ -16,6 +16,7 @@ from smg_mlx.engine.batch.attention_shapes import (
     shape_key,
     windows_for,
 )
+from smg_mlx.engine.batch.layer_waits import IN_FLIGHT
 
 OWN = mx.fast.scaled_dot_product_attention  # mlx's, as no wrapper has it yet
 
@@ -100,14 +101,16 @@ def test_a_shape_builds_once_and_the_warm_up_builds_what_one_row_meets(shapes):
 def test_the_planner_is_told_the_copies_only_while_every_prefill_is_padded(shapes):
     attend(1, 200, 1000, "causal")
     attend(3, 50, 300, None)
-    assert shapes.working_set(1000.0) == (MASK_BYTES, 1000.0)
+    # Of 30 layers' copies, those of the layers in flight (engine.batch.layer_waits).
+    assert shapes.working_set(1000.0, 30) == (MASK_BYTES, 1000.0 * IN_FLIGHT / 30)
+    assert shapes.working_set(1000.0, 2) == (MASK_BYTES, 1000.0)
     one = mx.zeros((1, 4, 1, 16))  # a float32 decode step runs mlx's own: no prefill
     shapes.attention(one, one[:, :2], one[:, :2], scale=0.25, mask=None)
-    assert shapes.working_set(1000.0) is not None
+    assert shapes.working_set(1000.0, 30) is not None
     # A float32 prefill runs mlx's own attention, whose working set only the probe knows.
     q = mx.zeros((1, 4, 64, 16))
     shapes.attention(q, q[:, :2], q[:, :2], scale=0.25, mask="causal")
-    assert shapes.working_set(1000.0) is None
+    assert shapes.working_set(1000.0, 30) is None
 
 
 def test_a_few_queries_a_row_attend_as_the_fused_kernel_does():

@@ -14,6 +14,7 @@ import smg_mlx
 MLX_SIDE = {
     "smg_mlx.engine.batch.batch",
     "smg_mlx.engine.batch.lanes",
+    "smg_mlx.engine.batch.layer_waits",
     "smg_mlx.engine.batch.prefix_calls",
     "smg_mlx.engine.batch.rows",
     "smg_mlx.engine.batch.batch_kv",

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import quantized_attention, quantized_kv
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes, key_bucket
+from smg_mlx.engine.batch.layer_waits import IN_FLIGHT, LayerWaits
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 
 from helpers import prompt
@@ -217,6 +218,42 @@ def test_prefill_in_few_shapes_pads_keys_while_quantized(monkeypatch):
         quantized_attention.install(None)
     assert dequantized_lengths and set(dequantized_lengths) == {key_bucket(S)} != {S}
     assert mx.allclose(ours, exact, atol=2e-2)
+
+
+def test_a_long_pass_holds_the_dequantized_copies_of_the_layers_in_flight_only():
+    """engine.batch.layer_waits: a prompt's chunk over many keys, through 12
+    layers, holds the dequantized keys and values of the layers in flight (as
+    the memory planner counts it), and gives what the pass recorded whole
+    gives. (Recorded whole on a GPU, where buffers return only once the work
+    reading them has run, it held every layer's copies: measured on CUDA.)"""
+    layers, kv_heads, keys, D = 12, 4, 4096, 64
+    caches = [
+        [mx.quantize(mx.random.normal((1, kv_heads, keys, D), key=mx.random.key(n)), GROUP, 8)
+         for n in (2 * layer, 2 * layer + 1)]
+        for layer in range(layers)
+    ]  # fmt: skip
+    copies = 2 * kv_heads * keys * D * 4  # a layer's keys and values, dequantized (float32)
+    mx.eval(caches)
+
+    def long_pass(waits: LayerWaits | None) -> tuple[mx.array, int]:
+        x = mx.random.normal((1, 8, 64, D), key=mx.random.key(99))
+        mx.eval(x)
+        mx.synchronize()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        for q_keys, q_values in caches:  # each layer's queries made from the last one's output
+            out = quantized_attention.attention(
+                x, q_keys, q_values, 0.125, "causal", GROUP, 8, waits=waits
+            )
+            x = out * 1.5
+        mx.eval(x)
+        return x, mx.get_peak_memory() - before
+
+    waited, peak = long_pass(LayerWaits())
+    # The copies of the layers in flight, the attention's own work and the output.
+    assert peak <= (IN_FLIGHT + 2) * copies
+    assert mx.array_equal(waited, long_pass(None)[0])
 
 
 def test_four_bits_change_what_is_generated(model):

@@ -33,8 +33,9 @@ instead: it reads each row's keys once, as a decoding step does, and cuDNN
 would build a graph for each new key length, which such passes meet at
 every step.
 
-The padded copies cost memory: `working_set` says how much, for the memory
-planner, where every prefill attention runs so.
+The padded copies cost memory, those of the layers in flight (a long pass
+goes to the device a layer at a time: `layer_waits`): `working_set` says how
+much, for the memory planner, where every prefill attention runs so.
 
 `queue` (at start-up) lists the regular shapes up to the model's context and
 the smallest key bucket for several rows, and the engine builds them while
@@ -55,6 +56,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from smg_mlx.config import MOST_DRAFT_TOKENS
+from smg_mlx.engine.batch.layer_waits import LayerWaits, copies_per_key
 from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.schedule.step_plan import SHAPE_BUILD_STEP_TOKENS
 
@@ -182,6 +184,7 @@ class AttentionShapes:
         self._built: set[Key] = set()
         self._geometries: set[Geometry] = set()
         self._bias: tuple[tuple, mx.array] | None = None  # the last mask built, for the next layers
+        self._waits = LayerWaits()
         self.unpadded = False  # whether a prefill ran mlx's own attention (see working_set)
         self._queued: deque[tuple[Geometry, Key]] = deque()  # shapes to build while idle
         self._progress = Progress(log, "attention shapes", "built", 0)
@@ -253,7 +256,8 @@ class AttentionShapes:
         padded_k, padded_v = (whole(_pad_keys(x, tk - keys)) for x in (k, v))
         if not _supported(q, padded_v):
             self.unpadded = True
-            return fused(q, whole(k), whole(v), scale=scale, mask=mask)
+            out = fused(q, whole(k), whole(v), scale=scale, mask=mask)
+            return self._waits.after(out, rows * keys)
         self._geometries.add(
             (q.shape[1], padded_k.shape[1], q.shape[-1], padded_v.shape[-1], q.dtype)
         )
@@ -265,18 +269,20 @@ class AttentionShapes:
         q = mx.pad(q, [(0, 0), (0, 0), (before, after), (0, 0)])
         q, k, v = mx.contiguous(q), mx.contiguous(padded_k), mx.contiguous(padded_v)
         if regular:
-            return fused(q, k, v, scale=scale, mask=mask)[:, :, before : before + queries]
-        bias = self._padded_mask(mask, queries, keys, tq, tk, q.dtype)
-        return fused(q, k, v, scale=scale, mask=bias)[:, :, :queries]
+            out = fused(q, k, v, scale=scale, mask=mask)[:, :, before : before + queries]
+        else:
+            bias = self._padded_mask(mask, queries, keys, tq, tk, q.dtype)
+            out = fused(q, k, v, scale=scale, mask=bias)[:, :, :queries]
+        return self._waits.after(out, rows * tk)
 
-    def working_set(self, kv_per_token: float) -> tuple[float, float] | None:
+    def working_set(self, kv_per_token: float, layers: int) -> tuple[float, float] | None:
         """What a prefill pass's attention holds, per prompt row, where every
         prefill so far ran through here: bytes per query and key (the masks of
         several rows; cuDNN's fused attention keeps no scores), and per key (the
-        padded keys and values: measured on CUDA, every layer's copies are held
-        at once, as much as the KV cache). None where some prefill ran mlx's
-        own attention: then what it holds is measured (`engine.memory.probe`)."""
-        return None if self.unpadded else (MASK_BYTES, kv_per_token)
+        padded keys and values, `kv_per_token` over all `layers`, of the layers
+        in flight: `layer_waits`). None where some prefill ran mlx's own
+        attention: then what it holds is measured (`engine.memory.probe`)."""
+        return None if self.unpadded else (MASK_BYTES, copies_per_key(kv_per_token, layers))
 
     def _remember(self, key: Key) -> None:
         if key not in self._built and len(self._built) >= SHAPES_REMEMBERED:

@@ -139,12 +139,13 @@ class Batch(PrefixCalls):
         runs padded (`attention_shapes`; None: the probe measures it)."""
         if self.attention is None:
             return None
+        layers = len(self.model.layers)
         if self._fresh_caches is None:
-            return self.attention.working_set
+            return lambda own: self.attention.working_set(own, layers)
         # Quantized rows' prompts attend copies padded while quantized, then
         # dequantized (quantized_attention): both are held, per key.
         own = memory_probe.kv_per_token(self.model, self._stream)
-        return lambda quantized: self.attention.working_set(own + quantized)
+        return lambda quantized: self.attention.working_set(own + quantized, layers)
 
     def serve_as(self, mode: batch_check.Mode) -> None:
         """Serve in `mode` from now on (the batch must be empty)."""

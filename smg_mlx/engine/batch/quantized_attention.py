@@ -16,10 +16,11 @@ Under --kv-bits, `install` puts `attention` in place of mlx-lm's
   attention, as the model's own caches do. mlx-lm's way holds every query's
   scores over every key at once (a 4,096-token chunk over 32k keys of a
   32-head model: gigabytes) through kernels made for a few rows; the
-  dequantized copies cost what the model's own keys and values would, once
-  per chunk. Where prefills run in few shapes (`attention_shapes`, CUDA),
-  the keys and values are padded to the shape while still quantized, and
-  dequantized from there: one full-size copy rather than two.
+  dequantized copies cost what the model's own keys and values would, for
+  the layers in flight (`layer_waits`). Where prefills run in few shapes
+  (`attention_shapes`, CUDA), the keys and values are padded to the shape
+  while still quantized, and dequantized from there: one full-size copy
+  rather than two.
 
 On CUDA mlx compiles a quantized-matmul kernel for each tile size the folded
 query count picks and for key counts that end part-way through a tile: about
@@ -39,6 +40,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES, AttentionShapes
+from smg_mlx.engine.batch.layer_waits import LayerWaits
 from smg_mlx.engine.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -64,13 +66,15 @@ def install(shapes: AttentionShapes | None, seen: set[Kind] | None = None) -> No
     """Quantized attention by `attention` from now on, prefills in `shapes`
     where they are given and installed; the kinds of its few-query passes
     go in `seen` (for `build_kernels`)."""
-    base.quantized_scaled_dot_product_attention = partial(attention, shapes=shapes, seen=seen)
+    base.quantized_scaled_dot_product_attention = partial(
+        attention, shapes=shapes, seen=seen, waits=LayerWaits()
+    )
 
 
 def attention(
     queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
     group_size: int = 64, bits: int = 8, shapes: AttentionShapes | None = None,
-    seen: set[Kind] | None = None,
+    seen: set[Kind] | None = None, waits: LayerWaits | None = None,
 ) -> mx.array:  # fmt: skip
     """softmax(queries · keysᵀ · scale, masked) · values, the keys and values
     quantized (module doc)."""
@@ -85,7 +89,8 @@ def attention(
     if shapes is not None and shapes.installed:
         return shapes.prefill(queries, q_keys, q_values, scale, mask, dequantize)
     keys, values = dequantize(q_keys), dequantize(q_values)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return out if waits is None else waits.after(out, keys.shape[0] * keys.shape[2])
 
 
 def _few(
