@@ -66,8 +66,10 @@ def _run(model, requests, places: bool, running: int, monkeypatch) -> dict:
             tokens[i].append(r.token)
             logprobs[i].append(r.logprobs[r.token].item())
             if r.finish_reason is not None:
-                keys = r.prompt_cache[0].keys[..., : r.prompt_cache[0].offset, :]
-                out[i] = (len(r.all_tokens), np.array(keys))
+                # every layer's keys and values, as the prefix cache keeps them
+                kept = [np.array(a[..., : c.offset, :]) for c in r.prompt_cache
+                        for a in (c.keys, c.values)]  # fmt: skip
+                out[i] = (len(r.all_tokens), np.concatenate(kept, axis=-1))
                 if waiting:
                     admit()
         rows = generator._generation_batch

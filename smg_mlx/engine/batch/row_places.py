@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from smg_mlx.engine.speculative.ragged_kv import Ragged, RaggedBatchKVCache
 
@@ -50,6 +50,18 @@ def _ends(cache: Any) -> list[int]:
     if isinstance(cache, Ragged):
         return cache._row_ends()
     return [cache._idx] * cache.offset.shape[0]
+
+
+def _extracted(cache: BatchKVCache, place: int, padding: int) -> KVCache:
+    """The row at `place` of `cache`, after `padding` columns, as mlx-lm's
+    `BatchKVCache.extract` gives it (a copy of its keys and values)."""
+    row = KVCache()
+    row.keys, row.values = (
+        mx.contiguous(a[place : place + 1, :, padding : cache._idx])
+        for a in (cache.keys, cache.values)
+    )
+    row.offset = row.keys.shape[2]
+    return row
 
 
 class PlacedGenerationBatch(GenerationBatch):
@@ -102,7 +114,14 @@ class PlacedGenerationBatch(GenerationBatch):
             self.prompt_cache = cache
 
     def extract_cache(self, idx: int) -> list[Any]:
-        return [c.extract(self._places[idx]) for c in self.prompt_cache]
+        place, cache = self._places[idx], self.prompt_cache
+        if not cache or any(type(c) is not BatchKVCache for c in cache):
+            return [c.extract(place) for c in cache]
+        # mlx-lm's extract reads the row's padding back from the device in
+        # every layer (a wait for the device each time, for every row that
+        # ends); every layer holds the same padding.
+        padding = cache[0].left_padding[place].item()
+        return [_extracted(c, place, padding) for c in cache]
 
     def filter(self, keep: list[int]) -> None:
         if not keep or not _placeable(self.prompt_cache):
