@@ -44,8 +44,10 @@ class LayerWaits:
         rows: for a long pass, sent to the device, the layer before waited for."""
         if row_keys < WAIT_KEYS:
             return out
+        ahead, self._ahead = self._ahead, None
+        # A pass that fails (out of memory) leaves nothing held here for the next.
         mx.async_eval(out)
-        if self._ahead is not None:
-            mx.eval(self._ahead)
+        if ahead is not None:
+            mx.eval(ahead)
         self._ahead = out
         return out
