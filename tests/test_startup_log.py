@@ -109,11 +109,16 @@ def test_the_start_up_says_where_the_memory_budget_comes_from(start_worker, mode
     caplog.clear()
     start_worker(model_dir, memory_budget_bytes=1 << 30)
     assert "memory budget 1.00 GiB (--memory-budget): the model takes" in caplog.text
-    assert re.search(r"prompt cache in memory: no bound but the memory budget; the memory "
-                     r"budget leaves it [\d.]+ \w+ with nothing running", caplog.text)
+    assert re.search(r"prompt cache in memory: up to [\d.]+ \w+, what the memory budget "
+                     r"leaves it with nothing running \(it gives way to requests\)", caplog.text)
     caplog.clear()
     start_worker(model_dir, prompt_cache_bytes=8 << 20)
-    assert "prompt cache in memory: up to 8.00 MiB (--prompt-cache-bytes);" in caplog.text
+    assert "prompt cache in memory: up to 8.0 MiB (--prompt-cache-bytes)\n" in caplog.text
+    caplog.clear()
+    start_worker(model_dir, memory_budget_bytes=1 << 30, prompt_cache_bytes=64 << 30)
+    assert re.search(r"prompt cache in memory: up to [\d.]+ MiB, what the memory budget leaves "
+                     r"it with nothing running \(it gives way to requests; --prompt-cache-bytes "
+                     r"64.00 GiB\)", caplog.text)
 
 
 def test_pipeline_with_one_rank_says_it_does_nothing(start_worker, model_dir, caplog):

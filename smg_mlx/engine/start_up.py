@@ -97,12 +97,13 @@ def start(config: EngineConfig, wake: Callable[[], None]) -> Started:
         if batch.prefixes is not None:
             batch.prefixes.room = planner.prefix_allowance([])
             batch.prefixes.reset_counts()
-            cap = config.prompt_cache_bytes
+            room, cap = batch.prefixes.room, config.prompt_cache_bytes
             log.info(
-                "prompt cache in memory: %s; the memory budget leaves it %s with nothing running",
-                f"up to {format_bytes(cap)} (--prompt-cache-bytes)" if cap is not None
-                else "no bound but the memory budget",
-                format_bytes(batch.prefixes.room),
+                "prompt cache in memory: up to %s%s",
+                format_bytes(min(room, cap if cap is not None else room)),
+                " (--prompt-cache-bytes)" if cap is not None and cap <= room
+                else ", what the memory budget leaves it with nothing running (it gives way to "
+                f"requests{'; --prompt-cache-bytes ' + format_bytes(cap) if cap else ''})",
             )  # fmt: skip
     except BaseException:
         if batch is not None:

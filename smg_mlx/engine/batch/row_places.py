@@ -119,8 +119,9 @@ class PlacedGenerationBatch(GenerationBatch):
             return [c.extract(place) for c in cache]
         # mlx-lm's extract reads the row's padding back from the device in
         # every layer (a wait for the device each time, for every row that
-        # ends); every layer holds the same padding.
-        padding = cache[0].left_padding[place].item()
+        # ends); every layer holds the same padding. (A slice: x[i] would be
+        # a gather, a kernel of its own for CUDA to build.)
+        padding = cache[0].left_padding[place : place + 1].item()
         return [_extracted(c, place, padding) for c in cache]
 
     def filter(self, keep: list[int]) -> None:
