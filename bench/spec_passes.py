@@ -41,7 +41,8 @@ WARM_UP_CALLS = 40
 
 
 def measure(
-    model: nn.Module, rows: int, mode: str, most: int, seconds: float, workload: str = "right"
+    model: nn.Module, rows: int, mode: str, most: int, seconds: float, workload: str = "right",
+    one_width: bool = False,
 ) -> dict:
     """One mode at one batch size: tokens a second, and what checking did."""
     rng = np.random.default_rng(rows)
@@ -49,7 +50,7 @@ def measure(
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=8)
     stats = DraftStats()
     if mode != "plain":
-        drafting = Drafting(most, Pacing(always=mode == "always"), stats)
+        drafting = Drafting(most, Pacing(always=mode == "always"), stats, one_width=one_width)
         generator._generation_batch = SpeculativeGenerationBatch.start(
             model, generator.sampler, drafting
         )
@@ -85,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
     model = load_model(args)
-    if mx.default_device() == mx.gpu and not mx.metal.is_available():
+    cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
+    if cuda:  # as the worker runs there
         AttentionShapes(CUDA_CHUNK).install()
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         plain = None
         for mode in MODES:
-            r = measure(model, rows, mode, args.num_draft_tokens, args.seconds, args.workload)
+            r = measure(model, rows, mode, args.num_draft_tokens, args.seconds, args.workload,
+                        one_width=cuda)
             plain = plain or r["tok_s"]
             kept = f"{r['accepted']} of {r['proposed']} proposed kept" if r["proposed"] else ""
             print(f"rows {rows:3d} {mode:6s} {r['tok_s']:8.0f} tok/s (x{r['tok_s'] / plain:.2f}), "

@@ -65,7 +65,7 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
 
 def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = False,
              stop=None, sampler=None, rows: int = 32, seeds=None, draft=None,
-             pacing=None, caches=None):  # fmt: skip
+             pacing=None, caches=None, one_width=False):  # fmt: skip
     """Each prompt's tokens (and logprobs of them, and the finished caches' sizes);
     with `stagger` half the prompts join while the first half decode; `caches`
     makes each row's fresh caches (mlx-lm's own by default)."""
@@ -74,7 +74,7 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
     stats = DraftStats()
     if speculative:
         drafting = Drafting(most=4, pacing=pacing or Pacing(always=True), stats=stats,
-                            draft=draft)  # fmt: skip
+                            draft=draft, one_width=one_width)  # fmt: skip
         generator._generation_batch = SpeculativeGenerationBatch.start(
             model, generator.sampler, drafting
         )
@@ -109,17 +109,29 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
 
 
 @pytest.mark.parametrize(
-    "family, bits, whole",
-    [("llama", None, False), ("qwen3", None, False), ("qwen3", 8, False), ("qwen3", 4, False),
-     ("qwen3", 8, True)],
-    ids=["llama", "qwen3", "qwen3 8-bit KV", "qwen3 4-bit KV",
-         "qwen3 8-bit KV, whole buffers (CUDA)"],
+    "family, bits, whole, one_width",
+    [("llama", None, False, False), ("llama", None, False, True), ("qwen3", None, False, False),
+     ("qwen3", 8, False, False), ("qwen3", 4, False, False), ("qwen3", 8, True, True)],
+    ids=["llama", "llama, one width (CUDA)", "qwen3", "qwen3 8-bit KV", "qwen3 4-bit KV",
+         "qwen3 8-bit KV, whole buffers, one width (CUDA)"],
 )  # fmt: skip
-def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family, bits, whole, monkeypatch):
+def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
+    family, bits, whole, one_width, monkeypatch
+):
     """With --kv-bits (`bits`), rows keep their keys and values quantized and each
     takes back its own rejected proposals as from 16-bit caches (ragged_kv);
-    attention reading, as on CUDA, the whole buffers, masked past each row's end."""
+    attention reading, as on CUDA, the whole buffers, masked past each row's end.
+    A checking pass is as wide as its rows' proposals need, or (`one_width`, as
+    on CUDA, where each new shape costs a kernel build) as the most allowed."""
     monkeypatch.setattr(quantized_kv, "WHOLE", whole)
+    widths = set()
+    check = SpeculativeGenerationBatch._check
+
+    def recorded(self, pending, drafts, width):
+        widths.add(width)
+        return check(self, pending, drafts, width)
+
+    monkeypatch.setattr(SpeculativeGenerationBatch, "_check", recorded)
     model = tiny_model(family, scale=1.5, head_dim=16 if bits is None else 64)
 
     def quantized() -> list[QuantizedKVCache]:
@@ -133,7 +145,7 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family, bits, who
         plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger,
                                                caches=caches)  # fmt: skip
         ours, logprobs, cached, stats = generate(model, prompts, max_tokens, True, stagger,
-                                                 caches=caches)  # fmt: skip
+                                                 caches=caches, one_width=one_width)  # fmt: skip
         assert ours == plain
         assert all(len(t) == n for t, n in zip(ours, max_tokens, strict=True))
         for i in range(len(prompts)):  # the logprobs of accepted tokens are the model's
@@ -143,6 +155,7 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(family, bits, who
         proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
     assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
     assert 0 < accepted < proposed, "some proposals right, some wrong"
+    assert widths == {5} if one_width else len(widths) > 1 and max(widths) <= 5
     if bits is not None:  # the quantized caches were the ones in use: 16-bit ones differ
         _, own_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
         pairs = [zip(own_logprobs[i], plain_logprobs[i], strict=True) for i in own_logprobs]

@@ -91,7 +91,7 @@ class Batch(PrefixCalls):
             split=group is not None, caches=self._fresh_caches,
         )  # fmt: skip
         batched = self.choice.mode is not batch_check.Mode.EQUAL_LENGTHS
-        drafting = drafting_for(config, self.model, group, batched, draft)
+        drafting = drafting_for(config, self.model, group, batched, draft, one_width=builds)
         self._lanes = Lanes(self.model, self._stream, self.max_chunk, self._buffers, drafting)
         self.serve_as(self.choice.mode)
         self._samplers = SamplerCache()

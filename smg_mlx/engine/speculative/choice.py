@@ -48,12 +48,12 @@ def draft_for(
 
 def drafting_for(
     config: EngineConfig, model: nn.Module, group: mx.distributed.Group | None, batched: bool,
-    draft: Draft | None,
+    draft: Draft | None, one_width: bool = False,
 ) -> Drafting | None:  # fmt: skip
     """What both lanes share to decode speculatively, or None where it is off
     (`batched`: rows of different lengths may share a pass of several tokens
     a row, as a pass checking proposals is), with `draft` (`draft_for`) or
-    prompt lookup."""
+    prompt lookup; `one_width`: see `Drafting`."""
     setting, most = config.speculative, config.num_draft_tokens
     why_not = _why_not(config, model, _ranks(group))
     if why_not is None and not batched:
@@ -72,7 +72,7 @@ def drafting_for(
         "prompt lookup" if draft is None else f"the draft model {config.draft_model}", most,
         "wherever there are some" if always else "where measured pass times say it pays",
     )  # fmt: skip
-    return Drafting(most, Pacing(always=always), DraftStats(), *(draft or ()))
+    return Drafting(most, Pacing(always=always), DraftStats(), *(draft or ()), one_width=one_width)
 
 
 def _ranks(group: mx.distributed.Group | None) -> int:

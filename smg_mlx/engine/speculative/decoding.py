@@ -55,6 +55,10 @@ class Drafting:
     stats: DraftStats
     draft: Any = None  # the draft model (engine.speculative.draft_model); None: prompt lookup
     draft_caches: Any = None  # what makes a draft row's fresh caches (--kv-bits); None: its own
+    # Checking passes as wide as `most` allows, whatever the rows propose: where
+    # each new pass shape costs a kernel build (mlx's CUDA backend), one shape
+    # a batch size. Elsewhere a pass is as wide as its rows' proposals need.
+    one_width: bool = False
 
 
 class SpeculativeGenerationBatch(PlacedGenerationBatch):
@@ -141,8 +145,9 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             pending = self._next_tokens.tolist()
             drafts = self._proposals(likely, pending)
             if any(drafts):
-                out = self._check(pending, drafts)
-                width = 1 + self.drafting.most
+                most = self.drafting.most if self.drafting.one_width else max(map(len, drafts))
+                width = 1 + most
+                out = self._check(pending, drafts, width)
                 self._block.ran(len(out), pacing.new_shape(rows, width), checked=True)
                 return out
         responses = super()._decode()
@@ -165,7 +170,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         stats, self.drafting.stats = self.drafting.stats, DraftStats()
         try:
             out = self._check(pending, [d or [y] * self.drafting.most
-                                        for d, y in zip(drafts, pending, strict=True)])  # fmt: skip
+                                        for d, y in zip(drafts, pending, strict=True)],
+                              width)  # fmt: skip
         finally:
             self.drafting.stats = stats
         self._line_up()
@@ -214,12 +220,11 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 likely.add(i)
         return likely
 
-    def _check(self, pending: list[int], drafts: list[list[int]]) -> list:
-        """One pass over every row's pending token and proposals (module docstring)."""
-        # Every such pass as wide as the most proposals allowed, rows with fewer
-        # padded (positions whose tokens are not kept): one shape for the
-        # backend to build a batch size's kernels for, not one per width.
-        rows, width = len(self.uids), 1 + self.drafting.most
+    def _check(self, pending: list[int], drafts: list[list[int]], width: int) -> list:
+        """One pass over every row's pending token and proposals (module
+        docstring), `width` tokens a row: rows with fewer proposals are padded
+        (positions whose tokens are not kept; see `Drafting.one_width`)."""
+        rows = len(self.uids)
         pairs = zip(pending, drafts, strict=True)
         inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
         self.prompt_cache = [ragged(c) for c in self.prompt_cache]
