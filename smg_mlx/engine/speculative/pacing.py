@@ -93,12 +93,13 @@ class Block:
 
     def ran(self, tokens: int, new_shape: bool, checked: bool = False) -> None:
         """The pass that began returned `tokens` (`new_shape`: its shape's
-        first run; `checked`: it checked proposals)."""
+        first run, not timed; `checked`: it checked proposals, and waited for
+        the pass before it, timed or not)."""
+        self.checked += checked
         if new_shape:
             self.skipped += time.perf_counter() - self._pass
             return
         self.passes += 1
-        self.checked += checked
         self.tokens += tokens
 
     @property
