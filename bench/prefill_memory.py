@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,15 +28,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.model import add_model_flags, ensure_model
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch import kv_format, layer_waits, quantized_attention
-from smg_mlx.engine.batch.attention_shapes import AttentionShapes
-from smg_mlx.engine.memory.probe import kv_per_token
+from smg_mlx.engine.batch.attention_shapes import AttentionShapes, shapes_build
+from smg_mlx.engine.memory.probe import kv_per_token, one_row
 
 BURST_ROWS, BURST_TOKENS, BURST_PASSES = 8, 64, 20
-
-
-def one_row(fresh: Callable[[], list]) -> list:
-    """A sequence's fresh caches as a batch cache of one row, as rows run."""
-    return [layer.merge([layer]) for layer in fresh()]
 
 
 def measure(model: nn.Module, fresh: Callable[[], list], per_token: float, context: int,
@@ -87,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = mx.new_stream(mx.default_device())
     mx.set_default_stream(stream)
     shapes = None
-    if mx.default_device() == mx.gpu and not mx.metal.is_available():
+    if shapes_build():
         shapes = AttentionShapes(args.chunk)
         shapes.install()
     quantized_attention.install(shapes)
@@ -97,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(model_path=path, kv_bits=bits)
         caches = kv_format.caches_for(config, model)
         fresh = caches if caches is not None else lambda: make_prompt_cache(model)
-        per_token = kv_per_token(model, stream, lambda: one_row(fresh))  # noqa: B023
+        per_token = kv_per_token(model, stream, partial(one_row, fresh))
         for waited in (False, True, False, True):
             layer_waits.WAIT_KEYS = waits if waited else sys.maxsize
             r = measure(model, fresh, per_token, args.context, args.chunk)

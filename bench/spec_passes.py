@@ -21,13 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from bench.model import add_model_flags, load_model
-from smg_mlx.engine.batch.attention_shapes import AttentionShapes
+from smg_mlx.engine.batch.attention_shapes import AttentionShapes, shapes_build
 from smg_mlx.engine.batch.batch import CUDA_CHUNK
 from smg_mlx.engine.batch.sampling import make_sampler
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
     model = load_model(args)
-    cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
+    cuda = shapes_build()
     if cuda:  # as the worker runs there
         AttentionShapes(CUDA_CHUNK).install()
     results = []

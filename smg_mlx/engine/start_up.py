@@ -97,14 +97,7 @@ def start(config: EngineConfig, wake: Callable[[], None]) -> Started:
         if batch.prefixes is not None:
             batch.prefixes.room = planner.prefix_allowance([])
             batch.prefixes.reset_counts()
-            room, cap = batch.prefixes.room, config.prompt_cache_bytes
-            log.info(
-                "prompt cache in memory: up to %s%s",
-                format_bytes(min(room, cap if cap is not None else room)),
-                " (--prompt-cache-bytes)" if cap is not None and cap <= room
-                else ", what the memory budget leaves it with nothing running (it gives way to "
-                f"requests{'; --prompt-cache-bytes ' + format_bytes(cap) if cap else ''})",
-            )  # fmt: skip
+            _log_prompt_cache(batch.prefixes.room, config.prompt_cache_bytes)
     except BaseException:
         if batch is not None:
             batch.close()
@@ -146,6 +139,19 @@ def _planner(
         max_chunk=max_chunk,
         prefill_rows=prefill_rows,
     )
+
+
+def _log_prompt_cache(room: int, cap: int | None) -> None:
+    """What bounds the prompt cache in memory: --prompt-cache-bytes, or what
+    the memory budget leaves it (`room`) where that is less."""
+    if cap is not None and cap <= room:
+        log.info("prompt cache in memory: up to %s (--prompt-cache-bytes)", format_bytes(cap))
+        return
+    given = "" if cap is None else f"; --prompt-cache-bytes {format_bytes(cap)}"
+    log.info(
+        "prompt cache in memory: up to %s, what the memory budget leaves it with nothing "
+        "running (it gives way to requests%s)", format_bytes(room), given,
+    )  # fmt: skip
 
 
 def _check_budget(planner: MemoryPlanner, source: str) -> None:

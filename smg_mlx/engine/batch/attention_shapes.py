@@ -88,6 +88,11 @@ Key = tuple[int, int, int, bool]
 Geometry = tuple[int, int, int, int, Any]
 
 
+def shapes_build() -> bool:
+    """Whether each new attention shape costs a kernel build here (mlx's CUDA backend)."""
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
 def round_up(n: int, step: int) -> int:
     """The least multiple of `step` that is at least `n`."""
     return -(-n // step) * step

@@ -25,7 +25,7 @@ from smg_mlx.engine.batch import (
     loading,
     quantized_attention,
 )
-from smg_mlx.engine.batch.attention_shapes import AttentionShapes
+from smg_mlx.engine.batch.attention_shapes import AttentionShapes, shapes_build
 from smg_mlx.engine.batch.lanes import Lanes, Sampled, logprobs
 from smg_mlx.engine.batch.prefix_calls import PrefixCalls
 from smg_mlx.engine.batch.rows import Row, Rows
@@ -202,7 +202,7 @@ class Batch(PrefixCalls):
     @property
     def shape_builds(self) -> bool:
         """Whether each new attention shape costs a kernel build (mlx's CUDA backend)."""
-        return mx.default_device() == mx.gpu and not mx.metal.is_available()
+        return shapes_build()
 
     def queue_attention_shapes(self) -> None:
         """Queue the attention shapes prompts will meet, up to the context served

@@ -204,7 +204,7 @@ def _seconds_per_token(model: nn.Module, stream: mx.Stream, caches: LayerCaches)
     return fastest / FIRST_LOOK_TOKENS
 
 
-def _one_row(caches: LayerCaches) -> list:
+def one_row(caches: LayerCaches) -> list:
     """A sequence's fresh caches (`caches()`) as a batch cache of one row."""
     return [layer.merge([layer]) for layer in caches()]
 
@@ -237,7 +237,7 @@ def measure(
         # The probe's own passes run a batch of one, as rows run: mlx's CUDA
         # quantized matmul refuses the views that mlx-lm's single-sequence
         # quantized cache hands attention.
-        passes = partial(_one_row, caches)
+        passes = partial(one_row, caches)
     held = weights(model)
     per_kv_token = kv_per_token(model, stream, passes)
     per_token = _seconds_per_token(model, stream, passes)
