@@ -11,6 +11,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 from test_speculative import tiny_model
 
+from smg_mlx.engine.batch.ended_rows import copied_out
 from smg_mlx.engine.batch.row_places import HOLES_KEPT, PlacedGenerationBatch
 
 
@@ -60,18 +61,18 @@ def _run(model, requests, places: bool, running: int, monkeypatch) -> dict:
         admit()
     while len(out) < len(requests):
         responses = generator.next()[1]
-        left = sum(r.finish_reason is not None for r in responses)
+        ended = [r for r in responses if r.finish_reason is not None]
+        left = len(ended)
         for r in responses:
             i = which[r.uid]
             tokens[i].append(r.token)
             logprobs[i].append(r.logprobs[r.token].item())
-            if r.finish_reason is not None:
-                # every layer's keys and values, as the prefix cache keeps them
-                kept = [np.array(a[..., : c.offset, :]) for c in r.prompt_cache
-                        for a in (c.keys, c.values)]  # fmt: skip
-                out[i] = (len(r.all_tokens), np.concatenate(kept, axis=-1))
-                if waiting:
-                    admit()
+        # every layer's keys and values, as the prefix cache keeps them
+        for r, cache in zip(ended, copied_out([r.prompt_cache for r in ended])[0], strict=True):
+            kept = [np.array(a[..., : c.offset, :]) for c in cache for a in (c.keys, c.values)]
+            out[which[r.uid]] = (len(r.all_tokens), np.concatenate(kept, axis=-1))
+            if waiting:
+                admit()
         rows = generator._generation_batch
         if rows.uids and rows.prompt_cache:
             longest = max(len(t) for t in rows.tokens)

@@ -26,6 +26,7 @@ from smg_mlx.engine.batch import (
     quantized_attention,
 )
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes, shapes_build
+from smg_mlx.engine.batch.ended_rows import SharedBlocks
 from smg_mlx.engine.batch.lanes import Lanes, Sampled, logprobs
 from smg_mlx.engine.batch.prefix_calls import PrefixCalls
 from smg_mlx.engine.batch.rows import Row, Rows
@@ -97,6 +98,7 @@ class Batch(PrefixCalls):
         self._samplers = SamplerCache()
         self._rows = Rows()
         self._ended = []
+        self._shared = SharedBlocks()
         # 0 turns the prefix cache off; None bounds it by the memory budget alone.
         self.prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes != 0 else None

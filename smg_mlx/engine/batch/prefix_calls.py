@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
-from smg_mlx.engine.prefix_cache.cache import Ended, PrefixCache, Start
+from smg_mlx.engine.batch.ended_rows import EndedRow, SharedBlocks, copied_out
+from smg_mlx.engine.prefix_cache.cache import PrefixCache, Start
 from smg_mlx.engine.prefix_cache.memory_tier import LayerCache, Pace
+
+# A row's cache as the batch gives it when the row ends or leaves.
+RowCache = list[LayerCache] | EndedRow
 
 
 class PrefixCalls:
@@ -18,11 +22,12 @@ class PrefixCalls:
     prefixes: PrefixCache | None
     # What sequences that ended in the last step leave (tokens, cache, pace),
     # kept once that step's report is out (`keep_ended`).
-    _ended: list[Ended]
+    _ended: list[tuple[Sequence[int], RowCache, Pace | None]]
+    _shared: SharedBlocks  # kept rows still viewing the block they were copied out in
 
     @property
     def prefix_cache_bytes(self) -> int:
-        return self.prefixes.nbytes if self.prefixes is not None else 0
+        return self.prefixes.nbytes + self._shared.nbytes if self.prefixes is not None else 0
 
     def cached_over(
         self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = ()
@@ -32,7 +37,8 @@ class PrefixCalls:
         bytes it holds then."""
         if self.prefixes is None:
             return [], 0
-        return self.prefixes.over(limit, keep, wanted)
+        drop, held = self.prefixes.over(max(0, limit - self._shared.nbytes), keep, wanted)
+        return drop, held + self._shared.nbytes
 
     def drop_cached(self, ids: Iterable[int]) -> None:
         ids = list(ids)
@@ -47,39 +53,43 @@ class PrefixCalls:
     @property
     def prefixes_busy(self) -> bool:
         """Whether the prefix cache has work for the engine thread besides steps."""
-        return self.prefixes is not None and self.prefixes.busy
+        return self.prefixes is not None and (self.prefixes.busy or bool(self._shared))
 
     def prefixes_due(self) -> float | None:
         """Seconds until the prefix cache has work for the engine thread (None: none waits)."""
-        return self.prefixes.due() if self.prefixes is not None else None
+        if self.prefixes is None:
+            return None
+        return 0.0 if self._shared else self.prefixes.due()
 
     def _start_from(self, prompt: tuple[int, ...]) -> Start:
         """See `PrefixCache.start_from` (a fresh cache without one)."""
         return self.prefixes.start_from(prompt) if self.prefixes is not None else Start()
 
-    def _keep(self, tokens: Sequence[int], cache: list[LayerCache], pace: Pace | None) -> None:
+    def _keep(self, tokens: Sequence[int], cache: RowCache, pace: Pace | None) -> None:
         """What a sequence leaves, for prompts that share its prefix (see
         `PrefixCache.keep`); nothing without a cache."""
         if self.prefixes is not None:
-            self.prefixes.keep(tokens, cache, pace)
+            self.prefixes.keep(tokens, copied_out([cache])[0][0], pace)
 
-    def _keep_later(
-        self, tokens: Sequence[int], cache: list[LayerCache], pace: Pace | None
-    ) -> None:
+    def _keep_later(self, tokens: Sequence[int], cache: RowCache, pace: Pace | None) -> None:
         """`_keep`, at the next `keep_ended`."""
         if self.prefixes is not None:
             self._ended.append((tokens, cache, pace))
 
     def keep_ended(self) -> bool:
-        """Keep what the sequences that ended in the last step leave (whether
-        there was any: the cache changed after the step's report). Called
-        once the step's events are out: copying each row's keys and values out
-        of the batch takes the engine thread about a millisecond a row on a
-        GPU (56 copies at 28 layers), and a wave of requests ending together
-        would hold their last tokens back, and so their clients' next
-        requests, that long. Before the next step: its update of the batch's
-        arrays would copy them whole while these still read them."""
+        """Keep what the sequences that ended in the last step leave, and copy
+        a few rows kept before out of their blocks (`ended_rows`); whether
+        the cache changed after the step's report. Called once the step's
+        events are out, so that copying rows out of the batch holds no
+        request's last token back. Before the next step: its update of the
+        batch's arrays would copy them whole while these still read them."""
+        freed = bool(self._shared) and self._shared.tend()
         ended, self._ended = self._ended, []
         if ended and self.prefixes is not None:
-            self.prefixes.keep_all(ended)
-        return bool(ended)
+            caches, blocks = copied_out([cache for _, cache, _ in ended])
+            kept = self.prefixes.keep_all(
+                [(tokens, c, pace) for (tokens, _, pace), c in zip(ended, caches, strict=True)]
+            )
+            shared = zip(caches, blocks, kept, strict=True)
+            self._shared.add([(c, block) for c, block, k in shared if k and block is not None])
+        return freed or bool(ended)

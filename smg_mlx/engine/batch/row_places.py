@@ -32,8 +32,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 
+from smg_mlx.engine.batch.ended_rows import EndedRow, Snapshot
 from smg_mlx.engine.speculative.ragged_kv import Ragged, RaggedBatchKVCache
 
 # Holes a batch keeps for rows to join, whatever its size.
@@ -52,18 +53,6 @@ def _ends(cache: Any) -> list[int]:
     return [cache._idx] * cache.offset.shape[0]
 
 
-def _extracted(cache: BatchKVCache, place: int, padding: int) -> KVCache:
-    """The row at `place` of `cache`, after `padding` columns, as mlx-lm's
-    `BatchKVCache.extract` gives it (a copy of its keys and values)."""
-    row = KVCache()
-    row.keys, row.values = (
-        mx.contiguous(a[place : place + 1, :, padding : cache._idx])
-        for a in (cache.keys, cache.values)
-    )
-    row.offset = row.keys.shape[2]
-    return row
-
-
 class PlacedGenerationBatch(GenerationBatch):
     """`GenerationBatch` whose rows keep their places in the cache (module doc)."""
 
@@ -72,6 +61,8 @@ class PlacedGenerationBatch(GenerationBatch):
     _width: int  # places in the cache: rows and holes
     # (each place's row, each row's place); None: row i at place i, no hole
     _route: tuple[mx.array, mx.array] | None
+    # In a pass, the cache as it left it once a row it ended asked (the rest share it)
+    _snapshots: list[Snapshot] | None
 
     @classmethod
     def start(cls, model: nn.Module, sampler: Any) -> Any:
@@ -81,6 +72,7 @@ class PlacedGenerationBatch(GenerationBatch):
         batch._target = model
         batch.model = batch._through_places
         batch._places, batch._width, batch._route = [], 0, None
+        batch._snapshots = None
         return batch
 
     @property
@@ -113,16 +105,16 @@ class PlacedGenerationBatch(GenerationBatch):
         finally:
             self.prompt_cache = cache
 
-    def extract_cache(self, idx: int) -> list[Any]:
+    def extract_cache(self, idx: int) -> list[Any] | EndedRow:
         place, cache = self._places[idx], self.prompt_cache
         if not cache or any(type(c) is not BatchKVCache for c in cache):
             return [c.extract(place) for c in cache]
-        # mlx-lm's extract reads the row's padding back from the device in
-        # every layer (a wait for the device each time, for every row that
-        # ends); every layer holds the same padding. (A slice: x[i] would be
-        # a gather, a kernel of its own for CUDA to build.)
-        padding = cache[0].left_padding[place : place + 1].item()
-        return [_extracted(c, place, padding) for c in cache]
+        # Copied out later, with the other rows the pass ends (ended_rows).
+        if self._snapshots is None:  # (not in a pass: a row leaving)
+            return EndedRow(Snapshot.of(cache), place)
+        if not self._snapshots:
+            self._snapshots.append(Snapshot.of(cache))
+        return EndedRow(self._snapshots[0], place)
 
     def filter(self, keep: list[int]) -> None:
         if not keep or not _placeable(self.prompt_cache):
@@ -140,7 +132,11 @@ class PlacedGenerationBatch(GenerationBatch):
         # still empty now count.
         if self.holes > max(HOLES_KEPT, len(self._places) // 4):
             self._gather()
-        return self._decode()
+        self._snapshots = []
+        try:
+            return self._decode()
+        finally:
+            self._snapshots = None
 
     def _decode(self) -> list:
         """One pass over the rows (mlx-lm's)."""

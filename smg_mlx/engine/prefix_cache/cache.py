@@ -133,22 +133,24 @@ class PrefixCache:
         self, tokens: Sequence[int], cache: list[LayerCache], pace: Pace | None = None
     ) -> None:
         """A sequence ended (or was aborted) holding the keys and values of
-        `tokens` (`pace`: its turn, as `start_from` gave it)."""
+        `tokens` (`pace`: its turn, as `start_from` gave it). The cache's
+        arrays are the cache's own from here on, sent to the device already
+        (`ended_rows.copied_out`): lazy slices of a batch would keep its
+        arrays alive, and the next step would copy those whole to update them."""
         self.keep_all([(tokens, cache, pace)])
 
-    def keep_all(self, ended: Sequence[Ended]) -> None:
-        """`keep` for each of several sequences (tokens, cache, pace), in order."""
+    def keep_all(self, ended: Sequence[Ended]) -> list[bool]:
+        """`keep` for each of several sequences (tokens, cache, pace), in
+        order; whether each was kept (not when a longer entry serves all it would)."""
         kept = []
         for tokens, cache, pace in ended:
             entry, removed = self.memory.insert(tokens, cache, pace=pace)
-            if entry is not None:
-                kept.append(cache)
+            kept.append(entry is not None)
             if self.disk is not None:
                 self.disk.superseded(removed)
                 if entry is not None:
                     self.disk.offer(entry)
-        if kept:
-            self.memory.materialize(kept)
+        return kept
 
     def carry(self, entry: Entry, delta: int) -> None:
         """See `MemoryTier.carry`."""

@@ -1,0 +1,66 @@
+"""Rows that end together leave the batch as one block, each row a view of it."""
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+
+from smg_mlx.engine.batch.ended_rows import EndedRow, SharedBlocks, Snapshot, copied_out
+
+PADDING = [0, 2, 1, 0, 3, 0]
+
+
+def _batch(layers: int = 3) -> list[BatchKVCache]:
+    cache = []
+    for _ in range(layers):
+        layer = BatchKVCache(list(PADDING))
+        keys = mx.random.normal((len(PADDING), 2, 6, 4))
+        layer.update_and_fetch(keys, -keys)
+        cache.append(layer)
+    return cache
+
+
+def _row(cache: list[BatchKVCache], place: int) -> list[np.ndarray]:
+    """What the row at `place` holds, after its padding, every layer."""
+    pad, end = PADDING[place], cache[0]._idx
+    return [np.array(a[place, :, pad:end]) for c in cache for a in (c.keys, c.values)]
+
+
+def _held(layers: list) -> list[np.ndarray]:
+    return [np.array(a[0, :, : c.offset]) for c in layers for a in (c.keys, c.values)]
+
+
+def test_rows_ending_together_share_a_block_until_tended():
+    cache = _batch()
+    want = {p: _row(cache, p) for p in range(len(PADDING))}
+    taken = Snapshot.of(cache)
+    places = [0, 1, 2, 4]
+    out, blocks = copied_out([EndedRow(taken, p) for p in places])
+    # a row joining writes into the cache afterwards: the rows are as they were
+    for layer in cache:
+        layer.keys[1] = 0.0
+    for place, layers in zip(places, out, strict=True):
+        assert [c.offset for c in layers] == [6 - PADDING[place]] * 3
+        for got, expected in zip(_held(layers), want[place], strict=True):
+            np.testing.assert_array_equal(got, expected)
+    assert blocks[0] is not None and all(b is blocks[0] for b in blocks)
+
+    shared = SharedBlocks()
+    shared.add([(layers, block) for layers, block in zip(out, blocks, strict=True)][:3])
+    # the block (places 0-4, from the smallest padding) is counted whole
+    assert shared.nbytes == 3 * 2 * (5 * 2 * 6 * 4 * 4)
+    assert not shared.tend(2) and shared.nbytes > 0 and len(shared) == 1
+    assert shared.tend(2) and shared.nbytes == 0 and not shared
+    for place, layers in zip(places, out, strict=True):
+        for got, expected in zip(_held(layers), want[place], strict=True):
+            np.testing.assert_array_equal(got, expected)
+
+
+def test_a_row_alone_or_rows_far_apart_get_arrays_of_their_own():
+    cache = _batch()
+    taken = Snapshot.of(cache)
+    for places in ([3], [0, 5], [1, 5]):
+        out, blocks = copied_out([EndedRow(taken, p) for p in places])
+        assert blocks == [None] * len(places)
+        for place, layers in zip(places, out, strict=True):
+            for got, expected in zip(_held(layers), _row(cache, place), strict=True):
+                np.testing.assert_array_equal(got, expected)
