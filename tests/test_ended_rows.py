@@ -5,6 +5,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from smg_mlx.engine.batch.ended_rows import EndedRow, SharedBlocks, Snapshot, copied_out
+from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 
 PADDING = [0, 2, 1, 0, 3, 0]
 
@@ -29,12 +30,12 @@ def _held(layers: list) -> list[np.ndarray]:
     return [np.array(a[0, :, : c.offset]) for c in layers for a in (c.keys, c.values)]
 
 
-def test_rows_ending_together_share_a_block_until_tended():
+def test_rows_ending_together_share_a_block_until_it_is_mostly_unused():
     cache = _batch()
     want = {p: _row(cache, p) for p in range(len(PADDING))}
     taken = Snapshot.of(cache)
-    places = [0, 1, 2, 4]
-    out, blocks = copied_out([EndedRow(taken, p) for p in places])
+    places = [0, 1, 2, 3]
+    out, blocks = copied_out([EndedRow(taken, p, PADDING[p]) for p in places])
     # a row joining writes into the cache afterwards: the rows are as they were
     for layer in cache:
         layer.keys[1] = 0.0
@@ -42,24 +43,32 @@ def test_rows_ending_together_share_a_block_until_tended():
         assert [c.offset for c in layers] == [6 - PADDING[place]] * 3
         for got, expected in zip(_held(layers), want[place], strict=True):
             np.testing.assert_array_equal(got, expected)
-    assert blocks[0] is not None and all(b is blocks[0] for b in blocks)
+    block = blocks[0]
+    assert block is not None and all(b is block for b in blocks)
+    # the block: places 0-3, from the smallest padding, 3 layers' keys and values
+    assert block.nbytes == 3 * 2 * (4 * 2 * 6 * 4 * 4)
 
-    shared = SharedBlocks()
-    shared.add([(layers, block) for layers, block in zip(out, blocks, strict=True)][:3])
-    # the block (places 0-4, from the smallest padding) is counted whole
-    assert shared.nbytes == 3 * 2 * (5 * 2 * 6 * 4 * 4)
-    assert not shared.tend(2) and shared.nbytes > 0 and len(shared) == 1
-    assert shared.tend(2) and shared.nbytes == 0 and not shared
-    for place, layers in zip(places, out, strict=True):
-        for got, expected in zip(_held(layers), want[place], strict=True):
-            np.testing.assert_array_equal(got, expected)
+    memory, shared = MemoryTier(), SharedBlocks()
+    tokens = [[place + 1] * (6 - PADDING[place]) for place in places]
+    entries = [memory.insert(t, layers)[0] for t, layers in zip(tokens, out, strict=True)]
+    shared.add(list(zip(entries, out, blocks, strict=True)))
+    shared.tend(memory)
+    kept = sum(e.nbytes for e in entries)
+    assert shared.waste == block.nbytes - kept > 0  # the padding the rows leave out
+    memory.drop([entries[0].id])
+    assert shared.tend(memory) and shared.waste == block.nbytes - kept + entries[0].nbytes
+    memory.drop([entries[1].id, entries[2].id])  # under half of it kept: copied out
+    assert shared.tend(memory) and shared.waste == 0
+    assert not shared.tend(memory)
+    for got, expected in zip(_held(out[3]), want[3], strict=True):
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_a_row_alone_or_rows_far_apart_get_arrays_of_their_own():
     cache = _batch()
     taken = Snapshot.of(cache)
-    for places in ([3], [0, 5], [1, 5]):
-        out, blocks = copied_out([EndedRow(taken, p) for p in places])
+    for places in ([3], [0, 5], [1, 4]):
+        out, blocks = copied_out([EndedRow(taken, p, PADDING[p]) for p in places])
         assert blocks == [None] * len(places)
         for place, layers in zip(places, out, strict=True):
             for got, expected in zip(_held(layers), _row(cache, place), strict=True):

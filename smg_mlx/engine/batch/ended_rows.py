@@ -2,33 +2,32 @@
 
 A row's keys and values copied out of its batch take a copy a layer array:
 on a GPU each costs the host more (building the op, launching its kernel)
-than the bytes it moves, about half a millisecond a row at 28 layers. Rows
-ending together (requests started together that asked for as many tokens)
-held the requests that replace them back that long for every row. So the
-rows one pass ends, where they lie close together in the batch, are copied
-out as one block a layer array, each row a view of it (`copied_out`); the
-block is freed once every row of it that the prefix cache kept has been
-copied into arrays of its own, a few rows a turn (`SharedBlocks.tend`),
-while passes run. Until then the memory a block holds is counted whole,
-beside its rows'.
+than the bytes it moves, about half a millisecond a row at 28 layers, paid
+between passes by every row that ends (under load, most turns). So the rows
+one pass ends, where they lie close together in the batch, are copied out
+as one block a layer array, each row a view of it (`copied_out`). A block
+is memory as long as one of its rows is kept: the memory beyond its kept
+rows is counted beside them (`SharedBlocks.waste`), and once its kept rows
+fill less than half of it they are copied into arrays of their own and the
+block goes (`SharedBlocks.tend`).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-# Rows copied out of their blocks in one turn.
-ROWS_A_TURN = 8
-# Rows a pass ends are copied out as a block where they span at most this
-# many places a row (the places between, rows still running or holes, are
-# copied too), and are at least two.
-SPAN_PER_ROW = 2
+from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
+from smg_mlx.engine.prefix_cache.token_tree import Entry
+
+# Rows a pass ends are copied out as a block where they are at least two and
+# span at most this many places a row (the places between, rows still
+# running or holes, are copied too).
+SPAN_PER_ROW = 1.5
 
 
 @dataclass(eq=False)
@@ -37,14 +36,12 @@ class Snapshot:
     the cache (rows joining in the same call) change its arrays, not these."""
 
     arrays: list[tuple[mx.array, mx.array]]  # each layer's keys and values
-    padding: mx.array  # the left padding, a column a place
     end: int  # the column where every row's entries end
 
     @classmethod
     def of(cls, cache: list[BatchKVCache]) -> Snapshot:
         # mx.array(a): a handle to a's present value, which writes into a leave be
-        arrays = [(mx.array(c.keys), mx.array(c.values)) for c in cache]
-        return cls(arrays, mx.array(cache[0].left_padding), cache[0]._idx)
+        return cls([(mx.array(c.keys), mx.array(c.values)) for c in cache], cache[0]._idx)
 
 
 @dataclass(eq=False)
@@ -54,58 +51,69 @@ class EndedRow:
 
     snapshot: Snapshot
     place: int
+    padding: int  # the columns before its entries
 
 
 @dataclass(eq=False)
-class _Block:
-    nbytes: int
-    rows: int  # rows still viewing it
+class Block:
+    """Rows' keys and values copied out of a batch together."""
+
+    nbytes: int = 0
+    rows: list[tuple[Entry, list[KVCache]]] = field(default_factory=list)  # those kept
 
 
 class SharedBlocks:
-    """Rows the prefix cache kept that are still views of a block, and the
-    memory their blocks hold."""
+    """The blocks whose rows the prefix cache keeps (`tend` after it changes)."""
 
     def __init__(self) -> None:
-        self._rows: deque[tuple[list[KVCache], _Block]] = deque()
-        self.nbytes = 0
+        self._blocks: list[Block] = []
+        self._version = -1  # the memory tier's, when last tended
+        self.waste = 0  # bytes the blocks hold beyond their kept rows
 
-    def __len__(self) -> int:
-        return len(self._rows)
+    def add(self, kept: Sequence[tuple[Entry | None, list[KVCache], Block | None]]) -> None:
+        """Rows the prefix cache was given, as `copied_out` made them (their
+        entries, None where not kept)."""
+        for entry, layers, block in kept:
+            if entry is not None and block is not None:
+                if not block.rows:
+                    self._blocks.append(block)
+                block.rows.append((entry, layers))
+        self._version = -1
 
-    def add(self, rows: Sequence[tuple[list[KVCache], _Block]]) -> None:
-        """Kept rows that view their blocks (as `copied_out` gave them)."""
-        blocks = {id(block): block for _, block in rows}
-        for block in blocks.values():
-            block.rows = sum(b is block for _, b in rows)
-            self.nbytes += block.nbytes
-        self._rows.extend(rows)
-
-    def tend(self, most: int = ROWS_A_TURN) -> bool:
-        """Copies up to `most` rows into arrays of their own, without waiting;
-        whether a block was let go."""
-        copied, freed = [], False
-        for _ in range(min(most, len(self._rows))):
-            layers, block = self._rows.popleft()
-            for layer in layers:
-                layer.keys, layer.values = mx.contiguous(layer.keys), mx.contiguous(layer.values)
-                copied += [layer.keys, layer.values]
-            block.rows -= 1
-            if not block.rows:
-                self.nbytes -= block.nbytes
-                freed = True
+    def tend(self, memory: MemoryTier) -> bool:
+        """Forget rows whose entries left the cache, and copy the rows of a
+        block less than half kept into arrays of their own (without waiting)
+        so that it goes; whether the memory held changed."""
+        if memory.version == self._version:
+            return False
+        self._version, waste, copied, blocks = memory.version, 0, [], []
+        for block in self._blocks:
+            block.rows = [(e, layers) for e, layers in block.rows if memory.tree.get(e.id) is e]
+            kept = sum(e.nbytes for e, _ in block.rows)
+            if 2 * kept >= block.nbytes:
+                blocks.append(block)
+                waste += block.nbytes - kept
+                continue
+            for _, layers in block.rows:
+                for layer in layers:
+                    layer.keys, layer.values = (
+                        mx.contiguous(layer.keys), mx.contiguous(layer.values)
+                    )  # fmt: skip
+                    copied += [layer.keys, layer.values]
         mx.async_eval(copied)
-        return freed
+        changed = waste != self.waste or len(blocks) != len(self._blocks)
+        self._blocks, self.waste = blocks, waste
+        return changed
 
 
 def copied_out(
     caches: Sequence[list[Any] | EndedRow],
-) -> tuple[list[list[Any]], list[_Block | None]]:
+) -> tuple[list[list[Any]], list[Block | None]]:
     """Each row's layer caches (lists, as other caches gave them, pass
     through), sent to the device without waiting, and the block each views
     (None: arrays of its own)."""
     out: list[list[Any]] = [c if isinstance(c, list) else [] for c in caches]
-    blocks: list[_Block | None] = [None] * len(caches)
+    blocks: list[Block | None] = [None] * len(caches)
     groups: dict[int, list[int]] = {}
     for i, c in enumerate(caches):
         if isinstance(c, EndedRow):
@@ -115,24 +123,23 @@ def copied_out(
     for members in groups.values():
         rows = [caches[i] for i in members]
         taken = rows[0].snapshot
-        paddings = taken.padding.tolist()  # one read for all
         places = [r.place for r in rows]
         low, high = min(places), max(places) + 1
         if len(rows) < 2 or high - low > SPAN_PER_ROW * len(rows):
             for i, row in zip(members, rows, strict=True):
-                out[i] = _own(taken, row.place, paddings[row.place])
+                out[i] = _own(taken, row.place, row.padding)
                 scheduled += [a for layer in out[i] for a in (layer.keys, layer.values)]
             continue
-        first = min(paddings[p] for p in places)
+        first = min(r.padding for r in rows)
         parts = []
-        block = _Block(0, 0)
+        block = Block()
         for keys, values in taken.arrays:
             pair = [mx.contiguous(a[low:high, :, first : taken.end]) for a in (keys, values)]
             scheduled += pair
             block.nbytes += sum(a.nbytes for a in pair)
             parts.append([mx.split(a, high - low, axis=0) for a in pair])
         for i, row in zip(members, rows, strict=True):
-            at, skip = row.place - low, paddings[row.place] - first
+            at, skip = row.place - low, row.padding - first
             out[i] = [_layer(k[at], v[at], skip) for k, v in parts]
             blocks[i] = block
     mx.async_eval(scheduled)

@@ -23,11 +23,11 @@ class PrefixCalls:
     # What sequences that ended in the last step leave (tokens, cache, pace),
     # kept once that step's report is out (`keep_ended`).
     _ended: list[tuple[Sequence[int], RowCache, Pace | None]]
-    _shared: SharedBlocks  # kept rows still viewing the block they were copied out in
+    _shared: SharedBlocks  # blocks of rows copied out together, and the memory they hold
 
     @property
     def prefix_cache_bytes(self) -> int:
-        return self.prefixes.nbytes + self._shared.nbytes if self.prefixes is not None else 0
+        return self.prefixes.nbytes + self._shared.waste if self.prefixes is not None else 0
 
     def cached_over(
         self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = ()
@@ -37,8 +37,8 @@ class PrefixCalls:
         bytes it holds then."""
         if self.prefixes is None:
             return [], 0
-        drop, held = self.prefixes.over(max(0, limit - self._shared.nbytes), keep, wanted)
-        return drop, held + self._shared.nbytes
+        drop, held = self.prefixes.over(max(0, limit - self._shared.waste), keep, wanted)
+        return drop, held + self._shared.waste
 
     def drop_cached(self, ids: Iterable[int]) -> None:
         ids = list(ids)
@@ -53,13 +53,11 @@ class PrefixCalls:
     @property
     def prefixes_busy(self) -> bool:
         """Whether the prefix cache has work for the engine thread besides steps."""
-        return self.prefixes is not None and (self.prefixes.busy or bool(self._shared))
+        return self.prefixes is not None and self.prefixes.busy
 
     def prefixes_due(self) -> float | None:
         """Seconds until the prefix cache has work for the engine thread (None: none waits)."""
-        if self.prefixes is None:
-            return None
-        return 0.0 if self._shared else self.prefixes.due()
+        return self.prefixes.due() if self.prefixes is not None else None
 
     def _start_from(self, prompt: tuple[int, ...]) -> Start:
         """See `PrefixCache.start_from` (a fresh cache without one)."""
@@ -77,19 +75,19 @@ class PrefixCalls:
             self._ended.append((tokens, cache, pace))
 
     def keep_ended(self) -> bool:
-        """Keep what the sequences that ended in the last step leave, and copy
-        a few rows kept before out of their blocks (`ended_rows`); whether
-        the cache changed after the step's report. Called once the step's
-        events are out, so that copying rows out of the batch holds no
-        request's last token back. Before the next step: its update of the
-        batch's arrays would copy them whole while these still read them."""
-        freed = bool(self._shared) and self._shared.tend()
+        """Keep what the sequences that ended in the last step leave, and what
+        the blocks they are copied out in hold (`ended_rows`); whether the
+        cache changed after the step's report. Called once the step's events
+        are out, so that copying rows out of the batch holds no request's
+        last token back. Before the next step: its update of the batch's
+        arrays would copy them whole while these still read them."""
         ended, self._ended = self._ended, []
-        if ended and self.prefixes is not None:
+        if self.prefixes is None:
+            return False
+        if ended:
             caches, blocks = copied_out([cache for _, cache, _ in ended])
-            kept = self.prefixes.keep_all(
+            entries = self.prefixes.keep_all(
                 [(tokens, c, pace) for (tokens, _, pace), c in zip(ended, caches, strict=True)]
             )
-            shared = zip(caches, blocks, kept, strict=True)
-            self._shared.add([(c, block) for c, block, k in shared if k and block is not None])
-        return freed or bool(ended)
+            self._shared.add(list(zip(entries, caches, blocks, strict=True)))
+        return self._shared.tend(self.prefixes.memory) or bool(ended)

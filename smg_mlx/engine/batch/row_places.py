@@ -110,11 +110,14 @@ class PlacedGenerationBatch(GenerationBatch):
         if not cache or any(type(c) is not BatchKVCache for c in cache):
             return [c.extract(place) for c in cache]
         # Copied out later, with the other rows the pass ends (ended_rows).
+        # Its padding from its tokens, which its cache holds: reading the
+        # cache's would wait for the pass on the device.
+        padding = cache[0]._idx - len(self.tokens[idx])
         if self._snapshots is None:  # (not in a pass: a row leaving)
-            return EndedRow(Snapshot.of(cache), place)
+            return EndedRow(Snapshot.of(cache), place, padding)
         if not self._snapshots:
             self._snapshots.append(Snapshot.of(cache))
-        return EndedRow(self._snapshots[0], place)
+        return EndedRow(self._snapshots[0], place, padding)
 
     def filter(self, keep: list[int]) -> None:
         if not keep or not _placeable(self.prompt_cache):

@@ -139,13 +139,13 @@ class PrefixCache:
         arrays alive, and the next step would copy those whole to update them."""
         self.keep_all([(tokens, cache, pace)])
 
-    def keep_all(self, ended: Sequence[Ended]) -> list[bool]:
+    def keep_all(self, ended: Sequence[Ended]) -> list[Entry | None]:
         """`keep` for each of several sequences (tokens, cache, pace), in
-        order; whether each was kept (not when a longer entry serves all it would)."""
+        order; the entry of each (None: a longer entry serves all it would)."""
         kept = []
         for tokens, cache, pace in ended:
             entry, removed = self.memory.insert(tokens, cache, pace=pace)
-            kept.append(entry is not None)
+            kept.append(entry)
             if self.disk is not None:
                 self.disk.superseded(removed)
                 if entry is not None:
