@@ -48,18 +48,20 @@ def test_rows_ending_together_share_a_block_until_it_is_mostly_unused():
     # the block: places 0-3, from the smallest padding, 3 layers' keys and values
     assert block.nbytes == 3 * 2 * (4 * 2 * 6 * 4 * 4)
 
-    memory, shared = MemoryTier(), SharedBlocks()
+    memory = MemoryTier()
+    shared = SharedBlocks(memory)
     tokens = [[place + 1] * (6 - PADDING[place]) for place in places]
     entries = [memory.insert(t, layers)[0] for t, layers in zip(tokens, out, strict=True)]
     shared.add(list(zip(entries, out, blocks, strict=True)))
-    shared.tend(memory)
+    assert not shared.tend()  # nothing left
     kept = sum(e.nbytes for e in entries)
     assert shared.waste == block.nbytes - kept > 0  # the padding the rows leave out
     memory.drop([entries[0].id])
-    assert shared.tend(memory) and shared.waste == block.nbytes - kept + entries[0].nbytes
+    assert shared.tend() and shared.waste == block.nbytes - kept + entries[0].nbytes
     memory.drop([entries[1].id, entries[2].id])  # under half of it kept: copied out
-    assert shared.tend(memory) and shared.waste == 0
-    assert not shared.tend(memory)
+    assert shared.tend() and shared.waste == 0
+    memory.drop([entries[3].id])  # its own arrays now: nothing of a block left
+    assert not shared.tend() and shared.waste == 0
     for got, expected in zip(_held(out[3]), want[3], strict=True):
         np.testing.assert_array_equal(got, expected)
 

@@ -275,6 +275,25 @@ def test_concurrent_requests_on_shared_prefixes(pair):
     assert all(g.complete.cached_tokens >= 40 for g in got)
 
 
+def test_conversations_that_end_together_continue_from_the_cache_exactly(pair):
+    # Started together and asked for as many tokens, they end in one pass
+    # (their rows are copied out of the batch together); prompts of
+    # different lengths leave them different paddings there.
+    cached, cold = pair
+    firsts = [prompt(30 + 7 * i, 40 + i) for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda p: generate(cached.stub, p, max_tokens=12), firsts))
+    assert len({tuple(a.tokens) for a in answers}) > 1, "output should vary"
+    pairs = enumerate(zip(firsts, answers, strict=True))
+    nexts = [p + a.tokens + prompt(5, 60 + i) for i, (p, a) in pairs]
+    want = [generate(cold.stub, p, max_tokens=12).tokens for p in nexts]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda p: generate(cached.stub, p, max_tokens=12), nexts))
+    assert [g.tokens for g in got] == want
+    held = [len(p) + len(a.tokens) for p, a in zip(firsts, answers, strict=True)]
+    assert [g.complete.cached_tokens for g in got] == held
+
+
 def test_penalties_see_the_cached_tokens(pair):
     # A repetition penalty looks back over the last 20 tokens, most of them
     # cached here: the model's own favourite tokens, which it would repeat.

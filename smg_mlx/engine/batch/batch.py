@@ -98,11 +98,11 @@ class Batch(PrefixCalls):
         self._samplers = SamplerCache()
         self._rows = Rows()
         self._ended = []
-        self._shared = SharedBlocks()
         # 0 turns the prefix cache off; None bounds it by the memory budget alone.
         self.prefixes = (
             PrefixCache(config.prompt_cache_bytes) if config.prompt_cache_bytes != 0 else None
         )
+        self._shared = SharedBlocks(self.prefixes.memory if self.prefixes is not None else None)
         # The probe's prompts are short: padded to a key bucket, their attention would
         # pass for what much longer prompts cost.
         known = self._padded_attention()

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
@@ -54,56 +56,110 @@ class EndedRow:
     padding: int  # the columns before its entries
 
 
+class EndingGenerationBatch(GenerationBatch):
+    """mlx-lm's decoding rows, where a row that ends or leaves hands over
+    where it lies in the cache (`EndedRow`) instead of a copy (`copied_out`)."""
+
+    # In a pass, the cache as it left it once a row it ended asked (the rest share it)
+    _snapshots: list[Snapshot] | None
+
+    @classmethod
+    def start(cls, model: nn.Module, sampler: Any) -> Any:
+        """An empty batch, as a lane's BatchGenerator starts with."""
+        batch = cls.empty(model, sampler)
+        batch._next_tokens = None  # not uint32: see sampling.batch_generator
+        batch._snapshots = None
+        return batch
+
+    def next(self) -> list:
+        self._snapshots = []
+        try:
+            return self._decode()
+        finally:
+            self._snapshots = None
+
+    def _decode(self) -> list:
+        """One pass over the rows (mlx-lm's)."""
+        return GenerationBatch.next(self)
+
+    def extract_cache(self, idx: int) -> list[Any] | EndedRow:
+        return self._ended(idx, idx)
+
+    def _ended(self, idx: int, place: int) -> list[Any] | EndedRow:
+        """Row `idx`, at `place` in the cache."""
+        cache = self.prompt_cache
+        if not cache or any(type(c) is not BatchKVCache for c in cache):
+            return [c.extract(place) for c in cache]
+        # Its padding from its tokens, which its cache holds: reading the
+        # cache's would wait for the pass on the device.
+        padding = cache[0]._idx - len(self.tokens[idx])
+        if self._snapshots is None:  # (not in a pass: a row leaving)
+            return EndedRow(Snapshot.of(cache), place, padding)
+        if not self._snapshots:
+            self._snapshots.append(Snapshot.of(cache))
+        return EndedRow(self._snapshots[0], place, padding)
+
+
 @dataclass(eq=False)
 class Block:
     """Rows' keys and values copied out of a batch together."""
 
     nbytes: int = 0
-    rows: list[tuple[Entry, list[KVCache]]] = field(default_factory=list)  # those kept
+    kept: int = 0  # bytes of its rows the prefix cache keeps
+    rows: dict[int, list[KVCache]] = field(default_factory=dict)  # those rows, by entry id
 
 
 class SharedBlocks:
     """The blocks whose rows the prefix cache keeps (`tend` after it changes)."""
 
-    def __init__(self) -> None:
-        self._blocks: list[Block] = []
-        self._version = -1  # the memory tier's, when last tended
+    def __init__(self, memory: MemoryTier | None) -> None:
+        self._memory = memory
+        if memory is not None:
+            memory.departed = []
+        self._blocks: dict[int, Block] = {}  # each kept row's, by entry id
         self.waste = 0  # bytes the blocks hold beyond their kept rows
 
     def add(self, kept: Sequence[tuple[Entry | None, list[KVCache], Block | None]]) -> None:
         """Rows the prefix cache was given, as `copied_out` made them (their
         entries, None where not kept)."""
+        blocks = {}
         for entry, layers, block in kept:
             if entry is not None and block is not None:
-                if not block.rows:
-                    self._blocks.append(block)
-                block.rows.append((entry, layers))
-        self._version = -1
+                block.rows[entry.id] = layers
+                block.kept += entry.nbytes
+                self._blocks[entry.id] = blocks[id(block)] = block
+        self.waste += sum(block.nbytes - block.kept for block in blocks.values())
 
-    def tend(self, memory: MemoryTier) -> bool:
+    def tend(self) -> bool:
         """Forget rows whose entries left the cache, and copy the rows of a
         block less than half kept into arrays of their own (without waiting)
         so that it goes; whether the memory held changed."""
-        if memory.version == self._version:
+        departed = self._memory.departed if self._memory is not None else None
+        if not departed:
             return False
-        self._version, waste, copied, blocks = memory.version, 0, [], []
-        for block in self._blocks:
-            block.rows = [(e, layers) for e, layers in block.rows if memory.tree.get(e.id) is e]
-            kept = sum(e.nbytes for e, _ in block.rows)
-            if 2 * kept >= block.nbytes:
-                blocks.append(block)
-                waste += block.nbytes - kept
+        self._memory.departed = []
+        touched = {}
+        for entry in departed:
+            block = self._blocks.pop(entry.id, None)
+            if block is not None:
+                del block.rows[entry.id]
+                block.kept -= entry.nbytes
+                self.waste += entry.nbytes
+                touched[id(block)] = block
+        copied = []
+        for block in touched.values():
+            if 2 * block.kept >= block.nbytes:
                 continue
-            for _, layers in block.rows:
+            self.waste -= block.nbytes - block.kept
+            for entry_id, layers in block.rows.items():
+                del self._blocks[entry_id]
                 for layer in layers:
                     layer.keys, layer.values = (
                         mx.contiguous(layer.keys), mx.contiguous(layer.values)
                     )  # fmt: skip
                     copied += [layer.keys, layer.values]
         mx.async_eval(copied)
-        changed = waste != self.waste or len(blocks) != len(self._blocks)
-        self._blocks, self.waste = blocks, waste
-        return changed
+        return bool(touched)
 
 
 def copied_out(

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
+from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, copied_out
 from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
@@ -56,11 +57,12 @@ class Lanes:
             )
             for _ in (SHORT, LONG)
         )
-        if self.drafting is not None:
-            for generator in self._generators:  # the decoding rows prompts move into
-                generator._generation_batch = SpeculativeGenerationBatch.start(
-                    self._model, generator.sampler, self.drafting
-                )
+        for generator in self._generators:  # the decoding rows prompts move into
+            generator._generation_batch = (
+                EndingGenerationBatch.start(self._model, generator.sampler)
+                if self.drafting is None
+                else SpeculativeGenerationBatch.start(self._model, generator.sampler, self.drafting)
+            )
 
     @property
     def speculation(self) -> SpeculationStats:
@@ -130,7 +132,8 @@ class Lanes:
         the long lane again with `token` still to process and `left` tokens to
         go (`options`: its sampler, processors and stop sequences): its uid
         there, and the tokens its cache holds."""
-        cache, tokens = self._generators[lane].remove([uid], return_prompt_caches=True)[uid]
+        row, tokens = self._generators[lane].remove([uid], return_prompt_caches=True)[uid]
+        ((cache,), _) = copied_out([row])
         sampler, processors, stop = options
         (moved,) = self._generators[LONG].insert(
             [[token]],

@@ -90,4 +90,4 @@ class PrefixCalls:
                 [(tokens, c, pace) for (tokens, _, pace), c in zip(ended, caches, strict=True)]
             )
             self._shared.add(list(zip(entries, caches, blocks, strict=True)))
-        return self._shared.tend(self.prefixes.memory) or bool(ended)
+        return self._shared.tend() or bool(ended)

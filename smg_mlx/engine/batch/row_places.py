@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
-from smg_mlx.engine.batch.ended_rows import EndedRow, Snapshot
+from smg_mlx.engine.batch.ended_rows import EndedRow, EndingGenerationBatch
 from smg_mlx.engine.speculative.ragged_kv import Ragged, RaggedBatchKVCache
 
 # Holes a batch keeps for rows to join, whatever its size.
@@ -53,26 +53,22 @@ def _ends(cache: Any) -> list[int]:
     return [cache._idx] * cache.offset.shape[0]
 
 
-class PlacedGenerationBatch(GenerationBatch):
-    """`GenerationBatch` whose rows keep their places in the cache (module doc)."""
+class PlacedGenerationBatch(EndingGenerationBatch):
+    """Decoding rows that keep their places in the cache (module doc)."""
 
     _target: nn.Module  # the model (`model` routes rows to their places)
     _places: list[int]  # row i's place in the cache
     _width: int  # places in the cache: rows and holes
     # (each place's row, each row's place); None: row i at place i, no hole
     _route: tuple[mx.array, mx.array] | None
-    # In a pass, the cache as it left it once a row it ended asked (the rest share it)
-    _snapshots: list[Snapshot] | None
 
     @classmethod
     def start(cls, model: nn.Module, sampler: Any) -> Any:
         """An empty batch, as a lane's BatchGenerator starts with."""
-        batch = cls.empty(model, sampler)
-        batch._next_tokens = None  # not uint32: see sampling.batch_generator
+        batch = super().start(model, sampler)
         batch._target = model
         batch.model = batch._through_places
         batch._places, batch._width, batch._route = [], 0, None
-        batch._snapshots = None
         return batch
 
     @property
@@ -106,18 +102,7 @@ class PlacedGenerationBatch(GenerationBatch):
             self.prompt_cache = cache
 
     def extract_cache(self, idx: int) -> list[Any] | EndedRow:
-        place, cache = self._places[idx], self.prompt_cache
-        if not cache or any(type(c) is not BatchKVCache for c in cache):
-            return [c.extract(place) for c in cache]
-        # Copied out later, with the other rows the pass ends (ended_rows).
-        # Its padding from its tokens, which its cache holds: reading the
-        # cache's would wait for the pass on the device.
-        padding = cache[0]._idx - len(self.tokens[idx])
-        if self._snapshots is None:  # (not in a pass: a row leaving)
-            return EndedRow(Snapshot.of(cache), place, padding)
-        if not self._snapshots:
-            self._snapshots.append(Snapshot.of(cache))
-        return EndedRow(self._snapshots[0], place, padding)
+        return self._ended(idx, self._places[idx])
 
     def filter(self, keep: list[int]) -> None:
         if not keep or not _placeable(self.prompt_cache):
@@ -135,14 +120,6 @@ class PlacedGenerationBatch(GenerationBatch):
         # still empty now count.
         if self.holes > max(HOLES_KEPT, len(self._places) // 4):
             self._gather()
-        self._snapshots = []
-        try:
-            return self._decode()
-        finally:
-            self._snapshots = None
-
-    def _decode(self) -> list:
-        """One pass over the rows (mlx-lm's)."""
         return super().next()
 
     def _gather(self) -> None:

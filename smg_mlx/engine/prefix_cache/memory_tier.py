@@ -106,6 +106,8 @@ class MemoryTier:
         self.gone = TokenTree()  # keys of entries dropped for room: when each was last used
         self.version = 0  # changes whenever an entry comes or goes
         self.evicted = 0  # entries dropped for room
+        # Entries that left, gathered only where one reads them (`ended_rows`)
+        self.departed: list[Entry] | None = None
 
     def __len__(self) -> int:
         return len(self.tree)
@@ -165,6 +167,7 @@ class MemoryTier:
         trimmable = all(c.is_trimmable() for c in cache)
         entry, removed = self.tree.insert(tokens, held, nbytes, trimmable)
         self.version += 1
+        self._left(removed)
         return entry, removed
 
     @staticmethod
@@ -236,6 +239,7 @@ class MemoryTier:
         for entry in gone:
             self.gone.insert(self.tree.tokens(entry), entry.value.used, entry.length, True)
             self.tree.remove(entry)
+        self._left(gone)
         for ghost in self.gone:  # the oldest keys go first
             if self.gone.nbytes <= GONE_TOKENS:
                 break
@@ -251,7 +255,12 @@ class MemoryTier:
 
     def clear(self) -> None:
         """Drop everything (its tree holds cycles: freed now, not at a collection)."""
+        self._left(list(self.tree))
         for tree in (self.tree, self.gone):
             for entry in tree:
                 tree.remove(entry)
         self.version += 1
+
+    def _left(self, entries: Sequence[Entry]) -> None:
+        if self.departed is not None:
+            self.departed += entries

@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+from smg_mlx.engine.batch.ended_rows import copied_out
 from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
@@ -177,7 +178,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         self._line_up()
         if not self.uids:  # (every row ended in that pass)
             return out
-        layers = zip(self.prompt_cache, self.extract_cache(0), strict=True)
+        ((row,), _) = copied_out([self.extract_cache(0)])
+        layers = zip(self.prompt_cache, row, strict=True)
         pair = [ragged(type(c).merge([one] * 2)) for c, one in layers]
         for cache in pair:
             cache.rewind([1, 0])
