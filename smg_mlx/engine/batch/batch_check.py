@@ -51,7 +51,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import QuantizedKVCache
 
-from smg_mlx.engine.batch.ended_rows import copied_out
 from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.progress import Progress
 from smg_mlx.engine.types import LayerCaches, Unservable
@@ -138,7 +137,7 @@ def _run(model: nn.Module, stream: mx.Stream, prompts: list[list[int]], prefill_
             # sampled but not yet run: its cache holds the prompt alone.
             ends = [r.uid for r in prefilled if r.end_of_prompt]
             for uid, (cache, _) in generator.extract_cache(ends).items():
-                held = [_held(c) for c in copied_out([cache])[0][0]]
+                held = [_held(c) for c in cache]
                 rows[uid].state = [a for arrays, _ in held for a in arrays]
                 rows[uid].steps = [step for _, steps in held for step in steps]
                 mx.eval(rows[uid].state, [step for step in rows[uid].steps if step is not None])
