@@ -133,10 +133,10 @@ class PrefixCache:
         self, tokens: Sequence[int], cache: list[LayerCache], pace: Pace | None = None
     ) -> None:
         """A sequence ended (or was aborted) holding the keys and values of
-        `tokens` (`pace`: its turn, as `start_from` gave it). The cache's
-        arrays are the cache's own from here on, sent to the device already
-        (`ended_rows.copied_out`): lazy slices of a batch would keep its
-        arrays alive, and the next step would copy those whole to update them."""
+        `tokens` (`pace`: its turn, as `start_from` gave it). Its arrays are
+        out of any batch and sent to the device already (`ended_rows.copied_out`):
+        lazy slices of a batch would keep its arrays alive, and the next step
+        would copy those whole to update them."""
         self.keep_all([(tokens, cache, pace)])
 
     def keep_all(self, ended: Sequence[Ended]) -> list[Entry | None]:
