@@ -2,8 +2,8 @@
 
 A row's keys and values copied out of its batch take a copy a layer array:
 on a GPU each costs the host more (building the op, launching its kernel)
-than the bytes it moves, about half a millisecond a row at 28 layers, paid
-between passes by every row that ends (under load, most turns). So the rows
+than the bytes it moves, paid between passes for every row that ends (under
+load, most turns). So the rows
 one pass ends, where they lie close together in the batch, are copied out
 as one block a layer array, each row a view of it (`copied_out`). A block
 is memory as long as one of its rows is kept: the memory beyond its kept
