@@ -24,7 +24,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import quantized_kv  # QuantizedKVCache's merge too
-from smg_mlx.engine.batch.ended_rows import copied_out
+from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
@@ -104,7 +104,7 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
             tokens[i].append(r.token)
             chosen[i].append(r.logprobs[r.token].item())
             if r.finish_reason is not None:
-                cache = copied_out([r.prompt_cache])[0][0]
+                cache = one_row(r.prompt_cache)
                 cached[i] = (cache[0].offset, len(r.all_tokens))
     generator.close()
     return [tokens[i] for i in range(len(prompts))], chosen, cached, stats

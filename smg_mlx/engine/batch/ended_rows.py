@@ -3,9 +3,9 @@
 A row's keys and values copied out of its batch take a copy a layer array:
 on a GPU each costs the host more (building the op, launching its kernel)
 than the bytes it moves, paid between passes for every row that ends (under
-load, most turns). So the rows
-one pass ends, where they lie close together in the batch, are copied out
-as one block a layer array, each row a view of it (`copied_out`). A block
+load, most turns). So the rows one pass ends, where they lie close together
+in the batch, are copied out as one block a layer array, each row a view of
+it (`copied_out`). A block
 is memory as long as one of its rows is kept: the memory beyond its kept
 rows is counted beside them (`SharedBlocks.waste`), and once its kept rows
 fill less than half of it they are copied into arrays of their own and the
@@ -200,6 +200,11 @@ def copied_out(
             blocks[i] = block
     mx.async_eval(scheduled)
     return out, blocks
+
+
+def one_row(cache: list[Any] | EndedRow) -> list[Any]:
+    """`copied_out` of one row (in arrays of its own)."""
+    return copied_out([cache])[0][0]
 
 
 def _own(taken: Snapshot, place: int, padding: int) -> list[KVCache]:

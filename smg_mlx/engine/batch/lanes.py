@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
-from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, copied_out
+from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, one_row
 from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
@@ -133,7 +133,7 @@ class Lanes:
         go (`options`: its sampler, processors and stop sequences): its uid
         there, and the tokens its cache holds."""
         row, tokens = self._generators[lane].remove([uid], return_prompt_caches=True)[uid]
-        ((cache,), _) = copied_out([row])
+        cache = one_row(row)
         sampler, processors, stop = options
         (moved,) = self._generators[LONG].insert(
             [[token]],

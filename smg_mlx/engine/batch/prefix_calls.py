@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
-from smg_mlx.engine.batch.ended_rows import EndedRow, SharedBlocks, copied_out
+from smg_mlx.engine.batch.ended_rows import EndedRow, SharedBlocks, copied_out, one_row
 from smg_mlx.engine.prefix_cache.cache import PrefixCache, Start
 from smg_mlx.engine.prefix_cache.memory_tier import LayerCache, Pace
 
@@ -67,7 +67,7 @@ class PrefixCalls:
         """What a sequence leaves, for prompts that share its prefix (see
         `PrefixCache.keep`); nothing without a cache."""
         if self.prefixes is not None:
-            self.prefixes.keep(tokens, copied_out([cache])[0][0], pace)
+            self.prefixes.keep(tokens, one_row(cache), pace)
 
     def _keep_later(self, tokens: Sequence[int], cache: RowCache, pace: Pace | None) -> None:
         """`_keep`, at the next `keep_ended`."""

@@ -154,8 +154,9 @@ class MemoryTier:
         """Keep `cache`, which holds the keys and values of exactly `tokens`
         (`loaded`: read back from disk; `pace`: the turn that made it, see
         `returning`). Returns its entry (None when a longer entry already
-        serves all it would; else the caller evaluates `cache`, `materialize`)
-        and the entries it replaced or made redundant, which have left.
+        serves all it would; else the caller has `cache` evaluated:
+        `materialize`, `ended_rows.copied_out`) and the entries it replaced
+        or made redundant, which have left.
 
         What is kept is decided by the tokens alone, so every rank of a model
         split over several keeps the same; what to drop for memory is decided

@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
-from smg_mlx.engine.batch.ended_rows import copied_out
+from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
@@ -178,7 +178,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         self._line_up()
         if not self.uids:  # (every row ended in that pass)
             return out
-        ((row,), _) = copied_out([self.extract_cache(0)])
+        row = one_row(self.extract_cache(0))
         layers = zip(self.prompt_cache, row, strict=True)
         pair = [ragged(type(c).merge([one] * 2)) for c, one in layers]
         for cache in pair:
