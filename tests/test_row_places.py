@@ -11,7 +11,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 from test_speculative import tiny_model
 
-from smg_mlx.engine.batch.ended_rows import copied_out
+from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, copied_out
 from smg_mlx.engine.batch.row_places import HOLES_KEPT, PlacedGenerationBatch
 
 
@@ -24,14 +24,16 @@ def _requests(count: int, seed: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def _run(model, requests, places: bool, running: int, monkeypatch) -> dict:
-    """Every request through one BatchGenerator, at most `running` at once, a new
+def _run(model, requests, places: bool, running: int, monkeypatch, rows=None) -> dict:
+    """Every request through one BatchGenerator (its decoding rows `rows`, or
+    `PlacedGenerationBatch` with `places`, else mlx-lm's), at most `running` at once, a new
     one admitted as soon as one ends (the batch never empties until the last):
     the tokens, logprobs and finished caches of each, how often the batch's
     cache was copied whole, and what the cache held beside its rows."""
     generator = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=4)
-    if places:
-        generator._generation_batch = PlacedGenerationBatch.start(model, generator.sampler)
+    rows = PlacedGenerationBatch if places else rows
+    if rows is not None:
+        generator._generation_batch = rows.start(model, generator.sampler)
     copies = {"extend": 0, "filter": 0}
     extend, filter_rows = BatchKVCache.extend, BatchKVCache.filter
 
@@ -103,6 +105,22 @@ def test_rows_joining_into_places_left_decode_as_in_mlx_lms_batch(family, monkey
     assert theirs["copies"]["filter"] + theirs["copies"]["extend"] > 40
     assert sum(ours["copies"].values()) < sum(theirs["copies"].values()) / 3
     assert ours["holes"] <= HOLES_KEPT
+
+
+def test_rows_that_end_leave_the_others_decoding_as_in_mlx_lms_batch(monkeypatch):
+    """Without places, rows ending are filtered out as mlx-lm filters them
+    (the padding every row left shares cut off), known without reading the
+    cache: the same tokens, the same finished caches, no column to spare."""
+    model = tiny_model("qwen3", scale=1.5)
+    requests = _requests(60, seed=7)
+    theirs = _run(model, requests, places=False, running=6, monkeypatch=monkeypatch)
+    ours = _run(model, requests, False, 6, monkeypatch, rows=EndingGenerationBatch)
+    assert any(len(set(t)) > 3 for t in theirs["tokens"].values()), "output should vary"
+    assert ours["tokens"] == theirs["tokens"]
+    for i, (length, keys) in theirs["finished"].items():
+        assert ours["finished"][i][0] == length
+        np.testing.assert_allclose(ours["finished"][i][1], keys, atol=1e-4)
+    assert ours["spare_columns"] == theirs["spare_columns"] == 0
 
 
 def test_a_batch_that_never_empties_holds_no_more_columns_than_its_longest_row(monkeypatch):

@@ -13,6 +13,11 @@ Installed on import, for every BatchKVCache of the process:
   whole even when all of them move, as a lone prompt always does: a second
   copy of the whole cache, in memory and in time, for nothing. Rows that
   leave are still gathered out, as before.
+
+And `filter_rows`, mlx-lm's filter where the caller knows the padding every
+row kept shares: mlx-lm reads it back from the device, once a layer, and the
+first read waits for the pass in flight, which leaves the device idle while
+the host prepares the next.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 
@@ -41,6 +47,21 @@ def _no_copy_when_every_row_stays(filter_rows: Callable) -> Callable:
         filter_rows(self, batch_indices)
 
     return keep
+
+
+def filter_rows(cache: BatchKVCache, rows: mx.array | slice, padding: int) -> None:
+    """Keep the `rows` of a layer's cache (in that order) and cut off the
+    `padding` columns in front that every one of them has, as mlx-lm's filter
+    does, without reading the cache."""
+    if cache.keys is not None:
+        cache.keys, cache.values = cache.keys[rows], cache.values[rows]
+    cache.offset, cache.left_padding = cache.offset[rows], cache.left_padding[rows]
+    if padding > 0:
+        if cache.keys is not None:
+            cache.keys = cache.keys[..., padding:, :]
+            cache.values = cache.values[..., padding:, :]
+        cache._idx -= padding
+        cache.left_padding -= padding
 
 
 BatchKVCache.make_mask = _no_mask_array_for_one_row(BatchKVCache.make_mask)

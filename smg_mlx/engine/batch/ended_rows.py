@@ -14,7 +14,8 @@ block goes (`SharedBlocks.tend`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from smg_mlx.engine.batch.batch_kv import filter_rows
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.prefix_cache.token_tree import Entry
 
@@ -58,7 +60,8 @@ class EndedRow:
 
 class EndingGenerationBatch(GenerationBatch):
     """mlx-lm's decoding rows, where a row that ends or leaves hands over
-    where it lies in the cache (`EndedRow`) instead of a copy (`copied_out`)."""
+    where it lies in the cache (`EndedRow`) instead of a copy (`copied_out`),
+    and the rows left are filtered without waiting for the pass in flight."""
 
     # In a pass, the cache as it left it once a row it ended asked (the rest share it)
     _snapshots: list[Snapshot] | None
@@ -84,6 +87,28 @@ class EndingGenerationBatch(GenerationBatch):
 
     def extract_cache(self, idx: int) -> list[Any] | EndedRow:
         return self._ended(idx, idx)
+
+    def filter(self, keep: list[int]) -> None:
+        cache = self.prompt_cache
+        if not keep or not cache or any(type(c) is not BatchKVCache for c in cache):
+            super().filter(keep)
+            return
+        # Each row's padding from its tokens, which its cache holds (as in `_ended`).
+        padding = cache[0]._idx - max(len(self.tokens[i]) for i in keep)
+        rows = slice(None) if keep == list(range(len(self.uids))) else mx.array(keep)
+        with self._rows_only():
+            super().filter(keep)
+        for c in cache:
+            filter_rows(c, rows, padding)
+
+    @contextmanager
+    def _rows_only(self) -> Iterator[None]:
+        """mlx-lm's bookkeeping of the rows, with its copies of the cache left out."""
+        cache, self.prompt_cache = self.prompt_cache, []
+        try:
+            yield
+        finally:
+            self.prompt_cache = cache
 
     def _ended(self, idx: int, place: int) -> list[Any] | EndedRow:
         """Row `idx`, at `place` in the cache."""

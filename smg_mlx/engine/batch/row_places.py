@@ -25,8 +25,6 @@ Only caches whose every layer is a plain batch KV cache keep places; others
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -91,15 +89,6 @@ class PlacedGenerationBatch(EndingGenerationBatch):
         row_at = dict(zip(places, range(len(places)), strict=True))
         rows = [row_at.get(p, 0) for p in range(width)]
         self._route = mx.array(rows), mx.array(places)
-
-    @contextmanager
-    def _rows_only(self) -> Iterator[None]:
-        """mlx-lm's bookkeeping of the rows, with its copies of the cache left out."""
-        cache, self.prompt_cache = self.prompt_cache, []
-        try:
-            yield
-        finally:
-            self.prompt_cache = cache
 
     def extract_cache(self, idx: int) -> list[Any] | EndedRow:
         return self._ended(idx, self._places[idx])
