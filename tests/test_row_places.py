@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator, GenerationBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
 from test_speculative import tiny_model
 
 from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, copied_out
@@ -24,9 +24,10 @@ def _requests(count: int, seed: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def _run(model, requests, places: bool, running: int, monkeypatch, rows=None) -> dict:
+def _run(model, requests, places: bool, running: int, monkeypatch, rows=None, bits=None) -> dict:
     """Every request through one BatchGenerator (its decoding rows `rows`, or
-    `PlacedGenerationBatch` with `places`, else mlx-lm's), at most `running` at once, a new
+    `PlacedGenerationBatch` with `places`, else mlx-lm's; caches quantized to
+    `bits`), at most `running` at once, a new
     one admitted as soon as one ends (the batch never empties until the last):
     the tokens, logprobs and finished caches of each, how often the batch's
     cache was copied whole, and what the cache held beside its rows."""
@@ -44,9 +45,11 @@ def _run(model, requests, places: bool, running: int, monkeypatch, rows=None) ->
         copies["extend"] += decoding(self)
         extend(self, other)
 
-    def counted_filter(self, indices):
-        copies["filter"] += decoding(self) and indices != list(range(len(indices)))
-        filter_rows(self, indices)
+    def counted_filter(self, indices, *padding):
+        if not isinstance(indices, slice):
+            kept = indices.tolist() if isinstance(indices, mx.array) else list(indices)
+            copies["filter"] += decoding(self) and kept != list(range(len(kept)))
+        filter_rows(self, indices, *padding)
 
     monkeypatch.setattr(BatchKVCache, "extend", counted_extend)
     monkeypatch.setattr(BatchKVCache, "filter", counted_filter)
@@ -57,7 +60,10 @@ def _run(model, requests, places: bool, running: int, monkeypatch, rows=None) ->
 
     def admit() -> None:
         i, (prompt, max_tokens) = waiting.pop(0)
-        which[generator.insert([prompt], [max_tokens])[0]] = i
+        caches = None
+        if bits is not None:
+            caches = [[QuantizedKVCache(group_size=32, bits=bits) for _ in model.layers]]
+        which[generator.insert([prompt], [max_tokens], caches=caches)[0]] = i
 
     for _ in range(running):
         admit()
@@ -71,7 +77,12 @@ def _run(model, requests, places: bool, running: int, monkeypatch, rows=None) ->
             logprobs[i].append(r.logprobs[r.token].item())
         # every layer's keys and values, as the prefix cache keeps them
         for r, cache in zip(ended, copied_out([r.prompt_cache for r in ended])[0], strict=True):
-            kept = [np.array(a[..., : c.offset, :]) for c in cache for a in (c.keys, c.values)]
+            kept = [
+                np.array(part[..., : c.offset, :])
+                for c in cache
+                for a in (c.keys, c.values)
+                for part in (a if isinstance(a, tuple) else (a,))  # quantized: 3 parts
+            ]
             out[which[r.uid]] = (len(r.all_tokens), np.concatenate(kept, axis=-1))
             if waiting:
                 admit()
@@ -80,7 +91,7 @@ def _run(model, requests, places: bool, running: int, monkeypatch, rows=None) ->
             longest = max(len(t) for t in rows.tokens)
             spare = max(spare, rows.prompt_cache[0]._idx - longest)
             # (holes but those the rows that finished in this call left)
-            widest = max(widest, rows.prompt_cache[0].keys.shape[0] - len(rows.uids) - left)
+            widest = max(widest, rows.prompt_cache[0].offset.shape[0] - len(rows.uids) - left)
     generator.close()
     return dict(tokens=tokens, logprobs=logprobs, finished=out, copies=copies,
                 spare_columns=spare, holes=widest)  # fmt: skip
@@ -107,14 +118,15 @@ def test_rows_joining_into_places_left_decode_as_in_mlx_lms_batch(family, monkey
     assert ours["holes"] <= HOLES_KEPT
 
 
-def test_rows_that_end_leave_the_others_decoding_as_in_mlx_lms_batch(monkeypatch):
+@pytest.mark.parametrize("bits", [None, 8])
+def test_rows_that_end_leave_the_others_decoding_as_in_mlx_lms_batch(bits, monkeypatch):
     """Without places, rows ending are filtered out as mlx-lm filters them
     (the padding every row left shares cut off), known without reading the
     cache: the same tokens, the same finished caches, no column to spare."""
-    model = tiny_model("qwen3", scale=1.5)
+    model = tiny_model("qwen3", scale=1.5, head_dim=32)  # a head: one group of 32
     requests = _requests(60, seed=7)
-    theirs = _run(model, requests, places=False, running=6, monkeypatch=monkeypatch)
-    ours = _run(model, requests, False, 6, monkeypatch, rows=EndingGenerationBatch)
+    theirs = _run(model, requests, False, 6, monkeypatch, bits=bits)
+    ours = _run(model, requests, False, 6, monkeypatch, rows=EndingGenerationBatch, bits=bits)
     assert any(len(set(t)) > 3 for t in theirs["tokens"].values()), "output should vary"
     assert ours["tokens"] == theirs["tokens"]
     for i, (length, keys) in theirs["finished"].items():

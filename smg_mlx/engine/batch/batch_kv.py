@@ -14,8 +14,8 @@ Installed on import, for every BatchKVCache of the process:
   copy of the whole cache, in memory and in time, for nothing. Rows that
   leave are still gathered out, as before.
 
-And `filter_rows`, mlx-lm's filter where the caller knows the padding every
-row kept shares: mlx-lm reads it back from the device, once a layer, and the
+A filter also takes the padding every row kept has in front, where the
+caller knows it: mlx-lm reads it back from the device, once a layer, and the
 first read waits for the pass in flight, which leaves the device idle while
 the host prepares the next.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 
@@ -39,30 +38,27 @@ def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
     return mask
 
 
-def _no_copy_when_every_row_stays(filter_rows: Callable) -> Callable:
-    def keep(self: BatchKVCache, batch_indices: Any) -> None:
+def _filter(filter_rows: Callable) -> Callable:
+    def filter(self: BatchKVCache, batch_indices: Any, padding: int | None = None) -> None:
         rows = self.offset.shape[0]
         if isinstance(batch_indices, Sequence) and list(batch_indices) == list(range(rows)):
             batch_indices = slice(None)  # every row, in order: indexed as views, not gathered
-        filter_rows(self, batch_indices)
+        if padding is None:
+            filter_rows(self, batch_indices)
+            return
+        if self.keys is not None:
+            self.keys, self.values = self.keys[batch_indices], self.values[batch_indices]
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        if padding > 0:
+            if self.keys is not None:
+                self.keys = self.keys[..., padding:, :]
+                self.values = self.values[..., padding:, :]
+            self._idx -= padding
+            self.left_padding -= padding
 
-    return keep
-
-
-def filter_rows(cache: BatchKVCache, rows: mx.array | slice, padding: int) -> None:
-    """Keep the `rows` of a layer's cache (in that order) and cut off the
-    `padding` columns in front that every one of them has, as mlx-lm's filter
-    does, without reading the cache."""
-    if cache.keys is not None:
-        cache.keys, cache.values = cache.keys[rows], cache.values[rows]
-    cache.offset, cache.left_padding = cache.offset[rows], cache.left_padding[rows]
-    if padding > 0:
-        if cache.keys is not None:
-            cache.keys = cache.keys[..., padding:, :]
-            cache.values = cache.values[..., padding:, :]
-        cache._idx -= padding
-        cache.left_padding -= padding
+    return filter
 
 
 BatchKVCache.make_mask = _no_mask_array_for_one_row(BatchKVCache.make_mask)
-BatchKVCache.filter = _no_copy_when_every_row_stays(BatchKVCache.filter)
+BatchKVCache.filter = _filter(BatchKVCache.filter)

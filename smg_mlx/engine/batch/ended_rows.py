@@ -24,10 +24,13 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from smg_mlx.engine.batch.batch_kv import filter_rows
+from smg_mlx.engine.batch import batch_kv  # noqa: F401 - its filter takes a known padding
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.prefix_cache.token_tree import Entry
 
+# Batch caches whose filter takes the padding its rows share, known from their tokens.
+KNOWN_PADDING = (BatchKVCache, BatchQuantizedKVCache)
 # Rows a pass ends are copied out as a block where they are at least two and
 # span at most this many places a row (the places between, rows still
 # running or holes, are copied too).
@@ -90,16 +93,21 @@ class EndingGenerationBatch(GenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         cache = self.prompt_cache
-        if not keep or not cache or any(type(c) is not BatchKVCache for c in cache):
+        if not keep or not cache or any(type(c) not in KNOWN_PADDING for c in cache):
             super().filter(keep)
             return
-        # Each row's padding from its tokens, which its cache holds (as in `_ended`).
-        padding = cache[0]._idx - max(len(self.tokens[i]) for i in keep)
+        # The padding every row kept has: the least of theirs (see `_ended`).
+        padding = min(self._padding(i) for i in keep)
         rows = slice(None) if keep == list(range(len(self.uids))) else mx.array(keep)
         with self._rows_only():
             super().filter(keep)
         for c in cache:
-            filter_rows(c, rows, padding)
+            c.filter(rows, padding)
+
+    def _padding(self, idx: int) -> int:
+        """Row `idx`'s padding, from its tokens, which its cache holds: reading
+        the cache's would wait for the pass on the device."""
+        return self.prompt_cache[0]._idx - len(self.tokens[idx])
 
     @contextmanager
     def _rows_only(self) -> Iterator[None]:
@@ -113,11 +121,11 @@ class EndingGenerationBatch(GenerationBatch):
     def _ended(self, idx: int, place: int) -> list[Any] | EndedRow:
         """Row `idx`, at `place` in the cache."""
         cache = self.prompt_cache
-        if not cache or any(type(c) is not BatchKVCache for c in cache):
+        if not cache or any(type(c) not in KNOWN_PADDING for c in cache):
             return [c.extract(place) for c in cache]
-        # Its padding from its tokens, which its cache holds: reading the
-        # cache's would wait for the pass on the device.
-        padding = cache[0]._idx - len(self.tokens[idx])
+        padding = self._padding(idx)
+        if type(cache[0]) is BatchQuantizedKVCache:
+            return [c.extract(place, padding) for c in cache]
         if self._snapshots is None:  # (not in a pass: a row leaving)
             return EndedRow(Snapshot.of(cache), place, padding)
         if not self._snapshots:

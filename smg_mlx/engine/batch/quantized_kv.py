@@ -186,14 +186,15 @@ class BatchQuantizedKVCache(_BaseCache):
 
     # -- rows in and out ------------------------------------------------------
 
-    def filter(self, batch_indices: Any) -> None:
-        """Keep the given rows; drop the left padding they all share."""
+    def filter(self, batch_indices: Any, padding: int | None = None) -> None:
+        """Keep the given rows; drop the left padding they all share
+        (`padding`, where the caller knows it: read from the device else)."""
         if self.keys is not None:
             take = lambda x: x[batch_indices]  # noqa: E731
             self.keys, self.values = map_parts(take, self.keys), map_parts(take, self.values)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
-        shared = min(self.left_padding.tolist())
+        shared = min(self.left_padding.tolist()) if padding is None else padding
         if shared > 0:
             if self.keys is not None:
                 drop = lambda x: x[:, :, shared:]  # noqa: E731
@@ -232,12 +233,13 @@ class BatchQuantizedKVCache(_BaseCache):
         self.offset = mx.concatenate([self.offset, other.offset])
         self._idx = idx
 
-    def extract(self, idx: int) -> QuantizedKVCache:
-        """Row `idx` alone, its padding left out, as mlx-lm's single-sequence cache."""
+    def extract(self, idx: int, padding: int | None = None) -> QuantizedKVCache:
+        """Row `idx` alone, its padding left out (`padding`, where the caller
+        knows it: read from the device else), as mlx-lm's single-sequence cache."""
         cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
         if self.keys is None:
             return cache
-        start = self.left_padding[idx].item()
+        start = self.left_padding[idx].item() if padding is None else padding
         row = lambda x: mx.contiguous(x[idx : idx + 1, :, start : self._idx])  # noqa: E731
         cache.keys, cache.values = map_parts(row, self.keys), map_parts(row, self.values)
         cache.offset = self._idx - start
