@@ -177,9 +177,11 @@ def run_all(
     opts: Options, on_progress: Callable[[list[LevelResult], dict], None] | None = None
 ) -> tuple[list[LevelResult], dict]:
     """Every system at every level, interleaved: all systems run round 1 of a
-    level, then round 2 in reverse order, and so on, then the next level; each
-    level's rounds are pooled. A shared machine's speed drifts over minutes, so
-    systems measured minutes apart would compare the drift as well. One
+    level, then round 2 in reverse order, and so on, then the next level,
+    whose first round starts where this one's would have next; each level's
+    rounds are pooled. A shared machine's speed drifts over minutes, so
+    systems measured minutes apart would compare the drift as well, and one
+    that always went first would draw a level's first minutes every time. One
     system that fails is reported as failed and the rest still run;
     `on_progress` sees the results after each level."""
     kept: dict[str, tuple[WorkerProcess, dict]] = {}  # with `one_worker`
@@ -202,9 +204,9 @@ def _run_levels(
     systems: dict[str, dict] = {name: {} for name in opts.systems}
     results: list[LevelResult] = []
     pooled: dict[str, tuple[list[RequestRecord], float, tuple[float, ...]]] = {}
-    for level in opts.workload.plan(opts.levels, opts.rounds):
+    for turn, level in enumerate(opts.workload.plan(opts.levels, opts.rounds)):
         c = level.concurrency
-        order = opts.systems if level.round % 2 == 0 else opts.systems[::-1]
+        order = opts.systems if turn % 2 == 0 else opts.systems[::-1]
         for name in order:
             if "error" in systems[name]:
                 continue

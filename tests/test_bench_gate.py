@@ -27,3 +27,25 @@ def test_a_level_short_of_its_bound_or_with_errors_fails_the_gate():
     failing = throughput_checks([engine, level("ours", (400.0, 400.0), errors=1)], [4])
     assert not short[0].met and format_checks(short).endswith("gate FAILED")
     assert failing[0].value is None and "not measured" in failing[0].line()
+
+
+def test_who_runs_first_alternates_from_level_to_level(monkeypatch, tmp_path):
+    """A machine slowing over a level favours the system that runs first: each
+    system takes the first slot of as many levels as the other."""
+    from bench import runner
+    from bench.workload import Workload
+
+    ran = []
+
+    def worker_round(name, opts, level, kept):
+        ran.append((level.concurrency, name))
+        return [], 1.0, {}
+
+    monkeypatch.setattr(runner, "_worker_round", worker_round)
+    monkeypatch.setattr(runner, "summarize", lambda *args: level("ours", (1.0,)))
+    opts = runner.Options(["ours", "peer"], [1, 4, 16, 64], Workload(), tmp_path, tmp_path,
+                          rounds=3)  # fmt: skip
+    runner._run_levels(opts, None, {}, {})
+    firsts = [next(name for c, name in ran if c == want) for want in opts.levels]
+    assert firsts == ["ours", "peer", "ours", "peer"]
+    assert [name for c, name in ran if c == 1] == ["ours", "peer", "peer", "ours", "ours", "peer"]
