@@ -105,7 +105,13 @@ def resolve(model: str, revision: str | None = None) -> ModelSource:
             f"{model} is not a model directory (no such path), nor a Hugging Face repo id "
             f"(owner/name, such as {EXAMPLE})"
         )
-    snapshot = _snapshot(model, revision)
+    try:
+        snapshot = _snapshot(model, revision)
+    except ModelUnavailable as exc:
+        # owner/name is also how a relative path without its "./" reads
+        exc.args = (f"{exc.args[0]} (nor is there a local directory {model}: a path is "
+                    f"written ./{model})",)  # fmt: skip
+        raise
     if not (snapshot / "config.json").is_file():
         raise ModelNotFound(f"{model} has no config.json: it is not an mlx-lm model")
     log.info("%s is in %s", model, snapshot)

@@ -328,11 +328,12 @@ class Worker:
         needed = info.context_length * per_id + translation.REQUEST_BESIDES_IDS
         if needed > limit:
             log.warning(
-                "requests over %d bytes are refused (--max-request-bytes): room for prompts "
-                "of about %d token ids; set --max-request-bytes %dKiB for prompts of this "
-                "model's whole context (%d tokens)",
-                limit, max(limit - translation.REQUEST_BESIDES_IDS, 0) // per_id,
-                -(-needed // 1024), info.context_length,
+                "requests over %d bytes are refused (--max-request-bytes): a prompt of this "
+                "model's whole context (%d tokens) takes about %d bytes, up to %d with stop "
+                "ids and logit biases at their limits; set --max-request-bytes %dKiB for "
+                "any such request to fit",
+                limit, info.context_length, info.context_length * per_id, needed,
+                -(-needed // 1024),
             )  # fmt: skip
 
     async def _locate_model(self) -> None:
@@ -388,7 +389,7 @@ class Worker:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, for good
         grace = self.config.shutdown_grace_seconds
         log.info(
-            "shutting down: %s in flight, waiting up to %.0fs",
+            "shutting down: %s in flight, waiting up to %gs",
             counted(servicer.active_requests, "request"),
             grace,
         )

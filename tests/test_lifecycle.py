@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import signal
 import threading
 import time
@@ -146,7 +147,8 @@ def test_past_the_grace_streams_end_with_abort_while_the_engine_is_still_in_a_st
 
 def test_past_the_grace_requests_without_a_token_are_for_another_worker(spawn, model_dir):
     """Requests still waiting for their first token when the grace ends get
-    UNAVAILABLE (the router retries those on another worker), not an empty OK;
+    UNAVAILABLE (the router retries those on another worker), not an empty OK,
+    and are logged (and counted) as turned away at a stop, not as failures;
     one that streamed ends with "abort"."""
     p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "0.5",
               "--completion-batch-size", "1", "--prefill-batch-size", "1")  # fmt: skip
@@ -161,6 +163,10 @@ def test_past_the_grace_requests_without_a_token_are_for_another_worker(spawn, m
             collect(call)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "had no token yet: send it to another worker" in err.value.details()
+    log = p.log.read_text()
+    assert "waiting up to 0.5s" in log
+    ends = re.findall(r"request done .* finish_reason=(\w+)", log)
+    assert sorted(ends) == ["abort", "shutdown", "shutdown"], ends
 
 
 def test_sigterm_under_load_ends_every_stream_cleanly(spawn, model_dir):

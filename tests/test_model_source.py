@@ -166,6 +166,10 @@ def test_an_absent_repo_id_offline_says_what_to_do(hf_home):
     assert done.returncode == 2
     assert "org/absent is not in the Hugging Face cache" in done.stderr
     assert "HF_HUB_OFFLINE is set" in done.stderr and "hf download org/absent" in done.stderr
+    # A relative path without its "./" reads as a repo id: said too.
+    assert "nor is there a local directory org/absent: a path is written ./org/absent" in (
+        done.stderr
+    )
     assert "Traceback" not in done.stderr
 
 

@@ -111,7 +111,11 @@ def test_a_request_limit_too_small_for_the_context_is_named_at_start_up(spawn, m
     small.wait_serving()
     said = [line for line in small.log.read_text().splitlines() if "--max-request-bytes" in line]
     assert len(said) == 1 and "WARNING" in said[0], said
-    # It names the size that takes the whole context, and that size says nothing.
+    # What a whole-context prompt takes (a plain one fits in 64 KiB: no claim
+    # that nothing fits), and the size that takes it whatever else the request
+    # carries, which then says nothing.
+    takes = re.search(r"whole context \((\d+) tokens\) takes about (\d+) bytes", said[0])
+    assert takes is not None and 0 < int(takes.group(2)) < 64 << 10, said
     fix = re.search(r"set --max-request-bytes (\d+KiB)", said[0])
     assert fix is not None, said
     enough = spawn("--model", str(model_dir), "--max-request-bytes", fix.group(1))

@@ -14,7 +14,7 @@ from smg_mlx.api.streaming import StreamPublisher, poster
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats, StepReport
+from smg_mlx.engine.types import CacheStats, Failure, Memory, SpeculationStats, StepReport
 
 UNSTARTED_AT_STOP = (
     "the worker is shutting down and this request had no token yet: send it to another worker"
@@ -122,7 +122,7 @@ class EngineClient:
             if job.tokens:
                 job.end(finish_reason="abort")
             else:
-                job.end(error=UNSTARTED_AT_STOP, retry_elsewhere=True)
+                job.end(error=UNSTARTED_AT_STOP, retry_elsewhere=True, failure=Failure.STOPPING)
         self._jobs.clear()
 
     def stop(self, flush_seconds: float = 0.0) -> None:

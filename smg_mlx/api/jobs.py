@@ -86,7 +86,9 @@ class Job:
         finish_reason: str | None = None,
         error: str | None = None,
         retry_elsewhere: bool = False,
+        failure: Failure = Failure.STEP,
     ) -> None:
         """End the job without the engine (it stopped or failed)."""
         self.retry_elsewhere = retry_elsewhere
-        self.apply(Event(self.key, finish_reason=finish_reason, error=error), time.monotonic())
+        event = Event(self.key, finish_reason=finish_reason, error=error, failure=failure)
+        self.apply(event, time.monotonic())

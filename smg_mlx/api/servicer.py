@@ -241,7 +241,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     def _request_ended(self, job: Job, delivered: bool) -> None:
         job.ended_at = time.monotonic()
-        if job.error or delivered:
+        if job.failure is Failure.STOPPING:
+            outcome = "shutdown"  # turned away unstarted, for another worker: no failure
+        elif job.error or delivered:
             outcome = "error" if job.error else job.finish_reason
         else:
             # The client left or its deadline passed: before the end, or after

@@ -76,6 +76,7 @@ class Failure(enum.Enum):
     TOO_BIG = "too_big"  # it can never fit in this worker's memory
     OUT_OF_MEMORY = "out_of_memory"  # memory ran out while it ran
     STEP = "step"  # a step it was in failed
+    STOPPING = "stopping"  # the worker stopped before it had a token (another may serve it)
 
 
 @dataclass(frozen=True, slots=True)
