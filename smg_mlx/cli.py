@@ -103,10 +103,12 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     is wrong. `args.model` is then the model named either way, and
     `args.speculative` the setting in effect."""
     named = [what for what in (args.model_arg, args.model) if what is not None]
-    if len(named) + args.demo != 1:
+    given = [str(what) for what in named] + ["--demo"] * args.demo
+    if len(given) != 1:
+        two = f" ({' and '.join(given)} were given)" if given else ""
         parser.error(
             "name one model to serve: MODEL or --model (a directory or a Hugging Face repo "
-            "id), or --demo"
+            f"id), or --demo{two}"
         )
     args.model = named[0] if named else None
     if args.metrics_port is not None and args.metrics_port == args.port:

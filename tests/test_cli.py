@@ -177,8 +177,8 @@ def test_an_adapter_path_names_an_adapter(capsys):
     ("argv", "message"),
     [
         ([], "name one model to serve: MODEL or --model"),
-        (["org/a", "--model", "org/b"], "name one model to serve: MODEL or --model"),
-        (["org/a", "--demo"], "name one model to serve: MODEL or --model"),
+        (["org/a", "--model", "org/b"], "or --demo (org/a and org/b were given)"),
+        (["org/a", "--demo"], "or --demo (org/a and --demo were given)"),
         (["--demo", "--revision", "v1"], "--revision names a version of a Hugging Face repo id"),
         (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
         (["--demo", "--kv-bits", "6"], "--kv-bits: invalid choice"),

@@ -83,7 +83,8 @@ def _penalty(params: Any, name: str, low: float, high: float, off: float) -> flo
     value = getattr(params, name)
     if value == 0:
         return off
-    return _in_range(name, value, low, high, f"0 (unset) or in [{low:g}, {high:g}]")
+    unset = "" if low <= 0 <= high else "0 (unset) or "
+    return _in_range(name, value, low, high, f"{unset}in [{low:g}, {high:g}]")
 
 
 def prompt_text(request: Any, info: ModelInfo) -> str | None:
