@@ -7,7 +7,6 @@ import asyncio
 import difflib
 import logging
 import os
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +21,7 @@ from smg_mlx.config import (
 )
 from smg_mlx.demo_model import default_demo_dir
 from smg_mlx.engine.ranks.launched import launched_rank
-from smg_mlx.stop_signals import stop_signals
+from smg_mlx.stop_signals import stop_quietly
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,8 +30,20 @@ class _Parser(argparse.ArgumentParser):
     and the flag nearest to it: argparse leaves a subcommand's unknown ones to the
     top-level parser, whose usage does not list them."""
 
+    # Under --log-format json an error is one JSON log line too: a collector
+    # reads every line a worker writes as JSON, a flag refused on start too.
+    json_errors = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if not _Parser.json_errors:
+            super().error(message)
+        text = f"{self.prog}: error: {message}"
+        record = logging.LogRecord("smg_mlx", logging.ERROR, __file__, 0, text, None, None)
+        sys.stderr.write(logs.JsonFormatter().format(record) + "\n")
+        raise SystemExit(2)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, unknown = super().parse_known_args(args, namespace)
@@ -153,15 +164,12 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         )
 
 
-def _stop_before_serving(signum: int, frame: object) -> None:
-    raise SystemExit(0)  # nothing to drain yet
-
-
 def main(argv: list[str] | None = None) -> int:
-    # Until the event loop takes over (server.run), a stop signal ends the
-    # process quietly with 0, as it does later.
-    for sig in stop_signals():
-        signal.signal(sig, _stop_before_serving)
+    stop_quietly()  # (again, for a caller other than __main__)
+    words = sys.argv[1:] if argv is None else argv
+    _Parser.json_errors = "--log-format=json" in words or any(
+        a == "--log-format" and b == "json" for a, b in zip(words, words[1:], strict=False)
+    )
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "health":

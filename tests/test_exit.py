@@ -101,6 +101,42 @@ def test_a_signal_before_the_event_loop_runs_exits_zero_quietly(spawn, model_dir
     assert "Traceback" not in p.log.read_text()
 
 
+# `python -m smg_mlx`, its command-line module held importing until a signal comes.
+SLOW_IMPORT = textwrap.dedent(
+    """
+    import runpy, sys, time
+    from pathlib import Path
+
+    importing = Path(sys.argv[1])
+
+    class Held:
+        def find_spec(self, name, path, target=None):
+            if name == "smg_mlx.cli":
+                importing.touch()
+                time.sleep(30)
+
+    sys.meta_path.insert(0, Held())
+    sys.argv = ["smg_mlx", "serve", "--demo"]
+    runpy.run_module("smg_mlx", run_name="__main__")
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_command_line_imports_exits_zero_quietly(tmp_path, sig):
+    """The tenth of a second the worker spends importing before its flags are
+    read: a supervisor's stop then still ends it with 0."""
+    importing = tmp_path / "importing"
+    script = tmp_path / "slow_import.py"
+    script.write_text(SLOW_IMPORT)
+    proc = subprocess.Popen([sys.executable, str(script), str(importing)],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert wait_until(importing.exists, 30)
+    proc.send_signal(sig)
+    assert proc.wait(15) == 0
+    assert "Traceback" not in proc.stderr.read()
+
+
 def test_a_second_worker_on_a_taken_port_exits_one(spawn, model_dir, tmp_path):
     first = spawn("--model", str(model_dir))
     first.wait_serving()

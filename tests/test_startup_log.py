@@ -12,6 +12,8 @@ import subprocess
 import sys
 from datetime import datetime
 
+import pytest
+
 from bench.workers import free_port
 from smg_mlx.health_check import probe
 from smg_mlx.logs import JsonFormatter
@@ -76,6 +78,17 @@ def test_json_logs_make_grpcs_own_lines_json_too(model_dir):
     assert grpc_lines[0]["level"] == "error"
     # The worker's own line, whichever came out first.
     assert any(f"port {port} is in use" in e["message"] for e in entries)
+
+
+@pytest.mark.parametrize("json_flag", [["--log-format", "json"], ["--log-format=json"]])
+def test_json_logs_make_a_refused_flag_json_too(json_flag):
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", "--demo", *json_flag, "--max-pending", "-3"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    (entry,) = [json.loads(line) for line in done.stderr.splitlines()]
+    assert entry["level"] == "error" and "--max-pending" in entry["message"]
 
 
 def test_the_start_up_names_the_longest_request_of_context_and_memory(
