@@ -117,7 +117,9 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
 ):
     """mlx's CUDA quantized matmul refuses views: attention gets the whole
     buffers (not a copy made every step), and the mask hides every position not
-    yet written, also after a filter cut the buffers; but for one row's prompt."""
+    yet written, also after a filter cut the buffers; but for one row's prompt.
+    The buffers hold a whole number of steps, after rows leave or join too: on
+    CUDA each key count off a tile's end builds a kernel of its own (a minute)."""
     monkeypatch.setattr(quantized_kv, "WHOLE", True)
     cache = BatchQuantizedKVCache([0, 2], group_size=GROUP, bits=8)
 
@@ -136,7 +138,7 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
     assert cache.keys is buffers
     cache.filter(mx.array([1]))  # the kept row's 2 padding positions are cut off
     mask, keys = write(1)
-    assert keys[0].shape[2] == BatchQuantizedKVCache.step - 2 == mask.shape[-1]
+    assert keys[0].shape[2] == BatchQuantizedKVCache.step == mask.shape[-1]
     assert mask[0, 0, 0, :5].all() and not mask[..., 5:].any()
     assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
     # One row's prompt chunk is dequantized for attention anyway: it reads the
@@ -145,6 +147,19 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
     assert mask == "causal" and keys[0].shape[2] == 5 + 40
     mask, keys = write(1)  # decoding again: the whole buffers
     assert all(k is b for k, b in zip(keys, cache.keys, strict=True))
+    # A row of 300 positions joins (a prompt's cache, merged, then extended in).
+    single = QuantizedKVCache(group_size=GROUP, bits=8)
+    single.update_and_fetch(*[mx.random.normal((1, 2, 300, GROUP), key=mx.random.key(9))] * 2)
+    joining = BatchQuantizedKVCache.merge([single])
+    assert joining.keys[0].shape[2] == 2 * BatchQuantizedKVCache.step
+    cache.extend(joining)
+    joined = cache.keys
+    mask, keys = write(1)  # in place: the join left room (no copy to grow them)
+    assert cache.keys is joined
+    assert keys[0].shape[2] == 2 * BatchQuantizedKVCache.step == mask.shape[-1]
+    assert mask[1, 0, 0, :301].all() and not mask[..., 301:].any()
+    own = cache.offset[0].item()  # the first row's positions: its last ones, up to 301
+    assert mask[0, 0, 0, 301 - own : 301].all() and not mask[0, ..., : 301 - own].any()
 
 
 @pytest.mark.parametrize("cuda", [False, True], ids=["keys quantized", "keys dequantized (CUDA)"])

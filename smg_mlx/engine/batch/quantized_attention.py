@@ -23,10 +23,11 @@ Under --kv-bits, `install` puts `attention` in place of mlx-lm's
   rather than two.
 
 On CUDA mlx compiles a quantized-matmul kernel for each tile size the folded
-query count picks and for key counts that end part-way through a tile: about
-a minute each the first time on a host, and a pass that meets one first
-stalls every stream that long. The warm-up runs the few-query passes at every
-query count (`build_kernels`), for each kind the model's passes showed.
+query count picks (and would for key counts that end part-way through a tile,
+which the cache's buffers never do there: `quantized_kv.WHOLE`): about a
+minute each the first time on a host, and a pass that meets one first stalls
+every stream that long. The warm-up runs the few-query passes at every query
+count (`build_kernels`), for each kind the model's passes showed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from mlx_lm.models import base
 
 from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES, AttentionShapes
 from smg_mlx.engine.batch.layer_waits import LayerWaits
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,9 @@ Quantized = tuple[mx.array, mx.array, mx.array]
 # What picks a few-query pass's kernels: heads, KV heads, key and value head
 # sizes, dtype, the quantization's group size and bits.
 Kind = tuple[int, int, int, int, Any, int, int]
-# Key counts `build_kernels` runs at: a whole number of any tile, and one more.
-BUILD_KEYS = (256, 257)
+# The key count `build_kernels` runs at: a whole number of any tile, as the
+# cache's buffers hold (a whole number of its step).
+BUILD_KEYS = BatchQuantizedKVCache.step
 # Keys a part of the values' product covers (`_weighted`), where the batch
 # reads its whole buffers (CUDA: allocated in blocks that this divides).
 SPLIT_KEYS = 256
@@ -163,10 +166,10 @@ def _kind(queries: mx.array, q_keys: Quantized, q_values: Quantized, group_size:
 
 
 def build_kernels(kinds: Iterable[Kind]) -> None:
-    """Run a few-query pass at every query count up to FEW_QUERIES, over key
-    counts on and off a tile's end, for each kind (module doc)."""
-    todo = [(kind, n, keys) for kind in sorted(kinds, key=str)
-            for n in range(1, FEW_QUERIES + 1) for keys in BUILD_KEYS]  # fmt: skip
+    """Run a few-query pass at every query count up to FEW_QUERIES, for each
+    kind (module doc)."""
+    todo = [(kind, n, BUILD_KEYS) for kind in sorted(kinds, key=str)
+            for n in range(1, FEW_QUERIES + 1)]  # fmt: skip
     progress = Progress(log, "quantized attention kernels", "passes run", len(todo))
     for (heads, kv_heads, dk, dv, dtype, group_size, bits), n, keys in todo:
         q_keys, q_values = (

@@ -31,8 +31,15 @@ Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 # view of the cache's first positions, with room to grow after them, is
 # refused ("No implementation for problem shape"). There attention reads the
 # whole buffers, and the mask hides the positions not yet written (copying
-# the written ones out would move the whole cache every step).
+# the written ones out would move the whole cache every step). The buffers
+# hold a whole number of `step` positions there: mlx builds a kernel of its
+# own for key counts that end part-way through its tile, a minute's build the
+# first time on a host (`quantized_attention.build_kernels`).
 WHOLE = mx.cuda.is_available()
+
+
+def _whole_steps(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def map_parts(fn: Callable[[mx.array], mx.array], q: Quantized) -> Quantized:
@@ -60,7 +67,9 @@ class BatchQuantizedKVCache(_BaseCache):
     """Left-padded rows of quantized keys and values; see BatchKVCache for the layout."""
 
     step = 256  # positions are allocated in blocks, as mlx-lm's caches do
-    _cut = False  # whether a buffer may be a view (WHOLE: made whole before attention reads it)
+    # Whether a buffer may be a view, or end off a step (WHOLE: made whole
+    # before the next write, `_make_whole`).
+    _cut = False
 
     def __init__(self, left_padding: Sequence[int], group_size: int = 64, bits: int = 8) -> None:
         self.keys: Quantized | None = None
@@ -79,16 +88,39 @@ class BatchQuantizedKVCache(_BaseCache):
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))  # type: ignore[return-value]
 
     def _capacity(self) -> int:
-        return 0 if self.keys is None else self.keys[0].shape[2]
+        """The positions allocated (WHOLE: once made whole)."""
+        size = 0 if self.keys is None else self.keys[0].shape[2]
+        return _whole_steps(size, self.step) if WHOLE and self._cut else size
+
+    def _make_whole(self) -> None:
+        """(WHOLE) Buffers cut (a view, or to their written positions) copied
+        whole, to `_capacity`: the copy a view needs anyway, padded at its end."""
+        if not (WHOLE and self._cut and self.keys is not None):
+            return
+        size = self._capacity()
+
+        def whole(x: mx.array) -> mx.array:
+            tail = size - x.shape[2]
+            return mx.pad(x, [(0, 0), (0, 0), (0, tail), (0, 0)]) if tail else mx.contiguous(x)
+
+        self.keys, self.values = map_parts(whole, self.keys), map_parts(whole, self.values)
+        self._cut = False
 
     def _capacity_for(self, n: int) -> int:
         """The positions allocated once `n` more are written after `_idx`."""
         if self._idx + n <= self._capacity():
             return self._capacity()
-        return -(-(self._idx + n) // self.step) * self.step
+        return _whole_steps(self._idx + n, self.step)
+
+    def _spare(self, written: int) -> int:
+        """Positions allocated past `written` ones in a buffer made anew (WHOLE:
+        to a whole number of steps, so the next write needs no copy to grow;
+        else none, as mlx-lm's caches)."""
+        return _whole_steps(written, self.step) - written if WHOLE else 0
 
     def _reserve(self, n: int, qk: Quantized, qv: Quantized) -> None:
         """Room for `n` more positions after `_idx` (`qk`, `qv`: what they will hold)."""
+        self._make_whole()
         prev = self._idx
         size = self._capacity_for(n)
         if size == self._capacity():
@@ -135,10 +167,6 @@ class BatchQuantizedKVCache(_BaseCache):
         unwritten tail masked by `make_mask`."""
         if not WHOLE or self._one_prompt(n):
             return self.keys_and_values()
-        if self._cut:  # made whole once, not every step: the next write then updates it in place
-            self.keys = map_parts(mx.contiguous, self.keys)
-            self.values = map_parts(mx.contiguous, self.values)
-            self._cut = False
         return self.keys, self.values
 
     def _mask_width(self, N: int) -> int:
@@ -211,6 +239,7 @@ class BatchQuantizedKVCache(_BaseCache):
             self.offset = mx.concatenate([self.offset, other.offset])
             return
         idx = max(self._idx, other._idx)
+        tail = self._spare(idx)
         like_k = self.keys or other.keys
         like_v = self.values or other.values
 
@@ -218,11 +247,11 @@ class BatchQuantizedKVCache(_BaseCache):
             rows = c.offset.shape[0]
             k = c.keys or _zeros_like_rows(like_k, rows, 0)
             v = c.values or _zeros_like_rows(like_v, rows, 0)
-            # Only written positions are kept; spare capacity is regrown on the next write.
+            # Only written positions are kept (and `_spare` room after them).
             shift = idx - c._idx
 
             def pad(x: mx.array) -> mx.array:
-                return mx.pad(x[:, :, : c._idx], [(0, 0), (0, 0), (shift, 0), (0, 0)])
+                return mx.pad(x[:, :, : c._idx], [(0, 0), (0, 0), (shift, tail), (0, 0)])
 
             return map_parts(pad, k), map_parts(pad, v), c.left_padding + shift
 
@@ -259,14 +288,15 @@ class BatchQuantizedKVCache(_BaseCache):
         if longest == 0:
             return batch
         full = next(c for c in caches if c.keys is not None)
-        keys = _zeros_like_rows(full.keys, len(caches), longest)
-        values = _zeros_like_rows(full.values, len(caches), longest)
+        size = longest + batch._spare(longest)
+        keys = _zeros_like_rows(full.keys, len(caches), size)
+        values = _zeros_like_rows(full.values, len(caches), size)
         for i, (c, n, p) in enumerate(zip(caches, lengths, padding, strict=True)):
             if n == 0:
                 continue
             for store, src in ((keys, c.keys), (values, c.values)):
                 for buf, part in zip(store, src, strict=True):
-                    buf[i : i + 1, :, p:] = part[:, :, :n]
+                    buf[i : i + 1, :, p:longest] = part[:, :, :n]
         batch.keys, batch.values = keys, values
         batch._idx = longest
         batch.offset = batch.offset + longest
