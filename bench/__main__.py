@@ -259,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                  "requests will queue")  # fmt: skip
     if args.host_bound_ms:  # every process the bench starts inherits it
         host_bound(args.host_bound_ms)
+    # The workers' prompt caches start empty, under the work folder; mlx's kernels
+    # (on CUDA a first start builds them: minutes under --kv-bits) are kept from
+    # run to run beside them, unless MLX_PTX_CACHE_DIR says where.
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str((args.work_dir / "kernels").resolve()))
     placement = cores.place(args.system_cpus)  # before any thread starts: they inherit it
     if placement is not None:
         progress(placement.describe())
