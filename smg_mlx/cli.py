@@ -26,9 +26,11 @@ from smg_mlx.stop_signals import stop_quietly
 
 class _Parser(argparse.ArgumentParser):
     """A parser that takes no prefix of a flag for the flag (`--metrics` is not
-    `--metrics-port`), and refuses an unknown flag itself, with its command's usage
-    and the flag nearest to it: argparse leaves a subcommand's unknown ones to the
-    top-level parser, whose usage does not list them."""
+    `--metrics-port`), and refuses an unknown flag itself, naming its command and
+    the flag nearest to it: argparse leaves a subcommand's unknown ones to the
+    top-level parser, which does not know them. A refusal is the error alone
+    and where the flags are listed: argparse's usage first would bury it under
+    a screenful of flags."""
 
     # Under --log-format json an error is one JSON log line too: a collector
     # reads every line a worker writes as JSON, a flag refused on start too.
@@ -38,9 +40,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        if not _Parser.json_errors:
-            super().error(message)
         text = f"{self.prog}: error: {message}"
+        if not _Parser.json_errors:
+            self.exit(2, f"{text}\n({self.prog} --help lists its flags)\n")
         record = logging.LogRecord("smg_mlx", logging.ERROR, __file__, 0, text, None, None)
         sys.stderr.write(logs.JsonFormatter().format(record) + "\n")
         raise SystemExit(2)
@@ -128,8 +130,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--revision names a version of a Hugging Face repo id, not of --demo")
     if args.kv_bits is not None and args.demo:
         parser.error("--kv-bits: the demo model's heads (16 wide) are narrower than a "
-                     "quantization group; write one whose heads are with `python -m "
-                     "smg_mlx.demo_model DIR --head-dim 64` and serve --model DIR")  # fmt: skip
+                     "quantization group; write a model with heads 64 wide, `python -m "
+                     "smg_mlx.demo_model DIR --head-dim 64`, and serve --model DIR")  # fmt: skip
     if args.draft_model is not None and args.speculative == "off":
         parser.error("--draft-model proposes tokens for speculative decoding, which "
                      "--speculative off turns off: leave one of them out")  # fmt: skip

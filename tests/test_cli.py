@@ -182,7 +182,7 @@ def test_an_adapter_path_names_an_adapter(capsys):
         (["--demo", "--revision", "v1"], "--revision names a version of a Hugging Face repo id"),
         (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
         (["--demo", "--kv-bits", "6"], "--kv-bits: invalid choice"),
-        (["--demo", "--kv-bits", "8"], "smg_mlx.demo_model DIR --head-dim 64` and serve --model"),
+        (["--demo", "--kv-bits", "8"], "heads 64 wide, `python -m smg_mlx.demo_model DIR --head"),
         (["org/m", "--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size: invalid choice"),
         (["--demo", "--kv-group-size", "32"], "--kv-group-size: the KV caches are not quantized"),
         (["--demo", "--num-draft-tokens", "8"], "--num-draft-tokens: speculative decoding is off"),
@@ -252,15 +252,16 @@ def test_demo_model_help_shows_every_default():
         (["health", "--prot", "50051"], "--prot", "--port"),
     ],
 )
-def test_an_unknown_flag_gets_its_commands_usage_and_the_nearest_flag(
-    argv, unknown, nearest, capsys
-):
+def test_an_unknown_flag_gets_its_command_and_the_nearest_flag(argv, unknown, nearest, capsys):
+    """The error alone, first, and where the command's flags are listed (not
+    after a screenful of usage, where a log tail would miss it)."""
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(argv)
     assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"usage: smg-mlx {argv[0]} ")
-    assert f"unrecognized argument {unknown} (did you mean {nearest}?)" in err
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"smg-mlx {argv[0]}: error: ")
+    assert f"unrecognized argument {unknown} (did you mean {nearest}?)" in err[0]
+    assert err[1:] == [f"(smg-mlx {argv[0]} --help lists its flags)"]
 
 
 def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):

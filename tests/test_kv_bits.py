@@ -31,7 +31,7 @@ from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.types import Request
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
-from helpers import generate, prompt, serve
+from helpers import generate, prompt, serve, wait_until
 
 A = prompt(400, 1)  # longer than the disk tier's minimum
 PROMPTS = [prompt(n, i) for i, n in enumerate((3, 40, 130, 300))]
@@ -162,14 +162,22 @@ def kv_bytes_per_token(worker) -> int:
     return int(dict(call.initial_metadata())["kv-bytes-per-token"])
 
 
-def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_path):
+def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_path, caplog):
     w = start_worker(model64, kv_bits=8, prompt_cache_dir=tmp_path)
     history = A + generate(w.stub, A, max_tokens=8).tokens
     per_token = {8: kv_bytes_per_token(w)}
     w.stop()
     for other in ({"kv_bits": 4}, {"kv_bits": 8, "kv_group_size": 32}, {}):
-        w = start_worker(model64, prompt_cache_dir=tmp_path, **other)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            w = start_worker(model64, prompt_cache_dir=tmp_path, **other)
+            assert wait_until(lambda: "from earlier runs" in caplog.text, 10)
         assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == 0, other
+        # The start says why the disk tier looks cold: the entries are kept apart.
+        said = [r.getMessage() for r in caplog.records]
+        opened = next(line for line in said if "from earlier runs" in line)
+        assert "0 entries (0 B) from earlier runs" in opened, opened
+        assert "of this model under other settings" in opened and "kept apart" in opened
         per_token.setdefault(other.get("kv_bits", 16), kv_bytes_per_token(w))
         w.stop()
     # What GetServerInfo tells of a token's cost: float32 keys and values, 8 bits and
@@ -192,7 +200,10 @@ def test_start_up_checks_batching_anew_and_speculation_stays_exact(
     assert any("speculative decoding: prompt lookup" in line for line in said), said
     # The plain caches' verdict is not taken for the quantized ones'.
     assert any(line.startswith("batch check: running prompts") for line in said), said
-    assert any(f"KV caches stored as {bits}-bit KV, group 64: " in line for line in said)
+    # Against the model's own KV, named: a float32 model's is twice a 16-bit one's.
+    stored = next(line for line in said if line.startswith("KV caches stored as"))
+    assert stored.startswith(f"KV caches stored as {bits}-bit KV, group 64: ")
+    assert "x of the model's own float32 KV, " in stored
     # Rows take back their rejected proposals from quantized caches: the tokens
     # are plain decoding's, solo and together.
     repeating = [(prompt(n, i)[:7] * 40)[:n] for i, n in enumerate((30, 90, 200))]
@@ -437,4 +448,7 @@ def test_a_draft_models_proposals_over_quantized_rows_leave_the_tokens_as_they_w
     code, lines = serve("--model", str(model64), "--draft-model", str(model_dir),
                         "--kv-bits", str(bits), "--port", "0")  # fmt: skip
     assert code == 2
-    assert f"--draft-model {model_dir}: --kv-bits {bits}: this model's head sizes (16)" in lines[-1]
+    assert f"--draft-model {model_dir}: --kv-bits {bits}: the draft's head sizes (16)" in lines[-1]
+    assert lines[-1].endswith(
+        "the draft's KV cannot be quantized, leave out --kv-bits (or name another draft)"
+    )

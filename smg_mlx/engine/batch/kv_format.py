@@ -21,17 +21,19 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from smg_mlx.config import KV_GROUP_SIZES, EngineConfig
 from smg_mlx.engine.batch import quantized_kv  # noqa: F401 - gives QuantizedKVCache its merge
-from smg_mlx.engine.memory.probe import kv_per_token
+from smg_mlx.engine.memory.probe import PROBE_CHUNK, probed_cache
 from smg_mlx.engine.types import LayerCaches, Unservable
 from smg_mlx.logs import format_bytes
 
 log = logging.getLogger(__name__)
 
 
-def caches_for(config: EngineConfig, model: nn.Module) -> LayerCaches | None:
+def caches_for(
+    config: EngineConfig, model: nn.Module, whose: str = "this model's"
+) -> LayerCaches | None:
     """What makes a row's fresh per-layer caches under --kv-bits (None: off,
     mlx-lm makes the model's own); refused (types.Unservable) for a model
-    whose caches cannot all be quantized."""
+    whose caches cannot all be quantized (`whose`: the model, as refusals name it)."""
     if config.kv_bits is None:
         return None
     bits, group = config.kv_bits, config.kv_group_size
@@ -39,7 +41,7 @@ def caches_for(config: EngineConfig, model: nn.Module) -> LayerCaches | None:
     cache = make_prompt_cache(model)
     if (names := other_kinds(cache)) is not None:
         raise Unservable(
-            f"{flag}: this model's caches ({names}) are not all plain attention KV caches, "
+            f"{flag}: {whose} caches ({names}) are not all plain attention KV caches, "
             "which alone can be quantized; leave out --kv-bits"
         )
     # The heads' sizes, from a pass never evaluated: shapes are known before any work.
@@ -53,10 +55,10 @@ def caches_for(config: EngineConfig, model: nn.Module) -> LayerCaches | None:
             f"give --kv-group-size {' or '.join(map(str, fits))}, or leave out --kv-bits"
             if fits
             else f"no --kv-group-size offered ({', '.join(map(str, KV_GROUP_SIZES))}) does: "
-            "this model's KV cannot be quantized, leave out --kv-bits"
+            f"{whose} KV cannot be quantized, leave out --kv-bits"
         )
         raise Unservable(
-            f"{flag}: this model's head sizes ({', '.join(map(str, heads))}) are not a "
+            f"{flag}: {whose} head sizes ({', '.join(map(str, heads))}) are not a "
             f"multiple of --kv-group-size {group}, which quantization needs; {fix}"
         )
     layers = len(cache)
@@ -77,6 +79,12 @@ def other_kinds(cache: list) -> str | None:
 def log_cost(kv_format: str, per_token: float, model: nn.Module, stream: mx.Stream) -> None:
     """The start-up line of what a token's KV costs as stored (`per_token`,
     measured by the probe), against the model's own caches."""
-    own = kv_per_token(model, stream)
-    log.info("KV caches stored as %s: %s per token, %.2fx of the model's own %s",
-             kv_format, format_bytes(per_token), per_token / own, format_bytes(own))  # fmt: skip
+    cache = probed_cache(model, stream)
+    own = sum(c.nbytes for c in cache) / PROBE_CHUNK
+    # Named: a float32 model's own KV takes twice a 16-bit one's.
+    dtype = next((c.keys.dtype for c in cache if c.keys is not None), None)
+    name = str(dtype).removeprefix("mlx.core.") + " " if dtype is not None else ""
+    log.info(
+        "KV caches stored as %s: %s per token, %.2fx of the model's own %sKV, %s",
+        kv_format, format_bytes(per_token), per_token / own, name, format_bytes(own),
+    )  # fmt: skip

@@ -180,10 +180,16 @@ def kv_per_token(model: nn.Module, stream: mx.Stream, caches: LayerCaches | None
     """KV bytes per token, from the shapes of a prompt cache (`caches()`, or
     else the model's own) after a pass of PROBE_CHUNK tokens (one cache step)
     that is never evaluated: shapes are known before any work is done."""
+    return sum(c.nbytes for c in probed_cache(model, stream, caches)) / PROBE_CHUNK
+
+
+def probed_cache(model: nn.Module, stream: mx.Stream, caches: LayerCaches | None = None) -> list:
+    """A prompt cache (`caches()`, or else the model's own) after a pass of
+    PROBE_CHUNK tokens, never evaluated."""
     cache = caches() if caches is not None else make_prompt_cache(model)
     with mx.stream(stream):
         model(mx.array([[1] * PROBE_CHUNK]), cache=cache)
-    return sum(c.nbytes for c in cache) / PROBE_CHUNK
+    return cache
 
 
 def _seconds_per_token(model: nn.Module, stream: mx.Stream, caches: LayerCaches) -> float:

@@ -62,6 +62,9 @@ class Opened:
         self.files: list[tuple[str, kv_files.Header, tuple[int, ...], int]] = []
         self.bad: list[tuple[str, str]] = []  # (file, why): deleted
         self.error: str | None = None  # unusable
+        # The model's entries other settings made (another --kv-bits or mlx),
+        # in folders of their own: how many, and their bytes.
+        self.apart = (0, 0)
         self.write_rate = 0.0  # bytes/s of a synced write
         self.seconds = 0.0
 
@@ -220,6 +223,7 @@ class Folder:
                 max_bytes = min(int(free * DISK_CACHE_SHARE), DISK_CACHE_MOST)
             opened.max_bytes = max_bytes
             self._prune(path, max_bytes, held)
+            opened.apart = self._apart(path)
             free = shutil.disk_usage(path).free
             if free < PROBE_BYTES + RESERVE_BYTES:
                 raise OSError(errno.ENOSPC, f"only {format_bytes(free)} free", str(path))
@@ -293,6 +297,22 @@ class Folder:
                 "last used %s, to keep the directory within %s", folder, format_bytes(size),
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(used)), format_bytes(max_bytes),
             )  # fmt: skip
+
+    def _apart(self, ours: Path) -> tuple[int, int]:
+        """This model's entries in other folders than `ours` (`Opened.apart`)."""
+        model = json.loads(self._about)["model"]
+        count = size = 0
+        for folder in self.directory.iterdir():
+            try:
+                if folder == ours or (folder_contents.about(folder) or {}).get("model") != model:
+                    continue
+                entries = [f for f in folder_contents.cache_files(folder) or ()
+                           if f.name.endswith(folder_contents.SUFFIX)]  # fmt: skip
+                size += sum(f.stat().st_size for f in entries)
+                count += len(entries)
+            except OSError:
+                continue  # going, or not ours to read
+        return count, size
 
     @staticmethod
     def _take_lock(path: Path) -> int:

@@ -234,12 +234,12 @@ class DiskTier(DiskReads):
         evicted = found - len(self.tree)
         log.info(
             "prompt cache on disk: %s, up to %s (--prompt-cache-disk-bytes); %s "
-            "(%s) from earlier runs%s, indexed in %.2fs; writes %s/s",
+            "(%s) from earlier runs%s, indexed in %.2fs; writes %s/s%s",
             opened.path, format_bytes(self._max_bytes), counted(found, "entry", "entries"),
             format_bytes(found_bytes),
             f", the oldest {evicted} ({format_bytes(found_bytes - self.tree.nbytes)}) deleted "
             "to fit that" if evicted else "",
-            opened.seconds, format_bytes(opened.write_rate),
+            opened.seconds, format_bytes(opened.write_rate), _apart(*opened.apart),
         )  # fmt: skip
 
     def _turn_off(self, why: str) -> None:
@@ -442,3 +442,13 @@ class DiskTier(DiskReads):
             for job in self._folder.finished(timeout=min(0.1, max(left, 0.01))):
                 if isinstance(job, Write):
                     self._written(job, memory)
+
+
+def _apart(count: int, nbytes: int) -> str:
+    """The open line's note of the model's entries kept apart (`Opened.apart`)."""
+    if not count:
+        return ""
+    return (
+        f"; {counted(count, 'entry', 'entries')} ({format_bytes(nbytes)}) of this model "
+        "under other settings (another --kv-bits, mlx or weights) are kept apart, unused"
+    )

@@ -106,17 +106,26 @@ def _discard(file: Path, why: Exception, bad: list[tuple[str, str]]) -> None:
     bad.append((file.name, said))
 
 
-def cache_files(folder: Path) -> list[os.DirEntry] | None:
-    """The files of `folder` if it is a model's folder of a prompt cache, as
+def about(folder: Path) -> dict | None:
+    """`folder`'s model.json if it is a model's folder of a prompt cache, as
     `_open` makes them, else None."""
     if not FOLDER_NAME.fullmatch(folder.name) or not folder.is_dir():
         return None
     try:
         with safe_files.open_file(folder / "model.json") as f:
-            fingerprint = json.loads(f.read()).get("fingerprint")
+            said = json.loads(f.read())
+        fingerprint = said.get("fingerprint")
     except (OSError, ValueError, AttributeError):  # safe_files.Unsafe is an OSError
         return None
     if not isinstance(fingerprint, str) or not fingerprint.startswith(folder.name):
+        return None
+    return said
+
+
+def cache_files(folder: Path) -> list[os.DirEntry] | None:
+    """The files of `folder` if it is a model's folder of a prompt cache, as
+    `_open` makes them, else None."""
+    if about(folder) is None:
         return None
     with os.scandir(folder) as listing:
         files = list(listing)

@@ -40,9 +40,11 @@ def draft_for(
     caches = None
     if config.kv_bits is not None:
         try:  # its rows' caches are as many tokens as the model's: stored the same way
-            caches = caches_for(config, draft)
+            caches = caches_for(config, draft, whose="the draft's")
         except Unservable as exc:
-            raise Unservable(f"--draft-model {config.draft_model}: {exc}") from None
+            raise Unservable(
+                f"--draft-model {config.draft_model}: {exc} (or name another draft)"
+            ) from None
     return Draft(draft, caches)
 
 
