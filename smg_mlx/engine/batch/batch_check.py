@@ -220,7 +220,9 @@ def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int, batch_size: i
     Unservable if a prompt cannot run alone."""
     mixed = [_prompt(n) for n in LENGTHS]
     equal = [_prompt(LENGTHS[1], seed) for seed in range(1, EQUAL + 1)]
-    progress = Progress(log, "batch check", "runs", len(mixed))
+    # Counted from the first: the prompts alone, then together (a later mode,
+    # tried only where batching changed outputs, adds its own runs).
+    progress = Progress(log, "batch check", "runs", len(mixed) + (batch_size > 1))
     log.info(
         "batch check: running prompts of %s tokens together and each alone, to find whether "
         "batching changes this model's outputs", ", ".join(map(str, LENGTHS)),
@@ -234,7 +236,8 @@ def choose(model: nn.Module, stream: mx.Stream, prefill_rows: int, batch_size: i
     reasons = [] if batch_size > 1 else ["--completion-batch-size is 1"]
     for mode, checks in runs.items() if batch_size > 1 else ():
         prompts = [p for together, _ in checks for p in together]
-        progress.total += len(checks) + len({tuple(p) for p in prompts} - alone.keys())
+        if mode is not Mode.BATCHED:
+            progress.total += len(checks) + len({tuple(p) for p in prompts} - alone.keys())
         _alone(model, stream, prompts, alone, progress, caches)
         why = _mismatch(model, stream, checks, batch_size, alone, progress, caches)
         if why is None:
