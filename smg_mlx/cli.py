@@ -28,9 +28,9 @@ class _Parser(argparse.ArgumentParser):
     """A parser that takes no prefix of a flag for the flag (`--metrics` is not
     `--metrics-port`), and refuses an unknown flag itself, naming its command and
     the flag nearest to it: argparse leaves a subcommand's unknown ones to the
-    top-level parser, which does not know them. A refusal is the error alone
-    and where the flags are listed: argparse's usage first would bury it under
-    a screenful of flags."""
+    top-level parser, which does not know them. A refusal is one line, the
+    error and where the flags are listed: argparse's usage first would bury it
+    under a screenful of flags."""
 
     # Under --log-format json an error is one JSON log line too: a collector
     # reads every line a worker writes as JSON, a flag refused on start too.
@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         text = f"{self.prog}: error: {message}"
         if not _Parser.json_errors:
-            self.exit(2, f"{text}\n({self.prog} --help lists its flags)\n")
+            self.exit(2, f"{text} (see {self.prog} --help)\n")
         record = logging.LogRecord("smg_mlx", logging.ERROR, __file__, 0, text, None, None)
         sys.stderr.write(logs.JsonFormatter().format(record) + "\n")
         raise SystemExit(2)
