@@ -62,7 +62,7 @@ class Opened:
         self.files: list[tuple[str, kv_files.Header, tuple[int, ...], int]] = []
         self.bad: list[tuple[str, str]] = []  # (file, why): deleted
         self.error: str | None = None  # unusable
-        # The model's entries other settings made (another --kv-bits or mlx),
+        # The model's entries other settings made (another --kv-bits, mlx or weights),
         # in folders of their own: how many, and their bytes.
         self.apart = (0, 0)
         self.write_rate = 0.0  # bytes/s of a synced write
