@@ -51,6 +51,10 @@ EXIT_SECONDS = 1.0
 # woken for a request or a message, waits up to this long for each piece of its
 # work (Python's default is 5 ms), and every request and stream with it.
 SWITCH_INTERVAL_SECONDS = 0.0005
+# A stop asked again within this is the first one delivered twice, not a second
+# request: `kill %1` of `make serve &` signals the job's process group, and make
+# passes SIGTERM on to the worker it runs.
+ONE_STOP_SECONDS = 0.25
 
 
 class StartupError(RuntimeError):
@@ -149,6 +153,7 @@ class Worker:
         self._stop_requested = asyncio.Event()
         self._asked_to_stop = False  # by a signal (or a test), not by an engine failure
         self._hurry = False  # a second stop request: no more grace
+        self._asked_at = 0.0  # when the first was (time.monotonic)
         self.serving = False  # started and reported SERVING
         self.engine = EngineClient(
             asyncio.get_running_loop(), config.stream_interval, config.engine_process
@@ -367,14 +372,17 @@ class Worker:
         return f", the model split over {ranks} ranks ({split})"
 
     def request_stop(self) -> None:
-        """Begin a graceful shutdown; a second request skips what is left of the
-        grace period. Signal handlers and tests call this on the loop."""
-        if self._asked_to_stop and not self._hurry:
+        """Begin a graceful shutdown; a second request (not the first delivered
+        twice: ONE_STOP_SECONDS) skips what is left of the grace period. Signal
+        handlers and tests call this on the loop."""
+        now = time.monotonic()
+        if not self._asked_to_stop:
+            self._asked_to_stop, self._asked_at = True, now
+        elif not self._hurry and now - self._asked_at >= ONE_STOP_SECONDS:
             log.warning("asked again to stop: aborting what is still running and writing "
                         "nothing more to disk")  # fmt: skip
             self._hurry = True
             self.engine.hurry()
-        self._asked_to_stop = True
         self._stop_requested.set()
 
     async def stop_requested(self) -> None:

@@ -108,6 +108,21 @@ def test_ctrl_c_in_a_terminal_drains_and_exits_zero(model_dir, tmp_path):
     assert "Traceback" not in log.read_text()
 
 
+def test_a_stop_signal_delivered_twice_at_once_is_one_stop(spawn, model_dir):
+    """`kill %1` of the README's `make serve &` signals the job's process group,
+    and make passes SIGTERM on to the worker too: one stop, delivered twice in a
+    moment, not a second request that aborts what is running."""
+    p = spawn("--model", str(model_dir))
+    p.wait_serving()
+    call = p.stub.Generate(request(prompt(4), max_tokens=1000, ignore_eos=True), timeout=60)
+    next(call)
+    p.proc.send_signal(signal.SIGTERM)
+    p.proc.send_signal(signal.SIGTERM)
+    assert collect(call).complete.finish_reason == "length"
+    assert p.proc.wait(60) == 0
+    assert "asked again to stop" not in p.log.read_text()
+
+
 def test_a_stop_ends_within_its_grace_while_the_engine_is_stuck_in_a_step(spawn, model_dir):
     # A stopped engine process stands in for a step that outlasts the grace (a
     # long prompt's chunk of a request already aborted, on a slow machine).
