@@ -217,6 +217,8 @@ class Worker:
         await self._set_health(NOT_SERVING)
         address = host_port(self.config.host, self.config.port)
         try:
+            if self.config.port:  # found first: gRPC's own failure adds a cryptic line
+                _bind(self.config.host, self.config.port)
             credentials = self._tls_credentials()
             if credentials is None:
                 self.port = self.server.add_insecure_port(address)
