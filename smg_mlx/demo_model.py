@@ -294,6 +294,8 @@ def main() -> None:
         model_vocab_size=args.vocab_size,
         tie_word_embeddings=args.tie_word_embeddings,
     )
+    print(f"wrote a random-weight {args.family} model ({args.dtype}) to {args.out}: "
+          f"serve it with `smg-mlx serve --model {args.out}`")  # fmt: skip
 
 
 if __name__ == "__main__":

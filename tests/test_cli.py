@@ -282,5 +282,8 @@ def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):
     for shape, said in wrong:
         done = demo_model(str(tmp_path / "new"), *shape)
         assert done.returncode == 2 and said in done.stderr
-    assert demo_model(str(mine), "--force").returncode == 0
+    done = demo_model(str(mine), "--force")
+    assert done.returncode == 0
+    assert done.stdout == (f"wrote a random-weight llama model (float32) to {mine}: "
+                           f"serve it with `smg-mlx serve --model {mine}`\n")  # fmt: skip
     assert (mine / "config.json").read_text() != "important"
