@@ -676,15 +676,20 @@ def test_a_stream_grown_long_moves_out_of_the_chats_lane_and_goes_on_as_alone(ch
         inbox.submit(Request(key, spec(prompt(20, key), max_tokens=30)))
     tokens: dict[int, list[int]] = {key: [] for key in (2, *chats)}
     beside = []  # the batch's KV while the chats run
+    alone_kv = [stream_kv]  # and while the stream runs alone, before them and after
     while len(tokens[2]) + len(streamed) < 900:
         report = sink.next_report()
         for e in report.events:
             tokens[e.key] += [e.token] if e.token is not None else []
         if all(0 < len(tokens[key]) < 30 for key in chats):
             beside.append(report.memory.kv)
+        elif all(len(tokens[key]) == 30 for key in chats):
+            alone_kv.append(report.memory.kv)
     # In the stream's lane, mlx-lm would pad each chat's cache to its length
-    # (4x the stream's alone); in a lane of their own they hold their own.
-    assert beside and max(beside) < 2.5 * stream_kv
+    # (4x the stream's alone); in a lane of their own they hold their own. (The
+    # stream's own: the most reported alone. A steady turn's figures may be
+    # FIGURES_SECONDS old: the report of its 700th token may show a block less.)
+    assert beside and max(beside) < 2.5 * max(alone_kv)
     assert streamed + tokens[2] == alone and len(set(alone)) > 3
     assert all(len(tokens[key]) == 30 for key in chats)
 
