@@ -28,6 +28,7 @@ SERVE_ARGS ?=
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "installing smg-mlx and its dependencies into $(VENV) (pip is quiet while it downloads: a minute or more the first time)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
