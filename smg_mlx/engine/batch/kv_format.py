@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from smg_mlx.config import KV_GROUP_SIZES, EngineConfig
 from smg_mlx.engine.batch import quantized_kv  # noqa: F401 - gives QuantizedKVCache its merge
-from smg_mlx.engine.memory.probe import PROBE_CHUNK, probed_cache
+from smg_mlx.engine.memory.probe import probed_cache, token_bytes
 from smg_mlx.engine.types import LayerCaches, Unservable
 from smg_mlx.logs import format_bytes
 
@@ -80,7 +80,7 @@ def log_cost(kv_format: str, per_token: float, model: nn.Module, stream: mx.Stre
     """The start-up line of what a token's KV costs as stored (`per_token`,
     measured by the probe), against the model's own caches."""
     cache = probed_cache(model, stream)
-    own = sum(c.nbytes for c in cache) / PROBE_CHUNK
+    own = token_bytes(cache)
     # Named: a float32 model's own KV takes twice a 16-bit one's.
     dtype = next((c.keys.dtype for c in cache if c.keys is not None), None)
     name = str(dtype).removeprefix("mlx.core.") + " " if dtype is not None else ""

@@ -180,7 +180,12 @@ def kv_per_token(model: nn.Module, stream: mx.Stream, caches: LayerCaches | None
     """KV bytes per token, from the shapes of a prompt cache (`caches()`, or
     else the model's own) after a pass of PROBE_CHUNK tokens (one cache step)
     that is never evaluated: shapes are known before any work is done."""
-    return sum(c.nbytes for c in probed_cache(model, stream, caches)) / PROBE_CHUNK
+    return token_bytes(probed_cache(model, stream, caches))
+
+
+def token_bytes(cache: list) -> float:
+    """The bytes a token takes in `cache`, as `probed_cache` leaves it."""
+    return sum(c.nbytes for c in cache) / PROBE_CHUNK
 
 
 def probed_cache(model: nn.Module, stream: mx.Stream, caches: LayerCaches | None = None) -> list:
