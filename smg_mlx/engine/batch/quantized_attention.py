@@ -3,8 +3,10 @@
 Under --kv-bits, `install` puts `attention` in place of mlx-lm's
 (`models.base.quantized_scaled_dot_product_attention`) before any pass runs:
 
-- **A pass of a few queries a row** (decoding, checking proposals) reads the
-  keys and values quantized, as mlx-lm does, with one change: mlx-lm gives
+- **A pass of a few queries a row** (decoding, checking proposals) runs as
+  one kernel on CUDA (`fused_quantized_attention`, for the heads it takes).
+  Elsewhere it reads the keys and values quantized, as mlx-lm does, with one
+  change: mlx-lm gives
   each KV head's group of query heads its keys broadcast along a batch axis,
   and mlx's CUDA quantized matmul takes keys broadcast along any batch axis
   for one matrix shared by the whole batch (every row and head would attend
@@ -22,12 +24,13 @@ Under --kv-bits, `install` puts `attention` in place of mlx-lm's
   while still quantized, and dequantized from there: one full-size copy
   rather than two.
 
-On CUDA mlx compiles a quantized-matmul kernel for each tile size the folded
-query count picks (and would for key counts that end part-way through a tile,
-which the cache's buffers never do there: `quantized_kv.WHOLE`): about a
-minute each the first time on a host, and a pass that meets one first stalls
-every stream that long. The warm-up runs the few-query passes at every query
-count (`build_kernels`), for each kind the model's passes showed.
+Where a few-query pass runs by quantized matmuls on CUDA, mlx compiles a
+kernel for each tile size the folded query count picks (and would for key
+counts that end part-way through a tile, which the cache's buffers never do
+there: `quantized_kv.WHOLE`): about a minute each the first time on a host,
+and a pass that meets one first stalls every stream that long. The warm-up
+runs the few-query passes at every query count (`build_kernels`), for each
+kind the model's passes showed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
+from smg_mlx.engine.batch import fused_quantized_attention as fused
 from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES, AttentionShapes
 from smg_mlx.engine.batch.layer_waits import LayerWaits
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
@@ -84,7 +88,7 @@ def attention(
     if queries.shape[2] <= FEW_QUERIES:
         if seen is not None:
             seen.add(_kind(queries, q_keys, q_values, group_size, bits))
-        return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
+        return _few_queries(queries, q_keys, q_values, scale, mask, group_size, bits)
 
     def dequantize(parts: Quantized) -> mx.array:
         return mx.dequantize(*parts, group_size=group_size, bits=bits)
@@ -94,6 +98,16 @@ def attention(
     keys, values = dequantize(q_keys), dequantize(q_values)
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     return out if waits is None else waits.after(out, keys.shape[0] * keys.shape[2])
+
+
+def _few_queries(
+    queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
+    group_size: int, bits: int,
+) -> mx.array:  # fmt: skip
+    """A few-query pass: one fused kernel where it fits (CUDA), else `_few`."""
+    if fused.fits(queries, q_keys, q_values, mask, group_size, bits):
+        return fused.attention(queries, q_keys, q_values, scale, mask, group_size, bits)
+    return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
 
 
 def _few(
@@ -168,8 +182,12 @@ def _kind(queries: mx.array, q_keys: Quantized, q_values: Quantized, group_size:
 def build_kernels(kinds: Iterable[Kind]) -> None:
     """Run a few-query pass at every query count up to FEW_QUERIES, for each
     kind (module doc)."""
-    todo = [(kind, n, BUILD_KEYS) for kind in sorted(kinds, key=str)
-            for n in range(1, FEW_QUERIES + 1)]  # fmt: skip
+    kinds = sorted(kinds, key=str)
+    todo = [(kind, n, BUILD_KEYS) for kind in kinds for n in range(1, FEW_QUERIES + 1)]
+    # The fused kernel's other form: a pass long enough to be cut into parts.
+    todo += [((h, kvh, dk, dv, dtype, group, bits), 1, fused.PARTS_KEYS)
+             for h, kvh, dk, dv, dtype, group, bits in kinds
+             if fused.fits_kind(dk, dv, group, bits)]  # fmt: skip
     progress = Progress(log, "quantized attention kernels", "passes run", len(todo))
     for (heads, kv_heads, dk, dv, dtype, group_size, bits), n, keys in todo:
         q_keys, q_values = (
@@ -179,13 +197,14 @@ def build_kernels(kinds: Iterable[Kind]) -> None:
         )  # fmt: skip
         queries = mx.zeros((1, heads, n, dk), dtype)
         mask = mx.ones((1, 1, n, keys), mx.bool_)
-        mx.eval(_few(queries, q_keys, q_values, 1.0, mask, group_size, bits))  # type: ignore[arg-type]
+        mx.eval(_few_queries(queries, q_keys, q_values, 1.0, mask, group_size, bits))  # type: ignore[arg-type]
         progress.advance()
     if todo:
         log.info(
-            "quantized attention: passes of 1 to %d queries a row run in %.1fs (mlx builds "
-            "their kernels the first time on a host, about a minute each)",
+            "quantized attention: passes of 1 to %d queries a row run in %.1fs (their kernels "
+            "build the first time on a host: %s)",
             FEW_QUERIES, progress.seconds,
+            "seconds, fused" if fused.AVAILABLE else "mlx's quantized matmuls, a minute each",
         )  # fmt: skip
 
 
