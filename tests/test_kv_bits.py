@@ -9,6 +9,7 @@ first makes sure its greedy output varies, so that equal outputs mean something.
 
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -328,6 +329,23 @@ def test_the_warm_up_runs_quantized_attention_at_every_few_query_count(model64, 
     finally:
         inbox.stop()
         thread.join(TIMEOUT)
+
+
+def test_the_decode_steps_bench_times_a_step_for_each_kv_format(model64, tmp_path, monkeypatch):
+    """`python -m bench.decode_steps`: the median decoding step of a batch over a
+    context, the model's own KV and each of --kv-bits."""
+    from bench.decode_steps import main
+
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention",
+                        base.quantized_scaled_dot_product_attention)  # fmt: skip
+    out = tmp_path / "steps.json"
+    argv = ["--model", str(model64), "--rows", "2", "--contexts", "40,300", "--steps", "2",
+            "--kv-bits", "8,4", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["context"]) for r in results] == [(2, 40), (2, 300)]
+    for r in results:
+        assert set(r["ms"]) == {"16-bit", "8-bit", "4-bit"} and min(r["ms"].values()) > 0
 
 
 def test_the_values_product_split_along_the_keys_is_the_same(monkeypatch):
