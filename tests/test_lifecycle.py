@@ -48,9 +48,11 @@ def test_health_not_serving_until_ready_then_serving(spawn, model_dir):
     assert set(seen[:-1]) <= {NOT_SERVING}
     assert p.check() == SERVING and p.check(ENGINE) == SERVING
     assert p.stub.HealthCheck(pb.HealthCheckRequest()).healthy
-    # Watch keeps streaming: shutdown shows up on it.
+    # Watch keeps streaming: shutdown shows up on it, and then it ends, OK
+    # (left open, the server's stop would cancel it: UNAVAILABLE).
     p.proc.send_signal(signal.SIGTERM)
     assert next(watch).status == NOT_SERVING
+    assert list(watch) == []
     assert p.proc.wait(30) == 0
 
 

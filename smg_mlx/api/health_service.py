@@ -1,31 +1,78 @@
-"""grpc.health.v1's servicer, with a refusal that names the services a worker reports."""
+"""grpc.health.v1's servicer, with a refusal that names the services a worker
+reports, and watches that end when the worker stops."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+Status = health_pb2.HealthCheckResponse.ServingStatus
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
 
 class HealthServicer(health.aio.HealthServicer):
     """grpcio's, but a Check of a service this worker does not report says which
-    it does, instead of a bare NOT_FOUND."""
+    it does, instead of a bare NOT_FOUND; and a Watch, once the worker shuts
+    down, sends NOT_SERVING and ends (OK) rather than stay open until the
+    server's stop cancels it, which would hold the stop for its grace period
+    and end the watch UNAVAILABLE."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._names: list[str] = []
+        self._statuses: dict[str, Status] = {}  # as set, by service (grpcio's keeps its own)
+        self._changed = asyncio.Condition()
+        self._closing = False
 
-    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        if service not in self._names:
-            self._names.append(service)
+    async def set(self, service: str, status: Status) -> None:
         await super().set(service, status)
+        if not self._closing:
+            await self._tell(lambda: self._statuses.__setitem__(service, status))
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+
+        def close() -> None:
+            self._closing = True
+            self._statuses.update(dict.fromkeys(self._statuses, NOT_SERVING))
+
+        await self._tell(close)
+
+    async def _tell(self, change: Callable[[], None]) -> None:
+        async with self._changed:
+            change()
+            self._changed.notify_all()
 
     async def Check(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> health_pb2.HealthCheckResponse:
-        if request.service not in self._names:
-            names = ", ".join(repr(name) for name in self._names) or "none yet"
+        if request.service not in self._statuses:
+            names = ", ".join(repr(name) for name in self._statuses) or "none yet"
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"unknown service {request.service!r}; this worker reports {names}",
             )
         return await super().Check(request, context)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        sent = None
+        while True:
+            # (Written outside the lock: a watcher slow to read holds up no one.)
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda last=sent: self._closing or self._status(request.service) != last
+                )
+                status, closing = self._status(request.service), self._closing
+            if status != sent:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                sent = status
+            if closing:
+                return
+
+    def _status(self, service: str) -> Status:
+        return self._statuses.get(service, SERVICE_UNKNOWN)
