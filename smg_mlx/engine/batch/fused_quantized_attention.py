@@ -4,18 +4,18 @@ kernel (engine thread).
 Through mlx's ops such a pass is a dozen kernels a layer (the queries'
 scale, the keys' product, the mask, softmax, the values' product, casts),
 each small: a small model's decode step then waits on launches and on the
-device's gaps between them, not on memory (the gate at 8 bits ran 0.65-0.84x
-the 16-bit engine). Here one kernel reads each key row once, quantized,
-skips the positions the mask hides (a whole buffer's unwritten tail), and
-keeps a running softmax: one block per query vector and part of the keys.
-Where the batch gives too few blocks to fill the GPU the keys are cut into
-parts, each block writes its part's maximum, sum and weighted values, and a
-second kernel combines them.
+device's gaps between them, not on memory. Here one kernel reads the keys
+and values quantized, leaves out the positions the mask hides (a whole
+buffer's unwritten tail, a row's padding) and keeps a running softmax: one
+block per query vector and part of the keys. Where the batch gives too few
+blocks to fill the GPU the keys are cut into parts, each block writes its
+part's maximum, sum and weighted values, and a second kernel combines them.
+Each query head reads its KV head's keys itself (mlx's quantized matmuls,
+the path elsewhere, read them once for the KV head's query heads together).
 
 mlx compiles these with NVRTC in seconds, one kernel per dtype, head size,
-bits and group size (mlx's quantized matmuls build for a minute each), and
-keeps them with its other kernels.
-"""
+bits and group size (its quantized matmuls take far longer to build), and
+keeps them with its other kernels."""
 
 from __future__ import annotations
 
