@@ -179,4 +179,9 @@ def served_name(text: str) -> str:
     """A name for the router (empty: the model's own, as when not given)."""
     if text and not text.strip():
         raise argparse.ArgumentTypeError(f"expected a name, got only spaces: {text!r}")
+    if text != text.strip():  # (quoting gone wrong: clients would have to send them too)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has spaces at its ends, which clients would have to send too: "
+            f"give {text.strip()!r}"
+        )
     return text

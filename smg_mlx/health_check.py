@@ -44,11 +44,19 @@ def probe(host: str, port: int, timeout: float, tls_ca: Path | None = None) -> s
             if tls is False and tls_ca is not None:
                 return f"{target} serves plaintext: leave out --tls-ca"
             if tls is True:  # and the handshake failed: gRPC's words name no certificate
+                if "certificate has expired" in details:
+                    return (
+                        f"cannot check {target}: its certificate has expired: renew the "
+                        f"worker's --tls-cert ({exc.code().name}: {details})"
+                    )
                 return (
                     f"cannot check {target}: its certificate is not one --tls-ca {tls_ca} "
                     f"trusts for {host} ({exc.code().name}: {details})"
                 )
-            return f"cannot check {target}: {exc.code().name}: {details}"
+            said = f"cannot check {target}: {exc.code().name}: {details}"
+            # Something answers, but not in gRPC (an HTTP server: the router's, metrics).
+            not_grpc = exc.code() == grpc.StatusCode.UNIMPLEMENTED or "HTTP/2" in details
+            return said + (f" (is {port} a worker's --port?)" if not_grpc else "")
     if status == SERVING:
         return None
     return f"{target} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"

@@ -126,6 +126,8 @@ def test_sizes_take_units(text, expected):
         (["--memory-budget=-5%"], "expected a percentage above 0 and up to 100%, got '-5%'"),
         (["--memory-budget", "x%"], "expected a percentage above 0 and up to 100%, got 'x%'"),
         (["--served-model-name", "   "], "expected a name, got only spaces: '   '"),
+        (["--served-model-name", " a b "], "' a b ' has spaces at its ends, which clients would "
+         "have to send too: give 'a b'"),
         (["--port", "70000"], "expected a port number from 0 to 65535, got '70000'"),
         (["--port", "-1"], "expected a port number from 0 to 65535, got '-1'"),
         (["--metrics-port", "0"], "expected a port number from 1 to 65535, got '0'"),

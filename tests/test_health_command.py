@@ -3,11 +3,15 @@ else 1 with a one-line reason on stderr."""
 
 from __future__ import annotations
 
+import datetime
 import re
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
@@ -112,3 +116,36 @@ def test_an_ipv6_address_is_served_and_probed_bare_or_in_brackets(spawn, model_d
     assert f"on [::1]:{worker.port}, ready in" in worker.log.read_text()
     with urllib.request.urlopen(f"http://[::1]:{metrics}/metrics", timeout=10) as page:
         assert b"smg_mlx_" in page.read()
+
+
+def test_a_certificate_that_expired_while_served_is_named(tmp_path):
+    """The worker refuses an expired certificate at start-up, but one may expire
+    while it serves: the probe says so, not that --tls-ca does not trust it."""
+    day = datetime.timedelta(days=1)
+    cert, key, cert_pem = self_signed(tmp_path, (-3 * day, -day))
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert_pem)])
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        probe = health(port, "--tls-ca", str(cert))
+    finally:
+        server.stop(0)
+    assert probe.returncode == 1
+    assert probe.stderr.startswith(
+        f"cannot check 127.0.0.1:{port}: its certificate has expired: renew the worker's "
+        "--tls-cert ("
+    ), probe.stderr
+
+
+def test_a_port_that_answers_but_not_in_grpc_is_named():
+    """The router's HTTP port or the metrics port given by mistake: a hint, not
+    only gRPC's words about HTTP/2 frames."""
+    http = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        probe = health(http.server_port)
+    finally:
+        http.shutdown()
+    assert probe.returncode == 1
+    assert probe.stderr.endswith(f" (is {http.server_port} a worker's --port?)\n"), probe.stderr

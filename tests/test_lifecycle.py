@@ -11,15 +11,18 @@ import threading
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from smg_mlx.api.model_info import load_model_info
 from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.server import load_tokenizer
 
 from helpers import (
     NOT_SERVING,
@@ -248,6 +251,15 @@ def test_steps_that_keep_failing_end_the_engine_and_the_worker(
         generate(w.stub, prompt(3), max_tokens=2)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert w.stop() == 1
+
+
+def test_a_model_named_by_a_relative_path_is_reported_by_its_absolute_one(model_dir, monkeypatch):
+    """The router reads the reported directory where it can, from its own
+    working directory: `--model models/m` must not reach it as `models/m`."""
+    monkeypatch.chdir(model_dir.parent)
+    relative = Path(model_dir.name)
+    info = load_model_info(relative, load_tokenizer(relative), None)
+    assert info.model_path == str(model_dir)
 
 
 def test_model_info(worker, model_dir):

@@ -27,7 +27,8 @@ def test_default_host_is_loopback():
     assert args.host == "127.0.0.1"
 
 
-def self_signed(tmp_path):
+def self_signed(tmp_path, valid=(-datetime.timedelta(minutes=5), datetime.timedelta(days=1))):
+    """A certificate (valid from now + valid[0] to now + valid[1]) and its key."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "smg-mlx test")])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -37,8 +38,8 @@ def self_signed(tmp_path):
         .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(now + valid[0])
+        .not_valid_after(now + valid[1])
         .add_extension(
             x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
             critical=False,
@@ -81,7 +82,10 @@ def test_tls_with_a_self_signed_certificate(spawn, model_dir, tmp_path):
     "args,message",
     [
         (["--tls-cert", "cert.pem"], "needs both --tls-cert and --tls-key"),
-        (["--tls-cert", "missing.pem", "--tls-key", "key.pem"], "missing.pem is not a readable"),
+        (
+            ["--tls-cert", "missing.pem", "--tls-key", "key.pem"],
+            "--tls-cert TMP/missing.pem is not a readable file",
+        ),
         (
             ["--tls-cert", "garbage.pem", "--tls-key", "garbage.pem"],
             "--tls-cert TMP/garbage.pem holds no PEM certificate",
@@ -99,13 +103,27 @@ def test_tls_with_a_self_signed_certificate(spawn, model_dir, tmp_path):
             ["--tls-cert", "cert.pem", "--tls-key", "other/key.pem"],
             "--tls-key TMP/other/key.pem is not the private key of --tls-cert TMP/cert.pem",
         ),
+        (
+            ["--tls-cert", "expired/cert.pem", "--tls-key", "expired/key.pem"],
+            "--tls-cert TMP/expired/cert.pem has expired: every client would refuse it; renew it",
+        ),
+        (
+            ["--tls-cert", "future/cert.pem", "--tls-key", "future/key.pem"],
+            "--tls-cert TMP/future/cert.pem is not valid yet (its start date is ahead of this "
+            "machine's clock)",
+        ),
     ],
-    ids=["cert without key", "missing file", "not PEM", "swapped", "not a key", "another's key"],
-)
+    ids=[
+        "cert without key", "missing file", "not PEM", "swapped", "not a key", "another's key",
+        "expired", "not yet valid",
+    ],
+)  # fmt: skip
 def test_bad_tls_settings_are_refused_with_exit_two(spawn, model_dir, tmp_path, args, message):
     self_signed(tmp_path)
-    (tmp_path / "other").mkdir()
-    self_signed(tmp_path / "other")
+    day = datetime.timedelta(days=1)
+    for name, valid in (("other", None), ("expired", (-3 * day, -day)), ("future", (day, 3 * day))):
+        (tmp_path / name).mkdir()
+        self_signed(tmp_path / name, *([valid] if valid else []))
     (tmp_path / "garbage.pem").write_text("not a certificate")
     p = spawn(
         "--model", str(model_dir), *[str(tmp_path / a) if a.endswith(".pem") else a for a in args]
@@ -121,7 +139,9 @@ def tokenizer_names(worker_stub) -> dict[str, bytes]:
     return {name: archive.read(name) for name in archive.namelist()}
 
 
-def test_tokenizer_bundle_never_follows_links_out_of_the_model(start_worker, model_dir, tmp_path):
+def test_tokenizer_bundle_never_follows_links_out_of_the_model(
+    start_worker, model_dir, tmp_path, caplog
+):
     model = tmp_path / "model"
     shutil.copytree(model_dir, model)
     secret = tmp_path / "secret.txt"
@@ -136,6 +156,18 @@ def test_tokenizer_bundle_never_follows_links_out_of_the_model(start_worker, mod
     files = tokenizer_names(w.stub)
     assert set(files) == {"tokenizer.json", "tokenizer_config.json", "config.json"}
     assert files["tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
+    # Each left out with its reason, as the log says (the first: a file linked in from outside).
+    said = {r.getMessage().split(": ", 1)[0].rsplit("/", 1)[-1]: r.getMessage().split(": ", 1)[1]
+            for r in caplog.records if r.getMessage().startswith("not serving")}  # fmt: skip
+    assert said == {
+        "tiktoken.model": f"it links to {secret}, outside the model directory (links are "
+        "followed only within it: copy the file in)",
+        "merges.txt": "it links to model.safetensors, which is not a tokenizer file",
+        "vocab.txt": "it links to /etc/passwd, outside the model directory (links are "
+        "followed only within it: copy the file in)",
+        "special_tokens_map.json": "it is not a regular file",
+        "tokenizer.model": "its link leads to no file",
+    }
 
 
 def test_tokenizer_files_in_a_hub_cache_snapshot_are_served(start_worker, model_dir, tmp_path):

@@ -98,7 +98,8 @@ def load_model_info(
         return ids[0] if ids else None
 
     return ModelInfo(
-        model_path=str(model_dir),
+        # Absolute: the router reads the directory where it can, from its own working directory.
+        model_path=str(model_dir.absolute()),
         served_model_name=served_model_name or model_dir.name,
         model_type=str(first(configs, ("model_type",)) or ""),
         architectures=tuple(config.get("architectures") or ()),

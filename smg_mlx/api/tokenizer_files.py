@@ -30,18 +30,24 @@ TOKENIZER_FILES = (
 )
 
 
-def _servable(path: Path, model_root: Path) -> bool:
-    """Whether a listed file may be served. Symlinks are followed only to a
-    regular file that is itself a listed file of the model directory, or a blob
-    of the Hugging Face cache a snapshot directory (snapshots/<rev>/) links into,
-    so a link named vocab.json never hands out the weights or /etc/passwd."""
+def _why_not(path: Path, model_root: Path) -> str | None:
+    """Why a listed file is not served (None: it is). Symlinks are followed
+    only to a regular file that is itself a listed file of the model directory,
+    or a blob of the Hugging Face cache a snapshot directory (snapshots/<rev>/)
+    links into, so a link named vocab.json never hands out the weights or
+    /etc/passwd."""
     real = path.resolve()
     if not real.is_file():
-        return False
+        return "its link leads to no file" if path.is_symlink() else "it is not a regular file"
     if real.parent == model_root:
-        return real.name in TOKENIZER_FILES
-    return model_root.parent.name == "snapshots" and real.parent == (
-        model_root.parent.parent / "blobs"
+        if real.name in TOKENIZER_FILES:
+            return None
+        return f"it links to {real.name}, which is not a tokenizer file"
+    if model_root.parent.name == "snapshots" and real.parent == model_root.parent.parent / "blobs":
+        return None
+    return (
+        f"it links to {real}, outside the model directory (links are followed only within "
+        "it: copy the file in)"
     )
 
 
@@ -52,10 +58,13 @@ def tokenizer_zip(model_dir: Path) -> tuple[bytes, str]:
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for name in TOKENIZER_FILES:
             path = model_dir / name
-            if _servable(path, model_root):
+            if not (path.exists() or path.is_symlink()):
+                continue
+            why = _why_not(path, model_root)
+            if why is None:
                 archive.writestr(name, path.read_bytes())
-            elif path.exists() or path.is_symlink():
-                log.warning("not serving %s: it is not a tokenizer file of the model", path)
+            else:
+                log.warning("not serving %s: %s", path, why)
     data = buffer.getvalue()
     return data, hashlib.sha256(data).hexdigest()
 
