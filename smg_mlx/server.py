@@ -169,7 +169,8 @@ class Worker:
         self.engine.on_step(self.metrics.steps)
         self.servicer = MlxEngineServicer(
             self.engine,
-            capacity=config.engine.completion_batch_size + config.max_pending,
+            batch=config.engine.completion_batch_size,
+            pending=config.max_pending,
             metrics=self.metrics,
             limits=config.limits,
         )

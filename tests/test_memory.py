@@ -194,6 +194,29 @@ def test_a_small_budget_queues_requests_and_changes_no_output(
     assert max(peak for _, peak in seen) <= budget
 
 
+def test_requests_waiting_for_memory_count_toward_max_pending(
+    start_worker, model_dir, unbounded_outputs
+):
+    """Where memory, not the batch, bounds what runs, --max-pending still bounds
+    what waits: past it a request is refused at once (for the router to send
+    it elsewhere), not queued behind every running one."""
+    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_outputs), max_pending=1)
+    engine = w.worker.engine
+    # Taken in before the engine first says memory is full: they all wait their turn.
+    streams = [
+        w.stub.Generate(request(p, max_tokens=600, ignore_eos=True), timeout=120) for p in PROMPTS
+    ]
+    assert wait_until(lambda: engine.memory.waiting_for_memory > 0, 30)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(w.stub, prompt(5), max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "as many as memory holds, --max-pending waiting" in err.value.details()
+    # Those taken in all finish.
+    ends = [[r for r in s if r.HasField("complete")][-1].complete for s in streams]
+    assert [e.finish_reason for e in ends] == ["length"] * len(streams)
+    assert generate(w.stub, prompt(5), max_tokens=2).complete.finish_reason == "length"
+
+
 def test_a_prompt_that_can_never_fit_is_refused_at_once(start_worker, model_dir, unbounded_outputs):
     w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_outputs))
     longest = w.worker.engine.longest_sequence

@@ -46,13 +46,14 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self,
         engine: EngineClient,
         *,
-        capacity: int,
+        batch: int,
+        pending: int,
         metrics: Metrics,
         limits: RequestLimits,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
-        self._capacity = capacity  # running batch plus --max-pending waiting
+        self._batch, self._pending = batch, pending  # --completion-batch-size, --max-pending
         self._limits = limits
         self._calls = 0  # Generate calls taken in, from their arrival to their end
         self._jobs: dict[str, Job] = {}
@@ -106,14 +107,28 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         reason = self.unavailable_reason()
         if reason:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, reason)
-        if self._calls >= self._capacity:
+        full = self._full()
+        if full:
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker is full ({counted(self._calls, 'request')} in flight: "
-                "--completion-batch-size running, --max-pending waiting); retry on another "
-                "worker or later",
+                f"the worker is full ({counted(self._calls, 'request')} in flight: {full}); "
+                "retry on another worker or later",
             )
         return self._counted()
+
+    def _full(self) -> str | None:
+        """Why no call more may wait (None: one may): the batch and --max-pending
+        are full, or requests wait for memory and --max-pending of them do
+        besides those running (as the engine last said: every call since waits
+        too, memory being full)."""
+        if self._calls >= self._batch + self._pending:
+            return "--completion-batch-size running, --max-pending waiting"
+        memory, running = self._engine.memory, self._engine.running
+        if memory is not None and memory.waiting_for_memory and (
+            self._calls - running >= self._pending
+        ):
+            return f"{running} running, as many as memory holds, --max-pending waiting"
+        return None
 
     @contextlib.contextmanager
     def _counted(self) -> Iterator[None]:
