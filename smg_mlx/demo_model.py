@@ -47,8 +47,14 @@ def default_demo_dir() -> Path:
     return cache_home() / f"demo-llama-{__version__}"
 
 
-def write_tokenizer(out: Path, vocab_size: int) -> int:
-    """Train a byte-level BPE tokenizer on a fixed corpus; returns its size."""
+# Special tokens a family's tokenizer class adds where the vocabulary lacks
+# them, past the model's ids (transformers' Qwen2Tokenizer: its unk token).
+FAMILY_TOKENS = {"qwen2": ("<|endoftext|>",)}
+
+
+def write_tokenizer(out: Path, vocab_size: int, family: str = "llama") -> int:
+    """Train a byte-level BPE tokenizer on a fixed corpus (with the special
+    tokens `family`'s tokenizer class expects); returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -56,7 +62,9 @@ def write_tokenizer(out: Path, vocab_size: int) -> int:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, BOS, EOS, "<|user|>", "<|assistant|>", "<|system|>"],
+        special_tokens=[
+            PAD, BOS, EOS, "<|user|>", "<|assistant|>", "<|system|>", *FAMILY_TOKENS.get(family, ())
+        ],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -104,7 +112,7 @@ def write_model(
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(out, vocab_size)
+    vocab = write_tokenizer(out, vocab_size, family)
     config = {
         "model_type": family,
         "architectures": [FAMILIES[family]],

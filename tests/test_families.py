@@ -5,13 +5,16 @@ alone, with the prefix cache and aborts in the mode the worker chose."""
 
 from __future__ import annotations
 
+import json
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
+from smg_mlx.demo_model import build_model
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.server import load_tokenizer
 
 from helpers import collect, generate, prompt, request
 
@@ -130,3 +133,16 @@ def test_batching_can_be_asked_to_be_safer_than_the_check_finds(start_worker, mo
     prompts = [prompt(n, 30 + i) for i, n in enumerate((12, 50))]
     solo, together = solo_and_together(w, prompts)
     assert together == solo
+
+
+def test_a_qwen2_demo_models_tokenizer_knows_exactly_the_models_ids(start_worker, models_root):
+    """transformers loads a qwen2 model's tokenizer as Qwen2Tokenizer, which adds
+    <|endoftext|> where the vocabulary lacks it: a demo model whose vocabulary
+    lacked it refused its own tokenizer's id for that text."""
+    model = build_model(models_root / "tiny-qwen2", ["--family", "qwen2"])
+    w = start_worker(model)
+    done = generate(w.stub, text="hi <|endoftext|>", max_tokens=3, ignore_eos=True).complete
+    assert (done.prompt_tokens, done.completion_tokens) == (4, 3)
+    assert len(load_tokenizer(model).get_vocab()) == json.loads(
+        (model / "config.json").read_text()
+    )["vocab_size"]
