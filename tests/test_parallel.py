@@ -312,6 +312,10 @@ def test_rank_0_gone_ends_the_follower(start_ranks, models, how):
         assert time.monotonic() - gone_at < 10
     finally:
         ranks.leader.proc.kill()
+    if how == "kill":  # its sockets closed: the follower says whose (not "Ran out of input")
+        assert "rank 0 is gone (its process ended or its connection closed)" in (
+            ranks.ranks[1].log.read_text()
+        )
 
 
 def _code(call) -> grpc.StatusCode:

@@ -60,6 +60,11 @@ class Channel:
             first[_SIZE_BYTES : _SIZE_BYTES + len(data)] = np.frombuffer(data, dtype=np.uint8)
         first = self._sum(first)
         size = int.from_bytes(first[:_SIZE_BYTES].tobytes(), "little")
+        if size == 0:  # rank 0 never sends nothing: what a closed socket sums to
+            raise ConnectionError(
+                "rank 0's turn came empty: rank 0 is gone (its process ended or its "
+                "connection closed)"
+            )
         if size <= INLINE_BYTES:
             return pickle.loads(first[_SIZE_BYTES : _SIZE_BYTES + size].tobytes())
         rest = np.zeros(size, dtype=np.uint8)
