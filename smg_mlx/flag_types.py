@@ -145,8 +145,11 @@ positive = _number(int, 1, "a whole number of at least 1")
 
 def draft_tokens(text: str) -> int:
     """--num-draft-tokens: 1 to MOST_DRAFT_TOKENS."""
-    value = positive(text)
-    if value > MOST_DRAFT_TOKENS:
+    try:
+        value = positive(text)
+    except argparse.ArgumentTypeError:
+        value = 0  # refused below, with the range
+    if not 1 <= value <= MOST_DRAFT_TOKENS:
         raise argparse.ArgumentTypeError(
             f"expected a whole number from 1 to {MOST_DRAFT_TOKENS}, got {text!r} (a pass "
             "checks each stream's proposals as a decoding pass runs, up to that many)"

@@ -121,6 +121,8 @@ def test_sizes_take_units(text, expected):
         (["--max-pending", "-1"], "expected a whole number, 0 or more, got '-1'"),
         (["--completion-batch-size", "x"], "expected a whole number of at least 1, got 'x'"),
         (["--num-draft-tokens", "40"], "expected a whole number from 1 to 15, got '40'"),
+        (["--num-draft-tokens", "0"], "expected a whole number from 1 to 15, got '0'"),
+        (["--num-draft-tokens", "x"], "expected a whole number from 1 to 15, got 'x'"),
         (["--speculative", "on"], "invalid choice: 'on'"),
         (["--memory-budget", "0"], "expected a size above 0"),
         (["--memory-budget=-5%"], "expected a percentage above 0 and up to 100%, got '-5%'"),
