@@ -229,17 +229,22 @@ def test_a_file_that_a_longer_good_one_extends_is_deleted_with_a_line_at_start(
     assert wait_until(lambda: not shorter.exists()) and longer.exists()
 
 
+@pytest.mark.parametrize(
+    "cut,reason", [(100, "bytes long, not what its header says"), (None, ": empty")],
+    ids=["its end", "all"],
+)  # fmt: skip
 def test_a_truncated_file_is_ignored_and_deleted_at_start(
-    start_worker, model_dir, cold, tmp_path, caplog
+    start_worker, model_dir, cold, tmp_path, caplog, cut, reason
 ):
     history, path = _written(start_worker, model_dir, tmp_path)
     with open(path, "r+b") as f:
-        f.truncate(path.stat().st_size - 100)  # as a crash mid-write without rename would
+        f.truncate(path.stat().st_size - cut if cut else 0)  # as a crash mid-write would
     with caplog.at_level(logging.WARNING):
         w = start_worker(model_dir, prompt_cache_dir=tmp_path)
         got = same_as_cold(w, cold, history + [7])
     assert got.complete.cached_tokens == 0
-    assert f"ignored and deleted {path.name}" in caplog.text
+    (line,) = logged(caplog, f"ignored and deleted {path.name}")
+    assert reason in line
     assert not path.exists()
 
 
@@ -490,6 +495,41 @@ def test_the_free_space_asked_while_the_folder_was_gone_is_not_kept(
         assert wait_until(lambda: len(files(tmp_path)) >= 2, 10)
     warnings = logged(caplog, level=logging.WARNING)
     assert len(warnings) == 1 and "was deleted; making it again" in warnings[0]
+
+
+def test_entries_kept_while_the_disk_was_full_are_written_once_it_has_room(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch
+):
+    """Entries memory keeps while the device lacks room reach the disk once it
+    has room again, with no request to set them off (a crash would lose them)."""
+    free = {"bytes": 0}
+    monkeypatch.setattr(Folder, "free_bytes", lambda self: free["bytes"])
+    monkeypatch.setattr(disk_tier, "RETRY_SECONDS", 0.2)
+    monkeypatch.setattr(disk_tier, "FREE_SECONDS", 0.0)
+    monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    with caplog.at_level(logging.INFO):
+        for key in (1, 2):
+            same_as_cold(w, cold, prompt(400, key))
+        assert wait_until(lambda: logged(caplog, "not writing entries until there is more"), 10)
+        time.sleep(0.5)
+        assert files(tmp_path) == []
+        free["bytes"] = 1 << 40
+        assert wait_until(lambda: len(files(tmp_path)) == 2, 10)
+    assert len(logged(caplog, "not writing entries until there is more")) == 1
+    assert logged(caplog, "writing to") and "again" in logged(caplog, "writing to")[0]
+
+
+def test_an_entry_whose_write_found_the_folder_gone_is_written_to_the_folder_made_again(
+    start_worker, model_dir, cold, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+    same_as_cold(w, cold, prompt(400, 1))
+    assert wait_until(lambda: len(files(tmp_path)) == 1, 10)
+    shutil.rmtree(tmp_path / "cache")
+    same_as_cold(w, cold, prompt(400, 2))  # still in memory: written where the folder is again
+    assert wait_until(lambda: len(files(tmp_path)) == 1, 10)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])  # no inodes left; a failing disk

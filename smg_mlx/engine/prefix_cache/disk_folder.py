@@ -226,7 +226,13 @@ class Folder:
             opened.apart = self._apart(path)
             free = shutil.disk_usage(path).free
             if free < PROBE_BYTES + RESERVE_BYTES:
-                raise OSError(errno.ENOSPC, f"only {format_bytes(free)} free", str(path))
+                raise OSError(
+                    errno.ENOSPC,
+                    f"only {format_bytes(free)} free; the disk tier leaves "
+                    f"{format_bytes(RESERVE_BYTES)} free, and measures the disk with "
+                    f"{format_bytes(PROBE_BYTES)} more",
+                    str(path),
+                )
             opened.write_rate = self._probe(path)
             opened.path = self.path = path
         except Exception as exc:  # noqa: BLE001 - whatever the folder held

@@ -24,8 +24,10 @@ also decides which file to read back).
   bound, least recently used first; an unusable directory (missing and not
   creatable, read-only, full) logs one warning and the worker serves on with
   memory alone. Writes that fail later (a full disk, no inodes left, a
-  failing device) log one warning and are tried again every RETRY_SECONDS; a
-  folder deleted under the worker is made again, with one warning.
+  failing device) or find too little space log one warning and are tried
+  again every RETRY_SECONDS, the entries still in memory among them; a folder
+  deleted under the worker is made again, with one warning, and what memory
+  still holds is written there.
 """
 
 from __future__ import annotations
@@ -154,8 +156,8 @@ class DiskTier(DiskReads):
         """Seconds until the next write falls due (None: none waits)."""
         if self._exported:
             return 0.0
-        if not self.open or not self._candidates:
-            return None
+        if not self.open or not self._candidates or self._remaking:
+            return None  # (a folder being made again wakes the engine when it is)
         if len(self._writes) >= MAX_QUEUED_WRITES:
             return None  # until a write ends, which wakes the engine
         due = max(self._candidates[0][0] + WRITE_AFTER, self._retry_at or 0.0)
@@ -186,10 +188,11 @@ class DiskTier(DiskReads):
         while self._candidates and now - self._candidates[0][0] >= WRITE_AFTER:
             if not self._writable():
                 break
-            _, id = self._candidates.popleft()
+            since, id = self._candidates.popleft()
             entry = memory.tree.get(id)
-            if entry is not None and not entry.value.carried:
-                self._start_write(entry)
+            if entry is not None and not entry.value.carried and self._start_write(entry):
+                self._candidates.appendleft((since, id))  # no room now: first, later
+                break
         return changed
 
     def offer(self, entry: Entry) -> None:
@@ -267,6 +270,7 @@ class DiskTier(DiskReads):
     def _writable(self) -> bool:
         return (
             self.open
+            and not self._remaking
             and len(self._writes) < MAX_QUEUED_WRITES
             and (self._retry_at is None or time.monotonic() >= self._retry_at)
         )
@@ -276,16 +280,19 @@ class DiskTier(DiskReads):
         found = self.tree.longest((*tokens, -1), len(tokens))
         return found is not None and (found[1].trimmable or not trimmable)
 
-    def _start_write(self, entry: Entry, in_memory: bool = True) -> None:
+    def _start_write(self, entry: Entry, in_memory: bool = True) -> bool:
+        """Start writing `entry` where it is worth it; whether to try again
+        later (the device had too little room, or the folder was gone)."""
         held = entry.value
         if held.written or not self._worth(entry):
-            return
+            return False
         tokens = TokenTree.tokens(entry)
         name = file_name(tokens)
-        if name in self._writes:
-            return
-        if self._covered(tokens, entry.trimmable) or not self._room_for(entry.nbytes):
-            return
+        if name in self._writes or self._covered(tokens, entry.trimmable):
+            return False
+        room = self._room_for(entry.nbytes)
+        if room is not True:
+            return room is None
         # An entry kept WRITE_AFTER ago was evaluated long since; one dropped
         # for room may have been kept this turn.
         header, arrays = kv_files.export(held.cache, entry.length, entry.trimmable, in_memory)
@@ -293,6 +300,7 @@ class DiskTier(DiskReads):
         write = Write(name, tokens, header, arrays, entry if in_memory else None)
         self._writes[name] = write
         self._exported.append(write)
+        return False
 
     def _hand_over(self) -> None:
         """Give the writes started a turn ago to the folder's writer. Their
@@ -306,8 +314,9 @@ class DiskTier(DiskReads):
             self._folder.write(write)
         self._exported.clear()
 
-    def _room_for(self, nbytes: int) -> bool:
-        """Make room under the size bound, and check the device's free space."""
+    def _room_for(self, nbytes: int) -> bool | None:
+        """Make room under the size bound, and check the device's free space:
+        whether there is room (None: not now, later perhaps)."""
         if nbytes > self._max_bytes:
             if not self._cap_warned:
                 log.warning(
@@ -321,14 +330,15 @@ class DiskTier(DiskReads):
         free = self._free_bytes()
         if free - nbytes < RESERVE_BYTES:
             if self._gone():
-                return False
+                return None
             if not self._full_warned:
                 log.warning(
-                    "prompt cache: %s has %s free; not writing entries until there is more",
-                    self._folder.path, format_bytes(free),
+                    "prompt cache: %s has %s free; not writing entries until there is more "
+                    "(asked again every %gs)", self._folder.path, format_bytes(free), RETRY_SECONDS,
                 )  # fmt: skip
                 self._full_warned = True
-            return False
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            return None
         self._full_warned = False
         return True
 
@@ -366,6 +376,8 @@ class DiskTier(DiskReads):
         if write.error is not None:
             if not self._gone():
                 self._write_failed(write.error)
+            if write.entry is not None:  # still in memory: written later
+                self._candidates.appendleft((write.entry.value.since, write.entry.id))
             return
         if self._retry_at is not None:
             log.info("prompt cache: writing to %s again", self._folder.path)

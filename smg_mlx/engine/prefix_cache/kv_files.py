@@ -222,6 +222,8 @@ def _header(f: Any, model: str) -> tuple[Header, bytes, bytes]:
     """The header of an entry `model` made, and the raw bytes read for it
     (for the checksum)."""
     magic = f.read(len(MAGIC))
+    if not magic:
+        raise BadFile("empty")
     if magic != MAGIC:
         raise BadFile("not a prompt-cache file of this version")
     length_bytes = _read_exactly(f, _LENGTH.size, "header")
