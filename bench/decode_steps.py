@@ -23,8 +23,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.model import add_model_flags, load_model
-from smg_mlx.config import EngineConfig
+from smg_mlx.config import KV_GROUP_SIZES, EngineConfig
 from smg_mlx.engine.batch import fused_quantized_attention, kv_format, quantized_attention
+from smg_mlx.engine.types import Unservable
 
 FILL_CHUNK = 1024  # context tokens a row prefilled per pass
 UNTIMED_STEPS = 8
@@ -56,13 +57,29 @@ def step_ms(model: nn.Module, bits: int | None, group_size: int, rows: int, cont
     return 1e3 * statistics.median(times[UNTIMED_STEPS:])
 
 
+def _quantizable(model: nn.Module, bits: int, group_size: int) -> bool:
+    """Whether the model's KV can be stored in `bits`; if not, the worker's reason."""
+    config = EngineConfig(model_path=Path("."), kv_bits=bits, kv_group_size=group_size)
+    try:
+        kv_format.caches_for(config, model)
+    except Unservable as exc:
+        print(f"skipped: {exc} (here: --kv-bits '' for the model's own KV alone, or a "
+              "model whose heads --kv-group-size divides: --model, --shape)",
+              file=sys.stderr)  # fmt: skip
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.decode_steps", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.decode_steps", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
     add_model_flags(p)
     p.add_argument("--rows", default="1,4,16,64", help="batch sizes")
     p.add_argument("--contexts", default="64,960,1984", help="tokens each row holds")
     p.add_argument("--kv-bits", default="8", help="quantized formats besides 16-bit ('' for none)")
-    p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES)
     p.add_argument("--matmuls", action="store_true",
                    help="the quantized formats through mlx's quantized matmuls too")  # fmt: skip
     p.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
@@ -70,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = load_model(args)
     quantized_attention.install(None)
-    quantized = [int(b) for b in args.kv_bits.split(",") if b]
+    quantized = [b for b in (int(b) for b in args.kv_bits.split(",") if b)
+                 if _quantizable(model, b, args.kv_group_size)]  # fmt: skip
     ways = [(None, "own")] + [(b, "worker") for b in quantized]
     if args.matmuls:
         ways += [(b, "matmuls") for b in quantized]

@@ -348,6 +348,22 @@ def test_the_decode_steps_bench_times_a_step_for_each_kv_format(model64, tmp_pat
         assert set(r["ms"]) == {"16-bit", "8-bit", "4-bit"} and min(r["ms"].values()) > 0
 
 
+def test_the_decode_steps_bench_skips_a_format_the_model_cannot_take_and_says_why(
+    model_dir, tmp_path, capsys
+):
+    """Its defaults on a model of heads narrower than a group: the model's own KV
+    measured, --kv-bits 8 skipped with the reason and what to give instead."""
+    from bench.decode_steps import main
+
+    out = tmp_path / "steps.json"
+    argv = ["--model", str(model_dir), "--rows", "1", "--contexts", "40", "--steps", "2",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert set(result["ms"]) == {"16-bit"}
+    assert "skipped: --kv-bits 8: this model's head sizes (16)" in capsys.readouterr().err
+
+
 def test_the_values_product_split_along_the_keys_is_the_same(monkeypatch):
     """On CUDA the values' product runs in parts along the keys, side by side
     (one product waits on a serial loop over every key); it is the same product."""
