@@ -95,13 +95,22 @@ def start_router(worker_port: int, env: dict[str, str], log: Path) -> tuple:
 
 
 def chat(http_port: int, model: str, env: dict[str, str]) -> dict:
+    """The router's reply, asked again while it says its tokenizer is not ready
+    yet (one fetched from the worker may come after the worker is listed healthy)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
-    done = shell(
-        f"curl -s 127.0.0.1:{http_port}/v1/chat/completions "
-        f"-H 'content-type: application/json' -d '{json.dumps(body)}'",
-        env,
-    )
-    return json.loads(done.stdout)
+    replies = []
+
+    def answered() -> bool:
+        done = shell(
+            f"curl -s 127.0.0.1:{http_port}/v1/chat/completions "
+            f"-H 'content-type: application/json' -d '{json.dumps(body)}'",
+            env,
+        )
+        replies.append(json.loads(done.stdout))
+        return replies[-1].get("error", {}).get("code") != "tokenizer_not_ready"
+
+    wait_until(answered, 30)
+    return replies[-1]
 
 
 def assert_answered(reply: dict) -> None:
