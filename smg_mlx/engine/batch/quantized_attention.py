@@ -185,9 +185,7 @@ def build_kernels(kinds: Iterable[Kind]) -> None:
     kinds = sorted(kinds, key=str)
     todo = [(kind, n, BUILD_KEYS) for kind in kinds for n in range(1, FEW_QUERIES + 1)]
     # The fused kernel's other form: a pass long enough to be cut into parts.
-    todo += [((h, kvh, dk, dv, dtype, group, bits), 1, fused.PARTS_KEYS)
-             for h, kvh, dk, dv, dtype, group, bits in kinds
-             if fused.fits_kind(dk, dv, group, bits)]  # fmt: skip
+    todo += [(kind, 1, fused.PARTS_KEYS) for kind in kinds if _fused(kind)]
     progress = Progress(log, "quantized attention kernels", "passes run", len(todo))
     for (heads, kv_heads, dk, dv, dtype, group_size, bits), n, keys in todo:
         q_keys, q_values = (
@@ -204,8 +202,15 @@ def build_kernels(kinds: Iterable[Kind]) -> None:
             "quantized attention: passes of 1 to %d queries a row run in %.1fs (their kernels "
             "build the first time on a host: %s)",
             FEW_QUERIES, progress.seconds,
-            "seconds, fused" if fused.AVAILABLE else "mlx's quantized matmuls, a minute each",
+            "seconds, fused" if all(map(_fused, kinds))
+            else "mlx's quantized matmuls, a minute each",
         )  # fmt: skip
+
+
+def _fused(kind: Kind) -> bool:
+    """Whether a kind's few-query passes run as the fused kernel."""
+    _, _, key_dim, value_dim, _, group_size, bits = kind
+    return fused.fits_kind(key_dim, value_dim, group_size, bits)
 
 
 def _parts(keys: int, products: int) -> int:
