@@ -32,6 +32,11 @@ def reference(queries, q_keys, q_values, scale, mask, group_size, bits):
         (3, 32, 8, 5, 768, 128, 8, mx.float16),  # checking proposals: a few queries a row
         (4, 8, 8, 2, 512, 64, 8, mx.float32),
         (2, 4, 2, 1, 2048, 64, 4, mx.float32),
+        # a block's query vectors: one KV head's heads and queries, the last block part-full
+        (2, 8, 8, 3, 600, 64, 8, mx.bfloat16),
+        (5, 16, 2, 1, 1000, 128, 4, mx.bfloat16),
+        (2, 12, 4, 3, 5000, 128, 8, mx.bfloat16),
+        (1, 8, 4, 1, 700, 256, 8, mx.bfloat16),
     ],
 )
 def test_the_fused_pass_is_attention_over_the_dequantized_cache(

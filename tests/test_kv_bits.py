@@ -364,6 +364,25 @@ def test_the_decode_steps_bench_skips_a_format_the_model_cannot_take_and_says_wh
     assert "skipped: --kv-bits 8: this model's head sizes (16)" in capsys.readouterr().err
 
 
+def test_the_attention_pass_bench_times_one_layer_for_each_shape(tmp_path, capsys):
+    """`python -m bench.attention_pass`: one layer's decoding attention over
+    16-bit and quantized keys, for each batch size and context; heads that
+    cannot be quantized are refused with what to give."""
+    from bench.attention_pass import main
+
+    out = tmp_path / "pass.json"
+    argv = ["--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--rows", "1,3",
+            "--contexts", "50", "--kv-bits", "4", "--runs", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["context"]) for r in results] == [(1, 50), (3, 50)]
+    for r in results:
+        assert set(r["ms"]) == {"16-bit", "4-bit"} and min(r["ms"].values()) > 0
+    with pytest.raises(SystemExit):
+        main(["--head-dim", "80"])
+    assert "--head-dim must be a multiple of --kv-group-size" in capsys.readouterr().err
+
+
 def test_the_values_product_split_along_the_keys_is_the_same(monkeypatch):
     """On CUDA the values' product runs in parts along the keys, side by side
     (one product waits on a serial loop over every key); it is the same product."""

@@ -7,15 +7,15 @@ each small: a small model's decode step then waits on launches and on the
 device's gaps between them, not on memory. Here one kernel reads the keys
 and values quantized, leaves out the positions the mask hides (a whole
 buffer's unwritten tail, a row's padding) and keeps a running softmax: one
-block per query vector and part of the keys. Where the batch gives too few
-blocks to fill the GPU the keys are cut into parts, each block writes its
-part's maximum, sum and weighted values, and a second kernel combines them.
-Each query head reads its KV head's keys itself (mlx's quantized matmuls,
-the path elsewhere, read them once for the KV head's query heads together).
+block per KV head's query vectors (as many as a lane's registers hold: a
+KV head's query heads, each query of a row) and part of the keys, so that
+each key is read once for them all. Where the batch gives too few blocks to
+fill the GPU the keys are cut into parts, each block writes its part's
+maximum, sum and weighted values, and a second kernel combines them.
 
 mlx compiles these with NVRTC in seconds, one kernel per dtype, head size,
-bits and group size (its quantized matmuls take far longer to build), and
-keeps them with its other kernels."""
+bits, group size and vectors a block (its quantized matmuls take far longer
+to build), and keeps them with its other kernels."""
 
 from __future__ import annotations
 
@@ -26,26 +26,39 @@ import mlx.core as mx
 Quantized = tuple[mx.array, mx.array, mx.array]
 
 WARPS = 4  # warps a block
-# Blocks that keep the GPU busy (a few per multiprocessor): where the query
-# vectors are fewer, the keys are cut into parts of at least PART_KEYS.
+# Blocks that keep the GPU busy (a few per multiprocessor): where the blocks
+# are fewer, the keys are cut into parts of at least PART_KEYS.
 BUSY_BLOCKS = 512
 PART_KEYS = 256
 # Keys that a pass of one query row of any model here is cut into parts at:
-# the warm-up runs one, so both kernels are built before serving.
+# the warm-up runs them at every query count, so both kernels are built before serving.
 PARTS_KEYS = 2 * PART_KEYS
+# A lane's registers for its query vectors' dimensions and sums (`_PASS`):
+# a block takes QUERY_FLOATS // (head size / 8) of a KV head's query vectors.
+QUERY_FLOATS = 32
 
 AVAILABLE = mx.cuda.is_available()
 
+# A code as a float: its bits under the exponent of 2**23, less 2**23 (the
+# integer conversion instruction runs at a fraction of the float rate).
 _HEADER = """
 #define SMG_NEG_INF (-__int_as_float(0x7f800000))
 
+__device__ __forceinline__ float smg_code(uint32_t w, int c, int bits) {
+  return bits == 8 ? __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | c)) - 8388608.f
+                   : __uint_as_float(((w >> (4 * c)) & 0xFu) | 0x4B000000u) - 8388608.f;
+}
 """
 
-# Template: T (queries, out), D (head size), BITS, GROUP, WARPS. A warp's
-# lanes work in four groups of eight, each group on a key of its own (a
-# lane on an eighth of its dimensions: whole words of one quantization
-# group); a step's reads do not wait on the mask (keys it hides are read
-# but not counted), so each step waits on memory once.
+# Template: T (queries, out), D (head size), BITS, GROUP, WARPS, QV. A block
+# takes QV query vectors of one KV head (its query heads' queries, in the
+# output's order) and part of the keys: each key is read and its codes
+# converted once for all of them. A warp's lanes work in four groups of
+# eight, each group on a key of its own (a lane on an eighth of its
+# dimensions: whole words of one quantization group). A value's scale and
+# bias are applied per key, not per dimension: the weighted codes and the
+# weighted biases are summed apart. A step's reads do not wait on the mask
+# (keys it hides are read but not counted).
 _PASS = """
 constexpr int LANES = 8;                    // a key's lanes
 constexpr int READERS = WARPS * (32 / LANES);  // keys a block reads at once
@@ -55,25 +68,38 @@ constexpr int WPL = DPL / PER;              // a lane's words of a key
 const int lane = threadIdx.x & 31;
 const int reader = threadIdx.x / LANES;  // the lanes reading one key
 const int li = lane % LANES;
-const int qi = blockIdx.x;
+const int H = q_shape[1], L = q_shape[2];
+const int KVH = kp_shape[1];
+const int GL = H / KVH * L;  // a KV head's query vectors
+const int tiles = (GL + QV - 1) / QV;
+const int tile = blockIdx.x % tiles;
+const int bk = blockIdx.x / tiles;  // row * KVH + KV head
+const int kvh = bk % KVH, b = bk / KVH;
 const int part = blockIdx.y;
 const int parts = gridDim.y;
-const int H = q_shape[1], L = q_shape[2];
-const int l = qi % L, h = (qi / L) % H, b = qi / (L * H);
-const int kvh = h / (H / kp_shape[1]);
 const int N = kp_shape[2];
 const int d0 = li * DPL;
 const int g = d0 / GROUP;
 
-const T* qrow = q + b * q_strides[0] + h * q_strides[1] + l * q_strides[2];
-float qv[DPL];
-float qsum = 0.f;
-for (int i = 0; i < DPL; ++i) {
-  qv[i] = float(qrow[(d0 + i) * q_strides[3]]) * scale[0];
-  qsum += qv[i];
+float qv[QV][DPL], qsum[QV];
+size_t mrow[QV];
+bool live[QV];
+#pragma unroll
+for (int v = 0; v < QV; ++v) {
+  const int vi = tile * QV + v;
+  live[v] = vi < GL;
+  const int vv = live[v] ? vi : 0;  // past the last vector: the first's, not counted
+  const int h = kvh * (H / KVH) + vv / L, l = vv % L;
+  const T* qrow = q + b * q_strides[0] + h * q_strides[1] + l * q_strides[2];
+  qsum[v] = 0.f;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) {
+    qv[v][i] = float(qrow[(d0 + i) * q_strides[3]]) * scale[0];
+    qsum[v] += qv[v][i];
+  }
+  mrow[v] = b * mask_strides[0] + (mask_shape[1] == 1 ? 0 : h) * mask_strides[1]
+      + l * mask_strides[2];
 }
-const bool* mrow = mask + b * mask_strides[0] + (mask_shape[1] == 1 ? 0 : h) * mask_strides[1]
-    + l * mask_strides[2];
 const uint32_t* kbase = kp + b * kp_strides[0] + kvh * kp_strides[1] + li * WPL;
 const uint32_t* vbase = vp + b * vp_strides[0] + kvh * vp_strides[1] + li * WPL;
 const size_t ksq = b * ks_strides[0] + kvh * ks_strides[1] + g;
@@ -81,12 +107,18 @@ const size_t vsq = b * vs_strides[0] + kvh * vs_strides[1] + g;
 
 const int span = (N + parts - 1) / parts;
 const int j0 = part * span, j1 = min(N, j0 + span);
-float m = SMG_NEG_INF, s = 0.f, acc[DPL];
-for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
+float m[QV], s[QV], bsum[QV], acc[QV][DPL];
+#pragma unroll
+for (int v = 0; v < QV; ++v) {
+  m[v] = SMG_NEG_INF; s[v] = 0.f; bsum[v] = 0.f;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) acc[v][i] = 0.f;
+}
 for (int base = j0; base < j1; base += READERS) {
   const int j = min(base + reader, j1 - 1);
-  const bool counted = base + reader < j1 && mrow[j * mask_strides[3]];
+  const bool inside = base + reader < j1;
   uint32_t kw[WPL], vw[WPL];
+#pragma unroll
   for (int w = 0; w < WPL; ++w) {
     kw[w] = kbase[j * kp_strides[2] + w];
     vw[w] = vbase[j * vp_strides[2] + w];
@@ -95,58 +127,92 @@ for (int base = j0; base < j1; base += READERS) {
   const float kbias = float(kb[ksq + j * ks_strides[2]]);
   const float vscale = float(vs[vsq + j * vs_strides[2]]);
   const float vbias = float(vb[vsq + j * vs_strides[2]]);
-  float dot = 0.f;
+  bool counted[QV];
+#pragma unroll
+  for (int v = 0; v < QV; ++v)
+    counted[v] = inside && live[v] && mask[mrow[v] + j * mask_strides[3]];
+  float dot[QV];
+#pragma unroll
+  for (int v = 0; v < QV; ++v) dot[v] = 0.f;
+#pragma unroll
   for (int w = 0; w < WPL; ++w)
-    for (int c = 0; c < PER; ++c)
-      dot += qv[w * PER + c] * float((kw[w] >> (c * BITS)) & ((1u << BITS) - 1u));
-  dot = dot * kscale + qsum * kbias;
-  for (int o = LANES / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-  if (counted) {
-    const float mn = fmaxf(m, dot);
-    const float keep = expf(m - mn);
-    const float p = expf(dot - mn);
-    s = s * keep + p;
-    for (int w = 0; w < WPL; ++w)
-      for (int c = 0; c < PER; ++c) {
-        const float v = vscale * float((vw[w] >> (c * BITS)) & ((1u << BITS) - 1u)) + vbias;
-        acc[w * PER + c] = acc[w * PER + c] * keep + p * v;
-      }
-    m = mn;
+#pragma unroll
+    for (int c = 0; c < PER; ++c) {
+      const float code = smg_code(kw[w], c, BITS);
+#pragma unroll
+      for (int v = 0; v < QV; ++v) dot[v] += qv[v][w * PER + c] * code;
+    }
+  // (a lane's scale and bias: its own group's, so applied before the lanes' sum)
+#pragma unroll
+  for (int v = 0; v < QV; ++v) dot[v] = dot[v] * kscale + qsum[v] * kbias;
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o >>= 1)
+#pragma unroll
+    for (int v = 0; v < QV; ++v) dot[v] += __shfl_xor_sync(0xffffffffu, dot[v], o);
+  float keep[QV], pv[QV];
+#pragma unroll
+  for (int v = 0; v < QV; ++v) {
+    const float x = counted[v] ? dot[v] : SMG_NEG_INF;
+    const float mn = fmaxf(m[v], x);
+    keep[v] = mn == SMG_NEG_INF ? 1.f : expf(m[v] - mn);
+    const float p = mn == SMG_NEG_INF ? 0.f : expf(x - mn);
+    s[v] = s[v] * keep[v] + p;
+    // (a hidden key's scale and bias may be any bits)
+    bsum[v] = bsum[v] * keep[v] + (counted[v] ? p * vbias : 0.f);
+    pv[v] = counted[v] ? p * vscale : 0.f;
+    m[v] = mn;
   }
+#pragma unroll
+  for (int w = 0; w < WPL; ++w)
+#pragma unroll
+    for (int c = 0; c < PER; ++c) {
+      const float code = smg_code(vw[w], c, BITS);
+#pragma unroll
+      for (int v = 0; v < QV; ++v)
+        acc[v][w * PER + c] = acc[v][w * PER + c] * keep[v] + pv[v] * code;
+    }
 }
 
-__shared__ float om[READERS], os[READERS], oacc[READERS][D];
-for (int i = 0; i < DPL; ++i) oacc[reader][d0 + i] = acc[i];
-if (li == 0) { om[reader] = m; os[reader] = s; }
-__syncthreads();
-float M = SMG_NEG_INF;
-for (int r = 0; r < READERS; ++r) M = fmaxf(M, om[r]);
-float sum = 0.f;
-float weight[READERS];
-for (int r = 0; r < READERS; ++r) {
-  weight[r] = om[r] == SMG_NEG_INF ? 0.f : expf(om[r] - M);
-  sum += weight[r] * os[r];
+__shared__ float om[QV][READERS], os[QV][READERS], oacc[QV][READERS][D];
+#pragma unroll
+for (int v = 0; v < QV; ++v) {
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) oacc[v][reader][d0 + i] = acc[v][i] + bsum[v];
+  if (li == 0) { om[v][reader] = m[v]; os[v][reader] = s[v]; }
 }
+__syncthreads();
+for (int v = 0; v < QV && tile * QV + v < GL; ++v) {
+  const size_t qi = (size_t)bk * GL + tile * QV + v;
+  float M = SMG_NEG_INF;
+  for (int r = 0; r < READERS; ++r) M = fmaxf(M, om[v][r]);
+  float sum = 0.f;
+  for (int r = 0; r < READERS; ++r)
+    if (om[v][r] != SMG_NEG_INF) sum += expf(om[v][r] - M) * os[v][r];
 """
 
-# How a block's result is written: the output's row (the keys whole), or its
+# How a block's results are written, for each of its vectors `qi` (in the
+# loop `_PASS` leaves open): the output's row (the keys whole), or its
 # part's maximum, sum and unnormalized values (for `_COMBINE`).
 _WRITE_WHOLE = """
-for (int t = threadIdx.x; t < D; t += blockDim.x) {
-  float o = 0.f;
-  for (int r = 0; r < READERS; ++r) o += weight[r] * oacc[r][t];
-  out[(size_t)qi * D + t] = T(sum > 0.f ? o / sum : 0.f);
+  for (int t = threadIdx.x; t < D; t += blockDim.x) {
+    float o = 0.f;
+    for (int r = 0; r < READERS; ++r)
+      if (om[v][r] != SMG_NEG_INF) o += expf(om[v][r] - M) * oacc[v][r][t];
+    out[qi * D + t] = T(sum > 0.f ? o / sum : 0.f);
+  }
 }
 """
 _WRITE_PARTS = """
-for (int t = threadIdx.x; t < D; t += blockDim.x) {
-  float o = 0.f;
-  for (int r = 0; r < READERS; ++r) o += weight[r] * oacc[r][t];
-  part_values[((size_t)qi * parts + part) * D + t] = o;
-}
-if (threadIdx.x == 0) {
-  part_max[(size_t)qi * parts + part] = M;
-  part_sum[(size_t)qi * parts + part] = sum;
+  for (int t = threadIdx.x; t < D; t += blockDim.x) {
+    float o = 0.f;
+    for (int r = 0; r < READERS; ++r)
+      if (om[v][r] != SMG_NEG_INF) o += expf(om[v][r] - M) * oacc[v][r][t];
+    part_values[(qi * parts + part) * D + t] = o;
+  }
+  if (threadIdx.x == 0) {
+    part_max[qi * parts + part] = M;
+    part_sum[qi * parts + part] = sum;
+  }
 }
 """
 
@@ -197,6 +263,16 @@ def _combiner() -> Any:
     return _combine[0]
 
 
+def _vectors_a_block(vectors: int, dim: int) -> int:
+    """The query vectors a block takes, of a KV head's `vectors`: a power of
+    two (a kernel each), as many as a lane's QUERY_FLOATS hold."""
+    most = max(1, QUERY_FLOATS // (dim // 8))
+    each = 1
+    while each < min(vectors, most):
+        each *= 2
+    return min(each, most)
+
+
 def fits_kind(key_dim: int, value_dim: int, group_size: int, bits: int) -> bool:
     """Whether passes of these heads can run here: on CUDA, keys and values
     of one head size whose eighths are whole words of one quantization group
@@ -236,27 +312,30 @@ def attention(
     mask = mx.broadcast_to(mask, (rows, mask.shape[1], length, keys))
     if scale not in _scales:
         _scales[scale] = mx.array([scale], mx.float32)
-    vectors = rows * heads * length
-    parts = max(1, min(-(-keys // PART_KEYS), -(-BUSY_BLOCKS // vectors)))
+    kv_heads = q_keys[0].shape[1]
+    vectors = heads // kv_heads * length  # a KV head's
+    each = _vectors_a_block(vectors, dim)
+    blocks = rows * kv_heads * -(-vectors // each)
+    parts = max(1, min(-(-keys // PART_KEYS), -(-BUSY_BLOCKS // blocks)))
     template = [("T", queries.dtype), ("D", dim), ("BITS", bits), ("GROUP", group_size),
-                ("WARPS", WARPS)]  # fmt: skip
+                ("WARPS", WARPS), ("QV", each)]  # fmt: skip
     inputs = [queries, *q_keys, *q_values, mask, _scales[scale]]
     threads = (32 * WARPS, 1, 1)
     if parts == 1:
         (out,) = _kernel(False)(
-            inputs=inputs, template=template, grid=(vectors * threads[0], 1, 1),
+            inputs=inputs, template=template, grid=(blocks * threads[0], 1, 1),
             threadgroup=threads, output_shapes=[queries.shape], output_dtypes=[queries.dtype],
         )  # fmt: skip
         return out
-    per_part = (vectors, parts)
+    per_part = (rows * heads * length, parts)
     values, most, total = _kernel(True)(
-        inputs=inputs, template=template, grid=(vectors * threads[0], parts, 1),
+        inputs=inputs, template=template, grid=(blocks * threads[0], parts, 1),
         threadgroup=threads, output_shapes=[(*per_part, dim), per_part, per_part],
         output_dtypes=[mx.float32] * 3,
     )  # fmt: skip
     (out,) = _combiner()(
         inputs=[values, most, total], template=[("T", queries.dtype), ("D", dim)],
-        grid=(vectors * dim, 1, 1), threadgroup=(dim, 1, 1),
+        grid=(per_part[0] * dim, 1, 1), threadgroup=(dim, 1, 1),
         output_shapes=[queries.shape], output_dtypes=[queries.dtype],
     )  # fmt: skip
     return out

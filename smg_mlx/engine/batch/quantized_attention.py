@@ -184,8 +184,11 @@ def build_kernels(kinds: Iterable[Kind]) -> None:
     kind (module doc)."""
     kinds = sorted(kinds, key=str)
     todo = [(kind, n, BUILD_KEYS) for kind in kinds for n in range(1, FEW_QUERIES + 1)]
-    # The fused kernel's other form: a pass long enough to be cut into parts.
-    todo += [(kind, 1, fused.PARTS_KEYS) for kind in kinds if _fused(kind)]
+    # The fused kernel's other form: passes long enough to be cut into parts.
+    todo += [
+        (kind, n, fused.PARTS_KEYS) for kind in kinds if _fused(kind)
+        for n in range(1, FEW_QUERIES + 1)
+    ]  # fmt: skip
     progress = Progress(log, "quantized attention kernels", "passes run", len(todo))
     for (heads, kv_heads, dk, dv, dtype, group_size, bits), n, keys in todo:
         q_keys, q_values = (
