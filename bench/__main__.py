@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--short",
         action="store_true",
         help="fewer requests per level (max(16, 2 x concurrency)), one round, a smaller "
-        "agent workload: a quick check that everything runs",
+        "agent workload (with --gate, 4 long prompts in its mixed run): a quick check that "
+        "everything runs",
     )
     p.add_argument(
         "--systems",
@@ -173,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the table: the mixed workload on our worker with its default flags "
         "(COUNT long prompts alone, then again with a stream running and a chat arriving "
         "every --chat-interval seconds; see bench/mixed.py); with --gate, its long prompts "
-        "(default 16; 0 leaves the mixed part out, and the gate says it was not run)",
+        "(default 16, short 4; 0 leaves the mixed part out, and the gate says it was not run)",
     )
     p.add_argument(
         "--speculation",
@@ -250,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.short:
         workload = replace(workload, **SHORT)
-    if args.gate:  # enough waves at low levels that one slow wave does not decide a ratio
+    if args.gate and not args.short:
+        # enough waves at low levels that one slow wave does not decide a ratio
         workload = replace(workload, min_requests=32)
     if args.requests:
         workload = replace(workload, min_requests=args.requests)
@@ -391,7 +393,7 @@ def _gate(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
         model_dir=model_dir.resolve(),
         work_dir=args.work_dir.resolve(),
         start_timeout_s=args.start_timeout,
-        rounds=args.rounds or 3,
+        rounds=args.rounds or (1 if args.short else 3),
         # The bare engine has no speculative decoding, and the bench's greedy
         # random models repeat themselves (every proposal right): measured
         # with it, the gate would not see the serving path it guards
@@ -420,7 +422,7 @@ def _gate(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
 
 def _gate_mixed(args: argparse.Namespace, model_dir: Path) -> dict:
     mixed = Mixed(
-        longs=args.mixed or 16,
+        longs=args.mixed or (4 if args.short else 16),
         long_tokens=args.long_prompt_tokens,
         long_gen_tokens=args.long_gen_tokens,
         chat_tokens=args.chat_tokens,

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-bits", type=int, default=8, choices=(4, 8))
     p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES)
     p.add_argument("--matmuls", action="store_true",
-                   help="mlx's quantized matmuls too (CUDA: elsewhere the quantized pass is theirs)")  # fmt: skip
+                   help="mlx's quantized matmuls too (CUDA; elsewhere the pass is theirs)")
     p.add_argument("--runs", type=int, default=5, help=f"timed runs of {PASSES} passes")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)

@@ -37,6 +37,7 @@ from bench.grpc_client import stream_one, token_request
 from bench.long_prompts import default_worker, metrics
 from bench.runner import progress
 from bench.stats import RequestRecord
+from bench.workers import WorkerExited
 from bench.workload import Workload
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
@@ -147,22 +148,33 @@ def run_kv_formats(model_dir: Path, work_dir: Path, run: KvFormats, extra: list[
     results = {}
     for bits in run.formats:
         tag = f"kv{bits}"
-        with default_worker(model_dir, work_dir, [*extra, *flags(bits)], tag, timeout_s) as (
-            worker, port,
-        ):  # fmt: skip
-            figures: dict = {}
-            if "capacity" in run.parts:
-                progress(f"{tag}: capacity")
-                figures |= capacity(worker.address, port, fill)
-                progress(f"{tag}: holds {figures['tokens_held']:.0f} tokens, "
-                         f"{figures['kv_bytes_per_token']:.0f} B a token")  # fmt: skip
-            for part, measure in (("prefill", prefill), ("decode", decode)):
-                if part in run.parts and not figures.get("errors"):
-                    progress(f"{tag}: {part}, {run.concurrency} x {run.context_tokens} tokens")
-                    figures |= measure(worker.address, run, tag)
-            results[bits] = figures
+        try:
+            results[bits] = _measure(model_dir, work_dir, run, [*extra, *flags(bits)], tag,
+                                     fill, timeout_s)  # fmt: skip
+        except WorkerExited as exc:
+            if bits == MODEL_OWN or exc.code != 2:
+                raise
+            # A format the model cannot take: the others are still measured.
+            results[bits] = {"skipped": exc.reason()}
         progress(f"{tag}: {format_row(bits, results[bits], results.get(MODEL_OWN))}")
     return {"run": asdict(run), "formats": {str(b): r for b, r in results.items()}}
+
+
+def _measure(model_dir: Path, work_dir: Path, run: KvFormats, flags: list[str], tag: str,
+             fill: Workload, timeout_s: float) -> dict:  # fmt: skip
+    """One format's figures, from a worker of its own."""
+    with default_worker(model_dir, work_dir, flags, tag, timeout_s) as (worker, port):
+        figures: dict = {}
+        if "capacity" in run.parts:
+            progress(f"{tag}: capacity")
+            figures |= capacity(worker.address, port, fill)
+            progress(f"{tag}: holds {figures['tokens_held']:.0f} tokens, "
+                     f"{figures['kv_bytes_per_token']:.0f} B a token")  # fmt: skip
+        for part, measure in (("prefill", prefill), ("decode", decode)):
+            if part in run.parts and not figures.get("errors"):
+                progress(f"{tag}: {part}, {run.concurrency} x {run.context_tokens} tokens")
+                figures |= measure(worker.address, run, tag)
+        return figures
 
 
 def ratios(result: dict, own: dict | None) -> dict[str, float | None]:
@@ -177,6 +189,8 @@ def ratios(result: dict, own: dict | None) -> dict[str, float | None]:
 
 def format_row(bits: int, result: dict, own: dict | None) -> str:
     name = "model's own" if bits == MODEL_OWN else f"{bits} bits"
+    if "skipped" in result:
+        return f"{name}: skipped, the worker refused it: {result['skipped']}"
     if result.get("errors"):
         return f"{name}: {result['errors']} requests failed: {result['first_error']}"
     rel = ratios(result, own) if bits != MODEL_OWN else {}

@@ -59,6 +59,21 @@ def two_ranks_command(model_dir: Path, port: int, workload: Workload) -> list[st
     ]  # fmt: skip
 
 
+class WorkerExited(RuntimeError):
+    """A worker that exited before serving (`code`: its exit code; code 2, it
+    refused its flags or model: the log's last error line says why)."""
+
+    def __init__(self, name: str, code: int, log_path: Path) -> None:
+        super().__init__(f"{name} exited with code {code} before serving; see {log_path}")
+        self.code, self.log_path = code, log_path
+
+    def reason(self) -> str:
+        """The worker's last error line, its level and logger left out."""
+        errors = [line for line in self.log_path.read_text(errors="replace").splitlines()
+                  if " ERROR " in line]  # fmt: skip
+        return errors[-1].split(": ", 1)[-1] if errors else str(self)
+
+
 class WorkerProcess:
     """One worker process; its output goes to `log_path` (read it when it fails)."""
 
@@ -86,10 +101,7 @@ class WorkerProcess:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise RuntimeError(
-                        f"{self.name} exited with code {self.process.returncode} "
-                        f"before serving; see {self.log_path}"
-                    )
+                    raise WorkerExited(self.name, self.process.returncode, self.log_path)
                 try:
                     reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -49,3 +49,22 @@ def test_who_runs_first_alternates_from_level_to_level(monkeypatch, tmp_path):
     firsts = [next(name for c, name in ran if c == want) for want in opts.levels]
     assert firsts == ["ours", "peer", "ours", "peer"]
     assert [name for c, name in ran if c == 1] == ["ours", "peer", "peer", "ours", "ours", "peer"]
+
+
+def test_a_short_gate_runs_one_round_of_the_short_workload(model_dir, monkeypatch, tmp_path):
+    """`make bench-gate BENCH_ARGS=--short`, a quick check that it runs: one
+    round of fewer requests, as --short gives every other run."""
+    import bench.__main__ as bench_main
+
+    seen = []
+
+    def run_all(opts):
+        seen.append(opts)
+        return [], {}
+
+    monkeypatch.setattr(bench_main, "run_all", run_all)
+    argv = ["--gate", "--short", "--mixed", "0", "--model", str(model_dir),
+            "--work-dir", str(tmp_path)]  # fmt: skip
+    assert bench_main.main([*argv, "--out", str(tmp_path / "gate.json")]) == 1  # nothing ran
+    (opts,) = seen
+    assert opts.rounds == 1 and opts.workload.min_requests == 16
