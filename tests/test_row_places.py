@@ -4,6 +4,9 @@ cache, and every row decodes as it does in mlx-lm's own batch."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
 from test_speculative import tiny_model
 
 from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, copied_out
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.batch.row_places import HOLES_KEPT, PlacedGenerationBatch
 
 
@@ -170,3 +174,43 @@ def test_the_model_runs_each_row_at_its_own_place(monkeypatch):
     assert batch.model(mx.array([[7], [8]]), cache=[]).tolist() == [[70], [80]]
     assert seen == [[[8], [7], [7]]]  # place 1, a hole, runs any row's input
     assert isinstance(batch, GenerationBatch)
+
+
+@contextmanager
+def _device_reads(reads: list[str]) -> Iterator[None]:
+    """Each array read back to the host meanwhile, noted in `reads`."""
+    tolist, item = mx.array.tolist, mx.array.item
+
+    def noted(name, real):
+        def read(array):
+            reads.append(name)
+            return real(array)
+
+        return read
+
+    mx.array.tolist, mx.array.item = noted("tolist", tolist), noted("item", item)
+    try:
+        yield
+    finally:
+        mx.array.tolist, mx.array.item = tolist, item
+
+
+def test_quantized_rows_moving_in_and_out_read_no_padding_from_the_device(monkeypatch):
+    """Under --kv-bits, prompts moving into the decoding rows, rows leaving them
+    and rows copied out know their padding on the host: a read from the device
+    waits for the pass in flight, and the device then idles while the host
+    prepares the next."""
+    reads: list[str] = []
+    for name in ("filter", "extract"):
+        real = getattr(BatchQuantizedKVCache, name)
+
+        def watched(self, *args, _real=real, **kwargs):
+            with _device_reads(reads):
+                return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(BatchQuantizedKVCache, name, watched)
+    model = tiny_model("qwen3", scale=1.5, head_dim=32)  # a head: one group of 32
+    requests = _requests(30, seed=8)
+    ours = _run(model, requests, False, 6, monkeypatch, rows=EndingGenerationBatch, bits=8)
+    assert len(ours["finished"]) == 30
+    assert reads == []

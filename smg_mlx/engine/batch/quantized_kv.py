@@ -76,11 +76,37 @@ class BatchQuantizedKVCache(_BaseCache):
         self.values: Quantized | None = None
         self.group_size = group_size
         self.bits = bits
-        self.left_padding = mx.array(list(left_padding))
+        self._set_padding(list(left_padding))
         # A row's offset counts its own tokens: padding comes before position 0.
         self.offset = -self.left_padding
         self._idx = 0  # positions written, padding included, the same for every row
-        self._right_padding: mx.array | None = None
+        self._right_padding: list[int] | None = None
+
+    # -- each row's left padding ---------------------------------------------
+    # Kept on the host too, while every change to it is known there (a prompt
+    # batch's life: made, padded, filtered): a filter or extract that reads it
+    # from the device waits for the pass in flight, and the device then idles
+    # while the host prepares the next.
+
+    @property
+    def left_padding(self) -> mx.array:
+        return self._left_padding
+
+    @left_padding.setter
+    def left_padding(self, value: mx.array) -> None:
+        self._left_padding, self._host_padding = value, None  # a change not known here
+
+    def _set_padding(self, host: list[int]) -> None:
+        self._left_padding, self._host_padding = mx.array(host), host
+
+    def _padding_of(self, rows: Any) -> list[int] | None:
+        """The left padding of `rows` (a slice or a list of rows), None where unknown here."""
+        host = self._host_padding
+        if host is None:
+            return None
+        if isinstance(rows, slice):
+            return host[rows]
+        return [host[i] for i in rows] if isinstance(rows, Sequence) else None
 
     # -- writing and reading ------------------------------------------------
 
@@ -194,48 +220,63 @@ class BatchQuantizedKVCache(_BaseCache):
         if left_padding is not None:
             if self.keys is not None:
                 raise ValueError("left padding can only be added to an empty cache")
-            pad = mx.array(list(left_padding))
-            self.left_padding = self.left_padding + pad
-            self.offset = self.offset - pad
+            self._shift_padding(list(left_padding))
         if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = mx.array(list(right_padding))
+            self._right_padding = list(right_padding)
 
     def finalize(self) -> None:
         """After a right-padded chunk: rotate each row's padding round to its left,
         so every row ends at `_idx` again (the padding is masked as left padding)."""
         if self._right_padding is None:
             return
-        pad = self._right_padding
+        pad = mx.array(self._right_padding)
         roll = lambda x: _roll_right(x, pad)  # noqa: E731
         self.keys, self.values = map_parts(roll, self.keys), map_parts(roll, self.values)
-        self.offset = self.offset - pad
-        self.left_padding = self.left_padding + pad
+        self._shift_padding(self._right_padding)
         self._right_padding = None
+
+    def _shift_padding(self, more: list[int]) -> None:
+        """Each row's padding `more[i]` positions longer (its offset as many less)."""
+        self.offset = self.offset - mx.array(more)
+        host = self._host_padding
+        if host is None:
+            self.left_padding = self.left_padding + mx.array(more)
+        else:
+            self._set_padding([p + m for p, m in zip(host, more, strict=True)])
 
     # -- rows in and out ------------------------------------------------------
 
     def filter(self, batch_indices: Any, padding: int | None = None) -> None:
         """Keep the given rows; drop the left padding they all share
-        (`padding`, where the caller knows it: read from the device else)."""
+        (`padding`, where the caller knows it: else from the host's copy, or
+        read from the device)."""
+        rows = self.offset.shape[0]
+        if isinstance(batch_indices, Sequence) and list(batch_indices) == list(range(rows)):
+            batch_indices = slice(None)  # every row, in order: views, not gathered
+        kept = self._padding_of(batch_indices)
         if self.keys is not None:
             take = lambda x: x[batch_indices]  # noqa: E731
             self.keys, self.values = map_parts(take, self.keys), map_parts(take, self.values)
         self.offset = self.offset[batch_indices]
-        self.left_padding = self.left_padding[batch_indices]
-        shared = min(self.left_padding.tolist()) if padding is None else padding
-        if shared > 0:
-            if self.keys is not None:
-                drop = lambda x: x[:, :, shared:]  # noqa: E731
-                self.keys, self.values = map_parts(drop, self.keys), map_parts(drop, self.values)
-                self._cut = True
-            self._idx -= shared
+        if kept is None:
+            self.left_padding = self.left_padding[batch_indices]
+            kept = self.left_padding.tolist() if padding is None else None
+        shared = min(kept) if padding is None else padding
+        if shared > 0 and self.keys is not None:
+            drop = lambda x: x[:, :, shared:]  # noqa: E731
+            self.keys, self.values = map_parts(drop, self.keys), map_parts(drop, self.values)
+            self._cut = True
+        self._idx -= shared
+        if kept is not None:
+            self._set_padding([p - shared for p in kept])
+        elif shared:
             self.left_padding = self.left_padding - shared
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
         """Append `other`'s rows, both batches right-justified to the longer one."""
         self._check_same_format(other)
         if self.keys is None and other.keys is None:
-            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self._join_padding(other, 0, 0)
             self.offset = mx.concatenate([self.offset, other.offset])
             return
         idx = max(self._idx, other._idx)
@@ -243,7 +284,7 @@ class BatchQuantizedKVCache(_BaseCache):
         like_k = self.keys or other.keys
         like_v = self.values or other.values
 
-        def justified(c: BatchQuantizedKVCache) -> tuple[Quantized, Quantized, mx.array]:
+        def justified(c: BatchQuantizedKVCache) -> tuple[Quantized, Quantized]:
             rows = c.offset.shape[0]
             k = c.keys or _zeros_like_rows(like_k, rows, 0)
             v = c.values or _zeros_like_rows(like_v, rows, 0)
@@ -253,14 +294,25 @@ class BatchQuantizedKVCache(_BaseCache):
             def pad(x: mx.array) -> mx.array:
                 return mx.pad(x[:, :, : c._idx], [(0, 0), (0, 0), (shift, tail), (0, 0)])
 
-            return map_parts(pad, k), map_parts(pad, v), c.left_padding + shift
+            return map_parts(pad, k), map_parts(pad, v)
 
-        (k1, v1, lp1), (k2, v2, lp2) = justified(self), justified(other)
+        (k1, v1), (k2, v2) = justified(self), justified(other)
         cat = lambda a, b: tuple(mx.concatenate([x, y]) for x, y in zip(a, b, strict=True))  # noqa: E731
         self.keys, self.values = cat(k1, k2), cat(v1, v2)
-        self.left_padding = mx.concatenate([lp1, lp2])
+        self._join_padding(other, idx - self._idx, idx - other._idx)
         self.offset = mx.concatenate([self.offset, other.offset])
         self._idx = idx
+
+    def _join_padding(self, other: BatchQuantizedKVCache, mine: int, theirs: int) -> None:
+        """The left padding of `other`'s rows after this batch's, each side's
+        `mine` and `theirs` positions longer."""
+        if self._host_padding is not None and other._host_padding is not None:
+            self._set_padding([p + mine for p in self._host_padding]
+                              + [p + theirs for p in other._host_padding])  # fmt: skip
+        else:
+            self.left_padding = mx.concatenate(
+                [self.left_padding + mine, other.left_padding + theirs]
+            )
 
     def extract(self, idx: int, padding: int | None = None) -> QuantizedKVCache:
         """Row `idx` alone, its padding left out (`padding`, where the caller
@@ -268,7 +320,10 @@ class BatchQuantizedKVCache(_BaseCache):
         cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
         if self.keys is None:
             return cache
-        start = self.left_padding[idx].item() if padding is None else padding
+        if padding is None:
+            host = self._padding_of([idx])
+            padding = host[0] if host is not None else self.left_padding[idx].item()
+        start = padding
         row = lambda x: mx.contiguous(x[idx : idx + 1, :, start : self._idx])  # noqa: E731
         cache.keys, cache.values = map_parts(row, self.keys), map_parts(row, self.values)
         cache.offset = self._idx - start
