@@ -70,11 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--heads", type=int, default=32, help="query heads (Qwen3-8B's)")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=128, help="each head's size")
     p.add_argument("--rows", default="1,16,64", help="batch sizes")
     p.add_argument("--contexts", default="2048,8192,32768", help="keys each row holds")
-    p.add_argument("--kv-bits", type=int, default=8, choices=(4, 8))
-    p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES)
+    p.add_argument("--kv-bits", type=int, default=8, choices=(4, 8), help="the quantized KV's")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES,
+                   help="the quantization's group size")  # fmt: skip
     p.add_argument("--matmuls", action="store_true",
                    help="mlx's quantized matmuls too (CUDA; elsewhere the pass is theirs)")
     p.add_argument("--runs", type=int, default=5, help=f"timed runs of {PASSES} passes")

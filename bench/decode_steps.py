@@ -22,10 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.model import add_model_flags, load_model
+from bench.model import add_model_flags, load_model, quantizable
 from smg_mlx.config import KV_GROUP_SIZES, EngineConfig
 from smg_mlx.engine.batch import fused_quantized_attention, kv_format, quantized_attention
-from smg_mlx.engine.types import Unservable
 
 FILL_CHUNK = 1024  # context tokens a row prefilled per pass
 UNTIMED_STEPS = 8
@@ -57,18 +56,6 @@ def step_ms(model: nn.Module, bits: int | None, group_size: int, rows: int, cont
     return 1e3 * statistics.median(times[UNTIMED_STEPS:])
 
 
-def _quantizable(model: nn.Module, bits: int, group_size: int) -> bool:
-    """Whether the model's KV can be stored in `bits`; if not, the worker's reason."""
-    config = EngineConfig(model_path=Path("."), kv_bits=bits, kv_group_size=group_size)
-    try:
-        kv_format.caches_for(config, model)
-    except Unservable as exc:
-        print(f"skipped: {exc} (here: --kv-bits '' for the model's own KV alone, or a "
-              "model whose heads --kv-group-size divides: --model, --shape)",
-              file=sys.stderr)  # fmt: skip
-        return False
-    return True
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
@@ -88,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args)
     quantized_attention.install(None)
     quantized = [b for b in (int(b) for b in args.kv_bits.split(",") if b)
-                 if _quantizable(model, b, args.kv_group_size)]  # fmt: skip
+                 if quantizable(model, b, args.kv_group_size, "--kv-bits '' for the model's "
+                                "own KV alone, or a model whose heads --kv-group-size divides: "
+                                "--model, --shape")]  # fmt: skip
     ways = [(None, "own")] + [(b, "worker") for b in quantized]
     if args.matmuls:
         ways += [(b, "matmuls") for b in quantized]

@@ -84,6 +84,9 @@ def capacity(address: str, port: int, fill: Workload) -> dict:
     # Enough prompts to fill the whole budget, and then some: one that never
     # fills is reported as such.
     most = int(1.5 * budget / (per_token * fill.prompt_tokens)) + 2
+    progress(f"capacity: up to {most} prompts of {fill.prompt_tokens} tokens, until the "
+             f"memory tier drops one (a {budget / 2**30:.1f} GiB budget; --worker-args "
+             "'--memory-budget SIZE' for a smaller one)")  # fmt: skip
     sent, dropped = 0, 0.0
     while sent < most and not dropped:
         (record,) = asyncio.run(_together(address, [fill.prompt(sent)], 1, f"fill-{sent}"))
@@ -91,7 +94,7 @@ def capacity(address: str, port: int, fill: Workload) -> dict:
             raise RuntimeError(f"a capacity prompt failed: {record.error}")
         sent += 1
         if sent % 10 == 0:
-            progress(f"capacity: {sent} prompts of {fill.prompt_tokens} tokens sent")
+            progress(f"capacity: {sent} of up to {most} prompts sent")
         (dropped,) = metrics(port, DROPPED)
     time.sleep(SETTLE_S)
     (held,) = metrics(port, HELD)

@@ -35,6 +35,8 @@ import numpy as np
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache
 
+from bench.model import quantizable
+from smg_mlx.config import KV_GROUP_SIZES
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import quantized_attention
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
@@ -76,9 +78,13 @@ def _greedy(model, prompt: list[int], n: int, cache: list) -> list[int]:
     return out
 
 
-def measure(model_dir: Path, prompt_len: int, new_tokens: int, group: int, seed: int) -> dict:
+def measure(model_dir: Path, prompt_len: int, new_tokens: int, group: int,
+            seed: int) -> dict | None:  # fmt: skip
+    """The model's figures (None: its KV cannot be quantized at `group`, said why)."""
     quantized_attention.install(None)
     model, _ = load(str(model_dir))
+    if not quantizable(model, 8, group, "--model: a model whose heads --kv-group-size divides"):
+        return None
     layers = len(model.layers)
     vocab = model.args.vocab_size
     prompt = np.random.default_rng(seed).integers(0, vocab, prompt_len).tolist()
@@ -135,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m bench.kv_quality",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                           argparse.ArgumentDefaultsHelpFormatter), {}),
     )
     p.add_argument(
         "--model",
@@ -143,11 +150,12 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         help="a model directory (repeatable; default: the bench's test models)",
     )
-    p.add_argument("--work-dir", type=Path, default=Path(".bench"))
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--kv-group-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", type=Path, default=Path(".bench"), help="the test models")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="each model's prompt")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens compared after it")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES,
+                   help="the quantization's group size")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="the prompt's")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
     models = args.model or [build_model(args.work_dir / n, a) for n, a in MODELS.items()]
@@ -157,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for model_dir in models:
         r = measure(model_dir, args.prompt_tokens, args.new_tokens, args.kv_group_size, args.seed)
+        if r is None:
+            continue
         results.append(r)
         print("\n".join(format_row(r)), flush=True)
     if args.out is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,11 @@ def ensure_model(shape: str, root: Path) -> Path:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--model, --shape and --work-dir, for the benches that run a model in process."""
-    p.add_argument("--model", type=Path, help="a model directory (default: build --shape)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--work-dir", type=Path, default=Path(".bench/models"))
+    p.add_argument("--model", type=Path, help="a model directory (else one built of --shape)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                   help="the random-weight model built where --model is not given")  # fmt: skip
+    p.add_argument("--work-dir", type=Path, default=Path(".bench/models"),
+                   help="where built models are kept")  # fmt: skip
 
 
 def load_model(args: argparse.Namespace) -> Any:
@@ -60,6 +63,22 @@ def load_model(args: argparse.Namespace) -> Any:
     from mlx_lm import load  # (the bench's own process runs no MLX: imported here)
 
     return load(str(args.model or ensure_model(args.shape, args.work_dir)))[0]
+
+
+def quantizable(model: Any, bits: int, group_size: int, instead: str) -> bool:
+    """Whether a loaded model's KV can be stored in `bits` at `group_size`; if
+    not, the worker's reason on stderr, and what to give `instead` here."""
+    from smg_mlx.config import EngineConfig
+    from smg_mlx.engine.batch import kv_format
+    from smg_mlx.engine.types import Unservable
+
+    config = EngineConfig(model_path=Path("."), kv_bits=bits, kv_group_size=group_size)
+    try:
+        kv_format.caches_for(config, model)
+    except Unservable as exc:
+        print(f"skipped: {exc} (here: {instead})", file=sys.stderr)
+        return False
+    return True
 
 
 def describe(model_dir: Path) -> dict:

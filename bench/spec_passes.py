@@ -2,8 +2,9 @@
 
 mlx-lm's BatchGenerator, its decoding rows replaced by the worker's
 speculative ones, runs ROWS streams that never end (no admissions, no
-server, no prefix cache): plain decoding, checking every pass
-(`--speculative always`) and paced (`auto`), each for `--seconds` after a
+server, no prefix cache): plain decoding, checking in every pass where a
+proposal is found (`--speculative always`; a stream's first tokens have none
+to find) and paced (`auto`), each for `--seconds` after a
 warm-up. The streams are greedy (`right`), or every other one is sampled at
 temperature 1 (`half`: those find nothing to propose), as in `python -m
 bench --speculation`. Where the worker's own figures (`python -m bench --speculation`)
@@ -76,11 +77,15 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.spec_passes", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.spec_passes", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
     add_model_flags(p)
     p.add_argument("--rows", default="4,16,64", help="batch sizes")
-    p.add_argument("--workload", choices=WORKLOADS, default="right")
-    p.add_argument("--num-draft-tokens", type=int, default=8)
+    p.add_argument("--workload", choices=WORKLOADS, default="right",
+                   help="greedy streams (right) or every other one sampled (half)")  # fmt: skip
+    p.add_argument("--num-draft-tokens", type=int, default=8, help="the most a row proposes")
     p.add_argument("--seconds", type=float, default=5.0, help="timed, per mode and batch size")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
@@ -95,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(model, rows, mode, args.num_draft_tokens, args.seconds, args.workload,
                         one_width=cuda)
             plain = plain or r["tok_s"]
-            kept = f"{r['accepted']} of {r['proposed']} proposed kept" if r["proposed"] else ""
+            said = [f"{r['ms_per_pass']:.1f} ms a pass"]
+            if mode != "plain":
+                said.append(f"{r['checking_passes']} of {r['passes']} checking")
+            if r["proposed"]:
+                said.append(f"{r['accepted']} of {r['proposed']} proposed kept")
             print(f"rows {rows:3d} {mode:6s} {r['tok_s']:8.0f} tok/s (x{r['tok_s'] / plain:.2f}), "
-                  f"{r['ms_per_pass']:.1f} ms a pass, {r['checking_passes']} of {r['passes']} "
-                  f"checking; {kept}", flush=True)  # fmt: skip
+                  f"{'; '.join(said)}", flush=True)  # fmt: skip
             results.append(r)
     if args.out is not None:
         args.out.write_text(json.dumps({"command": sys.argv, "results": results}, indent=1) + "\n")

@@ -1,9 +1,16 @@
 """`python -m bench --kv-formats`: what one memory budget holds with each KV format."""
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from bench.kv_formats import KvFormats, format_kv_formats, run_kv_formats
 from smg_mlx.demo_model import build_model
+
+from conftest import REPO
 
 
 def test_quantized_kv_holds_as_many_more_tokens_as_its_bytes_allow(models_root, tmp_path):
@@ -45,3 +52,37 @@ def test_a_format_the_model_cannot_take_is_skipped_with_the_workers_reason(model
     reason = result["formats"]["8"]["skipped"]
     assert "--kv-bits 8: this model's head sizes (16)" in reason
     assert "8 bits: skipped, the worker refused it: cannot serve" in format_kv_formats(result)
+
+
+def test_a_bench_stopped_by_sigterm_stops_the_worker_it_started(models_root, tmp_path):
+    """A timeout or a supervisor stops the bench with SIGTERM: the worker it
+    started (in a session of its own) goes with it, as on Ctrl-C."""
+    model = build_model(models_root / "tiny-head64", ["--head-dim", "64"])
+    cache_dir = str(tmp_path / "prompt-cache-kv16")  # in the worker's command line only
+
+    def workers() -> list[int]:
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):
+                if cache_dir in cmdline.read_bytes().decode(errors="replace"):
+                    found.append(int(cmdline.parent.name))
+        return found
+
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "bench", "--model", str(model), "--kv-formats", "16",
+         "--kv-parts", "capacity", "--kv-fill-tokens", "64", "--work-dir", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in bench.stderr:  # the default budget: far more prompts than this test waits for
+            if "capacity: up to" in line:
+                break
+        assert workers(), "the worker should be running"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        assert workers() == []
+    finally:
+        bench.kill()
+        for pid in workers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

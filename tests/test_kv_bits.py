@@ -383,6 +383,24 @@ def test_the_attention_pass_bench_times_one_layer_for_each_shape(tmp_path, capsy
     assert "--head-dim must be a multiple of --kv-group-size" in capsys.readouterr().err
 
 
+def test_the_kv_quality_bench_skips_a_model_it_cannot_quantize_and_says_why(
+    model_dir, tmp_path, capsys
+):
+    """`python -m bench.kv_quality --model` of heads narrower than a group: the
+    worker's reason, no traceback; a group size mlx does not quantize to is
+    refused as the worker refuses it."""
+    from bench.kv_quality import main
+
+    out = tmp_path / "quality.json"
+    main(["--model", str(model_dir), "--prompt-tokens", "8", "--new-tokens", "2",
+          "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == []
+    assert "skipped: --kv-bits 8: this model's head sizes (16)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--kv-group-size", "48"])
+    assert "invalid choice: 48" in capsys.readouterr().err
+
+
 def test_the_values_product_split_along_the_keys_is_the_same(monkeypatch):
     """On CUDA the values' product runs in parts along the keys, side by side
     (one product waits on a serial loop over every key); it is the same product."""
