@@ -93,6 +93,16 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tokenizer
 
 
+def _check_draft(draft: Path) -> None:
+    """The checks --model's directory gets, for --draft-model's: a refusal
+    (exit 2) that names the flag, not a load failure that a supervisor restarts."""
+    try:
+        model_files.check(draft)
+        load_tokenizer(draft)
+    except (BadModelConfig, StartupError) as exc:
+        raise StartupError(f"--draft-model: {exc}", exit_code=2) from None
+
+
 def _unreadable_json(paths: Iterable[Path]) -> Iterator[Path]:
     """Those of `paths` that do not hold JSON (the file to name when a tokenizer fails)."""
     for path in sorted(paths):
@@ -248,6 +258,8 @@ class Worker:
         log.info("loading %s", self.model_dir)
         try:
             model_files.check(self.model_dir)
+            if self.config.engine.draft_model is not None:
+                await asyncio.to_thread(_check_draft, self.config.engine.draft_model)
             self._check_budget_holds_the_weights()
             # Model facts need no weights: GetModelInfo answers while the
             # engine thread loads them. Read them before the engine starts:

@@ -249,6 +249,35 @@ def test_stop_tokens_end_a_row_inside_its_accepted_tokens():
     assert stats.accepted > 0
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_a_row_proposes_no_more_than_it_has_tokens_left(max_tokens):
+    """The model as its own draft (every proposal right): a request of a few
+    tokens has no more proposed than it can send, and every accepted one is sent."""
+    model = tiny_model("llama", scale=1.5)
+    prompts = repetitive_prompts(3, 5)
+    plain, _, _, _ = generate(model, prompts, [max_tokens] * 3, False)
+    ours, _, _, stats = generate(model, prompts, [max_tokens] * 3, True, draft=model)
+    assert ours == plain
+    assert stats.proposed <= 3 * (max_tokens - 1)
+    assert stats.accepted == stats.proposed
+
+
+@pytest.mark.parametrize("after", [2, 3, 5])
+def test_accepted_proposals_count_only_the_tokens_sent(after):
+    """Proposals kept past a stop token are not sent, nor counted as accepted:
+    a lone row's checking passes each send its pending token and those accepted."""
+    model = tiny_model("llama", scale=2.0)  # its output varies: a stop token part-way
+    prompts = [np.random.default_rng(3).integers(0, 50, 20).tolist()]
+    plain, _, _, _ = generate(model, prompts, [50], False)
+    out = plain[0]
+    at = next(i for i in range(after, len(out)) if out[i] not in out[:i])
+    stop = [[out[at]]]
+    plain, _, _, _ = generate(model, prompts, [50], False, stop=stop)
+    ours, _, _, stats = generate(model, prompts, [50], True, draft=model, stop=stop)
+    assert ours == plain and stats.accepted > 0
+    assert stats.tokens == stats.passes + stats.accepted
+
+
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
     tokens = np.array([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7, 0], dtype=np.int64)
     # ...5 6 7 last followed by 9 2 (the latest earlier occurrence, not 8 1)

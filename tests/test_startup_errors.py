@@ -111,6 +111,33 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
     assert message.format(model=model) in one_error(lines)
 
 
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("no weights", "--draft-model: {draft} has no weights (no model*.safetensors file)"),
+        ("unknown family", "--draft-model: {draft}/config.json names model_type 'foobar'"),
+        ("no tokenizer", "--draft-model: {draft} has no tokenizer"),
+    ],
+)
+def test_a_draft_model_mlx_lm_cannot_load_exits_two_and_names_the_flag(
+    model_dir, tmp_path, fault, message
+):
+    """A mistyped draft is the person's to fix, as a mistyped --model is: exit 2,
+    not 1 (which supervisors restart into the same failure)."""
+    draft = model_copy(model_dir, tmp_path / "draft", leave_out="model.safetensors")
+    if fault != "no weights":
+        (draft / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    if fault == "unknown family":
+        config = json.loads((draft / "config.json").read_text())
+        (draft / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
+    if fault == "no tokenizer":
+        for path in draft.glob("*token*"):
+            path.unlink()
+    code, lines = serve("--model", str(model_dir), "--draft-model", str(draft), "--port", "0")
+    assert code == 2
+    assert message.format(draft=draft) in one_error(lines)
+
+
 def test_an_adapter_directory_without_its_weights_exits_two(model_dir, tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()

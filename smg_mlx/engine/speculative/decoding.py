@@ -193,15 +193,21 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         line_up(self.prompt_cache)
 
     def _proposals(self, likely: set[int], pending: list[int]) -> list[list[int]]:
-        """Each row's proposals (none for rows not `likely`)."""
+        """Each row's proposals (none for rows not `likely`), no more than the
+        tokens it has left after its pending one: those past it are never sent."""
         most = self.drafting.most
         if self._draft_rows is not None:
             rows = {self.uids[i]: (self.tokens[i], pending[i]) for i in likely}
             proposed = self._draft_rows.propose(rows, most)
-            return [proposed.get(uid, []) for uid in self.uids]
+            drafts = [proposed.get(uid, []) for uid in self.uids]
+        else:
+            drafts = [
+                self._rows[uid].propose(self._steps, y, most) if i in likely else []
+                for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
+            ]
         return [
-            self._rows[uid].propose(self._steps, y, most) if i in likely else []
-            for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
+            d[: max(0, self.max_tokens[i] - self._num_tokens[i] - 1)]
+            for i, d in enumerate(drafts)
         ]
 
     def _likely(self) -> set[int]:
@@ -244,17 +250,18 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             kept = 0
             while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
                 kept += 1
-            if proposal:
-                if self._draft_rows is None:
-                    self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
-                accepted[self.uids[i]] = kept
-                self.drafting.stats.proposed += len(proposal)
-                self.drafting.stats.accepted += kept
             tokens = [y, *proposal[:kept]]
             chosen = [self._next_logprobs[i], *(logprobs[i, j] for j in range(kept))]
             finish = self._finish(i, tokens)
             if finish is not None:
                 tokens = tokens[: finish[1] + 1]
+            if proposal:
+                if self._draft_rows is None:
+                    self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
+                accepted[self.uids[i]] = kept
+                self.drafting.stats.proposed += len(proposal)
+                # (those sent: none past a stop token)
+                self.drafting.stats.accepted += len(tokens) - 1
             self.tokens[i].extend(tokens)
             rewind.append(width - len(tokens))
             responses.append((i, tokens, chosen, None if finish is None else finish[0]))
