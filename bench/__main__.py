@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench import cores, gate, machine, model, report
+from bench import cores, gate, machine, model, report, workers
 from bench.agent import Agent, format_agent, run_agent, run_followups
 from bench.kv_formats import PARTS, KvFormats, format_kv_formats, run_kv_formats
 from bench.long_prompts import run_long_prompts
@@ -503,7 +502,5 @@ def _kv_formats(args: argparse.Namespace, model_dir: Path, argv: list[str] | Non
 
 
 if __name__ == "__main__":
-    # A SIGTERM (a timeout, a supervisor) stops the bench as Ctrl-C does: the
-    # processes it started run in sessions of their own, stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    workers.stop_on_sigterm()
     raise SystemExit(main())

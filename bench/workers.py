@@ -19,6 +19,7 @@ from bench import cores
 from bench.workload import Workload
 
 _handed_out: set[int] = set()
+_running: set[WorkerProcess] = set()  # started and not stopped yet
 
 
 def free_port() -> int:
@@ -59,6 +60,19 @@ def two_ranks_command(model_dir: Path, port: int, workload: Workload) -> list[st
     ]  # fmt: skip
 
 
+def stop_on_sigterm() -> None:
+    """From now on a SIGTERM (a timeout, a supervisor) stops the workers this
+    process started, which run in sessions of their own, and then the process:
+    at once, since unwinding from the handler through gRPC's core can crash it."""
+
+    def stop(signum: int, frame: object) -> None:
+        for worker in list(_running):
+            worker.stop()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 class WorkerExited(RuntimeError):
     """A worker that exited before serving (`code`: its exit code; code 2, it
     refused its flags or model: the log's last error line says why)."""
@@ -92,6 +106,7 @@ class WorkerProcess:
             env={**os.environ, **(env or {})},
             start_new_session=True,  # a Ctrl-C of the bench does not reach it first
         )
+        _running.add(self)
         cores.pin(self.process.pid)
 
     def wait_serving(self, timeout_s: float) -> None:
@@ -132,6 +147,7 @@ class WorkerProcess:
                 os.killpg(group, signal.SIGKILL)
         self.process.wait()
         self._log.close()
+        _running.discard(self)
         return self.process.returncode
 
     def __enter__(self) -> WorkerProcess:
