@@ -56,7 +56,6 @@ def step_ms(model: nn.Module, bits: int | None, group_size: int, rows: int, cont
     return 1e3 * statistics.median(times[UNTIMED_STEPS:])
 
 
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.decode_steps", description=__doc__,

@@ -38,11 +38,17 @@ def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
     return mask
 
 
+def rows_kept(batch_indices: Any, rows: int) -> Any:
+    """A filter's `batch_indices` over `rows` rows, as a slice where they keep
+    every row in order: indexed as views, not gathered."""
+    if isinstance(batch_indices, Sequence) and list(batch_indices) == list(range(rows)):
+        return slice(None)
+    return batch_indices
+
+
 def _filter(filter_rows: Callable) -> Callable:
     def filter(self: BatchKVCache, batch_indices: Any, padding: int | None = None) -> None:
-        rows = self.offset.shape[0]
-        if isinstance(batch_indices, Sequence) and list(batch_indices) == list(range(rows)):
-            batch_indices = slice(None)  # every row, in order: indexed as views, not gathered
+        batch_indices = rows_kept(batch_indices, self.offset.shape[0])
         if padding is None:
             filter_rows(self, batch_indices)
             return

@@ -24,6 +24,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
 
 from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES
+from smg_mlx.engine.batch.batch_kv import rows_kept
 
 Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 
@@ -250,9 +251,7 @@ class BatchQuantizedKVCache(_BaseCache):
         """Keep the given rows; drop the left padding they all share
         (`padding`, where the caller knows it: else from the host's copy, or
         read from the device)."""
-        rows = self.offset.shape[0]
-        if isinstance(batch_indices, Sequence) and list(batch_indices) == list(range(rows)):
-            batch_indices = slice(None)  # every row, in order: views, not gathered
+        batch_indices = rows_kept(batch_indices, self.offset.shape[0])
         kept = self._padding_of(batch_indices)
         if self.keys is not None:
             take = lambda x: x[batch_indices]  # noqa: E731
