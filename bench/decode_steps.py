@@ -3,7 +3,11 @@
 In process, no server: for each batch size and context, a batch cache of
 that many rows is prefilled with that many tokens each, then the model
 decodes, steps pipelined as the worker runs them (the next step recorded
-while the device runs the last), and the median step is reported. Formats:
+while the device runs the last), and the median step is reported, with the
+median time the host took to record it (the model's call, before it goes to
+the device): where recording alone is most of the step, the step waits on
+the host, not the device. (Handing a step over can wait on the device too:
+mlx holds the host back while too much is queued.) Formats:
 the model's own KV (16), and each of `--kv-bits` through the worker's
 quantized attention (on CUDA the fused kernel); with `--matmuls`, the same
 formats again through mlx's quantized matmuls, the worker's path elsewhere.
@@ -31,9 +35,10 @@ UNTIMED_STEPS = 8
 
 
 def step_ms(model: nn.Module, bits: int | None, group_size: int, rows: int, context: int,
-            steps: int) -> float:  # fmt: skip
-    """The median of `steps` pipelined decoding steps (after UNTIMED_STEPS) over
-    `rows` rows of `context` tokens, the KV in `bits` (None: the model's own)."""
+            steps: int) -> tuple[float, float]:  # fmt: skip
+    """The medians of `steps` pipelined decoding steps (after UNTIMED_STEPS) over
+    `rows` rows of `context` tokens, the KV in `bits` (None: the model's own):
+    the step's time and the host's time recording it, in ms."""
     config = EngineConfig(model_path=Path("."), kv_bits=bits, kv_group_size=group_size)
     fresh = kv_format.caches_for(config, model) or (lambda: make_prompt_cache(model))
     cache = [layer.merge([layer] * rows) for layer in fresh()]
@@ -42,18 +47,19 @@ def step_ms(model: nn.Module, bits: int | None, group_size: int, rows: int, cont
         model(tokens[:, start : start + FILL_CHUNK], cache=cache)
         mx.eval([c.state for c in cache])
     y = tokens[:, -1:]
-    times = []
+    times, recording = [], []
     previous = None
     for _ in range(UNTIMED_STEPS + steps):
         started = time.perf_counter()
         y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        recording.append(time.perf_counter() - started)
         mx.async_eval(y)
         if previous is not None:
             previous.tolist()  # the step before: what the worker waits for
         previous = y
         times.append(time.perf_counter() - started)
     mx.eval(y)
-    return 1e3 * statistics.median(times[UNTIMED_STEPS:])
+    return tuple(1e3 * statistics.median(t[UNTIMED_STEPS:]) for t in (times, recording))  # type: ignore[return-value]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,16 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
-            row = {"rows": rows, "context": context, "ms": {}}
+            row = {"rows": rows, "context": context, "ms": {}, "recording_ms": {}}
             for bits, way in ways:
                 fused_quantized_attention.AVAILABLE = fused and way != "matmuls"
                 name = f"{bits or 16}-bit" + (" matmuls" if way == "matmuls" else "")
-                ms = step_ms(model, bits, args.kv_group_size, rows, context, args.steps)
-                row["ms"][name] = round(ms, 2)
+                ms, rec = step_ms(model, bits, args.kv_group_size, rows, context, args.steps)
+                row["ms"][name], row["recording_ms"][name] = round(ms, 2), round(rec, 2)
                 mx.clear_cache()
             fused_quantized_attention.AVAILABLE = fused
             results.append(row)
-            times = ", ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items())
+            times = ", ".join(f"{k} {v:.2f} ms (recorded in {row['recording_ms'][k]:.2f})"
+                              for k, v in row["ms"].items())
             print(f"{rows:3d} rows x {context:6d} tokens: {times}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps({"command": sys.argv, "results": results}, indent=1) + "\n")

@@ -333,7 +333,8 @@ def test_the_warm_up_runs_quantized_attention_at_every_few_query_count(model64, 
 
 def test_the_decode_steps_bench_times_a_step_for_each_kv_format(model64, tmp_path, monkeypatch):
     """`python -m bench.decode_steps`: the median decoding step of a batch over a
-    context, the model's own KV and each of --kv-bits."""
+    context, the model's own KV and each of --kv-bits, and the host's time
+    recording it (part of the step)."""
     from bench.decode_steps import main
 
     monkeypatch.setattr(base, "quantized_scaled_dot_product_attention",
@@ -346,6 +347,8 @@ def test_the_decode_steps_bench_times_a_step_for_each_kv_format(model64, tmp_pat
     assert [(r["rows"], r["context"]) for r in results] == [(2, 40), (2, 300)]
     for r in results:
         assert set(r["ms"]) == {"16-bit", "8-bit", "4-bit"} and min(r["ms"].values()) > 0
+        assert set(r["recording_ms"]) == set(r["ms"])
+        assert all(0 < r["recording_ms"][k] <= r["ms"][k] for k in r["ms"])
 
 
 def test_the_decode_steps_bench_skips_a_format_the_model_cannot_take_and_says_why(
