@@ -516,8 +516,10 @@ def test_entries_kept_while_the_disk_was_full_are_written_once_it_has_room(
         assert files(tmp_path) == []
         free["bytes"] = 1 << 40
         assert wait_until(lambda: len(files(tmp_path)) == 2, 10)
+        # (the engine thread says so once it hears a write finished: after its file is there)
+        assert wait_until(lambda: logged(caplog, "writing to"), 10)
     assert len(logged(caplog, "not writing entries until there is more")) == 1
-    assert logged(caplog, "writing to") and "again" in logged(caplog, "writing to")[0]
+    assert "again" in logged(caplog, "writing to")[0]
 
 
 def test_an_entry_whose_write_found_the_folder_gone_is_written_to_the_folder_made_again(

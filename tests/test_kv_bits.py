@@ -31,6 +31,7 @@ from smg_mlx.engine.prefix_cache import kv_files
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.types import Request
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
+from smg_mlx.logs import format_bytes
 
 from helpers import generate, prompt, serve, wait_until
 
@@ -204,7 +205,7 @@ def test_start_up_checks_batching_anew_and_speculation_stays_exact(
     # Against the model's own KV, named: a float32 model's is twice a 16-bit one's.
     stored = next(line for line in said if line.startswith("KV caches stored as"))
     assert stored.startswith(f"KV caches stored as {bits}-bit KV, group 64: ")
-    assert "x of the model's own float32 KV, " in stored
+    assert "x of the model's own float32 KV (" in stored
     # Rows take back their rejected proposals from quantized caches: the tokens
     # are plain decoding's, solo and together.
     repeating = [(prompt(n, i)[:7] * 40)[:n] for i, n in enumerate((30, 90, 200))]
@@ -506,12 +507,15 @@ def test_a_quantized_stream_grown_long_moves_lanes_and_goes_on_as_alone(model64,
 
 @pytest.mark.parametrize("bits", [8], indirect=True, scope="module")  # one width does
 def test_a_draft_models_proposals_over_quantized_rows_leave_the_tokens_as_they_were(
-    start_worker, model64, cold, bits, model_dir
+    start_worker, model64, cold, bits, model_dir, caplog
 ):
     # The model as its own draft, its cache quantized as the model's: a token of
-    # context costs twice what it costs the model alone.
-    w = start_worker(model64, kv_bits=bits, draft_model=model64, speculative="always")
+    # context costs twice what it costs the model alone, as the log says too.
+    with caplog.at_level(logging.INFO, logger="smg_mlx.engine.memory.probe"):
+        w = start_worker(model64, kv_bits=bits, draft_model=model64, speculative="always")
     assert kv_bytes_per_token(w) == 2 * kv_bytes_per_token(cold)
+    total = format_bytes(kv_bytes_per_token(w))
+    assert f"({total} a token with the model's)" in caplog.text
     for p in PROMPTS[1:3]:
         assert varied(generate(w.stub, p, max_tokens=24).tokens) == generate(
             cold.stub, p, max_tokens=24

@@ -747,3 +747,8 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
             caplog.clear()
             assert drafting_for(config, model, group, batched=True, draft=None) is None
             assert f"speculative decoding: off ({why})" in caplog.text
+    # No flag given: off, and the log says how to turn it on (not that it was asked off).
+    with caplog.at_level(logging.INFO, logger="smg_mlx.engine.speculative.choice"):
+        caplog.clear()
+        assert drafting_for(EngineConfig(model_path=model_dir), plain, None, True, None) is None
+        assert "off (--speculative off, the default; --speculative auto turns on" in caplog.text

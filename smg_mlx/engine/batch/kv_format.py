@@ -85,6 +85,6 @@ def log_cost(kv_format: str, per_token: float, model: nn.Module, stream: mx.Stre
     dtype = next((c.keys.dtype for c in cache if c.keys is not None), None)
     name = str(dtype).removeprefix("mlx.core.") + " " if dtype is not None else ""
     log.info(
-        "KV caches stored as %s: %s per token, %.2fx of the model's own %sKV, %s",
+        "KV caches stored as %s: %s per token, %.2fx of the model's own %sKV (%s)",
         kv_format, format_bytes(per_token), per_token / own, name, format_bytes(own),
     )  # fmt: skip

@@ -168,7 +168,11 @@ def with_draft(
     its weights, and its cache's rows (`caches()`, else its own), which follow
     the model's."""
     per_token = kv_per_token(draft, stream, caches)
-    log.info("the draft model's KV: %s per token", format_bytes(per_token))
+    # The total is what GetServerInfo's kv-bytes-per-token and the planner count.
+    log.info(
+        "the draft model's KV: %s per token (%s a token with the model's)",
+        format_bytes(per_token), format_bytes(found.kv_per_token + per_token),
+    )  # fmt: skip
     return replace(
         found,
         weights=found.weights + weights(draft),

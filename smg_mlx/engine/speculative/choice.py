@@ -124,7 +124,8 @@ def _first_difference(draft: dict[str, int], model: dict[str, int]) -> str | Non
 def _why_not(config: EngineConfig, model: nn.Module, ranks: int) -> str | None:
     """Why speculation is off whatever the batch check finds (None: it may run)."""
     if config.speculative == "off":
-        return "--speculative off"
+        # (also where no flag was given: the log names what turns it on)
+        return "--speculative off, the default; --speculative auto turns on prompt lookup"
     if ranks > 1:
         # Each rank would pace its passes by its own clock; they must run the same passes.
         return "several ranks"
