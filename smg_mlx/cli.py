@@ -8,6 +8,7 @@ import difflib
 import logging
 import os
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -157,6 +158,15 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             "caches in one format, so with --kv-bits every row is quantized from its first "
             "token; leave --quantized-kv-start out (or give 0)"
         )
+    if args.prompt_cache_dir is not None:
+        unusable = _unusable_directory(args.prompt_cache_dir)
+        if unusable is not None:
+            # Named, so it is meant: the default alone may fall back to memory (a
+            # read-only home), and a typo'd volume would lose the disk tier quietly.
+            parser.error(
+                f"--prompt-cache-dir {args.prompt_cache_dir}: {unusable}; give a directory "
+                "this user can write, or leave it out for the default"
+            )
     if args.adapter_path is not None and launched_rank() is not None:
         parser.error("--adapter-path: adapters are not served over several ranks")
     if args.pipeline and launched_rank() is None:
@@ -164,6 +174,16 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             "--pipeline splits a model over the ranks a launcher starts (mlx.launch, see "
             "docs/scaling.md); one process has nothing to split it over: leave it out"
         )
+
+
+def _unusable_directory(path: Path) -> str | None:
+    """Why `path` cannot hold files (made if missing, as the worker would), or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            return None
+    except OSError as exc:
+        return f"cannot make it or write in it ({exc.strerror or exc})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,7 +302,7 @@ def _follow(config: ServerConfig, rank: int) -> int:
     try:
         source = model_source.locate(config.engine.model_path, config.demo, config.revision)
     except model_source.ModelUnavailable as exc:
-        log.error("%s", exc)
+        log.error("%s%s", "" if config.demo else "--model: ", exc)
         return exc.exit_code
     except SystemExit as stop:  # a signal mid-download: do not wait for its threads
         return stop.code if isinstance(stop.code, int) else 1

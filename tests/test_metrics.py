@@ -151,6 +151,28 @@ def test_one_log_line_per_request_with_its_id_and_counts(worker, caplog):
     assert entry["ttft_ms"] >= 0 and entry["duration_ms"] >= entry["ttft_ms"]
 
 
+def test_a_refused_request_logs_what_the_client_was_told(worker, caplog):
+    # (Its client may log nothing: the operator finds the misbehaving one here.)
+    with caplog.at_level(logging.INFO, logger="smg_mlx.requests"):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(worker.stub, prompt(5), temperature=-1.0)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert wait_until(lambda: any("refused" in r.getMessage() for r in caplog.records))
+    (line,) = [r for r in caplog.records if "refused" in r.getMessage()]
+    text = line.getMessage()
+    assert "request refused method=Generate status=INVALID_ARGUMENT details=" in text
+    assert err.value.details() in json.loads(JsonFormatter().format(line))["details"]
+    # A stream its deadline ended is not a refusal.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="smg_mlx.requests"):
+        with pytest.raises(grpc.RpcError) as err:
+            list(worker.stub.Generate(request(prompt(5), max_tokens=400, ignore_eos=True),
+                                      timeout=0.05))  # fmt: skip
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_until(lambda: any("request done" in r.getMessage() for r in caplog.records))
+    assert not any("refused" in r.getMessage() for r in caplog.records)
+
+
 def test_json_log_format_flag(spawn, model_dir):
     p = spawn("--model", str(model_dir), "--log-format", "json")
     p.wait_serving()

@@ -155,6 +155,24 @@ def test_truncated_weights_are_one_line(model_dir, tmp_path):
     code, lines = serve("--model", str(truncated), "--port", "0")
     assert code == 1
     assert "incomplete download or corrupt file" in one_error(lines)
+    assert "(a weights file that cannot be read: download the model again)" in one_error(lines)
+    # Not weights at all (mlx says only that its header is wrong): the same advice.
+    (truncated / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    code, lines = serve("--model", str(truncated), "--port", "0")
+    assert code == 1
+    advice = "(a weights file that cannot be read: download the model again)"
+    assert one_error(lines).endswith(advice)
+
+
+def test_a_prompt_cache_dir_named_that_cannot_be_used_is_refused(model_dir, tmp_path):
+    # (A mistyped volume path: served on, it would lose the disk tier and the
+    # remembered start-up verdicts with only a warning.)
+    (tmp_path / "afile").write_text("")
+    code, lines = serve("--model", str(model_dir), "--port", "0",
+                        "--prompt-cache-dir", str(tmp_path / "afile" / "cache"))  # fmt: skip
+    assert code == 2
+    assert f"--prompt-cache-dir {tmp_path}/afile/cache: cannot make it or write in it" in lines[-1]
+    assert "give a directory this user can write" in lines[-1]
 
 
 # Each flag's own check is test_cli's; these exit before anything starts, with 2.
@@ -207,6 +225,7 @@ def test_a_path_is_never_taken_for_a_repo_id(model_dir, tmp_path):
     code, lines = serve("--model", "./modles/demo-qwen2", "--port", "0", env=hub)
     assert code == 2
     error = one_error(lines)
+    assert "--model: " in error
     assert "modles/demo-qwen2 is not a model directory (no such path)" in error
     assert "download" not in "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""One log line per finished request, with its fields for the JSON log format."""
+"""One log line per finished or refused request, with its fields for the JSON log format."""
 
 from __future__ import annotations
 
@@ -9,14 +9,19 @@ from smg_mlx.api.jobs import Job
 
 log = logging.getLogger("smg_mlx.requests")
 
-# Ids a client chose are logged at most this long.
+# Ids a client chose are logged at most this long, what a refusal told it at most the next.
 MAX_LOGGED_ID = 128
+MAX_LOGGED_DETAILS = 400
+# Statuses that refuse a request for what it asked: the client's to fix. (Not the
+# worker's state: UNAVAILABLE while it loads or drains, RESOURCE_EXHAUSTED while it
+# is full, which its metrics count, answer every call then.)
+REFUSALS = frozenset({"INVALID_ARGUMENT", "ALREADY_EXISTS", "OUT_OF_RANGE", "FAILED_PRECONDITION"})
 
 
-def bounded(text: str) -> str:
-    if len(text) <= MAX_LOGGED_ID:
+def bounded(text: str, most: int = MAX_LOGGED_ID) -> str:
+    if len(text) <= most:
         return text
-    return f"{text[:MAX_LOGGED_ID]}...({len(text)} characters)"
+    return f"{text[:most]}...({len(text)} characters)"
 
 
 def _value(value: object) -> str:
@@ -45,3 +50,14 @@ def request_ended(job: Job, outcome: str) -> None:
     }
     text = " ".join(f"{k}={_value(v)}" for k, v in fields.items())
     log.info("request done %s", text, extra={"fields": fields})
+
+
+def call_ended(method: str, status: str, details: str | None) -> None:
+    """Log a call refused for what it asked (`REFUSALS`), with what the client
+    was told: no request line names it else, and its client may not say."""
+    if status not in REFUSALS:
+        return
+    fields = {"method": method, "status": status,
+              "details": bounded(details or "", MAX_LOGGED_DETAILS)}  # fmt: skip
+    text = " ".join(f"{k}={_value(v)}" for k, v in fields.items())
+    log.info("request refused %s", text, extra={"fields": fields})

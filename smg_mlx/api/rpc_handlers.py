@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf import message, message_factory
 
-from smg_mlx.api import wire
+from smg_mlx.api import request_log, wire
 from smg_mlx.api.payload import PayloadWork
 from smg_mlx.grpc_stubs import mlx_engine_pb2
 
@@ -79,34 +79,43 @@ async def _admitted(
         await context.abort(exc.code, str(exc))
 
 
-def _unary(
-    impl: Callable, parse: Callable, admit: Callable, ended: Callable[[str], None]
-) -> Callable:
+Ended = Callable[[grpc.aio.ServicerContext, "BaseException | None"], None]
+
+
+def _ended(
+    method: str, rpc_ended: Callable[[str, str], None], context: grpc.aio.ServicerContext,
+    exc: BaseException | None,
+) -> None:  # fmt: skip
+    """How a call ended, told to `rpc_ended` and, where refused, to the log."""
+    code = _ended_code(context, exc)
+    rpc_ended(method, code)
+    request_log.call_ended(method, code, context.details())
+
+
+def _unary(impl: Callable, parse: Callable, admit: Callable, ended: Ended) -> Callable:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             with await _admitted(admit, context):
                 reply = await impl(await parse(raw, context), context)
         except BaseException as exc:
-            ended(_ended_code(context, exc))
+            ended(context, exc)
             raise
-        ended(_ended_code(context, None))
+        ended(context, None)
         return reply
 
     return handle
 
 
-def _streaming(
-    impl: Callable, parse: Callable, admit: Callable, ended: Callable[[str], None]
-) -> Callable:
+def _streaming(impl: Callable, parse: Callable, admit: Callable, ended: Ended) -> Callable:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             with await _admitted(admit, context):
                 async for reply in impl(await parse(raw, context), context):
                     yield reply
         except BaseException as exc:
-            ended(_ended_code(context, exc))
+            ended(context, exc)
             raise
-        ended(_ended_code(context, None))
+        ended(context, None)
 
     return handle
 
@@ -131,7 +140,7 @@ def add_engine_service(
         )
         impl = getattr(servicer, method.name)
         admit = functools.partial(servicer.admit, method.name)
-        ended = functools.partial(rpc_ended, method.name)
+        ended = functools.partial(_ended, method.name, rpc_ended)
         if method.server_streaming:
             handler = grpc.unary_stream_rpc_method_handler(
                 _streaming(impl, parse, admit, ended), response_serializer=_serialize

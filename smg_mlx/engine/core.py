@@ -105,7 +105,10 @@ class EngineCore:
             if isinstance(exc, Unservable):
                 self.sink.failed(one_line(exc), permanent=True)
             else:
-                self.sink.failed(f"model load failed: {error_line(exc)}")
+                said = error_line(exc)
+                if "[load_safetensors]" in said:  # (a restart reads it again: exit 1)
+                    said += " (a weights file that cannot be read: download the model again)"
+                self.sink.failed(f"model load failed: {said}")
             return
         ranks = channel.size if channel is not None else 1
         try:
