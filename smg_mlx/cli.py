@@ -302,7 +302,7 @@ def _follow(config: ServerConfig, rank: int) -> int:
     try:
         source = model_source.locate(config.engine.model_path, config.demo, config.revision)
     except model_source.ModelUnavailable as exc:
-        log.error("%s%s", "" if config.demo else "--model: ", exc)
+        log.error("%s", exc)
         return exc.exit_code
     except SystemExit as stop:  # a signal mid-download: do not wait for its threads
         return stop.code if isinstance(stop.code, int) else 1

@@ -69,9 +69,14 @@ def looks_like_a_path(model: str) -> bool:
 
 def locate(model: Path, demo: bool, revision: str | None = None) -> ModelSource:
     """The model to serve: the demo model (built on first use), or what `model`
-    names (at `revision`, for a repo id). Raises ModelUnavailable."""
+    names (at `revision`, for a repo id). Raises ModelUnavailable, naming
+    --model where it was given."""
     if not demo:
-        return resolve(str(model), revision)
+        try:
+            return resolve(str(model), revision)
+        except ModelUnavailable as exc:
+            exc.args = (f"--model: {exc.args[0]}", *exc.args[1:])
+            raise
     try:
         return ModelSource(ensure_demo_model(), DEMO_NAME)
     except RuntimeError as exc:  # the build's child process failed

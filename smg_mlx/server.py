@@ -370,8 +370,7 @@ class Worker:
                 draft = (await asyncio.to_thread(model_source.resolve, str(draft))).path
         except model_source.ModelUnavailable as exc:
             await self.server.stop(None)
-            which = ("--draft-model: " if source is not None
-                     else "" if config.demo else "--model: ")  # fmt: skip
+            which = "--draft-model: " if source is not None else ""
             raise StartupError(f"{which}{exc}", exc.exit_code) from None
         self.model_dir = source.path
         self.config = replace(

@@ -322,10 +322,9 @@ class BatchQuantizedKVCache(_BaseCache):
         if padding is None:
             host = self._padding_of([idx])
             padding = host[0] if host is not None else self.left_padding[idx].item()
-        start = padding
-        row = lambda x: mx.contiguous(x[idx : idx + 1, :, start : self._idx])  # noqa: E731
+        row = lambda x: mx.contiguous(x[idx : idx + 1, :, padding : self._idx])  # noqa: E731
         cache.keys, cache.values = map_parts(row, self.keys), map_parts(row, self.values)
-        cache.offset = self._idx - start
+        cache.offset = self._idx - padding
         return cache
 
     @classmethod
