@@ -28,7 +28,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.model import add_model_flags, load_model, quantizable
 from smg_mlx.config import KV_GROUP_SIZES, EngineConfig
-from smg_mlx.engine.batch import fused_quantized_attention, kv_format, quantized_attention
+from smg_mlx.engine.batch import (
+    fused_quantized_attention,
+    kv_format,
+    quantized_attention,
+    quantized_kv,
+)
 
 FILL_CHUNK = 1024  # context tokens a row prefilled per pass
 UNTIMED_STEPS = 8
@@ -86,18 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     ways = [(None, "own")] + [(b, "worker") for b in quantized]
     if args.matmuls:
         ways += [(b, "matmuls") for b in quantized]
-    fused = fused_quantized_attention.AVAILABLE
+    fused, tails = fused_quantized_attention.AVAILABLE, quantized_kv.TAILS
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
             row = {"rows": rows, "context": context, "ms": {}, "recording_ms": {}}
             for bits, way in ways:
+                # (mlx's matmuls read no 16-bit tail)
                 fused_quantized_attention.AVAILABLE = fused and way != "matmuls"
+                quantized_kv.TAILS = tails and way != "matmuls"
                 name = f"{bits or 16}-bit" + (" matmuls" if way == "matmuls" else "")
                 ms, rec = step_ms(model, bits, args.kv_group_size, rows, context, args.steps)
                 row["ms"][name], row["recording_ms"][name] = round(ms, 2), round(rec, 2)
                 mx.clear_cache()
-            fused_quantized_attention.AVAILABLE = fused
+            fused_quantized_attention.AVAILABLE, quantized_kv.TAILS = fused, tails
             results.append(row)
             times = ", ".join(f"{k} {v:.2f} ms (recorded in {row['recording_ms'][k]:.2f})"
                               for k, v in row["ms"].items())

@@ -75,3 +75,45 @@ def test_a_pass_without_a_mask_reads_every_key():
     got = fused.attention(queries, q_keys, q_values, 0.1, None, 64, 8)
     want = reference(queries, q_keys, q_values, 0.1, mx.ones((1, 1, 1, 300), mx.bool_), 64, 8)
     assert mx.allclose(got, want, atol=1e-3).item()
+
+
+@pytest.mark.parametrize(
+    "rows,length,keys,dim,bits",
+    [(3, 1, 512, 128, 8), (2, 3, 1000, 128, 4), (64, 1, 256, 64, 8), (1, 1, 4096, 256, 8)],
+)
+def test_a_16_bit_tail_reads_as_the_same_positions_quantized(rows, length, keys, dim, bits):
+    """A decoding pass's newest keys and values come 16-bit, in a tail after the
+    quantized ones (`quantized_kv.TAILS`): the kernel quantizes them as
+    mx.quantize does, so the pass is the one over them quantized, to the bit."""
+    heads, kv_heads, tail = 16, 8, 16
+    queries = mx.random.normal((rows, heads, length, dim), key=mx.random.key(1)).astype(
+        mx.bfloat16
+    )
+    new_keys, new_values = (
+        (mx.random.normal((rows, kv_heads, tail, dim), key=mx.random.key(i)) * 3 + 0.5).astype(
+            mx.bfloat16
+        )
+        for i in (2, 3)
+    )
+    q_keys, q_values = (
+        tuple(mx.quantize(mx.random.normal((rows, kv_heads, keys, dim), key=mx.random.key(i))
+                          .astype(mx.bfloat16), group_size=64, bits=bits))
+        for i in (4, 5)
+    )  # fmt: skip
+    # The quantized positions up to `written`, then 11 of the tail's 16 in use.
+    written, used = keys - 100, 11
+    positions = mx.arange(keys + tail)
+    seen = (positions < written) | ((positions >= keys) & (positions < keys + used))
+    mask = mx.broadcast_to(seen, (rows, 1, length, keys + tail))
+
+    def joined(parts, new):
+        more = mx.quantize(new, group_size=64, bits=bits)
+        return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(parts, more, strict=True))
+
+    got = fused.attention(
+        queries, (*q_keys, new_keys), (*q_values, new_values), dim**-0.5, mask, 64, bits
+    )
+    want = fused.attention(
+        queries, joined(q_keys, new_keys), joined(q_values, new_values), dim**-0.5, mask, 64, bits
+    )
+    assert mx.array_equal(got, want).item()

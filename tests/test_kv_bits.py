@@ -530,3 +530,61 @@ def test_a_draft_models_proposals_over_quantized_rows_leave_the_tokens_as_they_w
     assert lines[-1].endswith(
         "the draft's KV cannot be quantized, leave out --kv-bits (or name another draft)"
     )
+
+
+def test_cudas_16_bit_tails_change_no_token_solo_in_batches_or_from_the_prefix_cache(
+    model64, monkeypatch
+):
+    """On CUDA, decoding passes write into a 16-bit tail that the kernel reads
+    as quantized (`quantized_kv.TAILS`): here, with CUDA's whole buffers and
+    thorough warm-up too, requests solo, in batches that rows join and leave
+    (tails quantized at every turn), and from the prefix cache (entries taken
+    from rows whose tails held their last tokens) give what they give without."""
+    monkeypatch.setattr(quantized_kv, "WHOLE", True)
+    monkeypatch.setattr(Batch, "shape_builds", property(lambda self: True))
+    into_tail = BatchQuantizedKVCache._into_tail
+    passes = []
+
+    def counted(self, keys, values):
+        passes.append(keys.shape[0])
+        return into_tail(self, keys, values)
+
+    monkeypatch.setattr(BatchQuantizedKVCache, "_into_tail", counted)
+    prompts = [prompt(n, i) for i, n in enumerate((5, 40, 130, 300, 70))]
+
+    def run(tails: bool) -> list[tuple[list[int], int]]:
+        monkeypatch.setattr(quantized_kv, "TAILS", tails)
+        inbox = Inbox()
+        sink, thread = start_core(model64, inbox, kv_bits=8, speculative="off")
+        try:
+            out = []
+            inbox.submit(Request(1, spec(prompts[0], max_tokens=40)))
+            out.append([e.token for e in sink.events_of(1)])
+            # Each joining a running batch a few passes after the last; ending apart.
+            tokens: dict[int, list[int]] = {}
+            waiting = list(enumerate(prompts[1:], 2))
+            ended = 0
+            while ended < len(prompts) - 1:
+                if waiting and len(tokens.get(waiting[0][0] - 1, ())) >= 3 or len(waiting) == 4:
+                    key, ids = waiting.pop(0)
+                    tokens[key] = []
+                    inbox.submit(Request(key, spec(ids, max_tokens=10 * key)))
+                for e in sink.next_report().events:
+                    tokens[e.key].append(e.token)
+                    ended += e.ends
+            out += [tokens[key] for key in sorted(tokens)]
+            # Asked again, a prompt and its answer further: from the prefix cache.
+            for key, ids in ((10, prompts[2]), (11, [*prompts[3], *out[3][:20], 7])):
+                inbox.submit(Request(key, spec(ids, max_tokens=30)))
+                events = sink.events_of(key)
+                out.append(([e.token for e in events], events[0].cached_tokens))
+            return out
+        finally:
+            inbox.stop()
+            thread.join(TIMEOUT)
+
+    without = run(False)
+    assert not passes
+    assert run(True) == without
+    assert len(passes) > 300 and max(passes) > 1  # batched decoding passes went to tails
+    assert without[-1][1] > 300 and all(len(set(tokens)) > 3 for tokens in without[:5])

@@ -32,6 +32,15 @@ def model(models_root):
     return load(str(path))[0]
 
 
+def use_tails(monkeypatch, tails: bool) -> None:
+    """Decoding passes write into 16-bit tails, as on CUDA (`quantized_kv.TAILS`),
+    read by the worker's attention (mlx-lm's takes no tail), as solo rows are too."""
+    monkeypatch.setattr(quantized_kv, "TAILS", tails)
+    if tails:
+        monkeypatch.setattr(base, "quantized_scaled_dot_product_attention",
+                            quantized_attention.attention)  # fmt: skip
+
+
 def quantized_caches(model, bits: int) -> list[QuantizedKVCache]:
     return [QuantizedKVCache(group_size=GROUP, bits=bits) for _ in model.layers]
 
@@ -83,8 +92,12 @@ def step(gen: BatchGenerator, out: dict[int, list[int]]) -> None:
         out[r.uid].append(r.token)
 
 
+@pytest.mark.parametrize("tails", [False, True], ids=["", "16-bit tails (CUDA)"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_batched_decoding_matches_each_prompt_alone(model, bits):
+def test_batched_decoding_matches_each_prompt_alone(model, bits, tails, monkeypatch):
+    """Also where decoding passes write into a 16-bit tail (as on CUDA,
+    `quantized_kv.TAILS`): quantized as it would have been, whenever it is."""
+    use_tails(monkeypatch, tails)
     waves = [
         [(prompt(5, 0), 20), (prompt(37, 1), 12), (prompt(12, 2), 25)],
         [(prompt(70, 3), 15), (prompt(1, 4), 10)],
@@ -96,14 +109,18 @@ def test_batched_decoding_matches_each_prompt_alone(model, bits):
     assert all(len(set(tokens)) > 3 for tokens in want)
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["views", "whole buffers (CUDA)"])
+@pytest.mark.parametrize(
+    "whole, tails", [(False, False), (True, False), (True, True), (False, True)],
+    ids=["views", "whole buffers (CUDA)", "whole buffers and 16-bit tails (CUDA)", "views, tails"],
+)  # fmt: skip
 @pytest.mark.parametrize("bits", [8, 4])
-def test_long_prompts_prefilled_in_ragged_chunks_match_too(model, bits, whole, monkeypatch):
+def test_long_prompts_prefilled_in_ragged_chunks_match_too(model, bits, whole, tails, monkeypatch):
     """Chunks of 16 (each right-padded, then rolled into left padding) and caches
     that grow past an allocation step (256 positions) while prefilling and decoding;
     attention reading views of the positions written, or (as on CUDA) the whole
-    buffers with the rest masked."""
+    buffers with the rest masked, and the newest positions in a 16-bit tail."""
     monkeypatch.setattr(quantized_kv, "WHOLE", whole)
+    use_tails(monkeypatch, tails)
     waves = [
         [(prompt(5, 0), 20), (prompt(300, 1), 12), (prompt(40, 2), 250)],
         [(prompt(270, 3), 15), (prompt(1, 4), 10)],
@@ -121,6 +138,7 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
     The buffers hold a whole number of steps, after rows leave or join too: on
     CUDA each key count off a tile's end builds a kernel of its own (a minute)."""
     monkeypatch.setattr(quantized_kv, "WHOLE", True)
+    monkeypatch.setattr(quantized_kv, "TAILS", False)
     cache = BatchQuantizedKVCache([0, 2], group_size=GROUP, bits=8)
 
     def write(n: int) -> tuple[mx.array, mx.array]:
@@ -160,6 +178,49 @@ def test_on_cuda_attention_reads_the_caches_own_buffers_with_the_unwritten_rest_
     assert mask[1, 0, 0, :301].all() and not mask[..., 301:].any()
     own = cache.offset[0].item()  # the first row's positions: its last ones, up to 301
     assert mask[0, 0, 0, 301 - own : 301].all() and not mask[0, ..., : 301 - own].any()
+
+
+def test_on_cuda_decoding_writes_a_16_bit_tail_quantized_when_full_or_rows_join(monkeypatch):
+    """A decoding pass's keys go into the 16-bit tail (attention reads it after
+    the buffers, the mask as wide as both), not into the quantized buffers; a
+    pass that would overfill it quantizes it into them first, as a row joining
+    does; what the buffers then hold is the keys quantized, as written."""
+    monkeypatch.setattr(quantized_kv, "WHOLE", True)
+    monkeypatch.setattr(quantized_kv, "TAILS", True)
+    cache = BatchQuantizedKVCache([0, 2], group_size=GROUP, bits=8)
+    written = []
+
+    def write(n: int) -> tuple[mx.array, tuple]:
+        mask = cache.make_mask(n)
+        kv = mx.random.normal((cache.offset.shape[0], 2, n, GROUP), key=mx.random.key(len(written)))
+        written.append(kv)
+        keys, _ = cache.update_and_fetch(kv, -kv)
+        return mask, keys
+
+    write(5)  # a prompt: quantized
+    before = [mx.array(a) for a in cache.keys]
+    for n in range(1, quantized_kv.TAIL + 1):
+        mask, keys = write(1)
+        assert len(keys) == 4 and keys[3].shape[2] == quantized_kv.TAIL
+        assert mask.shape[-1] == keys[0].shape[2] + quantized_kv.TAIL
+        width = keys[0].shape[2]  # the buffers', then the tail's n positions in use
+        assert mask[..., width : width + n].all() and mask[0, ..., :5].all()
+        assert not mask[..., 5:width].any() and not mask[..., width + n :].any()
+        assert cache.size() == 5 + n
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, cache.keys, strict=True))
+    mask, keys = write(1)  # the tail is full: quantized first
+    assert mask[..., 2 : 5 + quantized_kv.TAIL].all() and mask[..., keys[0].shape[2]].all()
+    tail = mx.concatenate(written[1:-1], axis=2)
+    want = mx.quantize(tail, group_size=GROUP, bits=8)
+    for got, part in zip(cache.keys, want, strict=True):
+        assert mx.array_equal(got[:, :, 5 : 5 + quantized_kv.TAIL], part).item()
+    single = QuantizedKVCache(group_size=GROUP, bits=8)
+    single.update_and_fetch(*[mx.random.normal((1, 2, 3, GROUP), key=mx.random.key(9))] * 2)
+    cache.extend(BatchQuantizedKVCache.merge([single]))  # a row joins: the tail goes in first
+    assert cache.size() == cache._idx == 5 + quantized_kv.TAIL + 1
+    last = mx.quantize(written[-1], group_size=GROUP, bits=8)
+    for got, part in zip(cache.keys, last, strict=True):
+        assert mx.array_equal(got[:2, :, cache._idx - 1 : cache._idx], part).item()
 
 
 @pytest.mark.parametrize("cuda", [False, True], ids=["keys quantized", "keys dequantized (CUDA)"])

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import base, llama, qwen3
 from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.sample_utils import make_sampler
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine.batch import quantized_kv  # QuantizedKVCache's merge too
+from smg_mlx.engine.batch import quantized_attention, quantized_kv  # (QuantizedKVCache's merge)
 from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
@@ -113,19 +113,27 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
 @pytest.mark.parametrize(
     "family, bits, whole, one_width",
     [("llama", None, False, False), ("llama", None, False, True), ("qwen3", None, False, False),
-     ("qwen3", 8, False, False), ("qwen3", 4, False, False), ("qwen3", 8, True, True)],
+     ("qwen3", 8, False, False), ("qwen3", 4, False, False), ("qwen3", 8, True, True),
+     ("qwen3", 4, "tails", True)],
     ids=["llama", "llama, one width (CUDA)", "qwen3", "qwen3 8-bit KV", "qwen3 4-bit KV",
-         "qwen3 8-bit KV, whole buffers, one width (CUDA)"],
+         "qwen3 8-bit KV, whole buffers, one width (CUDA)",
+         "qwen3 4-bit KV, whole buffers and 16-bit tails, one width (CUDA)"],
 )  # fmt: skip
 def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     family, bits, whole, one_width, monkeypatch
 ):
     """With --kv-bits (`bits`), rows keep their keys and values quantized and each
     takes back its own rejected proposals as from 16-bit caches (ragged_kv);
-    attention reading, as on CUDA, the whole buffers, masked past each row's end.
-    A checking pass is as wide as its rows' proposals need, or (`one_width`, as
-    on CUDA, where each new shape costs a kernel build) as the most allowed."""
-    monkeypatch.setattr(quantized_kv, "WHOLE", whole)
+    attention reading, as on CUDA, the whole buffers, masked past each row's end,
+    and (`tails`) plain passes writing into 16-bit tails, quantized before a
+    pass checks proposals. A checking pass is as wide as its rows' proposals
+    need, or (`one_width`, as on CUDA, where each new shape costs a kernel
+    build) as the most allowed."""
+    monkeypatch.setattr(quantized_kv, "WHOLE", bool(whole))
+    if whole == "tails":
+        monkeypatch.setattr(quantized_kv, "TAILS", True)
+        monkeypatch.setattr(base, "quantized_scaled_dot_product_attention",
+                            quantized_attention.attention)  # fmt: skip
     widths = set()
     check = SpeculativeGenerationBatch._check
 

@@ -107,7 +107,7 @@ class EndingGenerationBatch(GenerationBatch):
     def _padding(self, idx: int) -> int:
         """Row `idx`'s padding, from its tokens, which its cache holds: reading
         the cache's would wait for the pass on the device."""
-        return self.prompt_cache[0]._idx - len(self.tokens[idx])
+        return self.prompt_cache[0].size() - len(self.tokens[idx])
 
     @contextmanager
     def _rows_only(self) -> Iterator[None]:

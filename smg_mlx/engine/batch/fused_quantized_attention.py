@@ -48,6 +48,40 @@ __device__ __forceinline__ float smg_code(uint32_t w, int c, int bits) {
   return bits == 8 ? __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | c)) - 8388608.f
                    : __uint_as_float(((w >> (4 * c)) & 0xFu) | 0x4B000000u) - 8388608.f;
 }
+
+// A 16-bit key or value of the tail as mx.quantize (CUDA) quantizes it, to
+// its codes and the scale and bias it stores (in T): the lane's DPL
+// dimensions from d0; its group's other lanes, among the 8 in `lanes`, are
+// its neighbours (GROUP / DPL of them).
+template <typename T, int DPL, int GROUP, int BITS>
+__device__ __forceinline__ void smg_quantized(
+    const T* x, int64_t stride, unsigned lanes, float* code, float& scale, float& bias) {
+  float w[DPL];
+  float lo = 3.402823466e38f, hi = 0.f;  // (as mlx's: the maximum starts at 0)
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) {
+    w[i] = float(x[i * stride]);
+    lo = fminf(lo, w[i]);
+    hi = fmaxf(hi, w[i]);
+  }
+#pragma unroll
+  for (int o = 1; o < GROUP / DPL; o <<= 1) {
+    lo = fminf(lo, __shfl_xor_sync(lanes, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(lanes, hi, o));
+  }
+  constexpr float bins = (1 << BITS) - 1;
+  float s = fmaxf((hi - lo) / bins, 1e-7f);
+  const bool side = fabsf(lo) > fabsf(hi);
+  s = side ? s : -s;
+  const float edge = side ? lo : hi;
+  const float q0 = roundf(edge / s);
+  s = q0 == 0.f ? s : edge / q0;
+  const float b = q0 == 0.f ? 0.f : edge;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) code[i] = fminf(roundf((w[i] - b) / s), bins);
+  scale = float(T(s));
+  bias = float(T(b));
+}
 """
 
 # Template: T (queries, out), D (head size), BITS, GROUP, WARPS, QV. A block
@@ -77,7 +111,8 @@ const int bk = blockIdx.x / tiles;  // row * KVH + KV head
 const int kvh = bk % KVH, b = bk / KVH;
 const int part = blockIdx.y;
 const int parts = gridDim.y;
-const int N = kp_shape[2];
+const int NQ = kp_shape[2];  // quantized keys; then the 16-bit tail's, to the mask's width
+const int N = mask_shape[3];
 const int d0 = li * DPL;
 const int g = d0 / GROUP;
 
@@ -114,19 +149,38 @@ for (int v = 0; v < QV; ++v) {
 #pragma unroll
   for (int i = 0; i < DPL; ++i) acc[v][i] = 0.f;
 }
+const unsigned lanes = 0xFFu << (lane & ~(LANES - 1));  // a key's lanes, for the tail's
 for (int base = j0; base < j1; base += READERS) {
   const int j = min(base + reader, j1 - 1);
   const bool inside = base + reader < j1;
-  uint32_t kw[WPL], vw[WPL];
+  float kc[DPL], vc[DPL], kscale, kbias, vscale, vbias;
+  if (j < NQ) {
+    uint32_t kw[WPL], vw[WPL];
 #pragma unroll
-  for (int w = 0; w < WPL; ++w) {
-    kw[w] = kbase[j * kp_strides[2] + w];
-    vw[w] = vbase[j * vp_strides[2] + w];
+    for (int w = 0; w < WPL; ++w) {
+      kw[w] = kbase[j * kp_strides[2] + w];
+      vw[w] = vbase[j * vp_strides[2] + w];
+    }
+#pragma unroll
+    for (int w = 0; w < WPL; ++w)
+#pragma unroll
+      for (int c = 0; c < PER; ++c) {
+        kc[w * PER + c] = smg_code(kw[w], c, BITS);
+        vc[w * PER + c] = smg_code(vw[w], c, BITS);
+      }
+    kscale = float(ks[ksq + j * ks_strides[2]]);
+    kbias = float(kb[ksq + j * ks_strides[2]]);
+    vscale = float(vs[vsq + j * vs_strides[2]]);
+    vbias = float(vb[vsq + j * vs_strides[2]]);
+  } else {
+    const int t = j - NQ;
+    smg_quantized<T, DPL, GROUP, BITS>(
+        tk + b * tk_strides[0] + kvh * tk_strides[1] + t * tk_strides[2] + d0 * tk_strides[3],
+        tk_strides[3], lanes, kc, kscale, kbias);
+    smg_quantized<T, DPL, GROUP, BITS>(
+        tv + b * tv_strides[0] + kvh * tv_strides[1] + t * tv_strides[2] + d0 * tv_strides[3],
+        tv_strides[3], lanes, vc, vscale, vbias);
   }
-  const float kscale = float(ks[ksq + j * ks_strides[2]]);
-  const float kbias = float(kb[ksq + j * ks_strides[2]]);
-  const float vscale = float(vs[vsq + j * vs_strides[2]]);
-  const float vbias = float(vb[vsq + j * vs_strides[2]]);
   bool counted[QV];
 #pragma unroll
   for (int v = 0; v < QV; ++v)
@@ -135,13 +189,9 @@ for (int base = j0; base < j1; base += READERS) {
 #pragma unroll
   for (int v = 0; v < QV; ++v) dot[v] = 0.f;
 #pragma unroll
-  for (int w = 0; w < WPL; ++w)
+  for (int i = 0; i < DPL; ++i)
 #pragma unroll
-    for (int c = 0; c < PER; ++c) {
-      const float code = smg_code(kw[w], c, BITS);
-#pragma unroll
-      for (int v = 0; v < QV; ++v) dot[v] += qv[v][w * PER + c] * code;
-    }
+    for (int v = 0; v < QV; ++v) dot[v] += qv[v][i] * kc[i];
   // (a lane's scale and bias: its own group's, so applied before the lanes' sum)
 #pragma unroll
   for (int v = 0; v < QV; ++v) dot[v] = dot[v] * kscale + qsum[v] * kbias;
@@ -163,14 +213,9 @@ for (int base = j0; base < j1; base += READERS) {
     m[v] = mn;
   }
 #pragma unroll
-  for (int w = 0; w < WPL; ++w)
+  for (int i = 0; i < DPL; ++i)
 #pragma unroll
-    for (int c = 0; c < PER; ++c) {
-      const float code = smg_code(vw[w], c, BITS);
-#pragma unroll
-      for (int v = 0; v < QV; ++v)
-        acc[v][w * PER + c] = acc[v][w * PER + c] * keep[v] + pv[v] * code;
-    }
+    for (int v = 0; v < QV; ++v) acc[v][i] = acc[v][i] * keep[v] + pv[v] * vc[i];
 }
 
 __shared__ float om[QV][READERS], os[QV][READERS], oacc[QV][READERS][D];
@@ -236,10 +281,11 @@ for (int t = threadIdx.x; t < D; t += blockDim.x) {
 }
 """
 
-_INPUTS = ["q", "kp", "ks", "kb", "vp", "vs", "vb", "mask", "scale"]
+_INPUTS = ["q", "kp", "ks", "kb", "vp", "vs", "vb", "tk", "tv", "mask", "scale"]
 _kernels: dict[bool, Any] = {}
 _combine: list[Any] = []
 _scales: dict[float, mx.array] = {}
+_no_tails: dict[tuple[Any, int], mx.array] = {}  # what a pass without a tail passes as one
 
 
 def _kernel(split: bool) -> Any:
@@ -302,9 +348,18 @@ def attention(
     queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
     group_size: int, bits: int,
 ) -> mx.array:  # fmt: skip
-    """softmax(queries · keysᵀ · scale, masked) · values for a pass `fits` took."""
+    """softmax(queries · keysᵀ · scale, masked) · values for a pass `fits` took;
+    the keys and values may each end with a 16-bit tail (`quantized_kv.TAILS`),
+    whose positions the mask has after the quantized ones."""
     rows, heads, length, dim = queries.shape
     keys = q_keys[0].shape[2]
+    if len(q_keys) > 3:
+        tails = [q_keys[3], q_values[3]]
+        keys += tails[0].shape[2]
+    else:
+        if (queries.dtype, dim) not in _no_tails:
+            _no_tails[queries.dtype, dim] = mx.zeros((1, 1, 1, dim), queries.dtype)
+        tails = [_no_tails[queries.dtype, dim]] * 2
     if mask is None:
         mask = mx.ones((1, 1, 1, keys), mx.bool_)
     while mask.ndim < 4:
@@ -319,7 +374,7 @@ def attention(
     parts = max(1, min(-(-keys // PART_KEYS), -(-BUSY_BLOCKS // blocks)))
     template = [("T", queries.dtype), ("D", dim), ("BITS", bits), ("GROUP", group_size),
                 ("WARPS", WARPS), ("QV", each)]  # fmt: skip
-    inputs = [queries, *q_keys, *q_values, mask, _scales[scale]]
+    inputs = [queries, *q_keys[:3], *q_values[:3], *tails, mask, _scales[scale]]
     threads = (32 * WARPS, 1, 1)
     if parts == 1:
         (out,) = _kernel(False)(

@@ -104,10 +104,20 @@ def _few_queries(
     queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
     group_size: int, bits: int,
 ) -> mx.array:  # fmt: skip
-    """A few-query pass: one fused kernel where it fits (CUDA), else `_few`."""
+    """A few-query pass: one fused kernel where it fits (CUDA), else `_few`
+    (the keys and values may end with a 16-bit tail, `quantized_kv.TAILS`: on
+    the CPU, in tests, quantized there and read after the rest)."""
     if fused.fits(queries, q_keys, q_values, mask, group_size, bits):
         return fused.attention(queries, q_keys, q_values, scale, mask, group_size, bits)
+    if len(q_keys) > 3:
+        q_keys, q_values = (_tail_quantized(q, group_size, bits) for q in (q_keys, q_values))
     return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
+
+
+def _tail_quantized(parts: tuple, group_size: int, bits: int) -> Quantized:
+    *quantized, tail = parts
+    more = mx.quantize(tail, group_size=group_size, bits=bits)
+    return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(quantized, more, strict=True))  # type: ignore[return-value]
 
 
 def _few(

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
 
+from smg_mlx.engine.batch import fused_quantized_attention as fused
 from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES
 from smg_mlx.engine.batch.batch_kv import rows_kept
 
@@ -37,6 +38,17 @@ Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 # own for key counts that end part-way through its tile, a minute's build the
 # first time on a host (`quantized_attention.build_kernels`).
 WHOLE = mx.cuda.is_available()
+# A decoding pass writes its keys and values as they come, 16-bit, into a
+# tail of TAIL positions after the quantized ones, which the fused kernel
+# reads as it would read them quantized (it quantizes them itself, as
+# mx.quantize does): quantizing them there would take two quantizations and
+# six writes a layer, each an op the host builds and launches (a small
+# model's decoding step waits on those). The tail is quantized into the
+# buffers when it is full, and before rows join or the cache is read whole
+# (`flush`). Where the kernel runs (CUDA); tests turn it on on the CPU,
+# where attention quantizes the tail before it reads it.
+TAILS = WHOLE
+TAIL = FEW_QUERIES  # (a pass of up to FEW_QUERIES positions fits an empty tail)
 
 
 def _whole_steps(n: int, step: int) -> int:
@@ -80,8 +92,10 @@ class BatchQuantizedKVCache(_BaseCache):
         self._set_padding(list(left_padding))
         # A row's offset counts its own tokens: padding comes before position 0.
         self.offset = -self.left_padding
-        self._idx = 0  # positions written, padding included, the same for every row
+        self._idx = 0  # positions quantized, padding included, the same for every row
         self._right_padding: list[int] | None = None
+        self._tail: tuple[mx.array, mx.array] | None = None  # 16-bit keys, values (TAILS)
+        self._tailed = 0  # positions in the tail, after the `_idx` quantized ones
 
     # -- each row's left padding ---------------------------------------------
     # Kept on the host too, while every change to it is known there (a prompt
@@ -164,7 +178,17 @@ class BatchQuantizedKVCache(_BaseCache):
 
             self.keys, self.values = map_parts(grow, self.keys), map_parts(grow, self.values)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+        n = keys.shape[2]
+        self.offset = self.offset + n
+        if self._tail_pass(n):
+            return self._into_tail(keys, values)
+        self.flush()
+        self._write(keys, values)
+        return self._fetch(n)
+
+    def _write(self, keys: mx.array, values: mx.array) -> None:
+        """`keys` and `values` quantized into the buffers, after `_idx`."""
         n = keys.shape[2]
         prev = self._idx
         qk, qv = self._quantize(keys), self._quantize(values)
@@ -173,11 +197,68 @@ class BatchQuantizedKVCache(_BaseCache):
             for buf, part in zip(store, new, strict=True):
                 buf[:, :, prev : prev + n] = part
         self._idx += n
-        self.offset = self.offset + n
-        return self._fetch(n)
+
+    # -- the 16-bit tail (TAILS) ------------------------------------------------
+
+    tails = True  # whether this class keeps one (a ragged cache's rows end apart: not)
+
+    def _tail_pass(self, N: int) -> bool:
+        """Whether a pass of `N` positions a row goes into the tail: a few-query
+        pass over rows that hold quantized positions, of heads the kernel takes."""
+        if not (TAILS and self.tails and self.keys is not None and N <= FEW_QUERIES):
+            return False
+        if self._right_padding is not None:  # (rolled into left padding after the pass)
+            return False
+        group, bits = self.group_size, self.bits
+        key_dim, value_dim = (q[1].shape[-1] * group for q in (self.keys, self.values))
+        return not fused.AVAILABLE or fused.fits_kind(key_dim, value_dim, group, bits)
+
+    def _into_tail(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+        n = keys.shape[2]
+        if self._tailed + n > TAIL:
+            self.flush()
+        self._make_whole()
+        if self._tail is None:
+            self._tail = tuple(  # type: ignore[assignment]
+                mx.zeros((*x.shape[:2], TAIL, x.shape[3]), x.dtype) for x in (keys, values)
+            )
+        at = self._tailed
+        for buf, new in zip(self._tail, (keys, values), strict=True):
+            buf[:, :, at : at + n] = new
+        self._tailed += n
+        main_keys, main_values = self._fetch(n) if WHOLE else self._written()
+        return (*main_keys, self._tail[0]), (*main_values, self._tail[1])
+
+    def flush(self) -> None:
+        """The tail's positions quantized into the buffers."""
+        if self._tailed:
+            keys, values = (x[:, :, : self._tailed] for x in self._tail)
+            self._tailed = 0
+            self._write(keys, values)
+
+    def _tail_mask(self, N: int) -> mx.array:
+        """A tail pass's mask: the quantized positions (the buffers' width),
+        then the tail's TAIL, as the pass will find them (`_into_tail`)."""
+        total = self._idx + self._tailed
+        flushes = self._tailed + N > TAIL
+        quantized = total if flushes else self._idx
+        if WHOLE:
+            width = self._capacity_for(self._tailed) if flushes else self._capacity()
+        else:
+            width = quantized
+        mask = create_causal_mask(N, offset=total, left_padding=self.left_padding)
+        ends = [(0, 0)] * (mask.ndim - 1)
+        main = mx.pad(mask[..., :quantized], [*ends, (0, width - quantized)])
+        tail = mask[..., quantized:]
+        tail = mx.pad(tail, [*ends, (0, TAIL - tail.shape[-1])])
+        return mx.concatenate([main, tail], axis=-1)
 
     def keys_and_values(self) -> tuple[Quantized, Quantized]:
-        """The positions written."""
+        """The positions written (the tail's quantized)."""
+        self.flush()
+        return self._written()
+
+    def _written(self) -> tuple[Quantized, Quantized]:
         cut = lambda x: x[:, :, : self._idx]  # noqa: E731
         return map_parts(cut, self.keys), map_parts(cut, self.values)
 
@@ -193,7 +274,7 @@ class BatchQuantizedKVCache(_BaseCache):
         positions written, or (WHOLE, but for one prompt) the buffers, their
         unwritten tail masked by `make_mask`."""
         if not WHOLE or self._one_prompt(n):
-            return self.keys_and_values()
+            return self._written()
         return self.keys, self.values
 
     def _mask_width(self, N: int) -> int:
@@ -201,6 +282,9 @@ class BatchQuantizedKVCache(_BaseCache):
         return self._capacity_for(N) if WHOLE and not self._one_prompt(N) else self._idx + N
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if self._tail_pass(N):  # (no sliding windows here: refused at start-up)
+            return self._tail_mask(N)
+        self.flush()  # (as the pass's writes will)
         if self._one_prompt(N) and not return_array and all(v is None for v in kwargs.values()):
             return "causal"
         # Else an array: left padding must be masked (and where WHOLE, the
@@ -253,9 +337,11 @@ class BatchQuantizedKVCache(_BaseCache):
         read from the device)."""
         batch_indices = rows_kept(batch_indices, self.offset.shape[0])
         kept = self._padding_of(batch_indices)
+        take = lambda x: x[batch_indices]  # noqa: E731
         if self.keys is not None:
-            take = lambda x: x[batch_indices]  # noqa: E731
             self.keys, self.values = map_parts(take, self.keys), map_parts(take, self.values)
+        # The tail's positions stay after the quantized ones, whatever padding goes.
+        self._tail = map_parts(take, self._tail) if self._tailed else None
         self.offset = self.offset[batch_indices]
         if kept is None:
             self.left_padding = self.left_padding[batch_indices]
@@ -274,6 +360,9 @@ class BatchQuantizedKVCache(_BaseCache):
     def extend(self, other: BatchQuantizedKVCache) -> None:
         """Append `other`'s rows, both batches right-justified to the longer one."""
         self._check_same_format(other)
+        self.flush()  # (every row ends at `_idx`, as the rows joining do)
+        other.flush()
+        self._tail = None
         if self.keys is None and other.keys is None:
             self._join_padding(other, 0, 0)
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -319,6 +408,7 @@ class BatchQuantizedKVCache(_BaseCache):
         cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
         if self.keys is None:
             return cache
+        self.flush()
         if padding is None:
             host = self._padding_of([idx])
             padding = host[0] if host is not None else self.left_padding[idx].item()
@@ -363,31 +453,34 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @property
     def state(self) -> tuple:
+        self.flush()
         return self.keys, self.values, self.offset, self.left_padding, self._idx
 
     @state.setter
     def state(self, v: tuple) -> None:
         self.keys, self.values, self.offset, self.left_padding, self._idx = v
+        self._tail, self._tailed = None, 0
         self._cut = True
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
+        self.flush()
         n = min(self._idx, n)
         self._idx -= n
         self.offset = self.offset - n
         return n
 
     def size(self) -> int:
-        return self._idx
+        return self._idx + self._tailed
 
     def empty(self) -> bool:
         return self.keys is None
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self)
+        return _nbytes(self) + (0 if self._tail is None else sum(x.nbytes for x in self._tail))
 
 
 def _merge_quantized(cls: type, caches: Sequence[QuantizedKVCache]) -> BatchQuantizedKVCache:

@@ -178,7 +178,17 @@ class RaggedBatchKVCache(Ragged, BatchKVCache):
 
 
 class RaggedBatchQuantizedKVCache(Ragged, BatchQuantizedKVCache):
-    """--kv-bits: the batched quantized cache with a per-row end."""
+    """--kv-bits: the batched quantized cache with a per-row end (and no 16-bit
+    tail: every position is quantized, so that rows can take theirs back)."""
+
+    tails = False
+
+    @classmethod
+    def adopt(cls, cache: Any) -> Any:
+        cache.flush()
+        ragged = super().adopt(cache)
+        ragged._tail = None
+        return ragged
 
     def _arrays(self, fn: Callable[[mx.array], mx.array]) -> None:
         self.keys, self.values = map_parts(fn, self.keys), map_parts(fn, self.values)
