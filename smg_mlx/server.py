@@ -174,8 +174,9 @@ class Worker:
             prefilling=lambda: self.engine.prefilling,
             memory=lambda: self.engine.memory,
             cache=lambda: self.engine.cache,
-            speculation=lambda: self.engine.speculation,
-        )
+            speculation=(lambda: self.engine.speculation)
+            if config.engine.speculative != "off" else None,
+        )  # fmt: skip
         self.engine.on_step(self.metrics.steps)
         self.servicer = MlxEngineServicer(
             self.engine,

@@ -286,6 +286,16 @@ def test_the_serving_mode_is_a_short_name_and_the_log_says_what_it_means(
     ) in caplog.text
 
 
+def test_no_speculation_counters_where_speculation_is_off(start_worker, model_dir):
+    """--speculative off (the default): zeros labelled prompt_lookup would read as
+    speculation on and never paying."""
+    port = free_port()
+    start_worker(model_dir, metrics_port=port)
+    names = {name for name, _ in scrape(port)}
+    assert "smg_mlx_memory_budget_bytes" in names
+    assert not any(n.startswith("smg_mlx_speculative_") for n in names)
+
+
 def test_speculation_counters_move_by_what_was_proposed_and_kept(start_worker, model_dir):
     port = free_port()
     w = start_worker(model_dir, metrics_port=port, speculative="always")

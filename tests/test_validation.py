@@ -39,7 +39,7 @@ BAD_REQUESTS = [
     ("huge presence penalty", request([5, 6], presence_penalty=1e30),
      "presence_penalty must be in [-2, 2]"),
     ("huge logit bias", request([5, 6], logit_bias={7: 1e30}),
-     "logit_bias must be in [-100, 100]"),
+     "logit_bias[7] must be in [-100, 100], got 1e+30"),
     ("huge temperature", request([5, 6], temperature=1e38), "temperature must be in [0, 100]"),
 ]  # fmt: skip
 

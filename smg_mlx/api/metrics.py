@@ -41,11 +41,13 @@ class Metrics:
         prefilling: Callable[[], int],
         memory: Callable[[], Memory | None],
         cache: Callable[[], CacheStats],
-        speculation: Callable[[], SpeculationStats] = SpeculationStats,
+        speculation: Callable[[], SpeculationStats] | None = None,
     ) -> None:
+        """`speculation`: its counts, None where --speculative is off (none exported)."""
         self.registry = registry = CollectorRegistry()
         registry.register(_CacheCollector(cache))
-        registry.register(_SpeculationCollector(speculation))
+        if speculation is not None:
+            registry.register(_SpeculationCollector(speculation))
 
         def metric(kind: type, name: str, doc: str, **options: object) -> Any:
             # Every name gets the smg_mlx_ prefix.

@@ -206,7 +206,8 @@ def logits_settings(
 ) -> LogitsSettings:
     bias = tuple(
         sorted(
-            (int(k), _in_range("logit_bias", v, *LOGIT_BIAS)) for k, v in params.logit_bias.items()
+            (int(k), _in_range(f"logit_bias[{k}]", v, *LOGIT_BIAS))
+            for k, v in params.logit_bias.items()
         )
     )
     bad = [k for k, _ in bias if not 0 <= k < vocab_size]
