@@ -226,7 +226,7 @@ class BatchQuantizedKVCache(_BaseCache):
         for buf, new in zip(self._tail, (keys, values), strict=True):
             buf[:, :, at : at + n] = new
         self._tailed += n
-        main_keys, main_values = self._fetch(n) if WHOLE else self._written()
+        main_keys, main_values = self._fetch(n)
         return (*main_keys, self._tail[0]), (*main_values, self._tail[1])
 
     def flush(self) -> None:
