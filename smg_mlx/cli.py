@@ -41,9 +41,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        text = f"{self.prog}: error: {message}"
+        text = f"{self.prog}: error: {message} (see {self.prog} --help)"
         if not _Parser.json_errors:
-            self.exit(2, f"{text} (see {self.prog} --help)\n")
+            self.exit(2, text + "\n")
         record = logging.LogRecord("smg_mlx", logging.ERROR, __file__, 0, text, None, None)
         sys.stderr.write(logs.JsonFormatter().format(record) + "\n")
         raise SystemExit(2)

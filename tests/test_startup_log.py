@@ -92,6 +92,7 @@ def test_json_logs_make_a_refused_flag_json_too(json_flag):
     assert done.returncode == 2
     (entry,) = [json.loads(line) for line in done.stderr.splitlines()]
     assert entry["level"] == "error" and "--max-pending" in entry["message"]
+    assert entry["message"].endswith("(see smg-mlx serve --help)")  # as in text
 
 
 def test_the_start_up_names_the_longest_request_of_context_and_memory(
