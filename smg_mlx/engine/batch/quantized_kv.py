@@ -242,10 +242,7 @@ class BatchQuantizedKVCache(_BaseCache):
         total = self._idx + self._tailed
         flushes = self._tailed + N > TAIL
         quantized = total if flushes else self._idx
-        if WHOLE:
-            width = self._capacity_for(self._tailed) if flushes else self._capacity()
-        else:
-            width = quantized
+        width = self._mask_width(self._tailed if flushes else 0)  # (what a flush writes)
         mask = create_causal_mask(N, offset=total, left_padding=self.left_padding)
         ends = [(0, 0)] * (mask.ndim - 1)
         main = mx.pad(mask[..., :quantized], [*ends, (0, width - quantized)])
