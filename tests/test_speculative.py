@@ -760,3 +760,27 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
         caplog.clear()
         assert drafting_for(EngineConfig(model_path=model_dir), plain, None, True, None) is None
         assert "off (--speculative off, the default; --speculative auto turns on" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "speculative, operator, graphs",
+    [("auto", None, "0"), ("always", None, "0"), ("off", None, None), ("auto", "1", "1")],
+)
+def test_on_cuda_a_speculating_worker_launches_kernels_without_cuda_graphs(
+    model_dir, monkeypatch, caplog, speculative, operator, graphs
+):
+    # Checking passes met a new CUDA graph nearly every pass, each instantiated
+    # on the host; an operator's own setting wins.
+    from smg_mlx.config import EngineConfig
+    from smg_mlx.engine.batch import loading
+
+    environ = {"MLX_PTX_CACHE_DIR": "/nonexistent"}
+    if operator is not None:
+        environ["MLX_USE_CUDA_GRAPHS"] = operator
+    monkeypatch.setattr(loading.os, "environ", environ)
+    monkeypatch.setattr(loading.mx.cuda, "is_available", lambda: True)
+    config = EngineConfig(model_path=model_dir, speculative=speculative)
+    with caplog.at_level(logging.INFO, logger="smg_mlx.engine.batch.loading"):
+        loading.load_for(config, None)
+    assert environ.get("MLX_USE_CUDA_GRAPHS") == graphs
+    assert ("CUDA graphs off" in caplog.text) == (graphs == "0")

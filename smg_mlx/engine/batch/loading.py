@@ -47,6 +47,8 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
     of it when a group of ranks serves it."""
     for name, value in CUDA_CACHE_SETTINGS.items():
         os.environ.setdefault(name, value)
+    if mx.cuda.is_available() and config.speculative != "off" and group is None:
+        _without_cuda_graphs()
     if mx.cuda.is_available() and "MLX_PTX_CACHE_DIR" not in os.environ:
         # Read when the first kernel is compiled, after this.
         os.environ["MLX_PTX_CACHE_DIR"] = str(kernel_folder(config))
@@ -110,6 +112,23 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
         time.perf_counter() - started,
     )
     return model
+
+
+def _without_cuda_graphs() -> None:
+    """Kernels launched one by one, not recorded into CUDA graphs, where passes
+    may check speculative proposals: mlx keeps an executable graph per
+    sequence of kernels and their dependencies, and checking passes, whose
+    rows end apart and change the batch every few passes, kept meeting new
+    ones, each instantiated on the host before it ran (tens of milliseconds a
+    pass on a small model). Read when the device first runs work, after this;
+    an operator's MLX_USE_CUDA_GRAPHS wins."""
+    if "MLX_USE_CUDA_GRAPHS" in os.environ:
+        return
+    os.environ["MLX_USE_CUDA_GRAPHS"] = "0"
+    log.info(
+        "CUDA graphs off, as speculative decoding is on: its checking passes meet new graphs "
+        "nearly every pass (MLX_USE_CUDA_GRAPHS=1 keeps them)"
+    )
 
 
 def _model(path: Path, lazy: bool, strict: bool) -> tuple[nn.Module, dict]:
