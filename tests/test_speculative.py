@@ -294,6 +294,23 @@ def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
     assert lookup(np.array([1, 2, 3, 4]), 4, 3) == []  # nothing recurs
 
 
+def test_other_streams_tokens_propose_what_followed_the_longest_latest_match():
+    from smg_mlx.engine.speculative.shared_history import SharedHistory
+
+    shared = SharedHistory(held=32)
+    shared.add([1, 2, 3, 4, 5, 6])
+    shared.add([9, 3, 4, 7, 8])
+    mine = np.array([0, 2, 3, 4], dtype=np.int64)
+    assert shared.lookup(mine, 4, 3, longest=4) == [5, 6]  # 2 3 4 (not 3 4 alone): 5 6, its end
+    assert shared.lookup(mine, 3, 2, longest=4) == [4, 5]
+    assert shared.lookup(np.array([0, 3, 4]), 3, 3, longest=4) == [7, 8]  # the latest
+    assert shared.lookup(np.array([6, 9]), 2, 3, longest=4) == []  # never across two streams
+    for i in range(6):  # the oldest go as newer streams come
+        shared.add([20 + i, 21 + i, 22 + i])
+    assert shared.lookup(mine, 4, 3, longest=4) == []
+    assert shared.lookup(np.array([25, 26]), 2, 3, longest=4) == [27]
+
+
 class Clock:
     """Stands in for the pacing's clock: time moves only when told."""
 
@@ -626,6 +643,25 @@ def test_the_same_prompt_again_is_proposed_what_the_cached_answer_said(family_mo
     # A longer answer than the cached one: proposals run out where it ended.
     longer = helpers.generate(worker.stub, ids, max_tokens=60)
     assert longer.tokens[:40] == first.tokens
+
+
+def test_a_stream_is_proposed_what_another_stream_said(family_model, start_worker):
+    """A conversation carried on where its history is not cached (here: no
+    prefix cache): its next tokens are proposed from the tokens another
+    stream left as it finished, and kept where the model says them again.
+    A stream whose tokens occur nowhere before proposes nothing."""
+    model = family_model("llama")  # its greedy output does not repeat itself
+    worker = start_worker(model, speculative="always", prompt_cache_bytes=0)
+    stats = worker.worker.engine.speculation
+    question = helpers.prompt(40, 3)
+    first = helpers.generate(worker.stub, question, max_tokens=40).tokens
+    assert len(set(first)) > 10, "the model's output should vary"
+    assert stats.proposed == 0  # nothing recurred: nothing to propose
+    on = helpers.generate(worker.stub, [*question, *first[:10]], max_tokens=30)
+    assert on.tokens == first[10:]
+    assert on.complete.cached_tokens == 0
+    stats = worker.worker.engine.speculation
+    assert stats.accepted >= 20 and stats.accepted == stats.proposed
 
 
 def test_a_worker_with_a_draft_model_answers_as_one_without(model_dir, tmp_path, start_worker):

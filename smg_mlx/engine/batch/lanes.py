@@ -75,6 +75,8 @@ class Lanes:
     def uncount_speculation(self) -> None:
         if self.drafting is not None:
             self.drafting.stats = DraftStats()
+            if self.drafting.shared is not None:  # (the warm-up's streams: no client's)
+                self.drafting.shared.clear()
 
     def __getitem__(self, lane: int) -> BatchGenerator:
         return self._generators[lane]

@@ -2,7 +2,8 @@
 
 Each decoding row may propose the tokens it expects next (`prompt_lookup`:
 the continuation of an earlier occurrence of its last tokens in its own
-prompt and output; or `draft_model`: a small model's greedy continuation).
+prompt and output, else in other streams' recent tokens, `shared_history`;
+or `draft_model`: a small model's greedy continuation).
 One pass over the model checks every row's proposals at once (`decoding`);
 each row keeps the proposals its own sample agrees with, plus the token the
 model chose after them, and takes the rest back from its cache

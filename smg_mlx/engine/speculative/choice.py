@@ -16,6 +16,7 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch.kv_format import caches_for, other_kinds
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
 from smg_mlx.engine.speculative.pacing import Pacing
+from smg_mlx.engine.speculative.shared_history import SharedHistory
 from smg_mlx.engine.types import LayerCaches, Unservable
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,10 @@ def drafting_for(
         "prompt lookup" if draft is None else f"the draft model {config.draft_model}", most,
         "wherever there are some" if always else "where measured pass times say it pays",
     )  # fmt: skip
-    return Drafting(most, Pacing(always=always), DraftStats(), *(draft or ()), one_width=one_width)
+    return Drafting(
+        most, Pacing(always=always), DraftStats(), *(draft or ()), one_width=one_width,
+        shared=SharedHistory() if draft is None else None,
+    )  # fmt: skip
 
 
 def _ranks(group: mx.distributed.Group | None) -> int:

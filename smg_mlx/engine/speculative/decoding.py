@@ -35,6 +35,7 @@ from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
 from smg_mlx.engine.speculative.ragged_kv import line_up, ragged
+from smg_mlx.engine.speculative.shared_history import SharedHistory
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Drafting:
     # each new pass shape costs a kernel build (mlx's CUDA backend), one shape
     # a batch size. Elsewhere a pass is as wide as its rows' proposals need.
     one_width: bool = False
+    # Finished streams' last tokens, where rows look up proposals (prompt lookup).
+    shared: SharedHistory | None = None
 
 
 class SpeculativeGenerationBatch(PlacedGenerationBatch):
@@ -118,6 +121,10 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
     def filter(self, keep: list[int]) -> None:
         kept = {self.uids[i] for i in keep}
         left = [u for u in self.uids if u not in kept]
+        if self.drafting.shared is not None:
+            for i, uid in enumerate(self.uids):
+                if uid not in kept:
+                    self.drafting.shared.add(self.tokens[i])
         super().filter(keep)
         for uid in [u for u in self._rows if u not in kept]:
             del self._rows[uid]
@@ -223,7 +230,9 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 continue
             row = self._rows.get(uid)
             if row is None:
-                row = self._rows[uid] = RowDrafts(self.drafting.most, self._ahead.pop(uid, None))
+                row = self._rows[uid] = RowDrafts(
+                    self.drafting.most, self._ahead.pop(uid, None), self.drafting.shared
+                )
             if row.likely(self._steps, self.tokens[i]):
                 likely.add(i)
         return likely

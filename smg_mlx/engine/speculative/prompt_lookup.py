@@ -10,6 +10,8 @@ A row whose prompt an earlier sequence in the prefix cache began with (the
 same question again, a retried or regenerated answer) also has that
 sequence's continuation ahead of it (`Ahead`): while the row's output follows
 it, it proposes what came next there, before looking in its own tokens.
+Where its own tokens have no earlier occurrence of its last ones, it looks in
+other streams' recent tokens (`shared_history`).
 
 Each row's proposals adapt to how they fare (`RowDrafts`): as long as its
 proposals are right it proposes up to the most asked for; a wrong one
@@ -21,6 +23,8 @@ conversation that never repeats itself costs a lookup now and then.
 from __future__ import annotations
 
 import numpy as np
+
+from smg_mlx.engine.speculative.shared_history import SharedHistory
 
 LONGEST = 4  # tokens of a row's end that are looked up, at most...
 SHORTEST = 2  # ...and at least: one token recurs too often to predict what follows
@@ -76,9 +80,13 @@ class Ahead:
 class RowDrafts:
     """One row's tokens and how its proposals have fared."""
 
-    __slots__ = ("_tokens", "_n", "_most", "_length", "_pause", "_next_look", "_ahead")
+    __slots__ = (
+        "_tokens", "_n", "_most", "_length", "_pause", "_next_look", "_ahead", "_shared",
+    )  # fmt: skip
 
-    def __init__(self, most: int, ahead: Ahead | None = None) -> None:
+    def __init__(
+        self, most: int, ahead: Ahead | None = None, shared: SharedHistory | None = None
+    ) -> None:
         self._tokens = np.zeros(256, dtype=np.int64)
         self._n = 0
         self._most = most
@@ -86,6 +94,7 @@ class RowDrafts:
         self._pause = 1  # steps to wait after the next lookup that finds nothing
         self._next_look = 0  # the step at which to look again
         self._ahead = ahead  # a cached continuation of its prompt, while it follows it
+        self._shared = shared  # other streams' recent tokens
 
     def sync(self, tokens: list[int]) -> None:
         """Catch up with the tokens in the row's cache (they only grow)."""
@@ -108,7 +117,7 @@ class RowDrafts:
             return True
         if step < self._next_look:
             return False
-        if lookup(self._tokens, self._n, 1):
+        if self._looked_up(self._n, 1):
             return True
         self._wait(step)
         return False
@@ -120,7 +129,7 @@ class RowDrafts:
         most = min(most, self._length)
         if self._following(self._n + 1):
             return self._ahead.after(self._n + 1, most)
-        proposal = lookup(self._tokens, self._n + 1, most)
+        proposal = self._looked_up(self._n + 1, most)
         if not proposal:
             self._wait(step)
         return proposal
@@ -135,6 +144,13 @@ class RowDrafts:
         else:
             self._length = accepted + 1
             self._pause = 1
+
+    def _looked_up(self, n: int, most: int) -> list[int]:
+        """`lookup` in its own first `n` tokens, else in other streams'."""
+        found = lookup(self._tokens, n, most)
+        if not found and self._shared is not None:
+            found = self._shared.lookup(self._tokens, n, most, LONGEST)
+        return found
 
     def _following(self, n: int) -> bool:
         """Whether its first `n` tokens follow the cached continuation (which
