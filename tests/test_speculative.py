@@ -351,10 +351,12 @@ def test_pacing_checks_proposals_only_where_that_pays(monkeypatch, caplog):
     plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
     assert not run(8, plain, paying)  # plain first: the measure to hold against
     assert run(8, plain, paying)  # checking not measured yet: tried
-    assert caplog.messages[-1] == (
+    assert caplog.messages[-2:] == [
         "speculation, batches of at most 8: 8 checking passes made 160 tokens in 96.0 ms; "
-        "tokens a second, checking 1667, plain 800"
-    )
+        "tokens a second, checking 1667, plain 800",
+        "speculation, batches of at most 8 streams: checking proposals pays (1667 tokens a "
+        "second against 800 plain)",
+    ]
     assert run(8, plain, paying)  # 20 tokens in 12 ms beat 8 in 10
     assert run(8, plain, paying)
     for _ in range(8):
@@ -363,6 +365,37 @@ def test_pacing_checks_proposals_only_where_that_pays(monkeypatch, caplog):
     assert not pacing.start(2).checking  # another batch size has its own measures: none yet
     checks = sum(run(8, plain, losing) for _ in range(200))
     assert 1 <= checks <= 4  # a losing checking run is tried again now and then, less often
+
+
+def test_where_checking_turns_to_pay_or_not_the_log_says_so_now_and_then(monkeypatch, caplog):
+    """An operator sees (info) whether speculation pays at each batch size,
+    and when that changes, but not at every run: rates near each other may
+    cross back and forth."""
+    from smg_mlx.engine.speculative import pacing as paced
+
+    caplog.set_level(logging.INFO, logger=paced.__name__)
+    clock = Clock()
+    monkeypatch.setattr(paced.time, "perf_counter", clock)
+    pacing = Pacing()
+    run = functools.partial(run_block, pacing, clock)
+    plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
+    for _ in range(4):
+        run(8, plain, paying)
+    for _ in range(40):
+        run(8, plain, losing)
+    said = [m for m in caplog.messages if "checking proposals" in m]
+    assert said == [
+        "speculation, batches of at most 8 streams: checking proposals pays (1667 tokens a "
+        "second against 800 plain)"
+    ]  # the turn came within a minute of that line
+    clock.now += 60
+    for _ in range(12):
+        run(8, plain, losing)
+    said = [m for m in caplog.messages if "checking proposals" in m]
+    assert len(said) == 2 and said[1].startswith(
+        "speculation, batches of at most 8 streams: checking proposals does not pay ("
+    )
+    assert said[1].endswith("plain); plain passes, a trial now and then")
 
 
 def test_pacing_times_plain_passes_again_while_checking_wins(monkeypatch):

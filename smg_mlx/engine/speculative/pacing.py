@@ -37,6 +37,9 @@ RETRY, MOST_RETRY = 8, 512
 # A checking block whose rate after EARLY passes is under this share of the
 # plain rate ends there.
 EARLY, LOSING = 2, 0.75
+# Seconds between two log lines (info) saying checking turned to pay, or not,
+# for one batch size: rates near each other may cross back and forth.
+SAY_EVERY = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,7 @@ class Pacing:
         self._waited: dict[int, int] = {}  # plain blocks since checking lost, by size
         self._retry: dict[int, int] = {}  # plain blocks between retries, by size
         self._shapes: set[tuple[int, int]] = set()  # (rows, width) of the passes run so far
+        self._said: dict[int, tuple[bool, float]] = {}  # by size: the verdict logged, when
 
     def new_shape(self, rows: int, width: int) -> bool:
         """Whether a pass of `rows` rows and `width` tokens a row runs for the first time."""
@@ -165,6 +169,24 @@ class Pacing:
                 f"{checking.rate:.0f}" if checking else "not measured",
                 f"{plain.rate:.0f}" if plain else "not measured",
             )  # fmt: skip
+        self._say(block.size)
+
+    def _say(self, size: int) -> None:
+        """Log (info) where checking proposals turns to pay at a batch size, or
+        to lose: at most every SAY_EVERY seconds a size."""
+        plain, checking = self._plain.get(size), self._checking.get(size)
+        if plain is None or checking is None or self.always:
+            return
+        pays, now = checking.rate > plain.rate, time.perf_counter()
+        said, when = self._said.get(size, (None, -SAY_EVERY))
+        if pays == said or now - when < SAY_EVERY:
+            return
+        self._said[size] = (pays, now)
+        log.info(
+            "speculation, batches of at most %d streams: checking proposals %s (%.0f tokens "
+            "a second against %.0f plain)%s", size, "pays" if pays else "does not pay",
+            checking.rate, plain.rate, "" if pays else "; plain passes, a trial now and then",
+        )  # fmt: skip
 
     def charge(self, ended: Block, then: Block, work: Callable[[], object]) -> None:
         """Run `work` (lining up the rows `ended` left apart) on `ended`'s clock,
