@@ -398,6 +398,40 @@ def test_where_checking_turns_to_pay_or_not_the_log_says_so_now_and_then(monkeyp
     assert said[1].endswith("plain); plain passes, a trial now and then")
 
 
+def test_trials_that_lose_cost_a_small_share_of_the_time_however_much_each_costs(
+    monkeypatch,
+):
+    """A draft model that fell behind while plain passes ran catches up on
+    every row's tokens in a trial's first pass: a trial can cost as much as a
+    second of plain passes. Trials that lose are then spaced out so that
+    what they lose is a few percent of the time, not a trial every few runs."""
+    from smg_mlx.engine.speculative import pacing as paced
+
+    clock = Clock()
+    monkeypatch.setattr(paced.time, "perf_counter", clock)
+    pacing = Pacing()
+    pacing.new_shape(8, 1), pacing.new_shape(8, 5)  # (no pass here builds kernels)
+    plain_pass, catching_up, checking_pass = 0.010, 1.0, 0.030
+    started, tokens = clock.now, 0
+    for _ in range(1500):
+        block = pacing.start(8)
+        first = True
+        while not block.over and not pacing.losing(block):
+            block.begins()
+            if block.checking:
+                clock.now += (catching_up if first else 0.0) + checking_pass
+            else:
+                clock.now += plain_pass
+            first = False
+            block.ran(8, False, checked=block.checking)
+            tokens += 8
+        pacing.ended(block)
+    rate = tokens / (clock.now - started)
+    # Plain passes alone: 800 tokens a second (trials spaced by doubling waits
+    # alone: 748); each trial here loses about a second.
+    assert rate >= 0.96 * 8 / plain_pass
+
+
 def test_pacing_times_plain_passes_again_while_checking_wins(monkeypatch):
     """Plain passes timed once in a slow moment (kernels being built, a
     burst of prompts) must not keep a checking run going that loses to
@@ -477,6 +511,28 @@ def test_pacing_counts_what_a_checking_pass_costs_until_the_next_pass(
     else:
         # Tried, lost, tried again now and then: each trial ends a few passes in.
         assert stats.passes <= 12, stats.passes
+
+
+def test_a_first_checking_pass_leaves_out_its_pass_not_its_proposals(monkeypatch):
+    """The first pass of a shape goes untimed (the backend may build kernels
+    for it), but not what made its proposals: a draft model catching up on
+    every row's tokens first costs seconds, and a trial that paid them lost."""
+    from smg_mlx.engine.speculative import pacing
+
+    clock = Clock()
+    monkeypatch.setattr(pacing.time, "perf_counter", clock)
+    proposals = SpeculativeGenerationBatch._proposals
+    calls = []
+
+    def catching_up_first(self, likely, pending):
+        if not calls:
+            clock.now += 5.0  # (every row's tokens through the draft)
+        calls.append(1)
+        return proposals(self, likely, pending)
+
+    monkeypatch.setattr(SpeculativeGenerationBatch, "_proposals", catching_up_first)
+    stats = run_paced(1.0, clock, lambda checked: 0.010, calls=240)
+    assert calls and stats.passes <= 12, stats.passes  # (counted as free: over 200)
 
 
 def test_lining_rows_up_after_checking_counts_as_checking_time(monkeypatch):

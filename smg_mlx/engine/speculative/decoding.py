@@ -155,8 +155,12 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             if any(drafts):
                 most = self.drafting.most if self.drafting.one_width else max(map(len, drafts))
                 width = 1 + most
+                if new := pacing.new_shape(rows, width):
+                    # Only the pass goes untimed: the proposals (a draft model
+                    # catching up on every row's tokens: seconds) count.
+                    self._block.begins()
                 out = self._check(pending, drafts, width)
-                self._block.ran(len(out), pacing.new_shape(rows, width), checked=True)
+                self._block.ran(len(out), new, checked=True)
                 return out
         responses = super()._decode()
         self._block.ran(len(responses), pacing.new_shape(rows, 1))

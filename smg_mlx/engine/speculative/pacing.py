@@ -14,9 +14,11 @@ powers of two) a moving average of the tokens a second of checking blocks
 and of plain ones; a block checks where its rate beats the plain one's.
 Until both are measured it is tried; whichever kind loses runs again now and
 then, as the batch, its proposals and the machine change (a losing checking
-run after ever longer waits; plain, which costs little where checking wins,
-every few blocks); a checking block clearly losing after its first passes
-ends there (`losing`), so that a trial costs a few passes. A pass of a
+run after ever longer waits, and after plain passes ran long enough that what
+the last trial lost is a small share of the time, TRIAL_SHARE; plain, which
+costs little where checking wins, every few blocks); a checking block clearly
+losing after its first passes ends there (`losing`), so that a trial costs a
+few passes. A pass of a
 shape run for the first time counts in no block, neither its time nor its
 tokens (the backend may build kernels for it first); a block the engine set
 aside (`Block.void`) counts not at all.
@@ -37,6 +39,12 @@ RETRY, MOST_RETRY = 8, 512
 # A checking block whose rate after EARLY passes is under this share of the
 # plain rate ends there.
 EARLY, LOSING = 2, 0.75
+# What losing trials may cost, at most, as a share of the time plain passes
+# run between them: a trial that cost c seconds more than plain passes would
+# have is followed by c / TRIAL_SHARE seconds of plain ones at least (a draft
+# model catching up on every row's tokens makes a trial cost far more than
+# its passes: seconds on a CPU).
+TRIAL_SHARE = 0.03
 # Seconds between two log lines (info) saying checking turned to pay, or not,
 # for one batch size: rates near each other may cross back and forth.
 SAY_EVERY = 60.0
@@ -130,6 +138,9 @@ class Pacing:
         self._retry: dict[int, int] = {}  # plain blocks between retries, by size
         self._shapes: set[tuple[int, int]] = set()  # (rows, width) of the passes run so far
         self._said: dict[int, tuple[bool, float]] = {}  # by size: the verdict logged, when
+        # By size: plain seconds due before the next trial (after one that lost), and run since.
+        self._owed: dict[int, float] = {}
+        self._plain_since: dict[int, float] = {}
 
     def new_shape(self, rows: int, width: int) -> bool:
         """Whether a pass of `rows` rows and `width` tokens a row runs for the first time."""
@@ -160,6 +171,7 @@ class Pacing:
             kept[block.size].add(seconds, block.tokens)
         else:
             kept[block.size] = _Average(seconds, block.tokens)
+        self._account(block, seconds)
         if log.isEnabledFor(logging.DEBUG):
             plain, checking = self._plain.get(block.size), self._checking.get(block.size)
             log.debug(
@@ -197,6 +209,20 @@ class Pacing:
         then.skipped += seconds
         if ended.counted:
             self._kept(ended)[ended.size].later(seconds)
+            if ended.checked and ended.size in self._owed:
+                self._owed[ended.size] += seconds / TRIAL_SHARE
+
+    def _account(self, block: Block, seconds: float) -> None:
+        """What a checking block that lost cost beyond plain passes, as plain
+        time due before the next trial; a plain block's time, towards it."""
+        plain, size = self._plain.get(block.size), block.size
+        if not block.checked:
+            self._plain_since[size] = self._plain_since.get(size, 0.0) + seconds
+        elif plain is not None and plain.rate > 0 and block.tokens / seconds < plain.rate:
+            self._owed[size] = (seconds - block.tokens / plain.rate) / TRIAL_SHARE
+            self._plain_since[size] = 0.0
+        else:
+            self._owed.pop(size, None)
 
     def _kept(self, block: Block) -> dict[int, _Average]:
         # A checking block whose rows had nothing to propose ran plain passes.
@@ -222,6 +248,8 @@ class Pacing:
         retry = self._retry.get(size, RETRY)
         if waited < retry:
             return wins
+        if not wins and self._plain_since.get(size, 0.0) < self._owed.get(size, 0.0):
+            return False  # the last trial's cost is not yet a small share of the time since
         self._waited[size] = 0
         if not wins:
             self._retry[size] = min(2 * retry, MOST_RETRY)
