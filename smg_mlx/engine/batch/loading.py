@@ -119,9 +119,9 @@ def _without_cuda_graphs() -> None:
     may check speculative proposals: mlx keeps an executable graph per
     sequence of kernels and their dependencies, and checking passes, whose
     rows end apart and change the batch every few passes, kept meeting new
-    ones, each instantiated on the host before it ran (tens of milliseconds a
-    pass on a small model). Read when the device first runs work, after this;
-    an operator's MLX_USE_CUDA_GRAPHS wins."""
+    ones, each instantiated on the host before it ran (on a small model, most
+    of a pass's time). Read when the device first runs work, after this; an
+    operator's MLX_USE_CUDA_GRAPHS wins."""
     if "MLX_USE_CUDA_GRAPHS" in os.environ:
         return
     os.environ["MLX_USE_CUDA_GRAPHS"] = "0"

@@ -43,7 +43,7 @@ EARLY, LOSING = 2, 0.75
 # run between them: a trial that cost c seconds more than plain passes would
 # have is followed by c / TRIAL_SHARE seconds of plain ones at least (a draft
 # model catching up on every row's tokens makes a trial cost far more than
-# its passes: seconds on a CPU).
+# its passes).
 TRIAL_SHARE = 0.03
 # Seconds between two log lines (info) saying checking turned to pay, or not,
 # for one batch size: rates near each other may cross back and forth.

@@ -31,12 +31,12 @@ class SharedHistory:
 
     def add(self, tokens: Sequence[int]) -> None:
         """A stream's tokens, as it finished (its last ROW_TOKENS)."""
-        last = np.asarray(tokens[-ROW_TOKENS:], dtype=np.int64)
-        size = len(last) + 1
+        keep = len(self._tokens) // 2
+        last = np.asarray(tokens[-min(ROW_TOKENS, keep - 1) :], dtype=np.int64)
         if not len(last):
             return
+        size = len(last) + 1
         if self._n + size > len(self._tokens):  # the oldest half goes
-            keep = len(self._tokens) // 2
             self._tokens[:keep] = self._tokens[self._n - keep : self._n]
             self._n = keep
         self._tokens[self._n] = SEPARATOR
