@@ -332,6 +332,48 @@ def test_the_warm_up_runs_quantized_attention_at_every_few_query_count(model64, 
         thread.join(TIMEOUT)
 
 
+def test_the_budget_counts_each_running_rows_16_bit_tail(model64, monkeypatch, caplog):
+    """Where the fused kernel reads a quantized cache (CUDA: forced here), a
+    row's newest positions wait at 16 bits in a tail: the probe says what it
+    holds, and the budget counts it for every row, so fewer rows fit."""
+    from dataclasses import replace
+
+    from smg_mlx.config import EngineConfig
+    from smg_mlx.engine.batch.kv_format import caches_for
+    from smg_mlx.engine.memory import probe
+    from smg_mlx.engine.memory.planner import MemoryPlanner, cost
+
+    model = load(str(model64))[0]
+    caches = caches_for(EngineConfig(model_path=model64, kv_bits=8), model)
+    stream = mx.new_stream(mx.default_device())
+    plain, _ = probe.measure(model, stream, 512, caches=caches)
+    assert plain.row_bytes == 0  # (no tail on the CPU)
+    monkeypatch.setattr(quantized_kv, "TAILS", True)
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention",
+                        base.quantized_scaled_dot_product_attention)  # fmt: skip
+    quantized_attention.install(None)  # (the worker's: it reads the tail)
+    caplog.set_level(logging.INFO, "smg_mlx.engine.memory.probe")
+    tailed, _ = probe.measure(model, stream, 512, caches=caches)
+    layers = len(model.layers)
+    heads, dim = model.args.num_key_value_heads, 64
+    assert tailed.row_bytes == quantized_kv.TAIL * layers * heads * 2 * dim * 4  # float32
+    assert tailed.kv_per_token == plain.kv_per_token
+    assert "a running row (its 16-bit tail)" in caplog.text
+
+    def rows_fitting(memory) -> int:
+        planner = MemoryPlanner(memory, budget, max_chunk=512, prefill_rows=4)
+        request = Request(0, spec(list(range(1, 9)), 8), "r")
+        costs = []
+        while planner.fits([*costs, cost(request)]):
+            costs.append(cost(request))
+        return len(costs)
+
+    budget = int(plain.weights + 200 * 256 * plain.kv_per_token)
+    counted = replace(plain, row_bytes=tailed.row_bytes)  # (the rest as measured once)
+    # A row here holds 256 positions' KV (576 B each at 8 bits), and its tail 32 KiB.
+    assert rows_fitting(counted) <= 0.85 * rows_fitting(plain)
+
+
 def test_the_decode_steps_bench_times_a_step_for_each_kv_format(model64, tmp_path, monkeypatch):
     """`python -m bench.decode_steps`: the median decoding step of a batch over a
     context, the model's own KV and each of --kv-bits, and the host's time

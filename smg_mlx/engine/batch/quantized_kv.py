@@ -213,6 +213,13 @@ class BatchQuantizedKVCache(_BaseCache):
         key_dim, value_dim = (q[1].shape[-1] * group for q in (self.keys, self.values))
         return not fused.AVAILABLE or fused.fits_kind(key_dim, value_dim, group, bits)
 
+    def tail_nbytes(self) -> int:
+        """Bytes each row's tail holds (0 where passes write none)."""
+        if not self._tail_pass(1):
+            return 0
+        dims = sum(q[1].shape[-1] * self.group_size for q in (self.keys, self.values))
+        return TAIL * self.keys[0].shape[1] * dims * self.keys[1].dtype.size
+
     def _into_tail(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
         n = keys.shape[2]
         if self._tailed + n > TAIL:

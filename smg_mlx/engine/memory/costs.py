@@ -18,6 +18,7 @@ class MemoryModel:
     prefill_per_token: float  # prefill working set per chunk token...
     prefill_per_context: float  # ...plus this for each token it attends to
     prefill_row_per_key: float = 0.0  # and a prompt's copies of the keys it attends to, per key
+    row_bytes: float = 0.0  # a running row's, whatever its length (--kv-bits' 16-bit tail)
 
 
 @dataclass(frozen=True)

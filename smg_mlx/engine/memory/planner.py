@@ -98,7 +98,8 @@ class MemoryPlanner:
 
     def kv_bytes(self, costs: Iterable[Cost]) -> float:
         """The lanes' caches at their largest, one lane's copy included."""
-        lanes = [_lane_tokens(lane) * self.model.kv_per_token for lane in _lanes(costs)]
+        per_token, per_row = self.model.kv_per_token, self.model.row_bytes
+        lanes = [_lane_tokens(lane) * per_token + len(lane) * per_row for lane in _lanes(costs)]
         return (sum(lanes) + max(lanes)) * self.safety
 
     def prefill_bytes(self, costs: Iterable[Cost], chunk: int) -> float:

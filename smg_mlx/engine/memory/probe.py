@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
 from smg_mlx.engine.progress import Progress
@@ -192,6 +193,13 @@ def token_bytes(cache: list) -> float:
     return sum(c.nbytes for c in cache) / PROBE_CHUNK
 
 
+def row_bytes(cache: list) -> float:
+    """The bytes a running row holds beside its tokens in `cache`, as
+    `probed_cache` leaves it: under --kv-bits where the fused kernel reads
+    them, its newest positions' 16-bit tail."""
+    return float(sum(c.tail_nbytes() for c in cache if isinstance(c, BatchQuantizedKVCache)))
+
+
 def probed_cache(model: nn.Module, stream: mx.Stream, caches: LayerCaches | None = None) -> list:
     """A prompt cache (`caches()`, or else the model's own) after a pass of
     PROBE_CHUNK tokens, never evaluated."""
@@ -254,7 +262,8 @@ def measure(
         # quantized cache hands attention.
         passes = partial(one_row, caches)
     held = weights(model)
-    per_kv_token = kv_per_token(model, stream, passes)
+    probed = probed_cache(model, stream, passes)
+    per_kv_token, per_row = token_bytes(probed), row_bytes(probed)
     per_token = _seconds_per_token(model, stream, passes)
     chunk = _probe_chunk(per_token, max_chunk)
     if group is not None:  # each rank timed itself: the slowest one's chunk for all
@@ -282,7 +291,7 @@ def measure(
         per_context, per_key = known
         per_chunk_token = max(0.0, *spent.values()) / chunk
     mx.clear_cache()
-    found = MemoryModel(held, per_kv_token, per_chunk_token, per_context, per_key)
+    found = MemoryModel(held, per_kv_token, per_chunk_token, per_context, per_key, per_row)
     log_found(found, speed, f"measured in {time.perf_counter() - started:.1f}s")
     return found, speed
 
@@ -294,9 +303,11 @@ def log_found(memory: MemoryModel, speed: PrefillSpeed, how: str) -> None:
         speed.per_token * 1e3, speed.per_context * 1e6,
     )  # fmt: skip
     log.info(
-        "memory: weights %s, KV %s per token, prefill %s per chunk token and %s more per "
+        "memory: weights %s, KV %s per token%s, prefill %s per chunk token and %s more per "
         "token of context, %s per key a prompt attends to (%s)",
         format_bytes(memory.weights), format_bytes(memory.kv_per_token),
+        f" and {format_bytes(memory.row_bytes)} a running row (its 16-bit tail)"
+        if memory.row_bytes else "",
         format_bytes(memory.prefill_per_token), format_bytes(memory.prefill_per_context),
         format_bytes(memory.prefill_row_per_key), how,
     )  # fmt: skip
