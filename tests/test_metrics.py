@@ -296,6 +296,19 @@ def test_no_speculation_counters_where_speculation_is_off(start_worker, model_di
     assert not any(n.startswith("smg_mlx_speculative_") for n in names)
 
 
+def test_no_speculation_counters_where_the_model_cannot_speculate(start_worker, family_model):
+    """--speculative always on a model whose caches cannot take tokens back
+    (a sliding window): the worker serves without speculation, and says so
+    in its log; no counter reads as speculation on."""
+    port = free_port()
+    w = start_worker(family_model("gemma3_text"), metrics_port=port, speculative="always")
+    generate(w.stub, prompt(20, 1), max_tokens=4)
+    assert wait_until(lambda: w.worker.engine.speculation.drafter == "")
+    names = {name for name, _ in scrape(port)}
+    assert "smg_mlx_memory_budget_bytes" in names
+    assert not any(n.startswith("smg_mlx_speculative_") for n in names)
+
+
 def test_speculation_counters_move_by_what_was_proposed_and_kept(start_worker, model_dir):
     port = free_port()
     w = start_worker(model_dir, metrics_port=port, speculative="always")

@@ -298,6 +298,8 @@ class _SpeculationCollector:
 
     def collect(self) -> Any:
         s = self._stats()
+        if not s.drafter:  # the engine found speculation could not run with this model
+            return
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily("smg_mlx_speculative_" + name, doc, labels=["drafter"])
@@ -308,6 +310,7 @@ class _SpeculationCollector:
         yield counter("accepted_tokens", "Proposed tokens kept (the model agreed)", s.accepted)
         yield counter("passes", "Passes that checked proposals", s.passes)
         yield counter(
-            "pass_tokens", "Tokens returned by passes that checked proposals "
-            "(over passes: tokens a pass)", s.tokens,
+            "pass_tokens", "Tokens returned by passes that checked proposals, every "
+            "stream in them counted (over passes: tokens a pass; accepted over proposed: "
+            "the share of proposals kept)", s.tokens,
         )  # fmt: skip

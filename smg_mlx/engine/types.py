@@ -153,7 +153,8 @@ class SpeculationStats:
     accepted: int = 0  # of those, tokens kept
     passes: int = 0  # passes that checked proposals
     tokens: int = 0  # tokens those passes returned
-    drafter: str = "prompt_lookup"  # what proposes: prompt_lookup or draft_model
+    # What proposes: prompt_lookup or draft_model ("": none, speculation is off).
+    drafter: str = "prompt_lookup"
 
 
 @dataclass(frozen=True, slots=True)

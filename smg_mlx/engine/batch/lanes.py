@@ -19,6 +19,11 @@ from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, Speculativ
 from smg_mlx.engine.speculative.prompt_lookup import Ahead
 from smg_mlx.engine.types import SpeculationStats, TokenLogprobs
 
+# Prompt tokens a lane may prefill in a call (a question joining) beside the
+# decoding passes speculation's pacing times; more (a document) and the run
+# of passes under way is left out of its measures.
+PROMPT_TOKENS_TIMED = 256
+
 
 class Sampled(NamedTuple):
     """A token mlx-lm has sampled but not returned yet (see `Lanes.pending`)."""
@@ -68,7 +73,7 @@ class Lanes:
     def speculation(self) -> SpeculationStats:
         """What speculative decoding has done since start."""
         if self.drafting is None:
-            return SpeculationStats()
+            return SpeculationStats(drafter="")
         drafter = "prompt_lookup" if self.drafting.draft is None else "draft_model"
         return SpeculationStats(**vars(self.drafting.stats), drafter=drafter)
 
@@ -94,12 +99,16 @@ class Lanes:
         tokens a row: its prompt and generation responses."""
         generator = self._generators[lane]
         generator.prefill_step_size = chunk
-        with self._buffers():
+        if self.drafting is None:
+            with self._buffers():
+                return generator.next()
+        with self._buffers(), generator.stats() as work:
             prefilling, responses = generator.next()
-        if self.drafting is not None:  # speculation's pacing times each lane's own passes
-            for other in self._generators:
-                if other is not generator:
-                    other._generation_batch.disturbed()
+        # Speculation's pacing times each lane's own decoding passes: not beside
+        # the other lane's, nor beside its own prefill of more than a question.
+        for other in self._generators:
+            if other is not generator or work.prompt_tokens > PROMPT_TOKENS_TIMED:
+                other._generation_batch.disturbed()
         return prefilling, responses
 
     def checking(self, lane: int) -> bool:

@@ -134,7 +134,10 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         if not self.uids:
             return []
         pacing = self.drafting.pacing
-        if self._block is not None and (self._block.over or pacing.losing(self._block)):
+        # Rows joined or left across a size class: the run's rate is of neither size.
+        if resized := self._block is not None and not self._block.fits(len(self.uids)):
+            self._block.void()
+        if self._block is not None and (resized or self._block.over or pacing.losing(self._block)):
             ended = self._block
             pacing.ended(ended)
             self._block = pacing.start(len(self.uids))

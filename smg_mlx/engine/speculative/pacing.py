@@ -47,7 +47,7 @@ EARLY, LOSING = 2, 0.75
 TRIAL_SHARE = 0.03
 # Seconds between two log lines (info) saying checking turned to pay, or not,
 # for one batch size: rates near each other may cross back and forth.
-SAY_EVERY = 60.0
+SAY_EVERY = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,13 @@ log = logging.getLogger(__name__)
 def _size_class(rows: int) -> int:
     """Batch sizes that share their measurements: powers of two."""
     return 1 << (rows - 1).bit_length()
+
+
+def _streams(size: int) -> str:
+    """The batch sizes of a size class, said."""
+    if size <= 2:
+        return "1 stream" if size == 1 else "2 streams"
+    return f"{size // 2 + 1} to {size} streams"
 
 
 class _Average:
@@ -112,6 +119,10 @@ class Block:
             return
         self.passes += 1
         self.tokens += tokens
+
+    def fits(self, rows: int) -> bool:
+        """Whether a batch of `rows` rows is of its size."""
+        return _size_class(rows) == self.size
 
     @property
     def over(self) -> bool:
@@ -195,9 +206,10 @@ class Pacing:
             return
         self._said[size] = (pays, now)
         log.info(
-            "speculation, batches of at most %d streams: checking proposals %s (%.0f tokens "
-            "a second against %.0f plain)%s", size, "pays" if pays else "does not pay",
-            checking.rate, plain.rate, "" if pays else "; plain passes, a trial now and then",
+            "speculation, batches of %s: checking proposals %s (%.0f tokens a second against "
+            "%.0f plain)%s", _streams(size),
+            "pays" if pays else "does not pay", checking.rate, plain.rate,
+            "" if pays else "; plain passes, a trial now and then",
         )  # fmt: skip
 
     def charge(self, ended: Block, then: Block, work: Callable[[], object]) -> None:
