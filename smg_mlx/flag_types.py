@@ -103,6 +103,10 @@ def budget(text: str) -> tuple[int | None, float | None]:
 
 
 def model_name(text: str) -> Path:
+    if not text.strip():  # (Path("") is ".": the folder the worker runs in)
+        raise argparse.ArgumentTypeError(
+            f"expected an mlx-lm model directory or a Hugging Face repo id, got {text!r}"
+        )
     # Absolute, so that a path written as one ("./models/x") stays one and is
     # never taken for a Hugging Face repo id (model_source).
     path = Path(text)
@@ -151,8 +155,9 @@ def draft_tokens(text: str) -> int:
         value = 0  # refused below, with the range
     if not 1 <= value <= MOST_DRAFT_TOKENS:
         raise argparse.ArgumentTypeError(
-            f"expected a whole number from 1 to {MOST_DRAFT_TOKENS}, got {text!r} (a pass "
-            "checks each stream's proposals as a decoding pass runs, up to that many)"
+            f"expected a whole number from 1 to {MOST_DRAFT_TOKENS}, got {text!r} (the "
+            "proposed tokens a stream may have checked in one pass; past that many, a pass "
+            "would attend as a prompt's does, not as a decoding step's)"
         )
     return value
 

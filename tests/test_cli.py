@@ -123,6 +123,11 @@ def test_sizes_take_units(text, expected):
         (["--num-draft-tokens", "40"], "expected a whole number from 1 to 15, got '40'"),
         (["--num-draft-tokens", "0"], "expected a whole number from 1 to 15, got '0'"),
         (["--num-draft-tokens", "x"], "expected a whole number from 1 to 15, got 'x'"),
+        # (an empty path is the folder the worker runs in: not what was meant)
+        (["--model", ""], "--model/--model-path: expected an mlx-lm model directory or a "
+         "Hugging Face repo id, got ''"),
+        (["--draft-model", " "], "--draft-model: expected an mlx-lm model directory or a "
+         "Hugging Face repo id, got ' '"),
         (["--speculative", "on"], "invalid choice: 'on'"),
         (["--memory-budget", "0"], "expected a size above 0"),
         (["--memory-budget=-5%"], "expected a percentage above 0 and up to 100%, got '-5%'"),

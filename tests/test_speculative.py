@@ -864,8 +864,9 @@ def test_speculation_asked_for_but_off_is_a_warning_naming_the_flag_that_turns_i
 ):
     with caplog.at_level(logging.WARNING, logger="smg_mlx.engine.speculative.choice"):
         start_worker(model_dir, speculative="always", batching="equal-lengths")
-    assert "speculative decoding: off (--batching equal-lengths: prompts prefill together" in (
-        caplog.text
+    assert (
+        "speculative decoding: off (--batching equal-lengths: a checking pass runs streams of "
+        "different lengths together, which that mode avoids)" in caplog.text
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from bench.workers import free_port
 from smg_mlx.health_check import probe
-from smg_mlx.logs import JsonFormatter
+from smg_mlx.logs import JsonFormatter, format_bytes
 
 from helpers import wait_until
 
@@ -126,6 +126,13 @@ def test_the_start_up_says_where_the_memory_budget_comes_from(start_worker, mode
     caplog.clear()
     start_worker(model_dir, memory_budget_bytes=1 << 30)
     assert "memory budget 1.00 GiB (--memory-budget): the model takes" in caplog.text
+    caplog.clear()
+    drafted = start_worker(model_dir, memory_budget_bytes=1 << 30, draft_model=model_dir,
+                           speculative="auto")
+    weights = format_bytes(drafted.worker.engine.memory.weights)
+    assert f"(--memory-budget): the model and its draft take {weights}" in caplog.text
+    caplog.clear()
+    start_worker(model_dir, memory_budget_bytes=1 << 30)
     assert re.search(r"prompt cache in memory: up to [\d.]+ \w+, what the memory budget "
                      r"leaves it with nothing running \(it gives way to requests\)", caplog.text)
     caplog.clear()

@@ -71,7 +71,7 @@ def start(config: EngineConfig, wake: Callable[[], None]) -> Started:
             config.memory_budget_bytes, config.memory_budget_share
         )
         planner = _planner(batch.memory, budget, channel, batch.prefill_rows, batch.max_chunk)
-        _check_budget(planner, source)
+        _check_budget(planner, source, drafted=batch.speculation.drafter == "draft_model")
         batch.bound_buffer_cache(planner)
         if channel is not None:
             lockstep.same_random_state(channel)
@@ -154,19 +154,19 @@ def _log_prompt_cache(room: int, cap: int | None) -> None:
     )  # fmt: skip
 
 
-def _check_budget(planner: MemoryPlanner, source: str) -> None:
-    longest = planner.longest_sequence
-    if longest < 2:
+def _check_budget(planner: MemoryPlanner, source: str, drafted: bool) -> None:
+    """Refuse a budget that holds no request; log what it holds (`drafted`: a
+    draft model's weights are counted with the model's)."""
+    weights = "model and its draft" if drafted else "model"
+    if planner.longest_sequence < 2:
         # A flag's value, which no restart cures: refused as a bad flag is (exit 2).
         raise Unservable(
             f"the memory budget ({format_bytes(planner.budget)}) does not hold the "
-            f"model ({format_bytes(planner.model.weights)}) and one short request: raise "
+            f"{weights} ({format_bytes(planner.model.weights)}) and one short request: raise "
             "--memory-budget"
         )
     # What one request may have is the worker's to say: it knows the context too.
     log.info(
-        "memory budget %s (%s): the model takes %s",
-        format_bytes(planner.budget),
-        source,
-        format_bytes(planner.model.weights),
-    )
+        "memory budget %s (%s): the %s take%s %s", format_bytes(planner.budget), source,
+        weights, "" if drafted else "s", format_bytes(planner.model.weights),
+    )  # fmt: skip

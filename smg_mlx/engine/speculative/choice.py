@@ -61,9 +61,15 @@ def drafting_for(
     why_not = _why_not(config, model, _ranks(group))
     if why_not is None and not batched:
         if config.batching == "equal-lengths":
-            why_not = "--batching equal-lengths: prompts prefill together only at equal lengths"
+            why_not = (
+                "--batching equal-lengths: a checking pass runs streams of different lengths "
+                "together, which that mode avoids"
+            )
         else:
-            why_not = "this model's prompts prefill together only at equal lengths"
+            why_not = (
+                "this model's rows come out other than alone when batched at different "
+                "lengths (the start-up check), and a checking pass runs them so"
+            )
     if why_not is not None:
         # Asked for (its default is off), it is worth a warning.
         say = log.info if setting == "off" else log.warning
@@ -104,7 +110,8 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
     if outputs > inputs:
         raise Unservable(
             f"--draft-model {draft_path}: it scores {outputs} token ids, the model knows "
-            f"{inputs}: a draft must not propose ids the model cannot read"
+            f"{inputs}: a draft must not propose ids the model cannot read (name a draft of "
+            "the model's family with its vocabulary)"
         )
     if (names := other_kinds(make_prompt_cache(draft))) is not None:
         raise Unservable(
