@@ -322,6 +322,18 @@ class Clock:
         return self.now
 
 
+@pytest.fixture
+def paced(monkeypatch) -> tuple[Pacing, Clock, Callable]:
+    """A Pacing on a clock that moves only when told, and `run(rows, plain,
+    checking)`: `run_block` on both."""
+    from smg_mlx.engine.speculative import pacing
+
+    clock = Clock()
+    monkeypatch.setattr(pacing.time, "perf_counter", clock)
+    paced = Pacing()
+    return paced, clock, functools.partial(run_block, paced, clock)
+
+
 def run_block(
     pacing: Pacing, clock: Clock, rows: int, plain: tuple[float, int], checking: tuple[float, int]
 ) -> bool:
@@ -338,17 +350,11 @@ def run_block(
     return block.checking
 
 
-def test_pacing_checks_proposals_only_where_that_pays(monkeypatch, caplog):
+def test_pacing_checks_proposals_only_where_that_pays(paced, caplog):
     """And with --log-level debug it says what each run of passes made, beside
     each kind's rate: why it checks where it does."""
-    from smg_mlx.engine.speculative import pacing as paced
-
-    caplog.set_level(logging.DEBUG, logger=paced.__name__)
-    clock = Clock()
-    monkeypatch.setattr(paced.time, "perf_counter", clock)
-    pacing = Pacing()
-    run = functools.partial(run_block, pacing, clock)
-
+    caplog.set_level(logging.DEBUG, logger="smg_mlx.engine.speculative.pacing")
+    pacing, _, run = paced
     plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
     assert not run(8, plain, paying)  # plain first: the measure to hold against
     assert run(8, plain, paying)  # checking not measured yet: tried
@@ -368,17 +374,12 @@ def test_pacing_checks_proposals_only_where_that_pays(monkeypatch, caplog):
     assert 1 <= checks <= 4  # a losing checking run is tried again now and then, less often
 
 
-def test_where_checking_turns_to_pay_or_not_the_log_says_so_now_and_then(monkeypatch, caplog):
+def test_where_checking_turns_to_pay_or_not_the_log_says_so_now_and_then(paced, caplog):
     """An operator sees (info) whether speculation pays at each batch size,
     and when that changes, but not at every run: rates near each other may
     cross back and forth."""
-    from smg_mlx.engine.speculative import pacing as paced
-
-    caplog.set_level(logging.INFO, logger=paced.__name__)
-    clock = Clock()
-    monkeypatch.setattr(paced.time, "perf_counter", clock)
-    pacing = Pacing()
-    run = functools.partial(run_block, pacing, clock)
+    caplog.set_level(logging.INFO, logger="smg_mlx.engine.speculative.pacing")
+    _, clock, run = paced
     plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
     for _ in range(4):
         run(8, plain, paying)
@@ -480,17 +481,12 @@ def test_runs_of_passes_are_timed_only_where_nothing_else_ran_beside_them(
         assert tokens <= size * passes, line
 
 
-def test_pacing_times_plain_passes_again_while_checking_wins(monkeypatch):
+def test_pacing_times_plain_passes_again_while_checking_wins(paced):
     """Plain passes timed once in a slow moment (kernels being built, a
     burst of prompts) must not keep a checking run going that loses to
     plain passes as they run now: plain runs again now and then, and once
     its measure is fresh the worker stops checking."""
-    from smg_mlx.engine.speculative import pacing as paced
-
-    clock = Clock()
-    monkeypatch.setattr(paced.time, "perf_counter", clock)
-    pacing = Pacing()
-    run = functools.partial(run_block, pacing, clock)
+    _, _, run = paced
     slow_plain, plain, checking = (0.050, 8), (0.010, 8), (0.030, 9)
     assert not run(8, slow_plain, checking)
     assert run(8, plain, checking)  # 9 tokens in 30 ms beat 8 in 50
