@@ -160,7 +160,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 width = 1 + most
                 if new := pacing.new_shape(rows, width):
                     # Only the pass goes untimed: the proposals (a draft model
-                    # catching up on every row's tokens: seconds) count.
+                    # catching up on every row's tokens) count.
                     self._block.begins()
                 out = self._check(pending, drafts, width)
                 self._block.ran(len(out), new, checked=True)
