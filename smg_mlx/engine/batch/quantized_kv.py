@@ -209,16 +209,19 @@ class BatchQuantizedKVCache(_BaseCache):
             return False
         if self._right_padding is not None:  # (rolled into left padding after the pass)
             return False
-        group, bits = self.group_size, self.bits
-        key_dim, value_dim = (q[1].shape[-1] * group for q in (self.keys, self.values))
-        return not fused.AVAILABLE or fused.fits_kind(key_dim, value_dim, group, bits)
+        return not fused.AVAILABLE or fused.fits_kind(
+            *self._head_sizes(), self.group_size, self.bits
+        )
+
+    def _head_sizes(self) -> tuple[int, int]:
+        """The keys' and values' head sizes (a scale a quantization group)."""
+        return self.keys[1].shape[-1] * self.group_size, self.values[1].shape[-1] * self.group_size
 
     def tail_nbytes(self) -> int:
         """Bytes each row's tail holds (0 where passes write none)."""
         if not self._tail_pass(1):
             return 0
-        dims = sum(q[1].shape[-1] * self.group_size for q in (self.keys, self.values))
-        return TAIL * self.keys[0].shape[1] * dims * self.keys[1].dtype.size
+        return TAIL * self.keys[0].shape[1] * sum(self._head_sizes()) * self.keys[1].dtype.size
 
     def _into_tail(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
         n = keys.shape[2]

@@ -120,11 +120,11 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         kept = {self.uids[i] for i in keep}
-        left = [u for u in self.uids if u not in kept]
+        gone = [i for i, u in enumerate(self.uids) if u not in kept]
+        left = [self.uids[i] for i in gone]
         if self.drafting.shared is not None:
-            for i, uid in enumerate(self.uids):
-                if uid not in kept:
-                    self.drafting.shared.add(self.tokens[i])
+            for i in gone:
+                self.drafting.shared.add(self.tokens[i])
         super().filter(keep)
         for uid in [u for u in self._rows if u not in kept]:
             del self._rows[uid]
