@@ -17,6 +17,7 @@ MLX_SIDE = {
     "smg_mlx.engine.batch.layer_waits",
     "smg_mlx.engine.batch.prefix_calls",
     "smg_mlx.engine.batch.ended_rows",
+    "smg_mlx.engine.batch.joining",
     "smg_mlx.engine.batch.rows",
     "smg_mlx.engine.batch.batch_kv",
     "smg_mlx.engine.batch.kv_format",

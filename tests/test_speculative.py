@@ -138,9 +138,9 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     widths = set()
     check = SpeculativeGenerationBatch._check
 
-    def recorded(self, pending, drafts, width):
+    def recorded(self, pending, drafts, width, joining):
         widths.add(width)
-        return check(self, pending, drafts, width)
+        return check(self, pending, drafts, width, joining)
 
     monkeypatch.setattr(SpeculativeGenerationBatch, "_check", recorded)
     model = tiny_model(family, scale=1.5, head_dim=16 if bits is None else 64)

@@ -61,6 +61,17 @@ class EndedRow:
     padding: int  # the columns before its entries
 
 
+class _NoStop:
+    """A stop matcher that never matches (a joining row's prompt token)."""
+
+    @staticmethod
+    def advance(token: int) -> bool:
+        return False
+
+
+_NO_STOP = _NoStop()
+
+
 class EndingGenerationBatch(GenerationBatch):
     """mlx-lm's decoding rows, where a row that ends or leaves hands over
     where it lies in the cache (`EndedRow`) instead of a copy (`copied_out`),
@@ -68,6 +79,7 @@ class EndingGenerationBatch(GenerationBatch):
 
     # In a pass, the cache as it left it once a row it ended asked (the rest share it)
     _snapshots: list[Snapshot] | None
+    _joining: set[int]  # rows whose pending input is their prompt's last token (`join`)
 
     @classmethod
     def start(cls, model: nn.Module, sampler: Any) -> Any:
@@ -75,7 +87,20 @@ class EndingGenerationBatch(GenerationBatch):
         batch = cls.empty(model, sampler)
         batch._next_tokens = None  # not uint32: see sampling.batch_generator
         batch._snapshots = None
+        batch._joining = set()
         return batch
+
+    def join(self, rows: GenerationBatch) -> None:
+        """Rows whose prompts are prefilled but for their last token, their
+        pending input: the next pass runs it beside the other rows' and
+        samples their first tokens, returning nothing for them (`engine.batch.joining`)."""
+        self.extend(rows)
+        self._joining.update(rows.uids)
+
+    def _joined(self) -> list[int]:
+        """The rows joining in the pass about to run, by index; none after it."""
+        joining, self._joining = self._joining, set()
+        return [i for i, uid in enumerate(self.uids) if uid in joining]
 
     def next(self) -> list:
         self._snapshots = []
@@ -85,8 +110,19 @@ class EndingGenerationBatch(GenerationBatch):
             self._snapshots = None
 
     def _decode(self) -> list:
-        """One pass over the rows (mlx-lm's)."""
-        return GenerationBatch.next(self)
+        """One pass over the rows (mlx-lm's); rows joining return nothing from it."""
+        joining = self._joined()
+        if not joining:
+            return GenerationBatch.next(self)
+        uids = {self.uids[i] for i in joining}
+        for i in joining:  # their input is a prompt token: neither counted nor matched
+            self._num_tokens[i] -= 1
+            self._matchers[i] = _NO_STOP
+        responses = GenerationBatch.next(self)
+        for i, uid in enumerate(self.uids):
+            if uid in uids:
+                self._matchers[i] = self.stop_sequences[i].matcher()
+        return [r for r in responses if r.uid not in uids]
 
     def extract_cache(self, idx: int) -> list[Any] | EndedRow:
         return self._ended(idx, idx)

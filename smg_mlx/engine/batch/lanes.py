@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, one_row
+from smg_mlx.engine.batch.joining import join_ready
 from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
@@ -62,6 +63,7 @@ class Lanes:
             )
             for _ in (SHORT, LONG)
         )
+        self._joined: list[list] = [[], []]  # by lane: the prompts `next` says ended next
         for generator in self._generators:  # the decoding rows prompts move into
             generator._generation_batch = (
                 EndingGenerationBatch.start(self._model, generator.sampler)
@@ -96,20 +98,22 @@ class Lanes:
 
     def next(self, lane: int, chunk: int) -> tuple[list, list]:
         """One call of a lane's BatchGenerator, prefilling at most `chunk`
-        tokens a row: its prompt and generation responses."""
+        tokens a row: its prompt and generation responses. Prompts it leaves
+        with their last token to go join the decoding rows now, without a pass
+        of their own (`engine.batch.joining`): the call after says they ended."""
         generator = self._generators[lane]
         generator.prefill_step_size = chunk
-        if self.drafting is None:
-            with self._buffers():
-                return generator.next()
         with self._buffers(), generator.stats() as work:
             prefilling, responses = generator.next()
-        # Speculation's pacing times each lane's own decoding passes: not beside
-        # the other lane's, nor beside its own prefill of more than a question.
-        for other in self._generators:
-            if other is not generator or work.prompt_tokens > PROMPT_TOKENS_TIMED:
-                other._generation_batch.disturbed()
-        return prefilling, responses
+            with mx.stream(self._stream):
+                joined, self._joined[lane] = self._joined[lane], join_ready(generator)
+        if self.drafting is not None:
+            # Speculation's pacing times each lane's own decoding passes: not beside
+            # the other lane's, nor beside its own prefill of more than a question.
+            for other in self._generators:
+                if other is not generator or work.prompt_tokens > PROMPT_TOKENS_TIMED:
+                    other._generation_batch.disturbed()
+        return prefilling + joined, responses
 
     def checking(self, lane: int) -> bool:
         """Whether the lane's decoding rows run checking passes now (speculation),

@@ -252,8 +252,8 @@ class Scheduler:
             return [], set(), (), (), 0
         rows = self.prefill_rows - sum(not r.long for r in prefilling)  # the short lane's
         longs = sum(r.long for r in prefilling)
-        # A long prompt whose last chunk ran joins its lane's decoding rows at
-        # the next step; one starting now would be padded to its length.
+        # A long prompt whose last chunk ran has its first token sampled at the
+        # next step; until then it counts as prefilling, and none starts beside it.
         finishing = any(r.long and not r.remaining for r in prefilling)
         # Prompt tokens the short prompts being prefilled have still to go.
         together = sum(r.remaining for r in prefilling if not r.long)

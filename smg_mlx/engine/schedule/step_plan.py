@@ -33,10 +33,10 @@ model. The rules:
   cost (as the clock has measured it) against the budget, and does not teach
   the clock that its tokens cost that much, which would shrink the chunks
   into yet more new shapes.
-- **A long prompt's last pass.** mlx-lm moves a prompt into its decoding rows
-  in the pass after its last chunk; that pass joins the step of the last
-  chunk where the budget holds it (until it runs, no other long prompt may
-  start: it would be padded to this one's length).
+- **A long prompt's last pass.** A prompt's first token is sampled in the
+  pass after its last chunk (`engine.batch.joining`); that pass joins the
+  step of the last chunk where the budget holds it (until it runs, the prompt
+  counts as prefilling, and no other long prompt starts).
 """
 
 from __future__ import annotations
@@ -265,10 +265,9 @@ class StepPlan:
         step's other passes. One chunk, and where the budget holds more than
         one of the largest (`largest`), more of those while the step stays
         within it; smaller chunks come one a step. After its last chunk, one
-        more pass (None) where the budget holds it: mlx-lm moves a prompt into
-        its decoding rows in the pass after its last chunk, and until then no
-        other long prompt may start (it would be padded to this one's length),
-        so without it the next would wait for a step of its own."""
+        more pass (None) where the budget holds it: a prompt's first token is
+        sampled in the pass after its last chunk, and until then no other long
+        prompt starts, so without it the next would wait for a step of its own."""
         parts: list[Part | None] = []
         size = min(largest, self.row_chunk(1, context, spent=spent, lane=LONG))
         while remaining > 0:

@@ -162,7 +162,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                     # Only the pass goes untimed: the proposals (a draft model
                     # catching up on every row's tokens) count.
                     self._block.begins()
-                out = self._check(pending, drafts, width)
+                out = self._check(pending, drafts, width, self._joined())
                 self._block.ran(len(out), new, checked=True)
                 return out
         responses = super()._decode()
@@ -186,7 +186,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         try:
             out = self._check(pending, [d or [y] * self.drafting.most
                                         for d, y in zip(drafts, pending, strict=True)],
-                              width)  # fmt: skip
+                              width, self._joined())  # fmt: skip
         finally:
             self.drafting.stats = stats
         self._line_up()
@@ -230,7 +230,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         tokens so far suggest a proposal."""
         likely = set()
         for i, uid in enumerate(self.uids):
-            if self.logits_processors and self.logits_processors[i]:
+            if self.logits_processors and self.logits_processors[i] or uid in self._joining:
                 continue
             if self._draft_rows is not None:
                 likely.add(i)
@@ -244,10 +244,13 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 likely.add(i)
         return likely
 
-    def _check(self, pending: list[int], drafts: list[list[int]], width: int) -> list:
+    def _check(self, pending: list[int], drafts: list[list[int]], width: int,
+               joining: list[int]) -> list:  # fmt: skip
         """One pass over every row's pending token and proposals (module
         docstring), `width` tokens a row: rows with fewer proposals are padded
-        (positions whose tokens are not kept; see `Drafting.one_width`)."""
+        (positions whose tokens are not kept; see `Drafting.one_width`). Rows
+        `joining` run their prompts' last tokens: the sample after it is their
+        first token, and they return nothing."""
         rows = len(self.uids)
         pairs = zip(pending, drafts, strict=True)
         inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
@@ -263,12 +266,14 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         responses, keep, rewind, next_tokens, next_logprobs = [], [], [], [], []
         accepted: dict[int, int] = {}  # proposals kept, by row
         for i, (y, proposal) in enumerate(zip(pending, drafts, strict=True)):
+            joins = i in joining
+            proposal = [] if joins else proposal  # (the warm-up's proposes for every row)
             kept = 0
             while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
                 kept += 1
             tokens = [y, *proposal[:kept]]
             chosen = [self._next_logprobs[i], *(logprobs[i, j] for j in range(kept))]
-            finish = self._finish(i, tokens)
+            finish = None if joins else self._finish(i, tokens)
             if finish is not None:
                 tokens = tokens[: finish[1] + 1]
             if proposal:
@@ -280,7 +285,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 self.drafting.stats.accepted += len(tokens) - 1
             self.tokens[i].extend(tokens)
             rewind.append(width - len(tokens))
-            responses.append((i, tokens, chosen, None if finish is None else finish[0]))
+            if not joins:
+                responses.append((i, tokens, chosen, None if finish is None else finish[0]))
             if keeps[i] is not None:  # the draws kept: the proposals and the next token
                 keeps[i](kept + 1)
             keep += [i] if finish is None else []
@@ -328,11 +334,12 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             return samplers[0](logprobs.reshape(rows * width, -1)).reshape(rows, width), keeps
         draws = []
         for i, sample in enumerate(samplers):
+            row = logprobs[i : i + 1].squeeze(0)  # (x[i] would gather by a uint32 index)
             if hasattr(sample, "ahead"):
-                drawn, keeps[i] = sample.ahead(logprobs[i])
+                drawn, keeps[i] = sample.ahead(row)
                 draws.append(drawn)
             else:
-                draws.append(sample(logprobs[i]))
+                draws.append(sample(row))
         return mx.stack(draws), keeps
 
     def _finish(self, i: int, tokens: list[int]) -> tuple[str, int] | None:

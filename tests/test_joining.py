@@ -1,0 +1,106 @@
+"""Prompts join the decoding rows without a pass of their own (engine.batch.joining)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from test_speculative import tiny_model
+
+from smg_mlx.engine.batch.lanes import Lanes
+from smg_mlx.engine.schedule.step_plan import SHORT
+from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
+from smg_mlx.engine.speculative.pacing import Pacing
+
+
+def _requests(count: int) -> list[tuple[list[int], int]]:
+    """Prompts of 3-40 tokens (prefilled two or more a row: passes of one token
+    a row decode), each with 1-24 tokens to generate (1: the first token ends it)."""
+    rng = np.random.default_rng(3)
+    return [
+        (rng.integers(0, 50, size=int(rng.integers(3, 40))).tolist(), int(rng.integers(1, 25)))
+        for _ in range(count)
+    ]
+
+
+def _serve(model, requests, running: int, call, generator: BatchGenerator, monkeypatch) -> dict:
+    """Every request through `generator` by `call()` (a call of it: prompt and
+    decoding responses), at most `running` at once, the next admitted as one
+    ends: each request's tokens and logprobs, the call in which each prompt was
+    said to end, and the model's passes of one token a row: all, and those over
+    rows joining alone (mlx-lm's, as it moves prefilled rows to decoding)."""
+    passes = {"one token": 0, "joining alone": 0}
+    forward, step = type(model).__call__, GenerationBatch._step
+
+    def counted(self, inputs, *args, **kwargs):
+        passes["one token"] += inputs.shape[1] == 1
+        return forward(self, inputs, *args, **kwargs)
+
+    def joining_alone(self):
+        passes["joining alone"] += self is not generator._generation_batch
+        return step(self)
+
+    monkeypatch.setattr(type(model), "__call__", counted)
+    monkeypatch.setattr(GenerationBatch, "_step", joining_alone)
+    waiting, which = list(enumerate(requests)), {}
+    tokens = {i: [] for i in range(len(requests))}
+    logprobs = {i: [] for i in range(len(requests))}
+    prompt_ended: dict[int, int] = {}
+    done, calls = 0, 0
+
+    def admit() -> None:
+        i, (prompt, max_tokens) = waiting.pop(0)
+        which[generator.insert([prompt], [max_tokens])[0]] = i
+
+    for _ in range(running):
+        admit()
+    while done < len(requests):
+        calls += 1
+        prefilling, responses = call()
+        for r in prefilling:
+            if r.end_of_prompt:
+                assert which[r.uid] not in prompt_ended, "a prompt ended twice"
+                prompt_ended[which[r.uid]] = calls
+        for r in responses:
+            i = which[r.uid]
+            tokens[i].append(r.token)
+            logprobs[i].append(r.logprobs[r.token].item())
+            if r.finish_reason is not None:
+                done += 1
+                if waiting:
+                    admit()
+    monkeypatch.undo()
+    return dict(tokens=tokens, logprobs=logprobs, prompt_ended=prompt_ended, passes=passes)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prompts_join_the_decoding_rows_without_a_pass_of_their_own(speculative, monkeypatch):
+    model = tiny_model("llama", scale=1.5)
+    requests = _requests(30)
+
+    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
+    theirs = _serve(model, requests, 6, generator.next, generator, monkeypatch)
+
+    drafting = Drafting(most=4, pacing=Pacing(always=True), stats=DraftStats())
+    lanes = Lanes(model, mx.default_stream(mx.default_device()), 512, nullcontext,
+                  drafting if speculative else None)  # fmt: skip
+    lanes.open(batch_size=8, prefill_rows=4)
+    ours = _serve(model, requests, 6, lambda: lanes.next(SHORT, 512), lanes[SHORT], monkeypatch)
+
+    assert any(len(set(t)) > 3 for t in theirs["tokens"].values()), "output should vary"
+    assert ours["tokens"] == theirs["tokens"]
+    for i in theirs["logprobs"]:
+        assert ours["logprobs"][i] == pytest.approx(theirs["logprobs"][i], abs=1e-4)
+    # Each prompt is said to end (its first token sampled) in the call mlx-lm
+    # says so, or sooner: rows joining leave room for the next prompts a call
+    # earlier.
+    ended = [(ours["prompt_ended"][i], theirs["prompt_ended"][i]) for i in theirs["prompt_ended"]]
+    assert all(o <= t for o, t in ended) and len(ended) == len(requests)
+    assert theirs["passes"]["joining alone"] >= 10
+    assert ours["passes"]["joining alone"] == 0
+    if not speculative:  # (checking passes run several tokens a row)
+        fewer = theirs["passes"]["one token"] - ours["passes"]["one token"]
+        assert fewer >= theirs["passes"]["joining alone"] / 2
