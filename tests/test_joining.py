@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from test_speculative import tiny_model
 
+from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.lanes import Lanes
 from smg_mlx.engine.schedule.step_plan import SHORT
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
@@ -104,3 +105,35 @@ def test_prompts_join_the_decoding_rows_without_a_pass_of_their_own(speculative,
     if not speculative:  # (checking passes run several tokens a row)
         fewer = theirs["passes"]["one token"] - ours["passes"]["one token"]
         assert fewer >= theirs["passes"]["joining alone"] / 2
+
+
+def test_a_row_removed_while_joining_leaves_the_others_exact_and_its_cache_whole():
+    """A request aborted between the call that prefilled it (it joined the
+    decoding rows, its last prompt token not run yet) and the next pass."""
+    model = tiny_model("llama", scale=1.5)
+    first, second = _requests(2)
+    alone = BatchGenerator(model)
+    (uid,) = alone.insert([first[0]], [24])
+    expected = []
+    while len(expected) < 24:
+        expected += [r.token for r in alone.next()[1] if r.uid == uid]
+
+    lanes = Lanes(model, mx.default_stream(mx.default_device()), 512, nullcontext, None)
+    lanes.open(batch_size=8, prefill_rows=4)
+    lane = lanes[SHORT]
+    (kept,) = lane.insert([first[0]], [24])
+    tokens = []
+    for _ in range(3):
+        tokens += [r.token for r in lanes.next(SHORT, 512)[1]]
+    (left,) = lane.insert([second[0]], [24])
+    tokens += [r.token for r in lanes.next(SHORT, 512)[1]]  # it prefills, then joins
+    assert left in lane._generation_batch.uids
+    cache, held = lane.remove([left], return_prompt_caches=True)[left]
+    # Its cache holds what was prefilled, all but the last prompt token, as its tokens say.
+    assert list(held) == second[0][:-1]
+    assert one_row(cache)[0].offset == len(held)
+    for _ in range(24):
+        responses = lanes.next(SHORT, 512)[1]
+        assert all(r.uid == kept for r in responses)
+        tokens += [r.token for r in responses]
+    assert tokens == expected
