@@ -81,7 +81,7 @@ class EngineConfig:
     # GPU shows auto never costs a workload it cannot help; auto with a draft model.
     speculative: str = "off"
     # Proposed tokens one row may have checked in one pass, at most.
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 8
     # A small model of the same vocabulary whose greedy tokens are the proposals
     # (None: prompt lookup proposes).
     draft_model: Path | None = None

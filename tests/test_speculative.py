@@ -400,6 +400,71 @@ def test_where_checking_turns_to_pay_or_not_the_log_says_so_now_and_then(paced, 
     assert said[1].endswith("plain); plain passes, a trial now and then")
 
 
+def run_widths(pacing: Pacing, clock: Clock, rows: int, plain: tuple[float, int],
+               widths: dict[int, tuple[float, int]]) -> int:  # fmt: skip
+    """One run of passes, each taking (seconds, tokens) as its kind does, a
+    checking one as its width does: the width it checked at (0: plain)."""
+    block = pacing.start(rows)
+    seconds, tokens = widths[block.width] if block.checking else plain
+    while not block.over and not pacing.losing(block):
+        block.begins()
+        new = pacing.new_shape(rows, 1 + block.width)
+        clock.now += 1.0 if new else seconds
+        block.ran(tokens, new, checked=block.checking)
+    pacing.ended(block)
+    return block.width
+
+
+def test_checking_runs_at_the_width_that_pays_most_as_the_batch_turns_compute_bound(paced):
+    """A pass checking more proposals a row keeps more where they are right,
+    and costs more once the device computes rather than waits. Where the
+    widest checking passes lose to plain ones but narrower ones win, the
+    worker checks at the narrower width that makes the most tokens a second,
+    and follows as that changes: where passes cost the same at any width
+    again, it goes back to the widest."""
+    _, clock, _ = paced
+    pacing = Pacing(most=8)
+    plain = (0.010, 8)  # 800 tokens a second
+    busy = {8: (0.060, 40), 4: (0.030, 30), 2: (0.012, 20), 1: (0.011, 14)}  # 2: 1667
+    ran = [run_widths(pacing, clock, 8, plain, busy) for _ in range(200)]
+    assert ran[:3] == [0, 8, 4]  # plain first; the widest loses, the next is tried
+    late = Counter(ran[100:])
+    assert late[2] >= 75 and late[8] <= 5, late  # neighbours now and then, and plain
+    waiting = {w: (0.012, 8 + 4 * w) for w in busy}  # the widest: 3333
+    ran = [run_widths(pacing, clock, 8, plain, waiting) for _ in range(300)]
+    late = Counter(ran[200:])
+    assert late[8] >= 70, late
+
+
+def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals():
+    """A block's width is the most proposals a row has checked in one pass
+    (where the batch's passes turned compute-bound), and the tokens are the
+    plain ones still."""
+
+    class Narrow(Pacing):
+        def start(self, rows: int) -> Block:
+            return Block(rows, True, 2)
+
+    model = tiny_model("llama", scale=1.5)
+    prompts = repetitive_prompts(6, 3)
+    max_tokens = [40, 33, 50, 45, 38, 47]
+    plain, _, _, _ = generate(model, prompts, max_tokens, False)
+    widths = []
+    check = SpeculativeGenerationBatch._check
+
+    def counted(self, pending, drafts, width, joining):
+        widths.append(max(map(len, drafts)))
+        return check(self, pending, drafts, width, joining)
+
+    SpeculativeGenerationBatch._check = counted
+    try:
+        ours, _, _, stats = generate(model, prompts, max_tokens, True, pacing=Narrow())
+    finally:
+        SpeculativeGenerationBatch._check = check
+    assert ours == plain
+    assert widths and max(widths) == 2 and stats.accepted > 0
+
+
 def test_trials_that_lose_cost_a_small_share_of_the_time_however_much_each_costs(
     monkeypatch,
 ):
@@ -568,11 +633,11 @@ def test_a_first_checking_pass_leaves_out_its_pass_not_its_proposals(monkeypatch
     proposals = SpeculativeGenerationBatch._proposals
     calls = []
 
-    def catching_up_first(self, likely, pending):
+    def catching_up_first(self, likely, pending, most):
         if not calls:
             clock.now += 5.0  # (every row's tokens through the draft)
         calls.append(1)
-        return proposals(self, likely, pending)
+        return proposals(self, likely, pending, most)
 
     monkeypatch.setattr(SpeculativeGenerationBatch, "_proposals", catching_up_first)
     stats = run_paced(1.0, clock, lambda checked: 0.010, calls=240)

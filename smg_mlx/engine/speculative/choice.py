@@ -82,7 +82,7 @@ def drafting_for(
         "wherever there are some" if always else "where measured pass times say it pays",
     )  # fmt: skip
     return Drafting(
-        most, Pacing(always=always), DraftStats(), *(draft or ()), one_width=one_width,
+        most, Pacing(always=always, most=most), DraftStats(), *(draft or ()), one_width=one_width,
         shared=SharedHistory() if draft is None else None,
     )  # fmt: skip
 

@@ -154,9 +154,11 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         if self._block.checking and (likely := self._likely()):
             mx.eval(self._next_tokens)
             pending = self._next_tokens.tolist()
-            drafts = self._proposals(likely, pending)
+            # The block's width (pacing: what pays at this batch size), else the most allowed.
+            cap = self._block.width or self.drafting.most
+            drafts = self._proposals(likely, pending, cap)
             if any(drafts):
-                most = self.drafting.most if self.drafting.one_width else max(map(len, drafts))
+                most = cap if self.drafting.one_width else max(map(len, drafts))
                 width = 1 + most
                 if new := pacing.new_shape(rows, width):
                     # Only the pass goes untimed: the proposals (a draft model
@@ -181,7 +183,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         width = 1 + self.drafting.most
         mx.eval(self._next_tokens)
         pending = self._next_tokens.tolist()
-        drafts = self._proposals(self._likely(), pending)
+        drafts = self._proposals(self._likely(), pending, self.drafting.most)
         stats, self.drafting.stats = self.drafting.stats, DraftStats()
         try:
             out = self._check(pending, [d or [y] * self.drafting.most
@@ -206,10 +208,10 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         (where it is timed, not in the pass after it)."""
         line_up(self.prompt_cache)
 
-    def _proposals(self, likely: set[int], pending: list[int]) -> list[list[int]]:
-        """Each row's proposals (none for rows not `likely`), no more than the
-        tokens it has left after its pending one: those past it are never sent."""
-        most = self.drafting.most
+    def _proposals(self, likely: set[int], pending: list[int], most: int) -> list[list[int]]:
+        """Each row's proposals (none for rows not `likely`), at most `most`,
+        and no more than the tokens it has left after its pending one: those
+        past it are never sent."""
         if self._draft_rows is not None:
             rows = {self.uids[i]: (self.tokens[i], pending[i]) for i in likely}
             proposed = self._draft_rows.propose(rows, most)

@@ -10,8 +10,14 @@ estimated, by the step's clock: passes run in blocks of BLOCK, each block
 checking or plain throughout, timed from its first pass's start to the
 next block's (`Block`). A single pass could not be timed alone: how long it
 takes depends on what the pass before left running. For each batch size (by
-powers of two) a moving average of the tokens a second of checking blocks
-and of plain ones; a block checks where its rate beats the plain one's.
+powers of two) a moving average of the tokens a second of plain blocks and
+of checking ones, these for each width (`widths`: the most tokens a row may
+propose in the block's passes); a block checks where its rate beats the plain one's.
+A wider pass keeps more of a row's right proposals, and costs more once
+the device computes rather than waits: the width checking runs at is the
+one measured best, its neighbours timed now and then (every PROBE checking
+blocks); a width that loses to plain passes gives way to the next narrower
+one, tried next.
 Until both are measured it is tried; whichever kind loses runs again now and
 then, as the batch, its proposals and the machine change (a losing checking
 run after ever longer waits, and after plain passes ran long enough that what
@@ -48,6 +54,8 @@ TRIAL_SHARE = 0.03
 # Seconds between two log lines (info) saying checking turned to pay, or not,
 # for one batch size: rates near each other may cross back and forth.
 SAY_EVERY = 10.0
+# Checking blocks at a size between two at a neighbouring width.
+PROBE = 8
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +63,12 @@ log = logging.getLogger(__name__)
 def _size_class(rows: int) -> int:
     """Batch sizes that share their measurements: powers of two."""
     return 1 << (rows - 1).bit_length()
+
+
+def widths(most: int) -> list[int]:
+    """The widths checking blocks may run at, narrowest first: `most` and its
+    halves, down to 1."""
+    return sorted({most >> k for k in range(most.bit_length())})
 
 
 def _streams(size: int) -> str:
@@ -93,13 +107,15 @@ class Block:
     """A run of one batch's passes, all checking or all plain."""
 
     __slots__ = (
-        "size", "checking", "started", "passes", "checked", "tokens", "counted", "skipped",
-        "_pass",
+        "size", "checking", "width", "started", "passes", "checked", "tokens", "counted",
+        "skipped", "_pass",
     )  # fmt: skip
 
-    def __init__(self, rows: int, checking: bool) -> None:
+    def __init__(self, rows: int, checking: bool, width: int = 0) -> None:
         self.size = _size_class(rows)
         self.checking = checking
+        # The most tokens a row proposes in its passes (0: as many as allowed).
+        self.width = width if checking else 0
         self.started = self._pass = time.perf_counter()
         self.passes = self.checked = self.tokens = 0
         self.skipped = 0.0  # seconds of passes that do not count
@@ -141,10 +157,15 @@ class Pacing:
     """Checking and plain blocks' rates by batch size; whether the next block
     checks. Engine thread only."""
 
-    def __init__(self, always: bool = False) -> None:
+    def __init__(self, always: bool = False, most: int = 0) -> None:
         self.always = always  # check proposals whatever the rates (tests, benchmarks)
+        # The widths to choose from (`widths`); where none are given, every
+        # checking block is as wide as the rows are allowed to propose.
+        self._widths = widths(most) if most and not always else [0]
         self._plain: dict[int, _Average] = {}
-        self._checking: dict[int, _Average] = {}
+        self._checking: dict[tuple[int, int], _Average] = {}  # by size and width
+        self._width: dict[int, int] = {}  # by size: the width checking runs at
+        self._probe: dict[int, int] = {}  # by size: checking blocks since a neighbour's
         self._waited: dict[int, int] = {}  # plain blocks since checking lost, by size
         self._retry: dict[int, int] = {}  # plain blocks between retries, by size
         self._shapes: set[tuple[int, int]] = set()  # (rows, width) of the passes run so far
@@ -161,8 +182,29 @@ class Pacing:
         return True
 
     def start(self, rows: int) -> Block:
-        """The next block, over `rows` rows: checking or plain."""
-        return Block(rows, self._checks(_size_class(rows)))
+        """The next block, over `rows` rows: checking (at which width) or plain."""
+        size = _size_class(rows)
+        if not self._checks(size):
+            return Block(rows, False)
+        return Block(rows, True, self._next_width(size))
+
+    def _at(self, size: int) -> int:
+        """The width checking runs at, at `size` (the widest, until measured)."""
+        return self._width.get(size, self._widths[-1])
+
+    def _next_width(self, size: int) -> int:
+        """The next checking block's width: where it wins, every PROBE blocks
+        a neighbour of the width it runs at (the wider, then the narrower)."""
+        at = self._at(size)
+        plain, checking = self._plain.get(size), self._checking.get((size, at))
+        if plain is None or checking is None or checking.rate <= plain.rate:
+            return at
+        probe = self._probe[size] = self._probe.get(size, 0) + 1
+        if probe % PROBE:
+            return at
+        i = self._widths.index(at)
+        sides = [j for j in (i - 1, i + 1) if 0 <= j < len(self._widths)]
+        return self._widths[sides[probe // PROBE % len(sides)]] if sides else at
 
     def losing(self, block: Block) -> bool:
         """Whether `block`, checking, makes clearly fewer tokens a second so far
@@ -177,27 +219,48 @@ class Pacing:
         if not block.counted:
             return
         seconds = block.seconds()
-        kept = self._kept(block)
-        if block.size in kept:
-            kept[block.size].add(seconds, block.tokens)
+        kept, key = self._kept(block)
+        if key in kept:
+            kept[key].add(seconds, block.tokens)
         else:
-            kept[block.size] = _Average(seconds, block.tokens)
+            kept[key] = _Average(seconds, block.tokens)
         self._account(block, seconds)
+        if block.checked:
+            self._choose_width(block.size, block.width)
         if log.isEnabledFor(logging.DEBUG):
-            plain, checking = self._plain.get(block.size), self._checking.get(block.size)
+            plain = self._plain.get(block.size)
+            checking = self._checking.get((block.size, self._at(block.size)))
             log.debug(
-                "speculation, batches of at most %d: %d %s passes made %d tokens in %.1f ms; "
+                "speculation, batches of at most %d: %d %s passes%s made %d tokens in %.1f ms; "
                 "tokens a second, checking %s, plain %s", block.size, block.passes,
-                "checking" if block.checked else "plain", block.tokens, 1e3 * seconds,
-                f"{checking.rate:.0f}" if checking else "not measured",
+                "checking" if block.checked else "plain", _width_said(block.width, " ({})"),
+                block.tokens, 1e3 * seconds,
+                f"{checking.rate:.0f}{_width_said(self._at(block.size), ' ({})')}"
+                if checking else "not measured",
                 f"{plain.rate:.0f}" if plain else "not measured",
             )  # fmt: skip
         self._say(block.size)
 
+    def _choose_width(self, size: int, ran: int) -> None:
+        """After a checking block at width `ran`: the width checking runs at
+        becomes the best measured one; one that loses to plain passes gives
+        way to the next narrower one (tried next, not measured yet)."""
+        if ran not in self._widths:
+            return
+        at, measured = self._at(size), lambda width: self._checking.get((size, width))  # noqa: E731
+        if measured(at) is None:
+            return  # the other lane's block moved it on to a width not tried yet
+        if measured(ran).rate > measured(at).rate:
+            self._width[size] = at = ran
+        plain, i = self._plain.get(size), self._widths.index(at)
+        if plain is not None and measured(at).rate < plain.rate and i > 0:
+            if measured(narrower := self._widths[i - 1]) is None:
+                self._width[size] = narrower
+
     def _say(self, size: int) -> None:
         """Log (info) where checking proposals turns to pay at a batch size, or
         to lose: at most every SAY_EVERY seconds a size."""
-        plain, checking = self._plain.get(size), self._checking.get(size)
+        plain, checking = self._plain.get(size), self._checking.get((size, self._at(size)))
         if plain is None or checking is None or self.always:
             return
         pays, now = checking.rate > plain.rate, time.perf_counter()
@@ -206,9 +269,10 @@ class Pacing:
             return
         self._said[size] = (pays, now)
         log.info(
-            "speculation, batches of %s: checking proposals %s (%.0f tokens a second against "
+            "speculation, batches of %s: checking proposals %s (%.0f tokens a second%s against "
             "%.0f plain)%s", _streams(size),
-            "pays" if pays else "does not pay", checking.rate, plain.rate,
+            "pays" if pays else "does not pay", checking.rate,
+            _width_said(self._at(size), ", {},"), plain.rate,
             "" if pays else "; plain passes, a trial now and then",
         )  # fmt: skip
 
@@ -220,7 +284,8 @@ class Pacing:
         seconds = time.perf_counter() - started
         then.skipped += seconds
         if ended.counted:
-            self._kept(ended)[ended.size].later(seconds)
+            kept, key = self._kept(ended)
+            kept[key].later(seconds)
             if ended.checked and ended.size in self._owed:
                 self._owed[ended.size] += seconds / TRIAL_SHARE
 
@@ -236,14 +301,17 @@ class Pacing:
         else:
             self._owed.pop(size, None)
 
-    def _kept(self, block: Block) -> dict[int, _Average]:
+    def _kept(self, block: Block) -> tuple[dict, object]:
+        """Where `block`'s rate is kept, and its key there."""
         # A checking block whose rows had nothing to propose ran plain passes.
-        return self._checking if block.checked else self._plain
+        if block.checked:
+            return self._checking, (block.size, block.width)
+        return self._plain, block.size
 
     def _checks(self, size: int) -> bool:
         if self.always:
             return True
-        plain, checking = self._plain.get(size), self._checking.get(size)
+        plain, checking = self._plain.get(size), self._checking.get((size, self._at(size)))
         if plain is None:
             return False  # plain blocks first: the measure a checking one is held against
         if checking is None:
@@ -266,3 +334,8 @@ class Pacing:
         if not wins:
             self._retry[size] = min(2 * retry, MOST_RETRY)
         return not wins
+
+
+def _width_said(width: int, form: str) -> str:
+    """A checking block's width said in `form` ("" where it has none)."""
+    return form.format(f"up to {width} proposed a stream") if width else ""
