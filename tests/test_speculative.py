@@ -427,7 +427,8 @@ def test_checking_runs_at_the_width_that_pays_most_as_the_batch_turns_compute_bo
     plain = (0.010, 8)  # 800 tokens a second
     busy = {8: (0.060, 40), 4: (0.030, 30), 2: (0.012, 20), 1: (0.011, 14)}  # 2: 1667
     ran = [run_widths(pacing, clock, 8, plain, busy) for _ in range(200)]
-    assert ran[:3] == [0, 8, 4]  # plain first; the widest loses, the next is tried
+    assert ran[:3] == [0, 8, 0]  # plain first; the widest loses: plain passes...
+    assert [w for w in ran if w][:2] == [8, 4]  # ...until a trial is due, at the next width
     late = Counter(ran[100:])
     assert late[2] >= 75 and late[8] <= 5, late  # neighbours now and then, and plain
     waiting = {w: (0.012, 8 + 4 * w) for w in busy}  # the widest: 3333

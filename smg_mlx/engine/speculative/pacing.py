@@ -17,7 +17,7 @@ A wider pass keeps more of a row's right proposals, and costs more once
 the device computes rather than waits: the width checking runs at is the
 one measured best, its neighbours timed now and then (every PROBE checking
 blocks); a width that loses to plain passes gives way to the next narrower
-one, tried next.
+one, tried when a losing checking run would be.
 Until both are measured it is tried; whichever kind loses runs again now and
 then, as the batch, its proposals and the machine change (a losing checking
 run after ever longer waits, and after plain passes ran long enough that what
@@ -244,7 +244,7 @@ class Pacing:
     def _choose_width(self, size: int, ran: int) -> None:
         """After a checking block at width `ran`: the width checking runs at
         becomes the best measured one; one that loses to plain passes gives
-        way to the next narrower one (tried next, not measured yet)."""
+        way to the next narrower one not measured yet (tried at the next trial)."""
         if ran not in self._widths:
             return
         at, measured = self._at(size), lambda width: self._checking.get((size, width))  # noqa: E731
@@ -314,9 +314,12 @@ class Pacing:
         plain, checking = self._plain.get(size), self._checking.get((size, self._at(size)))
         if plain is None:
             return False  # plain blocks first: the measure a checking one is held against
-        if checking is None:
-            return True
-        wins = checking.rate > plain.rate
+        if checking is None and all(measured != size for measured, _ in self._checking):
+            return True  # the first checking block at this size
+        # (A width not measured yet, after a wider one lost, waits as a losing
+        # kind does: trying the widths one after another would cost as much as
+        # as many trials.)
+        wins = checking is not None and checking.rate > plain.rate
         # The kind that lost runs again now and then: its measure goes stale
         # as the batch, its proposals and the machine change (a plain block
         # timed while kernels were built would keep a losing checking run
