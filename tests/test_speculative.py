@@ -437,7 +437,8 @@ def test_checking_runs_at_the_width_that_pays_most_as_the_batch_turns_compute_bo
     assert late[8] >= 70, late
 
 
-def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals():
+@pytest.mark.parametrize("drafter", ["prompt lookup", "draft model"])
+def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals(drafter):
     """A block's width is the most proposals a row has checked in one pass
     (where the batch's passes turned compute-bound), and the tokens are the
     plain ones still."""
@@ -459,7 +460,8 @@ def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals():
 
     SpeculativeGenerationBatch._check = counted
     try:
-        ours, _, _, stats = generate(model, prompts, max_tokens, True, pacing=Narrow())
+        draft = model if drafter == "draft model" else None
+        ours, _, _, stats = generate(model, prompts, max_tokens, True, pacing=Narrow(), draft=draft)
     finally:
         SpeculativeGenerationBatch._check = check
     assert ours == plain
