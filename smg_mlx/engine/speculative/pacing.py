@@ -192,11 +192,15 @@ class Pacing:
         """The width checking runs at, at `size` (the widest, until measured)."""
         return self._width.get(size, self._widths[-1])
 
+    def _current(self, size: int) -> _Average | None:
+        """The rate of checking blocks at the width checking runs at, at `size`."""
+        return self._checking.get((size, self._at(size)))
+
     def _next_width(self, size: int) -> int:
         """The next checking block's width: where it wins, every PROBE blocks
         a neighbour of the width it runs at (the wider, then the narrower)."""
         at = self._at(size)
-        plain, checking = self._plain.get(size), self._checking.get((size, at))
+        plain, checking = self._plain.get(size), self._current(size)
         if plain is None or checking is None or checking.rate <= plain.rate:
             return at
         probe = self._probe[size] = self._probe.get(size, 0) + 1
@@ -229,7 +233,7 @@ class Pacing:
             self._choose_width(block.size, block.width)
         if log.isEnabledFor(logging.DEBUG):
             plain = self._plain.get(block.size)
-            checking = self._checking.get((block.size, self._at(block.size)))
+            checking = self._current(block.size)
             log.debug(
                 "speculation, batches of at most %d: %d %s passes%s made %d tokens in %.1f ms; "
                 "tokens a second, checking %s, plain %s", block.size, block.passes,
@@ -260,7 +264,7 @@ class Pacing:
     def _say(self, size: int) -> None:
         """Log (info) where checking proposals turns to pay at a batch size, or
         to lose: at most every SAY_EVERY seconds a size."""
-        plain, checking = self._plain.get(size), self._checking.get((size, self._at(size)))
+        plain, checking = self._plain.get(size), self._current(size)
         if plain is None or checking is None or self.always:
             return
         pays, now = checking.rate > plain.rate, time.perf_counter()
@@ -311,7 +315,7 @@ class Pacing:
     def _checks(self, size: int) -> bool:
         if self.always:
             return True
-        plain, checking = self._plain.get(size), self._checking.get((size, self._at(size)))
+        plain, checking = self._plain.get(size), self._current(size)
         if plain is None:
             return False  # plain blocks first: the measure a checking one is held against
         if checking is None and all(measured != size for measured, _ in self._checking):
