@@ -287,6 +287,34 @@ def test_accepted_proposals_count_only_the_tokens_sent(after):
     assert stats.tokens == stats.passes + stats.accepted
 
 
+def test_prompt_lookup_finds_what_a_plain_scan_of_every_occurrence_finds():
+    """On any tokens (repetitive or not, few or many distinct): the longest
+    suffix of 4 down to 2 tokens that occurred before; of its occurrences the
+    latest followed by `most` tokens, else the one followed by the most."""
+
+    def scanned(tokens: list[int], n: int, most: int) -> list[int]:
+        for size in range(min(4, n - 1), 1, -1):
+            found = [s for s in range(n - size) if tokens[s : s + size] == tokens[n - size : n]]
+            if found:
+                full = [s for s in found if n - s - size >= most]
+                start = full[-1] if full else found[0]
+                return tokens[start + size : min(start + size + most, n)]
+        return []
+
+    rng = np.random.default_rng(5)
+    found = 0
+    for case in range(3000):
+        length = int(rng.integers(2, 200))
+        tokens = rng.integers(0, int(rng.choice([2, 3, 7, 500])), size=length)
+        if case % 3 == 0:  # a phrase repeated, as the tokens models repeat
+            tokens = np.resize(tokens[: rng.integers(1, 9)], length)
+        n, most = int(rng.integers(2, length + 1)), int(rng.integers(1, 16))
+        expected = scanned(tokens.tolist(), n, most)
+        assert lookup(tokens.astype(np.int64), n, most) == expected, (tokens.tolist(), n, most)
+        found += bool(expected)
+    assert 1000 < found < 2900  # (both kinds of case met)
+
+
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
     tokens = np.array([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7, 0], dtype=np.int64)
     # ...5 6 7 last followed by 9 2 (the latest earlier occurrence, not 8 1)

@@ -38,16 +38,17 @@ def lookup(tokens: np.ndarray, n: int, most: int) -> list[int]:
     of a run of one repeated token is followed by just one)."""
     for size in range(min(LONGEST, n - 1), SHORTEST - 1, -1):
         suffix = tokens[n - size : n]
-        best = None
-        for start in np.flatnonzero(tokens[: n - size] == suffix[0])[::-1]:
-            if np.array_equal(tokens[start : start + size], suffix):
-                follows = tokens[start + size : min(start + size + most, n)]
-                if best is None or len(follows) > len(best):
-                    best = follows
-                if len(best) == most:
-                    break
-        if best is not None:
-            return best.tolist()
+        # Every earlier start of the suffix, compared at once (in a document a
+        # common first token starts hundreds of candidates).
+        starts = np.flatnonzero(tokens[: n - size] == suffix[0])
+        if starts.size:
+            rest = tokens[starts[:, None] + np.arange(1, size)] == suffix[1:]
+            starts = starts[rest.all(axis=1)]
+        if starts.size:
+            # A start is followed by min(most, n - size - start) tokens.
+            full = starts[starts <= n - size - most]
+            start = full[-1] if full.size else starts[0]
+            return tokens[start + size : min(start + size + most, n)].tolist()
     return []
 
 
