@@ -192,9 +192,13 @@ class Pacing:
         """The width checking runs at, at `size` (the widest, until measured)."""
         return self._width.get(size, self._widths[-1])
 
+    def _measured(self, size: int, width: int) -> _Average | None:
+        """The rate of checking blocks at `width`, at `size` (None: not measured)."""
+        return self._checking.get((size, width))
+
     def _current(self, size: int) -> _Average | None:
         """The rate of checking blocks at the width checking runs at, at `size`."""
-        return self._checking.get((size, self._at(size)))
+        return self._measured(size, self._at(size))
 
     def _next_width(self, size: int) -> int:
         """The next checking block's width: where it wins, every PROBE blocks
@@ -251,14 +255,14 @@ class Pacing:
         way to the next narrower one not measured yet (tried at the next trial)."""
         if ran not in self._widths:
             return
-        at, measured = self._at(size), lambda width: self._checking.get((size, width))  # noqa: E731
-        if measured(at) is None:
+        at, current = self._at(size), self._current(size)
+        if current is None:
             return  # the other lane's block moved it on to a width not tried yet
-        if measured(ran).rate > measured(at).rate:
-            self._width[size] = at = ran
+        if self._measured(size, ran).rate > current.rate:
+            self._width[size], at, current = ran, ran, self._measured(size, ran)
         plain, i = self._plain.get(size), self._widths.index(at)
-        if plain is not None and measured(at).rate < plain.rate and i > 0:
-            if measured(narrower := self._widths[i - 1]) is None:
+        if plain is not None and current.rate < plain.rate and i > 0:
+            if self._measured(size, narrower := self._widths[i - 1]) is None:
                 self._width[size] = narrower
 
     def _say(self, size: int) -> None:
