@@ -1029,14 +1029,18 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
 
 
 @pytest.mark.parametrize(
-    "speculative, operator, graphs",
-    [("auto", None, "0"), ("always", None, "0"), ("off", None, None), ("auto", "1", "1")],
-)
+    "speculative, rows, operator, graphs",
+    [
+        ("auto", 32, None, "0"), ("always", 32, None, "0"), ("off", 32, None, None),
+        ("auto", 32, "1", "1"), ("auto", 1, None, None), ("always", 1, "0", "0"),
+    ],
+)  # fmt: skip
 def test_on_cuda_a_speculating_worker_launches_kernels_without_cuda_graphs(
-    model_dir, monkeypatch, caplog, speculative, operator, graphs
+    model_dir, monkeypatch, caplog, speculative, rows, operator, graphs
 ):
-    # Checking passes met a new CUDA graph nearly every pass, each instantiated
-    # on the host; an operator's own setting wins.
+    # Checking passes of several rows met a new CUDA graph nearly every pass,
+    # each instantiated on the host; one row's reuse theirs, so a worker of
+    # one stream at a time keeps graphs. An operator's own setting wins.
     from smg_mlx.config import EngineConfig
     from smg_mlx.engine.batch import loading
 
@@ -1045,8 +1049,12 @@ def test_on_cuda_a_speculating_worker_launches_kernels_without_cuda_graphs(
         environ["MLX_USE_CUDA_GRAPHS"] = operator
     monkeypatch.setattr(loading.os, "environ", environ)
     monkeypatch.setattr(loading.mx.cuda, "is_available", lambda: True)
-    config = EngineConfig(model_path=model_dir, speculative=speculative)
+    config = EngineConfig(
+        model_path=model_dir, speculative=speculative, completion_batch_size=rows
+    )
     with caplog.at_level(logging.INFO, logger="smg_mlx.engine.batch.loading"):
         loading.load_for(config, None)
     assert environ.get("MLX_USE_CUDA_GRAPHS") == graphs
-    assert ("CUDA graphs off" in caplog.text) == (graphs == "0")
+    assert ("CUDA graphs off" in caplog.text) == (graphs == "0" and operator is None)
+    kept = speculative != "off" and rows == 1 and operator is None
+    assert ("CUDA graphs kept with speculative decoding on" in caplog.text) == kept

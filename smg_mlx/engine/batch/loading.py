@@ -48,7 +48,7 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
     for name, value in CUDA_CACHE_SETTINGS.items():
         os.environ.setdefault(name, value)
     if mx.cuda.is_available() and config.speculative != "off" and group is None:
-        _without_cuda_graphs()
+        _cuda_graphs_when_speculating(config.completion_batch_size)
     if mx.cuda.is_available() and "MLX_PTX_CACHE_DIR" not in os.environ:
         # Read when the first kernel is compiled, after this.
         os.environ["MLX_PTX_CACHE_DIR"] = str(kernel_folder(config))
@@ -114,20 +114,29 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
     return model
 
 
-def _without_cuda_graphs() -> None:
+def _cuda_graphs_when_speculating(rows: int) -> None:
     """Kernels launched one by one, not recorded into CUDA graphs, where passes
-    may check speculative proposals: mlx keeps an executable graph per
-    sequence of kernels and their dependencies, and checking passes, whose
-    rows end apart and change the batch every few passes, kept meeting new
-    ones, each instantiated on the host before it ran (on a small model, most
-    of a pass's time). Read when the device first runs work, after this; an
-    operator's MLX_USE_CUDA_GRAPHS wins."""
+    may check speculative proposals for several rows (`rows`, the most decoded
+    together): mlx keeps an executable graph per sequence of kernels and their
+    dependencies, and such passes, whose rows end apart and change the batch
+    every few passes, kept meeting new ones, each instantiated on the host
+    before it ran (on a small model, most of a pass's time). One row's checking
+    passes reuse theirs, and every plain pass runs faster with graphs: a
+    worker decoding one stream at a time keeps them. Read when the device first
+    runs work, after this; an operator's MLX_USE_CUDA_GRAPHS wins."""
     if "MLX_USE_CUDA_GRAPHS" in os.environ:
+        return
+    if rows == 1:
+        log.info(
+            "CUDA graphs kept with speculative decoding on: one stream at a time "
+            "(--completion-batch-size 1), whose checking passes reuse them"
+        )
         return
     os.environ["MLX_USE_CUDA_GRAPHS"] = "0"
     log.info(
-        "CUDA graphs off, as speculative decoding is on: its checking passes meet new graphs "
-        "nearly every pass (MLX_USE_CUDA_GRAPHS=1 keeps them)"
+        "CUDA graphs off, as speculative decoding is on: checking passes of several streams meet "
+        "new graphs nearly every pass (MLX_USE_CUDA_GRAPHS=1 keeps them; so does "
+        "--completion-batch-size 1)"
     )
 
 
