@@ -13,7 +13,7 @@ import signal
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.types import CacheStats, Memory, StepReport
+from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,8 @@ class _Outcome:
 
     exit_code = 1
 
-    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats,
+                speculation: SpeculationStats) -> None:  # fmt: skip
         # Once following, stopping this rank alone would fail every rank: rank 0
         # stops them all. (Until then a signal ends it, as a stuck start-up may need.)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

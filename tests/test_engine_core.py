@@ -47,7 +47,7 @@ class Recorder:
         self.reports: queue.Queue[StepReport] = queue.Queue()
         self.ending: queue.Queue[str] = queue.Queue()
 
-    def started(self, memory, ranks, mode, cache) -> None:
+    def started(self, memory, ranks, mode, cache, speculation) -> None:
         self.ready.set()
 
     def stepping(self, expected_seconds) -> None:

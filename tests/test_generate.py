@@ -20,6 +20,7 @@ from smg_mlx.engine.types import (
     LogitsSettings,
     Memory,
     SamplingSettings,
+    SpeculationStats,
     StepReport,
 )
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -281,7 +282,7 @@ def test_a_stream_sends_what_it_holds_before_a_slow_step():
 
     async def scenario() -> tuple[list[list[int]], list[list[int]]]:
         client = EngineClient(asyncio.get_running_loop(), stream_interval=2)
-        client.started(memory, 1, "batched", CacheStats())
+        client.started(memory, 1, "batched", CacheStats(), SpeculationStats())
         publisher = StreamPublisher(_at_once, client, minimum=2)
         job = Job("r", spec)
         client.submit(job)

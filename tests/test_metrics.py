@@ -302,17 +302,29 @@ def test_no_speculation_counters_where_the_model_cannot_speculate(start_worker, 
     in its log; no counter reads as speculation on."""
     port = free_port()
     w = start_worker(family_model("gemma3_text"), metrics_port=port, speculative="always")
-    generate(w.stub, prompt(20, 1), max_tokens=4)
-    assert wait_until(lambda: w.worker.engine.speculation.drafter == "")
-    names = {name for name, _ in scrape(port)}
-    assert "smg_mlx_memory_budget_bytes" in names
-    assert not any(n.startswith("smg_mlx_speculative_") for n in names)
+    for _ in range(2):  # from the start, and after a request
+        names = {name for name, _ in scrape(port)}
+        assert "smg_mlx_memory_budget_bytes" in names
+        assert not any(n.startswith("smg_mlx_speculative_") for n in names)
+        generate(w.stub, prompt(20, 1), max_tokens=4)
+        assert wait_until(lambda: w.worker.engine.speculation.drafter == "")
+
+
+def test_speculation_counters_name_the_drafter_from_the_start(start_worker, model_dir):
+    """Before any request the counters read 0, labelled with what proposes."""
+    port = free_port()
+    start_worker(model_dir, metrics_port=port, draft_model=model_dir, speculative="auto")
+    series = {key: value for key, value in scrape(port).items()
+              if key[0].startswith("smg_mlx_speculative_")}  # fmt: skip
+    assert len(series) == 4 and not any(series.values())
+    assert {labels for _, labels in series} == {(("drafter", "draft_model"),)}
 
 
 def test_speculation_counters_move_by_what_was_proposed_and_kept(start_worker, model_dir):
     port = free_port()
     w = start_worker(model_dir, metrics_port=port, speculative="always")
     before = scrape(port)
+    assert before[("smg_mlx_speculative_passes_total", (("drafter", "prompt_lookup"),))] == 0
     for i, n in enumerate((30, 90)):  # prompts that repeat themselves: lookups find proposals
         generate(w.stub, (prompt(n, i)[:7] * 40)[:n], max_tokens=40, ignore_eos=True)
     after = scrape(port)

@@ -942,6 +942,10 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(model_dir, t
     code, lines = helpers.serve("--model", str(model_dir), "--draft-model", str(wider),
                                 "--port", "0")  # fmt: skip
     assert code == 2 and "it scores 1024 token ids, the model knows" in lines[-1]
+    # The other way round: the model writes ids past the draft's embedding table.
+    code, lines = helpers.serve("--model", str(wider), "--draft-model", str(model_dir),
+                                "--port", "0")  # fmt: skip
+    assert code == 2 and " token ids, the model writes 1024: a draft must read " in lines[-1]
     code, lines = helpers.serve("--model", str(model_dir), "--draft-model", str(other),
                                 "--speculative", "off")  # fmt: skip
     assert code == 2 and "--speculative off turns off" in lines[-1]
@@ -1021,6 +1025,11 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
             caplog.clear()
             assert drafting_for(config, model, group, batched=True, draft=None) is None
             assert f"speculative decoding: off ({why})" in caplog.text
+        # A draft model named: the log says it goes unused.
+        caplog.clear()
+        named = EngineConfig(model_path=model_dir, speculative="auto", draft_model=model_dir)
+        assert drafting_for(named, plain, Ranks(), batched=True, draft=None) is None
+        assert f"off (several ranks; --draft-model {model_dir} is not used)" in caplog.text
     # No flag given: off, and the log says how to turn it on (not that it was asked off).
     with caplog.at_level(logging.INFO, logger="smg_mlx.engine.speculative.choice"):
         caplog.clear()

@@ -31,7 +31,7 @@ from smg_mlx.api.streaming import StreamPublisher
 from smg_mlx.engine import start_up
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
-from smg_mlx.engine.types import CacheStats, Memory, StepReport
+from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,10 @@ class PipeReceiver:
         self._pipe = pipe
         self.serving = False  # `started` was sent
 
-    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats,
+                speculation: SpeculationStats) -> None:  # fmt: skip
         self.serving = True
-        self._pipe.send("started", memory, ranks, mode, cache)
+        self._pipe.send("started", memory, ranks, mode, cache, speculation)
 
     def deliver(self, reports: list[StepReport], per_message: int) -> None:
         self._pipe.send("deliver", reports, per_message)

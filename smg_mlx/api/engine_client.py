@@ -160,9 +160,11 @@ class EngineClient:
         """What one token's keys and values take as stored, in bytes."""
         return self.memory.kv_per_token if self.memory else 0.0
 
-    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats,
+                speculation: SpeculationStats) -> None:  # fmt: skip
         self.memory = memory
         self.cache = cache
+        self.speculation = speculation
         self.ranks = ranks
         self.mode = mode
         self.state = EngineState.READY

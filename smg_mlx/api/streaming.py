@@ -37,7 +37,7 @@ from typing import Protocol
 
 from smg_mlx.api import responses
 from smg_mlx.api.jobs import Job
-from smg_mlx.engine.types import CacheStats, Memory, StepReport
+from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats, StepReport
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
 # A message takes gRPC and the loop a few tenths of a millisecond of the GIL,
@@ -63,7 +63,8 @@ def tokens_per_message(minimum: int, running: int, step_seconds: float) -> int:
 class Receiver(Protocol):
     """The event-loop side of the engine (`EngineClient`); called on the loop."""
 
-    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats) -> None: ...
+    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats,
+                speculation: SpeculationStats) -> None: ...  # fmt: skip
 
     def deliver(self, reports: list[StepReport], per_message: int) -> None: ...
 
@@ -102,8 +103,9 @@ class StreamPublisher:
             self._post(self._receiver.deliver, self._held, self._per_message)
             self._held = []
 
-    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats) -> None:
-        self._post(self._receiver.started, memory, ranks, mode, cache)
+    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats,
+                speculation: SpeculationStats) -> None:  # fmt: skip
+        self._post(self._receiver.started, memory, ranks, mode, cache, speculation)
 
     def stepping(self, expected_seconds: float) -> None:
         # Tokens held through a step would wait for it too: past about

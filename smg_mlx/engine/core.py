@@ -113,7 +113,8 @@ class EngineCore:
         ranks = channel.size if channel is not None else 1
         try:
             self.sink.started(
-                self._memory(batch, scheduler), ranks, batch.mode.value, _cache_stats(batch)
+                self._memory(batch, scheduler), ranks, batch.mode.value, _cache_stats(batch),
+                batch.speculation,
             )
             if channel is not None and channel.rank > 0:
                 self._follow(batch, channel)

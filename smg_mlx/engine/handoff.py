@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
-from smg_mlx.engine.types import CacheStats, Memory, Request, StepReport
+from smg_mlx.engine.types import CacheStats, Memory, Request, SpeculationStats, StepReport
 
 
 class Inbox:
@@ -112,11 +112,13 @@ class Inbox:
 class Sink(Protocol):
     """Where the engine reports. Every method is called on the engine thread."""
 
-    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats) -> None:
+    def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats,
+                speculation: SpeculationStats) -> None:  # fmt: skip
         """The model is loaded and warmed up on `ranks` processes: requests can be
         served (of at most `memory.longest_sequence` tokens each), batched as
         `mode` says (`engine.batch.batch_check`); the prefix cache holds what
-        `cache` says (the disk tier's entries from earlier runs)."""
+        `cache` says (the disk tier's entries from earlier runs); `speculation`
+        says what proposes, if anything (its counts all 0)."""
 
     def stepping(self, expected_seconds: float) -> None:
         """A step is about to run, expected to take `expected_seconds`."""

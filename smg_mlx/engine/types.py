@@ -153,8 +153,9 @@ class SpeculationStats:
     accepted: int = 0  # of those, tokens kept
     passes: int = 0  # passes that checked proposals
     tokens: int = 0  # tokens those passes returned
-    # What proposes: prompt_lookup or draft_model ("": none, speculation is off).
-    drafter: str = "prompt_lookup"
+    # What proposes: prompt_lookup or draft_model ("": none, speculation is off,
+    # or the engine has not said yet).
+    drafter: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,7 +75,7 @@ class Lanes:
     def speculation(self) -> SpeculationStats:
         """What speculative decoding has done since start."""
         if self.drafting is None:
-            return SpeculationStats(drafter="")
+            return SpeculationStats()
         drafter = "prompt_lookup" if self.drafting.draft is None else "draft_model"
         return SpeculationStats(**vars(self.drafting.stats), drafter=drafter)
 

@@ -71,14 +71,17 @@ def drafting_for(
                 "lengths (the start-up check), and a checking pass runs them so"
             )
     if why_not is not None:
+        if config.draft_model is not None and setting != "off":
+            why_not += f"; --draft-model {config.draft_model} is not used"
         # Asked for (its default is off), it is worth a warning.
         say = log.info if setting == "off" else log.warning
         say("speculative decoding: off (%s)", why_not)
         return None
     always = setting == "always"
     log.info(
-        "speculative decoding: %s, up to %d proposed tokens a stream a pass, %s",
+        "speculative decoding: %s, up to %d proposed token%s a stream a pass, %s",
         "prompt lookup" if draft is None else f"the draft model {config.draft_model}", most,
+        "" if most == 1 else "s",
         "wherever there are some" if always else "where measured pass times say it pays",
     )  # fmt: skip
     return Drafting(
@@ -112,6 +115,14 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
             f"--draft-model {draft_path}: it scores {outputs} token ids, the model knows "
             f"{inputs}: a draft must not propose ids the model cannot read (name a draft of "
             "the model's family with its vocabulary)"
+        )
+    # The draft reads every token the model writes: an id past its embedding
+    # table reads zeros, or memory past it.
+    if (reads := getattr(getattr(draft, "args", None), "vocab_size", None)) and reads < inputs:
+        raise Unservable(
+            f"--draft-model {draft_path}: it reads {reads} token ids, the model writes "
+            f"{inputs}: a draft must read every id the model can write (name a draft of the "
+            "model's family with its vocabulary)"
         )
     if (names := other_kinds(make_prompt_cache(draft))) is not None:
         raise Unservable(
