@@ -1044,7 +1044,7 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
         ("auto", 32, "1", "1"), ("auto", 1, None, None), ("always", 1, "0", "0"),
     ],
 )  # fmt: skip
-def test_on_cuda_a_speculating_worker_launches_kernels_without_cuda_graphs(
+def test_on_cuda_a_speculating_worker_runs_without_cuda_graphs_unless_one_stream_at_a_time(
     model_dir, monkeypatch, caplog, speculative, rows, operator, graphs
 ):
     # Checking passes of several rows met a new CUDA graph nearly every pass,
