@@ -630,3 +630,22 @@ def test_cudas_16_bit_tails_change_no_token_solo_in_batches_or_from_the_prefix_c
     assert run(True) == without
     assert len(passes) > 300 and max(passes) > 1  # batched decoding passes went to tails
     assert without[-1][1] > 300 and all(len(set(tokens)) > 3 for tokens in without[:5])
+
+
+def test_a_prompt_as_long_as_a_quantized_worker_takes_stays_within_its_budget(
+    start_worker, models_root, bits
+):
+    """A long prompt's attention dequantizes the keys and values it reads: bytes
+    held per key, whatever the chunk. Counted per chunk token (as the probe's
+    measures came), the longest prompt a worker took ran past its budget."""
+    model = build_model(models_root / "long-head64", [
+        "--hidden-size", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+        "--layers", "2", "--context-length", "65536",
+    ])  # fmt: skip
+    budget = 24 << 20
+    w = start_worker(model, kv_bits=bits, memory_budget_bytes=budget, prompt_cache_bytes=0)
+    longest = w.worker.engine.longest_sequence
+    assert 2048 < longest < 65536  # the budget bounds it, past a layer at a time's keys
+    out = generate(w.stub, prompt(longest - 20, 1), max_tokens=16, ignore_eos=True)
+    assert out.complete.finish_reason == "length"
+    assert w.worker.engine.memory.peak <= budget

@@ -118,7 +118,7 @@ class Batch(PrefixCalls):
                 self.memory, self.speed = memory_probe.measure(
                     self.model, self._stream, self.max_chunk, group,
                     known,
-                    self._fresh_caches,
+                    self._fresh_caches, self._dequantized(),
                 )  # fmt: skip
             if kept is not None:
                 probe_results.keep(kept, self.memory, self.speed, time.perf_counter() - probed)
@@ -148,6 +148,13 @@ class Batch(PrefixCalls):
         # dequantized (quantized_attention): both are held, per key.
         own = memory_probe.kv_per_token(self.model, self._stream)
         return lambda quantized: self.attention.working_set(own + quantized, layers)
+
+    def _dequantized(self) -> float:
+        """Bytes per key a prefill's attention dequantizes over all layers where
+        it runs unpadded (quantized_attention): the model's own KV per token."""
+        if self._fresh_caches is None or self.attention is not None:
+            return 0.0
+        return memory_probe.kv_per_token(self.model, self._stream)
 
     def serve_as(self, mode: batch_check.Mode) -> None:
         """Serve in `mode` from now on (the batch must be empty)."""

@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from smg_mlx.engine.batch.layer_waits import copies_per_key
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.batch.sampling import batch_generator
 from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
@@ -244,7 +245,7 @@ def measure(
     model: nn.Module, stream: mx.Stream, max_chunk: int,
     group: mx.distributed.Group | None = None,
     attention: Callable[[float], tuple[float, float] | None] | None = None,
-    caches: LayerCaches | None = None,
+    caches: LayerCaches | None = None, copied: float = 0.0,
 ) -> tuple[MemoryModel, PrefillSpeed]:  # fmt: skip
     """The model's weights, KV bytes per token and prefill working set; and
     what prefilling costs in time. With a `group` of ranks (each holding a
@@ -252,7 +253,9 @@ def measure(
     `attention`, given the KV bytes per token, tells what a prefill's
     attention holds per query and key, and per key, where it knows. `caches`
     makes a sequence's caches as the rows' are made (--kv-bits; None: the
-    model's own)."""
+    model's own). `copied`: where `attention` does not say, the bytes per key
+    a prefill's attention copies over all layers (quantized keys and values
+    dequantized): held per key, whatever the chunk, not per chunk token."""
     started = time.perf_counter()
     if caches is None:
         caches = passes = partial(make_prompt_cache, model)
@@ -284,9 +287,13 @@ def measure(
     speed = _speed(_one_prompt(model, stream, long, chunk, progress, caches)[1], chunk)
     known = attention(per_kv_token) if attention is not None else None
     if known is None:
+        # The probe's prompts are too short to go a layer at a time
+        # (layer_waits): they held every layer's copies, a long prompt those
+        # of the layers in flight.
+        spent = {n: held - copied * n for n, held in spent.items()}
         per_context = max(0.0, (spent[long] - spent[short]) / (chunk * (long - short)))
         per_chunk_token = max(0.0, spent[short] / chunk - per_context * short)
-        per_key = 0.0
+        per_key = copies_per_key(copied, len(model.layers))
     else:
         per_context, per_key = known
         per_chunk_token = max(0.0, *spent.values()) / chunk

@@ -21,7 +21,7 @@ from smg_mlx.logs import error_line
 
 FOLDER = "memory-probe"
 # Changed whenever what the probe measures, or how, changes: older findings are not used.
-FORMAT = "memory probe 4"
+FORMAT = "memory probe 5"
 
 
 def remembered(config: EngineConfig, max_chunk: int, padded: bool) -> Remembered | None:
