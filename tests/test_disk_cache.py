@@ -248,6 +248,19 @@ def test_a_truncated_file_is_ignored_and_deleted_at_start(
     assert not path.exists()
 
 
+def test_a_file_deleted_under_a_running_worker_is_said_gone_and_the_request_prefills(
+    start_worker, model_dir, cold, tmp_path, caplog
+):
+    history, path = _written(start_worker, model_dir, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        w = start_worker(model_dir, prompt_cache_dir=tmp_path)  # it indexes the file
+        path.unlink()  # as an operator clearing the folder would
+        got = same_as_cold(w, cold, history + [7])
+    assert got.complete.cached_tokens == 0
+    (line,) = logged(caplog, path.name)
+    assert f"prompt cache: {path.name} is gone; the request prefills" in line
+
+
 def test_a_file_with_a_damaged_header_costs_only_its_own_entry(
     start_worker, model_dir, cold, tmp_path, caplog
 ):

@@ -115,7 +115,10 @@ class DiskReads:
         Nothing is said of a file no longer indexed (its folder deleted, or
         a newer file made it redundant meanwhile)."""
         if not self._gone() and self.tree.get(read.entry.id) is read.entry:
-            log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
+            if isinstance(read.error, FileNotFoundError):  # deleted by someone else
+                log.warning("prompt cache: %s is gone; the request prefills", read.name)
+            else:
+                log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
             if isinstance(read.error, kv_files.BadFile):
                 self.stats.corrupt += 1
             self.tree.remove(read.entry)

@@ -321,7 +321,7 @@ class DiskTier(DiskReads):
             if not self._cap_warned:
                 log.warning(
                     "prompt cache: an entry of %s does not fit --prompt-cache-disk-bytes (%s): "
-                    "entries that large stay in memory only",
+                    "entries that large are not written to disk (memory may keep them)",
                     format_bytes(nbytes), format_bytes(self._max_bytes),
                 )  # fmt: skip
                 self._cap_warned = True
