@@ -282,6 +282,11 @@ def main() -> None:
                      "to write over its files")  # fmt: skip
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.sliding_window and args.family != "llama":
+        # mlx-lm's other families here read no window from the config: the model
+        # would attend to everything, as if none were asked for.
+        parser.error(f"--sliding-window: mlx-lm's {args.family} has no sliding windows; "
+                     "use --family llama")  # fmt: skip
     if args.head_dim is None and args.hidden_size % args.heads:
         parser.error(f"--hidden-size {args.hidden_size} does not split into --heads "
                      f"{args.heads}: give a multiple of it, or --head-dim")  # fmt: skip
