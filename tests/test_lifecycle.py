@@ -390,3 +390,6 @@ def test_a_health_check_of_an_unknown_service_names_the_services_reported(worker
         "unknown service 'bogus'; this worker reports '', 'mlx.grpc.engine.MlxEngine'"
     )
     assert health.Check(health_pb2.HealthCheckRequest(service=ENGINE)).status == SERVING
+    # Newer health clients list every service at once.
+    listed = health.List(health_pb2.HealthListRequest(), timeout=5).statuses
+    assert {name: s.status for name, s in listed.items()} == {"": SERVING, ENGINE: SERVING}

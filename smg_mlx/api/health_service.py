@@ -16,10 +16,11 @@ SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 class HealthServicer(health.aio.HealthServicer):
     """grpcio's, but a Check of a service this worker does not report says which
-    it does, instead of a bare NOT_FOUND; and a Watch, once the worker shuts
-    down, sends NOT_SERVING and ends (OK) rather than stay open until the
-    server's stop cancels it, which would hold the stop for its grace period
-    and end the watch UNAVAILABLE."""
+    it does, instead of a bare NOT_FOUND; a Watch, once the worker shuts down,
+    sends NOT_SERVING and ends (OK) rather than stay open until the server's
+    stop cancels it, which would hold the stop for its grace period and end
+    the watch UNAVAILABLE; and List (newer health clients call it), which
+    grpcio leaves unimplemented, answers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +57,14 @@ class HealthServicer(health.aio.HealthServicer):
                 f"unknown service {request.service!r}; this worker reports {names}",
             )
         return await super().Check(request, context)
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            service: health_pb2.HealthCheckResponse(status=status)
+            for service, status in self._statuses.items()
+        })  # fmt: skip
 
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
