@@ -168,6 +168,8 @@ def configure(level: str, format_name: str, rank: int | None = None) -> None:
         handler.setFormatter(TextFormatter(rank))
     logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger(READY).setLevel(logging.INFO)
+    # grpcio says at debug which event loop each call found: a line a call, nothing to act on.
+    logging.getLogger("grpc._cython.cygrpc").setLevel(max(logging.INFO, logging.root.level))
 
 
 if __name__ == "__main__":

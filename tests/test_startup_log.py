@@ -166,3 +166,15 @@ def test_the_serving_line_shows_at_any_log_level(spawn, model_dir):
         p.log.read_text()
     )
     assert " INFO smg_mlx.server" not in p.log.read_text()  # the level still holds elsewhere
+
+
+def test_debug_logs_hold_the_workers_lines_not_grpcs_per_call_notes(spawn, model_dir):
+    from helpers import generate, prompt
+
+    p = spawn("--model", str(model_dir), "--log-level", "debug")
+    p.wait_serving()
+    for i in range(3):
+        generate(p.stub, prompt(8, i), max_tokens=2)
+    text = p.log.read_text()
+    assert " DEBUG smg_mlx." in text
+    assert "Loaded running loop" not in text  # grpcio's, a line a call
