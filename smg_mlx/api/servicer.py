@@ -165,7 +165,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         if request_id in self._jobs or request_id in self._preparing:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {request_id!r} is already in flight; use a unique id",
+                # (bounded: a status message over 16 KiB is refused by grpcio's clients)
+                f"request_id {request_log.bounded(request_id)!r} is already in flight; "
+                "use a unique id",
             )
         self._preparing[request_id] = False
         try:
