@@ -97,7 +97,8 @@ def _ranks(group: mx.distributed.Group | None) -> int:
 def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
     """The draft model, loaded; refused (types.Unservable) unless it can
     propose the model's tokens: the same tokenizer, no more outputs than the
-    model has inputs, caches that take tokens back."""
+    model has inputs, inputs for every output of the model's, caches that take
+    tokens back."""
     started = time.perf_counter()
     draft_path = config.draft_model
     draft, draft_tokenizer = load(str(draft_path))
