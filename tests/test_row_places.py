@@ -14,6 +14,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
 from test_speculative import tiny_model
 
+from smg_mlx.engine.batch import batch_kv
 from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, copied_out
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.batch.row_places import HOLES_KEPT, PlacedGenerationBatch
@@ -101,11 +102,15 @@ def _run(model, requests, places: bool, running: int, monkeypatch, rows=None, bi
                 spare_columns=spare, holes=widest)  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_rows_joining_into_places_left_decode_as_in_mlx_lms_batch(family, monkeypatch):
+@pytest.mark.parametrize("family, steady", [("llama", False), ("qwen3", False), ("llama", True)],
+                         ids=["llama", "qwen3", "llama, steady widths (CUDA)"])  # fmt: skip
+def test_rows_joining_into_places_left_decode_as_in_mlx_lms_batch(family, steady, monkeypatch):
+    """Also where several rows attend over their buffers to the next multiple
+    of its step (`steady`, as on CUDA), the columns past their ends masked."""
     model = tiny_model(family, scale=1.5)
     requests = _requests(40, seed=5)
     theirs = _run(model, requests, places=False, running=8, monkeypatch=monkeypatch)
+    monkeypatch.setattr(batch_kv, "_steady", steady)
     ours = _run(model, requests, places=True, running=8, monkeypatch=monkeypatch)
     assert any(len(set(t)) > 3 for t in theirs["tokens"].values()), "output should vary"
     assert ours["tokens"] == theirs["tokens"]

@@ -24,7 +24,12 @@ from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.sample_utils import make_sampler
 
 from smg_mlx.demo_model import build_model
-from smg_mlx.engine.batch import quantized_attention, quantized_kv  # (QuantizedKVCache's merge)
+from smg_mlx.engine.batch import (  # (quantized_kv: QuantizedKVCache's merge)
+    batch_kv,
+    quantized_attention,
+    quantized_kv,
+)
+from smg_mlx.engine.batch.batch_kv import steady_mask
 from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
@@ -115,10 +120,12 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
     "family, bits, whole, one_width",
     [("llama", None, False, False), ("llama", None, False, True), ("qwen3", None, False, False),
      ("qwen3", 8, False, False), ("qwen3", 4, False, False), ("qwen3", 8, True, True),
-     ("qwen3", 4, "tails", True)],
+     ("qwen3", 4, "tails", True), ("llama", None, "steady", True),
+     ("qwen3", None, "steady", False)],
     ids=["llama", "llama, one width (CUDA)", "qwen3", "qwen3 8-bit KV", "qwen3 4-bit KV",
          "qwen3 8-bit KV, whole buffers, one width (CUDA)",
-         "qwen3 4-bit KV, whole buffers and 16-bit tails, one width (CUDA)"],
+         "qwen3 4-bit KV, whole buffers and 16-bit tails, one width (CUDA)",
+         "llama, steady widths and one width (CUDA)", "qwen3, steady widths"],
 )  # fmt: skip
 def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     family, bits, whole, one_width, monkeypatch
@@ -129,8 +136,16 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     and (`tails`) plain passes writing into 16-bit tails, quantized before a
     pass checks proposals. A checking pass is as wide as its rows' proposals
     need, or (`one_width`, as on CUDA, where each new shape costs a kernel
-    build) as the most allowed."""
-    monkeypatch.setattr(quantized_kv, "WHOLE", bool(whole))
+    build) as the most allowed. With `steady` widths (CUDA) several rows
+    attend over their buffers to the next multiple of its step, each row's
+    end and the rest masked, in plain and in checking passes alike: the
+    tokens are still mlx-lm's own plain decoding's."""
+    monkeypatch.setattr(quantized_kv, "WHOLE", whole is True or whole == "tails")
+    monkeypatch.setattr(batch_kv, "_steady", False)
+    steady = whole == "steady"
+    widened = []
+    monkeypatch.setattr(batch_kv, "steady_mask",
+                        lambda *a, **k: widened.append(a) or steady_mask(*a, **k))  # fmt: skip
     if whole == "tails":
         monkeypatch.setattr(quantized_kv, "TAILS", True)
         monkeypatch.setattr(base, "quantized_scaled_dot_product_attention",
@@ -153,10 +168,14 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     for seed, stagger in ((1, False), (2, True), (3, True)):
         prompts = repetitive_prompts(8, seed)
         max_tokens = [int(n) for n in np.random.default_rng(seed).integers(1, 40, len(prompts))]
+        batch_kv.steady_widths(False)
         plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger,
                                                caches=caches)  # fmt: skip
+        batch_kv.steady_widths(steady)
         ours, logprobs, cached, stats = generate(model, prompts, max_tokens, True, stagger,
                                                  caches=caches, one_width=one_width)  # fmt: skip
+        if steady:  # and plain decoding so, too
+            assert generate(model, prompts, max_tokens, False, stagger)[0] == plain
         assert ours == plain
         assert all(len(t) == n for t, n in zip(ours, max_tokens, strict=True))
         for i in range(len(prompts)):  # the logprobs of accepted tokens are the model's
@@ -167,6 +186,7 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
     assert 0 < accepted < proposed, "some proposals right, some wrong"
     assert widths == {5} if one_width else len(widths) > 1 and max(widths) <= 5
+    assert bool(widened) == steady
     if bits is not None:  # the quantized caches were the ones in use: 16-bit ones differ
         _, own_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
         pairs = [zip(own_logprobs[i], plain_logprobs[i], strict=True) for i in own_logprobs]
@@ -1047,12 +1067,14 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
 def test_on_cuda_a_speculating_worker_runs_without_cuda_graphs_unless_one_stream_at_a_time(
     model_dir, monkeypatch, caplog, speculative, rows, operator, graphs
 ):
-    # Checking passes of several rows met a new CUDA graph nearly every pass,
-    # each instantiated on the host; one row's reuse theirs, so a worker of
-    # one stream at a time keeps graphs. An operator's own setting wins.
+    # Checking passes of several rows ran slower with CUDA graphs; one row's
+    # gain from theirs, so a worker of one stream at a time keeps graphs. An
+    # operator's own setting wins. Several rows attend over steady widths on
+    # CUDA either way (their passes' graphs replay).
     from smg_mlx.config import EngineConfig
     from smg_mlx.engine.batch import loading
 
+    monkeypatch.setattr(batch_kv, "_steady", False)
     environ = {"MLX_PTX_CACHE_DIR": "/nonexistent"}
     if operator is not None:
         environ["MLX_USE_CUDA_GRAPHS"] = operator
@@ -1064,6 +1086,7 @@ def test_on_cuda_a_speculating_worker_runs_without_cuda_graphs_unless_one_stream
     with caplog.at_level(logging.INFO, logger="smg_mlx.engine.batch.loading"):
         loading.load_for(config, None)
     assert environ.get("MLX_USE_CUDA_GRAPHS") == graphs
+    assert batch_kv._steady
     assert ("CUDA graphs off" in caplog.text) == (graphs == "0" and operator is None)
     kept = speculative != "off" and rows == 1 and operator is None
     assert ("CUDA graphs kept with speculative decoding on" in caplog.text) == kept

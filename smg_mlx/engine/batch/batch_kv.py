@@ -8,6 +8,16 @@ Installed on import, for every BatchKVCache of the process:
   times for a chunk). A long prompt prefills alone, so this is its every
   pass, and a lone stream's every token. Whether several rows are padded
   would be read from the step before: they keep the array.
+- Several rows attend over keys of a steady width (`steady_widths`, on
+  CUDA): the cache's buffer up to the next multiple of its step (256 keys),
+  the columns past the rows' ends hidden by the mask they carry anyway. mlx
+  replays a pass from a recorded CUDA graph while its kernels are the ones
+  recorded, and attention's matrix products and softmax pick their kernels
+  by the key length: at the exact length, some plain passes and nearly every
+  checking pass of speculative decoding (whose lengths move by what each row
+  accepted) picked others, and every graph of the pass was built anew on
+  the host. The buffer grows to multiples of its step, so the width holds
+  from one growth to the next.
 - A filter that keeps every row, in order, copies nothing. mlx-lm moves
   prompts into the decoding rows by filtering their cache, and gathers it
   whole even when all of them move, as a lone prompt always does: a second
@@ -25,7 +35,81 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
+
+_steady = False  # `steady_widths`
+
+
+def steady_widths(on: bool) -> None:
+    """Whether several rows attend over keys of a steady width (module doc)."""
+    global _steady
+    _steady = on
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def room_after(capacity: int | None, end: int, n: int, step: int) -> int:
+    """The columns a cache's buffer of `capacity` (None: none yet) holds once
+    `n` entries are written at `end`: as it is, or grown to a multiple of `step`."""
+    if capacity is not None and end + n <= capacity:
+        return capacity
+    return _round_up(end + n, step)
+
+
+def attended(rows: int, end: int, room: int, step: int) -> int:
+    """The keys a pass attends over, where `rows` rows end at `end` in a buffer
+    of `room` columns: `end`, or a steady width past it (module doc)."""
+    if not _steady or rows < 2:
+        return end
+    return min(_round_up(end, step), room)
+
+
+def _room(cache: BatchKVCache, n: int) -> tuple[int | None, int]:
+    """The cache's buffer's columns now and once `n` entries are written."""
+    capacity = None if cache.keys is None else cache.keys.shape[2]
+    return capacity, room_after(capacity, cache._idx, n, cache.step)
+
+
+def _width(cache: BatchKVCache, n: int) -> int:
+    """The keys the pass writing `n` entries attends over."""
+    return attended(cache.offset.shape[0], cache._idx + n, _room(cache, n)[1], cache.step)
+
+
+def _update_and_fetch(self: BatchKVCache, keys: mx.array, values: mx.array) -> tuple:
+    """mlx-lm's, growing the buffer to a multiple of its step, and handing
+    attention `_width` keys."""
+    prev, n = self._idx, keys.shape[2]
+    capacity, room = _room(self, n)
+    width = attended(self.offset.shape[0], prev + n, room, self.step)
+    if room != capacity:
+        B, heads, _, k_size = keys.shape
+        new_k = mx.zeros((B, heads, room - prev, k_size), keys.dtype)
+        new_v = mx.zeros((B, heads, room - prev, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
+            self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+    self.offset = self.offset + n
+    self._idx += n
+    self.keys[..., prev : self._idx, :] = keys
+    self.values[..., prev : self._idx, :] = values
+    return self.keys[..., :width, :], self.values[..., :width, :]
+
+
+def steady_mask(end: int, n: int, width: int, first: mx.array,
+                window_size: int | None = None) -> mx.array:  # fmt: skip
+    """mlx-lm's causal mask for `n` queries ending at `end`, over `width`
+    keys: a row sees its keys from `first` (its padding) to its query."""
+    keys = mx.arange(width)[None]
+    queries = mx.arange(end - n, end)[:, None]
+    mask = queries >= keys
+    if window_size is not None:
+        mask = mask & (queries < keys + window_size)
+    return mask & (first[:, None, None, None] <= keys)
 
 
 def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
@@ -33,7 +117,10 @@ def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
         plain = not return_array and all(v is None for v in kwargs.values())
         if self.left_padding.size == 1 and plain:
             return "causal" if N > 1 else None
-        return make_mask(self, N, return_array=return_array, **kwargs)
+        width = _width(self, N)
+        if width == self._idx + N:
+            return make_mask(self, N, return_array=return_array, **kwargs)
+        return steady_mask(self._idx + N, N, width, self.left_padding, kwargs.get("window_size"))
 
     return mask
 
@@ -66,5 +153,6 @@ def _filter(filter_rows: Callable) -> Callable:
     return filter
 
 
+BatchKVCache.update_and_fetch = _update_and_fetch
 BatchKVCache.make_mask = _no_mask_array_for_one_row(BatchKVCache.make_mask)
 BatchKVCache.filter = _filter(BatchKVCache.filter)

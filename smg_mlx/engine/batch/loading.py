@@ -15,6 +15,7 @@ from mlx_lm.utils import load_adapters, load_model
 
 from smg_mlx.config import EngineConfig, cache_home
 from smg_mlx.engine.batch.attention_shapes import SHAPES_REMEMBERED
+from smg_mlx.engine.batch.batch_kv import steady_widths
 from smg_mlx.engine.types import Unservable
 from smg_mlx.logs import format_bytes
 from smg_mlx.model_files import weights_on_disk
@@ -47,6 +48,9 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
     of it when a group of ranks serves it."""
     for name, value in CUDA_CACHE_SETTINGS.items():
         os.environ.setdefault(name, value)
+    if mx.cuda.is_available():
+        # the kernels of a pass the same from pass to pass: its CUDA graphs replay
+        steady_widths(True)
     if mx.cuda.is_available() and config.speculative != "off" and group is None:
         _cuda_graphs_when_speculating(config.completion_batch_size)
     if mx.cuda.is_available() and "MLX_PTX_CACHE_DIR" not in os.environ:
@@ -117,13 +121,11 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
 def _cuda_graphs_when_speculating(rows: int) -> None:
     """Kernels launched one by one, not recorded into CUDA graphs, where passes
     may check speculative proposals for several rows (`rows`, the most decoded
-    together): mlx keeps an executable graph per sequence of kernels and their
-    dependencies, and such passes, whose rows end apart and change the batch
-    every few passes, kept meeting new ones, each instantiated on the host
-    before it ran (on a small model, most of a pass's time). One row's checking
-    passes reuse theirs, and every plain pass runs faster with graphs: a
-    worker decoding one stream at a time keeps them. Read when the device first
-    runs work, after this; an operator's MLX_USE_CUDA_GRAPHS wins."""
+    together): such passes ran slower in serving with graphs than without,
+    even replaying them (`batch_kv.steady_widths`). One row's checking passes
+    gain from theirs, and every plain pass runs faster with graphs: a worker
+    decoding one stream at a time keeps them. Read when the device first runs
+    work, after this; an operator's MLX_USE_CUDA_GRAPHS wins."""
     if "MLX_USE_CUDA_GRAPHS" in os.environ:
         return
     if rows == 1:
@@ -134,9 +136,8 @@ def _cuda_graphs_when_speculating(rows: int) -> None:
         return
     os.environ["MLX_USE_CUDA_GRAPHS"] = "0"
     log.info(
-        "CUDA graphs off, as speculative decoding is on: checking passes of several streams meet "
-        "new graphs nearly every pass (MLX_USE_CUDA_GRAPHS=1 keeps them; so does "
-        "--completion-batch-size 1)"
+        "CUDA graphs off, as speculative decoding is on: checking passes of several streams run "
+        "slower with them (MLX_USE_CUDA_GRAPHS=1 keeps them; so does --completion-batch-size 1)"
     )
 
 
