@@ -117,7 +117,8 @@ def _listening(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--served-model-name",
         type=served_name,
-        help="model name reported to the router (default: the model directory's name)",
+        help="model name reported to the router (default: the name part of a Hugging Face "
+        "repo id, else the model directory's name)",
     )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from test_grpcurl import messages
 
 from bench.workers import free_port
 from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE, default_prompt_cache_dir
@@ -77,7 +78,7 @@ def shape(sample: object, actual: object) -> object:
 def start_router(worker_port: int, env: dict[str, str], log: Path) -> tuple:
     """The Quick start's router command in front of `worker_port`; returns the process
     and its HTTP port once it lists the worker as healthy."""
-    (command,) = sh_blocks("## Quick start")[2]
+    (command,) = sh_blocks("## Quick start")[3]
     http_port = free_port()
     # The router's own metrics port (29000) is swapped too: another router may hold it.
     command = with_ports(command, {"50051": worker_port, "8000": http_port})
@@ -121,7 +122,9 @@ def assert_answered(reply: dict) -> None:
 
 
 def test_the_quick_start_works_in_order_on_the_demo_model(home, tmp_path):
-    (serve,), (health,), (router_cmd,), (chat_cmd,), *_ = sh_blocks("## Quick start")
+    (serve,), (health,), (info, generate), (router_cmd,), (chat_cmd,), *_ = sh_blocks(
+        "## Quick start"
+    )
     assert serve == "make serve" and "--model-path" not in router_cmd
     worker_port = free_port()
     env = reader_env(home)
@@ -137,6 +140,16 @@ def test_the_quick_start_works_in_order_on_the_demo_model(home, tmp_path):
 
         assert wait_until(serving, 60), (tmp_path / "worker.log").read_text()
         assert answers[-1].stdout == "SERVING\n"
+        # The worker asked directly, as the Quick start shows (grpcurl, reflection).
+        described = shell(with_ports(info, {"50051": worker_port}), env)
+        assert described.returncode == 0 and DEMO_NAME in described.stdout, described.stderr
+        streamed = shell(with_ports(generate, {"50051": worker_port}), env)
+        assert streamed.returncode == 0, streamed.stderr
+        replies = messages(streamed.stdout)
+        sent = sum(len(r["chunk"]["token_ids"]) for r in replies if "chunk" in r)
+        complete = replies[-1]["complete"]
+        assert sent == complete["completion_tokens"] <= 8 and complete["finish_reason"] in (
+            "length", "stop")  # fmt: skip
         router, http_port = start_router(worker_port, env, tmp_path / "router.log")
         models = json.loads(shell(f"curl -s 127.0.0.1:{http_port}/v1/models", env).stdout)
         assert [m["id"] for m in models["data"]] == [DEMO_NAME]
