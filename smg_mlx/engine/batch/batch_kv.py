@@ -67,22 +67,22 @@ def attended(rows: int, end: int, room: int, step: int) -> int:
     return min(_round_up(end, step), room)
 
 
-def _room(cache: BatchKVCache, n: int) -> tuple[int | None, int]:
+def rooms(cache: BatchKVCache, n: int) -> tuple[int | None, int]:
     """The cache's buffer's columns now and once `n` entries are written."""
     capacity = None if cache.keys is None else cache.keys.shape[2]
     return capacity, room_after(capacity, cache._idx, n, cache.step)
 
 
-def _width(cache: BatchKVCache, n: int) -> int:
-    """The keys the pass writing `n` entries attends over."""
-    return attended(cache.offset.shape[0], cache._idx + n, _room(cache, n)[1], cache.step)
+def width_after(cache: BatchKVCache, n: int) -> int:
+    """The keys the pass writing `n` entries at the cache's end attends over."""
+    return attended(cache.offset.shape[0], cache._idx + n, rooms(cache, n)[1], cache.step)
 
 
 def _update_and_fetch(self: BatchKVCache, keys: mx.array, values: mx.array) -> tuple:
     """mlx-lm's, growing the buffer to a multiple of its step, and handing
-    attention `_width` keys."""
+    attention `width_after` keys."""
     prev, n = self._idx, keys.shape[2]
-    capacity, room = _room(self, n)
+    capacity, room = rooms(self, n)
     width = attended(self.offset.shape[0], prev + n, room, self.step)
     if room != capacity:
         B, heads, _, k_size = keys.shape
@@ -117,7 +117,7 @@ def _no_mask_array_for_one_row(make_mask: Callable) -> Callable:
         plain = not return_array and all(v is None for v in kwargs.values())
         if self.left_padding.size == 1 and plain:
             return "causal" if N > 1 else None
-        width = _width(self, N)
+        width = width_after(self, N)
         if width == self._idx + N:
             return make_mask(self, N, return_array=return_array, **kwargs)
         return steady_mask(self._idx + N, N, width, self.left_padding, kwargs.get("window_size"))

@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 
-from smg_mlx.engine.batch.batch_kv import attended, room_after
+from smg_mlx.engine.batch.batch_kv import rooms, width_after
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache, Quantized, map_parts
 
 # Columns by which rows' ends may drift apart before `compact` lines them up.
@@ -151,22 +151,18 @@ class RaggedBatchKVCache(Ragged, BatchKVCache):
     """mlx-lm's BatchKVCache with a per-row end."""
 
     def _fetch(self, n: int) -> tuple[mx.array, mx.array]:
-        # written: `_idx` has moved past them
-        width = attended(self.offset.shape[0], self._idx, self.keys.shape[2], self.step)
+        width = width_after(self, 0)  # (written: `_idx` has moved past them)
         return self.keys[..., :width, :], self.values[..., :width, :]
 
     def _mask_width(self, N: int) -> int:
-        capacity = None if self.keys is None else self.keys.shape[2]
-        room = room_after(capacity, self._idx, N, self.step)
-        return attended(self.offset.shape[0], self._idx + N, room, self.step)
+        return width_after(self, N)
 
     def _arrays(self, fn: Callable[[mx.array], mx.array]) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
 
     def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
-        capacity = None if self.keys is None else self.keys.shape[2]
-        room = room_after(capacity, self._idx, n, self.step)
+        capacity, room = rooms(self, n)
         if room != capacity:
             # Room for `n` more entries after `_idx`, as `batch_kv` grows it.
             B, heads, _, k_dim = keys.shape
