@@ -334,8 +334,8 @@ def _operations(serve: argparse.ArgumentParser) -> None:
         "--shutdown-grace-seconds",
         type=non_negative,
         default=ServerConfig.shutdown_grace_seconds,
-        help="on SIGTERM, how long in-flight requests may run before they are aborted "
-        "(%(default)s)",
+        help="on SIGTERM, how long running requests may go on before they are aborted "
+        "(those still waiting for a place are turned away at once; %(default)s)",
     )
     serve.add_argument(
         "--tls-cert", type=Path, help="PEM certificate (chain) to serve TLS with; needs --tls-key"

@@ -411,6 +411,12 @@ class Worker:
         servicer = self.servicer
         servicer.draining = True
         await self.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, for good
+        if refused := self.engine.refuse_waiting():
+            log.info(
+                "shutting down: %s still waiting for a place in the batch turned away "
+                "(UNAVAILABLE: the router sends them to another worker)",
+                counted(refused, "request"),
+            )
         grace = self.config.shutdown_grace_seconds
         log.info(
             "shutting down: %s in flight, waiting up to %gs",

@@ -174,6 +174,40 @@ def test_past_the_grace_requests_without_a_token_are_for_another_worker(spawn, m
     assert sorted(ends) == ["abort", "shutdown", "shutdown"], ends
 
 
+def test_at_a_stop_requests_waiting_for_a_place_go_to_another_worker_at_once(spawn, model_dir):
+    """A stop turns away the requests still waiting for a place in the batch
+    at once (UNAVAILABLE, for the router to retry elsewhere), rather than
+    keeping them for a grace in which they may never start; the running one
+    still finishes within it."""
+    p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "60",
+              "--completion-batch-size", "1", "--prefill-batch-size", "1")  # fmt: skip
+    p.wait_serving()
+    running = p.stub.Generate(request(prompt(5), max_tokens=300, ignore_eos=True), timeout=60)
+    assert next(running).chunk.token_ids
+    waiting = [p.stub.Generate(request(prompt(5, i), max_tokens=8), timeout=60)
+               for i in (1, 2)]  # fmt: skip
+
+    def queued() -> bool:
+        _, call = p.stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
+        return dict(call.initial_metadata())["waiting-requests"] == "2"
+
+    assert wait_until(queued, 10)
+    p.proc.send_signal(signal.SIGTERM)
+    for call in waiting:
+        with pytest.raises(grpc.RpcError) as err:
+            collect(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "had no token yet: send it to another worker" in err.value.details()
+    # (with a place freed within the grace, they would have started and ended "length")
+    rest = collect(running)
+    assert rest.complete.finish_reason == "length" and rest.complete.completion_tokens == 300
+    assert p.proc.wait(30) == 0
+    log = p.log.read_text()
+    assert "2 requests still waiting for a place in the batch turned away" in log
+    ends = re.findall(r"request done .* finish_reason=(\w+)", log)
+    assert sorted(ends) == ["length", "shutdown", "shutdown"], ends
+
+
 def test_sigterm_under_load_ends_every_stream_cleanly(spawn, model_dir):
     p = spawn("--model", str(model_dir), "--shutdown-grace-seconds", "2")
     p.wait_serving()

@@ -103,7 +103,9 @@ class EngineClient:
         self._step_listeners.append(listener)
 
     def submit(self, job: Job) -> None:
-        if self.state is not EngineState.READY or self._stopping:
+        if self._stopping:
+            raise EngineUnavailable(UNSTARTED_AT_STOP)
+        if self.state is not EngineState.READY:
             raise EngineUnavailable(self.failure or f"the engine is {self.state.value}")
         self._jobs[job.key] = job
         self._inbox.submit(job.request())
@@ -122,8 +124,21 @@ class EngineClient:
             if job.tokens:
                 job.end(finish_reason="abort")
             else:
-                job.end(error=UNSTARTED_AT_STOP, retry_elsewhere=True, failure=Failure.STOPPING)
+                _turn_away(job)
         self._jobs.clear()
+
+    def refuse_waiting(self) -> int:
+        """At a stop: the jobs not yet in the batch end now, as `abort_all`
+        ends those without a token, rather than wait out the grace for a
+        place they might never get (the router retries them on another
+        worker at once), and so do jobs submitted after it. Returns how many."""
+        self._stopping = True
+        waiting = [job for job in self._jobs.values() if job.started_at is None]
+        self.abort(waiting)
+        for job in waiting:
+            _turn_away(job)
+            del self._jobs[job.key]
+        return len(waiting)
 
     def stop(self, flush_seconds: float = 0.0) -> None:
         """Ask the engine to end, its prefix cache writing to disk for at most
@@ -231,3 +246,8 @@ class EngineClient:
         for job in self._jobs.values():
             job.end(**how)
         self._jobs.clear()
+
+
+def _turn_away(job: Job) -> None:
+    """End a job that had no token at a stop, for another worker to serve."""
+    job.end(error=UNSTARTED_AT_STOP, retry_elsewhere=True, failure=Failure.STOPPING)
