@@ -78,21 +78,30 @@ def width_after(cache: BatchKVCache, n: int) -> int:
     return attended(cache.offset.shape[0], cache._idx + n, rooms(cache, n)[1], cache.step)
 
 
+def make_room(cache: BatchKVCache, keys: mx.array, values: mx.array) -> None:
+    """The cache's buffer grown, where `keys` and `values` (B, H, n, D) would
+    not fit after its end, to `rooms`' multiple of its step (what lies past
+    its end is dropped)."""
+    capacity, room = rooms(cache, keys.shape[2])
+    if room == capacity:
+        return
+    B, heads, _, k_size = keys.shape
+    kept = 0 if cache.keys is None else cache._idx
+    new_k = mx.zeros((B, heads, room - kept, k_size), keys.dtype)
+    new_v = mx.zeros((B, heads, room - kept, values.shape[3]), values.dtype)
+    if cache.keys is None:
+        cache.keys, cache.values = new_k, new_v
+    else:
+        cache.keys = mx.concatenate([cache.keys[..., :kept, :], new_k], axis=2)
+        cache.values = mx.concatenate([cache.values[..., :kept, :], new_v], axis=2)
+
+
 def _update_and_fetch(self: BatchKVCache, keys: mx.array, values: mx.array) -> tuple:
     """mlx-lm's, growing the buffer to a multiple of its step, and handing
     attention `width_after` keys."""
     prev, n = self._idx, keys.shape[2]
-    capacity, room = rooms(self, n)
-    width = attended(self.offset.shape[0], prev + n, room, self.step)
-    if room != capacity:
-        B, heads, _, k_size = keys.shape
-        new_k = mx.zeros((B, heads, room - prev, k_size), keys.dtype)
-        new_v = mx.zeros((B, heads, room - prev, values.shape[3]), values.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-        else:
-            self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
-            self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+    width = width_after(self, n)
+    make_room(self, keys, values)
     self.offset = self.offset + n
     self._idx += n
     self.keys[..., prev : self._idx, :] = keys

@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 
-from smg_mlx.engine.batch.batch_kv import rooms, width_after
+from smg_mlx.engine.batch.batch_kv import make_room, width_after
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache, Quantized, map_parts
 
 # Columns by which rows' ends may drift apart before `compact` lines them up.
@@ -162,19 +162,7 @@ class RaggedBatchKVCache(Ragged, BatchKVCache):
 
     def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
-        capacity, room = rooms(self, n)
-        if room != capacity:
-            # Room for `n` more entries after `_idx`, as `batch_kv` grows it.
-            B, heads, _, k_dim = keys.shape
-            grow = room - (0 if self.keys is None else self._idx)
-            new_k = mx.zeros((B, heads, grow, k_dim), keys.dtype)
-            new_v = mx.zeros((B, heads, grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                kept = self._idx
-                self.keys = mx.concatenate([self.keys[..., :kept, :], new_k], axis=2)
-                self.values = mx.concatenate([self.values[..., :kept, :], new_v], axis=2)
+        make_room(self, keys, values)  # after `_idx`, the longest row's end
         where = _where(ends, n)
         self.keys = mx.put_along_axis(self.keys, where, keys, axis=2)
         self.values = mx.put_along_axis(self.values, where, values, axis=2)
