@@ -26,7 +26,8 @@ def reference(queries, q_keys, q_values, scale, mask, group_size, bits):
     "rows,heads,kv_heads,length,keys,dim,bits,dtype",
     [
         (1, 16, 8, 1, 256, 128, 8, mx.bfloat16),  # a lone decode row: one block a head
-        (1, 16, 8, 1, 4096, 128, 8, mx.bfloat16),  # long: the keys cut into parts
+        (1, 16, 8, 1, 4096, 128, 8, mx.bfloat16),  # a few thousand keys: still one part
+        (1, 16, 8, 1, 17000, 128, 8, mx.bfloat16),  # long: the keys cut into parts
         (16, 16, 8, 1, 1024, 128, 8, mx.bfloat16),
         (64, 16, 8, 1, 512, 128, 4, mx.bfloat16),
         (3, 32, 8, 5, 768, 128, 8, mx.float16),  # checking proposals: a few queries a row
@@ -36,6 +37,7 @@ def reference(queries, q_keys, q_values, scale, mask, group_size, bits):
         (2, 8, 8, 3, 600, 64, 8, mx.bfloat16),
         (5, 16, 2, 1, 1000, 128, 4, mx.bfloat16),
         (2, 12, 4, 3, 5000, 128, 8, mx.bfloat16),
+        (2, 12, 4, 3, 20000, 128, 8, mx.bfloat16),  # parts, several queries a row
         (1, 8, 4, 1, 700, 256, 8, mx.bfloat16),
     ],
 )
@@ -79,7 +81,8 @@ def test_a_pass_without_a_mask_reads_every_key():
 
 @pytest.mark.parametrize(
     "rows,length,keys,dim,bits",
-    [(3, 1, 512, 128, 8), (2, 3, 1000, 128, 4), (64, 1, 256, 64, 8), (1, 1, 4096, 256, 8)],
+    [(3, 1, 512, 128, 8), (2, 3, 1000, 128, 4), (64, 1, 256, 64, 8), (1, 1, 4096, 256, 8),
+     (1, 1, 17000, 128, 8)],  # (the last: the keys cut into parts)
 )
 def test_a_16_bit_tail_reads_as_the_same_positions_quantized(rows, length, keys, dim, bits):
     """A decoding pass's newest keys and values come 16-bit, in a tail after the

@@ -10,8 +10,9 @@ buffer's unwritten tail, a row's padding) and keeps a running softmax: one
 block per KV head's query vectors (as many as a lane's registers hold: a
 KV head's query heads, each query of a row) and part of the keys, so that
 each key is read once for them all. Where the batch gives too few blocks to
-fill the GPU the keys are cut into parts, each block writes its part's
-maximum, sum and weighted values, and a second kernel combines them.
+fill the GPU and its rows are long, the keys are cut into parts, each block
+writes its part's maximum, sum and weighted values, and a second kernel
+combines them.
 
 mlx compiles these with NVRTC in seconds, one kernel per dtype, head size,
 bits, group size and vectors a block (its quantized matmuls take far longer
@@ -27,12 +28,16 @@ Quantized = tuple[mx.array, mx.array, mx.array]
 
 WARPS = 4  # warps a block
 # Blocks that keep the GPU busy (a few per multiprocessor): where the blocks
-# are fewer, the keys are cut into parts of at least PART_KEYS.
+# are fewer, the keys of rows of CUT_FROM keys or more are cut into parts of
+# at least PART_KEYS. A cut costs a second kernel and float32 results for
+# every part, more than a block reading a few thousand keys more: shorter
+# rows are read whole.
 BUSY_BLOCKS = 512
 PART_KEYS = 256
+CUT_FROM = 8192
 # Keys that a pass of one query row of any model here is cut into parts at:
 # the warm-up runs them at every query count, so both kernels are built before serving.
-PARTS_KEYS = 2 * PART_KEYS
+PARTS_KEYS = CUT_FROM
 # A lane's registers for its query vectors' dimensions and sums (`_PASS`):
 # a block takes QUERY_FLOATS // (head size / 8) of a KV head's query vectors.
 QUERY_FLOATS = 32
@@ -371,7 +376,7 @@ def attention(
     vectors = heads // kv_heads * length  # a KV head's
     each = _vectors_a_block(vectors, dim)
     blocks = rows * kv_heads * -(-vectors // each)
-    parts = max(1, min(-(-keys // PART_KEYS), -(-BUSY_BLOCKS // blocks)))
+    parts = 1 if keys < CUT_FROM else min(-(-keys // PART_KEYS), -(-BUSY_BLOCKS // blocks))
     template = [("T", queries.dtype), ("D", dim), ("BITS", bits), ("GROUP", group_size),
                 ("WARPS", WARPS), ("QV", each)]  # fmt: skip
     inputs = [queries, *q_keys[:3], *q_values[:3], *tails, mask, _scales[scale]]
