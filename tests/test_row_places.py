@@ -11,10 +11,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
 from test_speculative import tiny_model
 
-from smg_mlx.engine.batch import batch_kv
+from smg_mlx.engine.batch import batch_kv, quantized_attention, quantized_kv
 from smg_mlx.engine.batch.ended_rows import EndingGenerationBatch, copied_out
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.batch.row_places import HOLES_KEPT, PlacedGenerationBatch
@@ -41,23 +42,24 @@ def _run(model, requests, places: bool, running: int, monkeypatch, rows=None, bi
     if rows is not None:
         generator._generation_batch = rows.start(model, generator.sampler)
     copies = {"extend": 0, "filter": 0}
-    extend, filter_rows = BatchKVCache.extend, BatchKVCache.filter
 
     def decoding(cache: BatchKVCache) -> bool:
         return any(cache is c for c in generator._generation_batch.prompt_cache)
 
-    def counted_extend(self, other):
-        copies["extend"] += decoding(self)
-        extend(self, other)
+    for kind in (BatchKVCache, BatchQuantizedKVCache):
 
-    def counted_filter(self, indices, *padding):
-        if not isinstance(indices, slice):
-            kept = indices.tolist() if isinstance(indices, mx.array) else list(indices)
-            copies["filter"] += decoding(self) and kept != list(range(len(kept)))
-        filter_rows(self, indices, *padding)
+        def counted_extend(self, other, _extend=kind.extend):
+            copies["extend"] += decoding(self)
+            _extend(self, other)
 
-    monkeypatch.setattr(BatchKVCache, "extend", counted_extend)
-    monkeypatch.setattr(BatchKVCache, "filter", counted_filter)
+        def counted_filter(self, indices, *padding, _filter=kind.filter):
+            if not isinstance(indices, slice):
+                kept = indices.tolist() if isinstance(indices, mx.array) else list(indices)
+                copies["filter"] += decoding(self) and kept != list(range(len(kept)))
+            _filter(self, indices, *padding)
+
+        monkeypatch.setattr(kind, "extend", counted_extend)
+        monkeypatch.setattr(kind, "filter", counted_filter)
     waiting = list(enumerate(requests))
     which, out, spare, widest = {}, {}, 0, 0
     tokens = {i: [] for i in range(len(requests))}
@@ -102,16 +104,31 @@ def _run(model, requests, places: bool, running: int, monkeypatch, rows=None, bi
                 spare_columns=spare, holes=widest)  # fmt: skip
 
 
-@pytest.mark.parametrize("family, steady", [("llama", False), ("qwen3", False), ("llama", True)],
-                         ids=["llama", "qwen3", "llama, steady widths (CUDA)"])  # fmt: skip
-def test_rows_joining_into_places_left_decode_as_in_mlx_lms_batch(family, steady, monkeypatch):
+@pytest.mark.parametrize(
+    "family, steady, bits, cuda_buffers",
+    [("llama", False, None, False), ("qwen3", False, None, False), ("llama", True, None, False),
+     ("qwen3", False, 8, False), ("qwen3", False, 4, True)],
+    ids=["llama", "qwen3", "llama, steady widths (CUDA)", "qwen3, 8-bit KV",
+         "qwen3, 4-bit KV in whole buffers with a 16-bit tail (CUDA)"],
+)  # fmt: skip
+def test_rows_joining_into_places_left_decode_as_in_mlx_lms_batch(
+    family, steady, bits, cuda_buffers, monkeypatch
+):
     """Also where several rows attend over their buffers to the next multiple
-    of its step (`steady`, as on CUDA), the columns past their ends masked."""
-    model = tiny_model(family, scale=1.5)
+    of its step (`steady`, as on CUDA), the columns past their ends masked;
+    and under --kv-bits, where a decoding pass's newest keys wait in a 16-bit
+    tail (flushed before rows join) in buffers of whole steps, as on CUDA."""
+    model = tiny_model(family, scale=1.5, head_dim=32 if bits else 16)  # (32: a group a head)
     requests = _requests(40, seed=5)
-    theirs = _run(model, requests, places=False, running=8, monkeypatch=monkeypatch)
+    monkeypatch.setattr(quantized_kv, "TAILS", cuda_buffers)
+    monkeypatch.setattr(quantized_kv, "WHOLE", cuda_buffers)
+    if bits:  # the worker's quantized attention, which reads a tail (put back after)
+        monkeypatch.setattr(base, "quantized_scaled_dot_product_attention",
+                            base.quantized_scaled_dot_product_attention)  # fmt: skip
+        quantized_attention.install(None)
+    theirs = _run(model, requests, places=False, running=8, monkeypatch=monkeypatch, bits=bits)
     monkeypatch.setattr(batch_kv, "_steady", steady)
-    ours = _run(model, requests, places=True, running=8, monkeypatch=monkeypatch)
+    ours = _run(model, requests, places=True, running=8, monkeypatch=monkeypatch, bits=bits)
     assert any(len(set(t)) > 3 for t in theirs["tokens"].values()), "output should vary"
     assert ours["tokens"] == theirs["tokens"]
     for i in theirs["logprobs"]:
@@ -200,8 +217,10 @@ def _device_reads(reads: list[str]) -> Iterator[None]:
         mx.array.tolist, mx.array.item = tolist, item
 
 
-def test_quantized_rows_moving_in_and_out_read_no_padding_from_the_device(monkeypatch):
+@pytest.mark.parametrize("places", [False, True], ids=["filtered", "in places"])
+def test_quantized_rows_moving_in_and_out_read_no_padding_from_the_device(places, monkeypatch):
     """Under --kv-bits, prompts moving into the decoding rows, rows leaving them
+    (filtered out, or leaving holes that rows join and that are gathered out)
     and rows copied out know their padding on the host: a read from the device
     waits for the pass in flight, and the device then idles while the host
     prepares the next."""
@@ -216,6 +235,6 @@ def test_quantized_rows_moving_in_and_out_read_no_padding_from_the_device(monkey
         monkeypatch.setattr(BatchQuantizedKVCache, name, watched)
     model = tiny_model("qwen3", scale=1.5, head_dim=32)  # a head: one group of 32
     requests = _requests(30, seed=8)
-    ours = _run(model, requests, False, 6, monkeypatch, rows=EndingGenerationBatch, bits=8)
+    ours = _run(model, requests, places, 6, monkeypatch, rows=EndingGenerationBatch, bits=8)
     assert len(ours["finished"]) == 30
     assert reads == []

@@ -354,15 +354,29 @@ class BatchQuantizedKVCache(_BaseCache):
             self.left_padding = self.left_padding[batch_indices]
             kept = self.left_padding.tolist() if padding is None else None
         shared = min(kept) if padding is None else padding
-        if shared > 0 and self.keys is not None:
-            drop = lambda x: x[:, :, shared:]  # noqa: E731
-            self.keys, self.values = map_parts(drop, self.keys), map_parts(drop, self.values)
-            self._cut = True
-        self._idx -= shared
+        self._drop_columns(shared)
         if kept is not None:
             self._set_padding([p - shared for p in kept])
         elif shared:
             self.left_padding = self.left_padding - shared
+
+    def drop_front(self, n: int) -> None:
+        """The first `n` columns dropped (before every row's entries: holes'
+        padding, `row_places`, is cut to fit)."""
+        self._drop_columns(n)
+        host = self._host_padding
+        if host is not None:
+            self._set_padding([max(p - n, 0) for p in host])
+        else:
+            self.left_padding = mx.maximum(self.left_padding - n, 0)
+
+    def _drop_columns(self, n: int) -> None:
+        """The first `n` columns left out: views (`_cut`: made whole before the next write)."""
+        if n > 0 and self.keys is not None:
+            drop = lambda x: x[:, :, n:]  # noqa: E731
+            self.keys, self.values = map_parts(drop, self.keys), map_parts(drop, self.values)
+            self._cut = True
+        self._idx -= n
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
         """Append `other`'s rows, both batches right-justified to the longer one."""

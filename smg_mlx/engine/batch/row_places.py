@@ -19,8 +19,9 @@ the front when a row leaves, as mlx-lm's filter cuts them (a view, no copy).
 The batch's own lists (uids, tokens, samplers, ...) are mlx-lm's, in its
 order; `_places[i]` is row i's place in the cache. A row's tokens are those
 its cache holds (mlx-lm keeps them so), which says where its entries start.
-Only caches whose every layer is a plain batch KV cache keep places; others
-(rotating windows, recurrent state, quantized) filter and extend as mlx-lm's.
+Caches whose every layer is a plain or quantized (--kv-bits) batch KV cache
+keep places; others (rotating windows, recurrent state) filter and extend as
+mlx-lm's.
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from smg_mlx.engine.batch.ended_rows import EndedRow, EndingGenerationBatch
-from smg_mlx.engine.speculative.ragged_kv import Ragged, RaggedBatchKVCache
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
+from smg_mlx.engine.speculative.ragged_kv import (
+    Ragged,
+    RaggedBatchKVCache,
+    RaggedBatchQuantizedKVCache,
+)
 
 # Holes a batch keeps for rows to join, whatever its size.
 HOLES_KEPT = 2
-PLACEABLE = (BatchKVCache, RaggedBatchKVCache)
+PLACEABLE = (
+    BatchKVCache, RaggedBatchKVCache, BatchQuantizedKVCache, RaggedBatchQuantizedKVCache
+)  # fmt: skip
 
 
 def _placeable(cache: list) -> bool:
@@ -45,10 +53,18 @@ def _placeable(cache: list) -> bool:
 
 
 def _ends(cache: Any) -> list[int]:
-    """Where each place's entries end (one column for all, unless ragged)."""
+    """Where each place's entries end (one column for all, unless ragged;
+    quantized: after the 16-bit tail's)."""
     if isinstance(cache, Ragged):
         return cache._row_ends()
-    return [cache._idx] * cache.offset.shape[0]
+    return [cache.size()] * cache.offset.shape[0]
+
+
+def _arrays(cache: Any) -> list[mx.array]:
+    """A layer's arrays, keys' then values' (quantized: three parts each)."""
+    if isinstance(cache, BatchQuantizedKVCache):
+        return [*cache.keys, *cache.values]
+    return [cache.keys, cache.values]
 
 
 class PlacedGenerationBatch(EndingGenerationBatch):
@@ -126,9 +142,12 @@ class PlacedGenerationBatch(EndingGenerationBatch):
         if unused <= 0:
             return
         for c in self.prompt_cache:
-            c.keys, c.values = c.keys[..., unused:, :], c.values[..., unused:, :]
-            c._idx -= unused
-            c.left_padding = mx.maximum(c.left_padding - unused, 0)  # holes' too
+            if isinstance(c, BatchQuantizedKVCache):
+                c.drop_front(unused)
+            else:
+                c.keys, c.values = c.keys[..., unused:, :], c.values[..., unused:, :]
+                c._idx -= unused
+                c.left_padding = mx.maximum(c.left_padding - unused, 0)  # holes' too
             if isinstance(c, Ragged) and c._ends is not None:
                 c._ends = [e - unused for e in c._ends]
 
@@ -159,21 +178,33 @@ class PlacedGenerationBatch(EndingGenerationBatch):
         self._placed(self._places + [new[j] for j in range(len(lengths))], width + len(appended))
 
     def _write_into_holes(self, theirs: list, into: dict[int, int], lengths: list[int]) -> None:
-        """Other's rows `into` the holes named, each ending at the batch's last column."""
+        """Other's rows `into` the holes named, each ending at the batch's last
+        column: one write an array for them all, of the longest one's columns
+        (a shorter row's padding lands in its hole's, masked)."""
+        if isinstance(self.prompt_cache[0], BatchQuantizedKVCache):
+            for c in (*self.prompt_cache, *theirs):
+                c.flush()  # (every row ends at `_idx`, the ones joining too)
+        joining = list(into)
+        span = max(lengths[j] for j in joining)
+        mine, their_rows = mx.array([into[j] for j in joining]), mx.array(joining)
+        top = self.prompt_cache[0]._idx  # (every layer's)
+        taken, first, counts = [False] * self._width, [0] * self._width, [0] * self._width
+        for j, place in into.items():
+            taken[place], first[place], counts[place] = True, top - lengths[j], lengths[j]
+        at, first_at, counts_at = mx.array(taken), mx.array(first), mx.array(counts)
         for c, o in zip(self.prompt_cache, theirs, strict=True):
-            top, first = c._idx, [0] * c.offset.shape[0]
-            taken, counts = [False] * len(first), list(first)
-            for j, place in into.items():
-                n = lengths[j]
-                row, span = slice(place, place + 1), slice(o._idx - n, o._idx)
-                c.keys[row, :, top - n : top, :] = o.keys[j : j + 1, :, span, :]
-                c.values[row, :, top - n : top, :] = o.values[j : j + 1, :, span, :]
-                taken[place], first[place], counts[place] = True, top - n, n
-                if isinstance(c, Ragged) and c._ends is not None:
+            if span:
+                for a, b in zip(_arrays(c), _arrays(o), strict=True):
+                    a[mine, :, top - span : top, :] = b[their_rows, :, o._idx - span : o._idx, :]
+            if isinstance(c, Ragged) and c._ends is not None:
+                for place in into.values():
                     c._ends[place] = top
-            at = mx.array(taken)
-            c.left_padding = mx.where(at, mx.array(first), c.left_padding)
-            c.offset = mx.where(at, mx.array(counts), c.offset)
+            host = getattr(c, "_host_padding", None)  # (quantized: kept on the host too)
+            if host is not None:
+                c._set_padding([f if t else p for t, f, p in zip(taken, first, host, strict=True)])
+            else:
+                c.left_padding = mx.where(at, first_at, c.left_padding)
+            c.offset = mx.where(at, counts_at, c.offset)
 
     def rewind(self, counts: list[int]) -> None:
         """Each row takes back its newest `counts[i]` entries (ragged caches); a
