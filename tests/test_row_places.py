@@ -144,6 +144,45 @@ def test_rows_joining_into_places_left_decode_as_in_mlx_lms_batch(
     assert ours["holes"] <= HOLES_KEPT
 
 
+@pytest.mark.parametrize("bits", [None, 8], ids=["16-bit", "8-bit in CUDA's buffers"])
+def test_rows_joining_holes_side_by_side_are_written_together_and_decode_exactly(
+    bits, monkeypatch
+):
+    """Rows that joined together and end together leave holes side by side;
+    the next prompts to join them together are written a run at a time, each
+    row ending at the batch's last column however long its prompt."""
+    model = tiny_model("qwen3", scale=1.5, head_dim=32)
+    rng = np.random.default_rng(9)
+    group = lambda lengths, max_tokens: [  # noqa: E731
+        (rng.integers(0, 50, size=n).tolist(), max_tokens) for n in lengths
+    ]
+    # (two rows end together: as many holes as a batch of eight keeps)
+    requests = (group((10, 12), 6) + group((40, 45, 50, 55, 44, 51), 30)
+                + group((5, 13), 10) + group((8, 3), 8))  # fmt: skip
+    monkeypatch.setattr(quantized_kv, "TAILS", bits is not None)
+    monkeypatch.setattr(quantized_kv, "WHOLE", bits is not None)
+    if bits:
+        monkeypatch.setattr(base, "quantized_scaled_dot_product_attention",
+                            base.quantized_scaled_dot_product_attention)  # fmt: skip
+        quantized_attention.install(None)
+    theirs = _run(model, requests, places=False, running=8, monkeypatch=monkeypatch, bits=bits)
+    joined = []
+    write = PlacedGenerationBatch._write_into_holes
+
+    def noted(self, theirs, into, lengths):
+        joined.append(sorted(into.values()))
+        write(self, theirs, into, lengths)
+
+    monkeypatch.setattr(PlacedGenerationBatch, "_write_into_holes", noted)
+    ours = _run(model, requests, places=True, running=8, monkeypatch=monkeypatch, bits=bits)
+    assert [0, 1] in joined  # (the case this test is for)
+    assert any(len(set(t)) > 3 for t in theirs["tokens"].values()), "output should vary"
+    assert ours["tokens"] == theirs["tokens"]
+    for i, (length, keys) in theirs["finished"].items():
+        assert ours["finished"][i][0] == length
+        np.testing.assert_allclose(ours["finished"][i][1], keys, atol=1e-4)
+
+
 @pytest.mark.parametrize("bits", [None, 8])
 def test_rows_that_end_leave_the_others_decoding_as_in_mlx_lms_batch(bits, monkeypatch):
     """Without places, rows ending are filtered out as mlx-lm filters them

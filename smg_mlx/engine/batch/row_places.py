@@ -179,23 +179,32 @@ class PlacedGenerationBatch(EndingGenerationBatch):
 
     def _write_into_holes(self, theirs: list, into: dict[int, int], lengths: list[int]) -> None:
         """Other's rows `into` the holes named, each ending at the batch's last
-        column: one write an array for them all, of the longest one's columns
-        (a shorter row's padding lands in its hole's, masked)."""
+        column: one write an array for each run of rows that take holes side
+        by side, of its longest row's columns (a shorter row's padding lands
+        in its hole's, masked). Slices, not an index array: a write at
+        an array of rows is another kernel for CUDA to build."""
         if isinstance(self.prompt_cache[0], BatchQuantizedKVCache):
             for c in (*self.prompt_cache, *theirs):
                 c.flush()  # (every row ends at `_idx`, the ones joining too)
-        joining = list(into)
-        span = max(lengths[j] for j in joining)
-        mine, their_rows = mx.array([into[j] for j in joining]), mx.array(joining)
+        runs: list[list[int]] = []  # [their first row, its place, rows]
+        for j, place in sorted(into.items()):
+            if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == place:
+                runs[-1][2] += 1
+            else:
+                runs.append([j, place, 1])
         top = self.prompt_cache[0]._idx  # (every layer's)
         taken, first, counts = [False] * self._width, [0] * self._width, [0] * self._width
         for j, place in into.items():
             taken[place], first[place], counts[place] = True, top - lengths[j], lengths[j]
         at, first_at, counts_at = mx.array(taken), mx.array(first), mx.array(counts)
         for c, o in zip(self.prompt_cache, theirs, strict=True):
-            if span:
-                for a, b in zip(_arrays(c), _arrays(o), strict=True):
-                    a[mine, :, top - span : top, :] = b[their_rows, :, o._idx - span : o._idx, :]
+            for j, place, rows in runs:
+                span = max(lengths[j : j + rows])
+                if span:
+                    for a, b in zip(_arrays(c), _arrays(o), strict=True):
+                        a[place : place + rows, :, top - span : top, :] = (
+                            b[j : j + rows, :, o._idx - span : o._idx, :]
+                        )  # fmt: skip
             if isinstance(c, Ragged) and c._ends is not None:
                 for place in into.values():
                     c._ends[place] = top
