@@ -192,14 +192,14 @@ class PlacedGenerationBatch(EndingGenerationBatch):
                 runs[-1][2] += 1
             else:
                 runs.append([j, place, 1])
+        spans = [max(lengths[j : j + rows]) for j, _, rows in runs]
         top = self.prompt_cache[0]._idx  # (every layer's)
         taken, first, counts = [False] * self._width, [0] * self._width, [0] * self._width
         for j, place in into.items():
             taken[place], first[place], counts[place] = True, top - lengths[j], lengths[j]
         at, first_at, counts_at = mx.array(taken), mx.array(first), mx.array(counts)
         for c, o in zip(self.prompt_cache, theirs, strict=True):
-            for j, place, rows in runs:
-                span = max(lengths[j : j + rows])
+            for (j, place, rows), span in zip(runs, spans, strict=True):
                 if span:
                     for a, b in zip(_arrays(c), _arrays(o), strict=True):
                         a[place : place + rows, :, top - span : top, :] = (
