@@ -124,14 +124,21 @@ class Load:
 def test_kill_9_under_load_then_every_request_succeeds_and_a_restart_gets_traffic(
     spawn, launch, long_model
 ):
-    survivor = spawn("--model", str(long_model))
-    victim = spawn("--model", str(long_model))
-    router = launch([survivor, victim], long_model)
+    workers = [spawn("--model", str(long_model)) for _ in range(2)]
+    router = launch(workers, long_model)
     body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 1500, **GREEDY}
     with ThreadPoolExecutor(2) as pool:
-        # Round robin places one long stream on each worker.
         streams = [pool.submit(router.stream, "/v1/completions", body) for _ in range(2)]
-        assert wait_until(lambda: active(survivor) == 1 and active(victim) == 1, 30)
+        # Round robin places one stream on each worker, unless the router left one out of
+        # its pool for a moment (a health check missed on a busy host can): then the killed
+        # worker holds both, and both must end in an error.
+        assert wait_until(lambda: sum(map(active, workers)) == 2, 30), (
+            router.health(),
+            [s.done() and (s.exception() or s.result()[-1:]) for s in streams],
+        )
+        counts = [active(w) for w in workers]
+        victim = workers[counts.index(max(counts))]
+        on_victim = max(counts)
         load = Load(router, clients=4)
         try:
             assert wait_until(lambda: served(victim) >= 2, 30)
@@ -147,9 +154,9 @@ def test_kill_9_under_load_then_every_request_succeeds_and_a_restart_gets_traffi
             assert wait_until(lambda: served(restarted) >= 4, 10)
         finally:
             load.stop()
-        # The stream on the killed worker ends with an error event; the other finishes.
+        # Each stream on the killed worker ends with an error event; the other finishes.
         ends = sorted("error" in s.result()[-1] for s in streams)
-        assert ends == [False, True]
+        assert ends == [False] * (2 - on_victim) + [True] * on_victim
     # No request failed, not even one in flight on the killed worker: none had had a message
     # yet, so the router retried each on the survivor.
     assert load.errors == []
