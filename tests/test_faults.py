@@ -231,12 +231,18 @@ def test_an_abort_reaches_a_request_still_waiting_for_the_tokenizer(start_worker
 
     servicer.tokenizer = Held()
     asked = request(text="Hello there", request_id="early", max_tokens=400, ignore_eos=True)
-    with ThreadPoolExecutor(1) as pool:
+    again = request(text="Hello again", request_id="early", max_tokens=4, ignore_eos=True)
+    with ThreadPoolExecutor(2) as pool:
         call = pool.submit(lambda: collect(w.stub.Generate(asked, timeout=60)))
         assert wait_until(lambda: w.active_requests() == 1)
         w.stub.Abort(pb.AbortRequest(request_ids=["early"]))
+        # Its id is free once Abort returns, while its text is still being tokenized.
+        resent = pool.submit(lambda: collect(w.stub.Generate(again, timeout=60)))
+        assert wait_until(lambda: w.active_requests() == 2)
         tokenizing.set()
         result = call.result(30)
+        served = resent.result(30)
+        assert (served.complete.finish_reason, len(served.tokens)) == ("length", 4)
     assert (result.complete.finish_reason, result.tokens) == ("abort", [])
     servicer.tokenizer = tokenizer
     assert_still_serving(w)

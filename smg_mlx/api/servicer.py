@@ -58,8 +58,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._calls = 0  # Generate calls taken in, from their arrival to their end
         self._jobs: dict[str, Job] = {}
         # Requests taken in, not yet jobs (parsed, being tokenized or checked), by
-        # id: whether an Abort named them meanwhile.
-        self._preparing: dict[str, bool] = {}
+        # id: set where an Abort named them meanwhile (which frees the id at once).
+        self._preparing: dict[str, asyncio.Event] = {}
         self.payload = PayloadWork()
         self._started = time.monotonic()
         self.draining = False
@@ -169,20 +169,21 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 f"request_id {request_log.bounded(request_id)!r} is already in flight; "
                 "use a unique id",
             )
-        self._preparing[request_id] = False
+        aborted = self._preparing[request_id] = asyncio.Event()
         try:
             spec = await self._prepare(request, context)
         finally:
-            aborted = self._preparing.pop(request_id)
+            if self._preparing.get(request_id) is aborted:
+                del self._preparing[request_id]
         job = Job(request_id, spec)
-        if aborted:  # while it was being prepared: it never reaches the engine
-            job.end(finish_reason="abort")
+        if aborted.is_set():  # while it was being prepared: it never reaches the engine,
+            job.end(finish_reason="abort")  # and its id, freed by Abort, may be taken again
         else:
             try:
                 self._engine.submit(job)
             except EngineUnavailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self._jobs[request_id] = job
+            self._jobs[request_id] = job
         delivered = False
         try:
             most = responses.tokens_within(
@@ -282,9 +283,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             # at once, while the aborted stream is still sending its last message.
             for job in jobs:
                 del self._jobs[job.request_id]
-        preparing = [request_id for request_id in self._preparing if request_id in ids]
-        for request_id in preparing:
-            self._preparing[request_id] = True  # Generate ends it once it is prepared
+        # Those still being prepared end once they are (Generate sees the flag).
+        preparing = [self._preparing.pop(i) for i in ids if i in self._preparing]
+        for aborted in preparing:
+            aborted.set()
         if jobs or preparing:
             log.info("abort requested for %s", counted(len(jobs) + len(preparing), "request"))
         return mlx_engine_pb2.AbortResponse()
