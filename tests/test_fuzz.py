@@ -107,6 +107,14 @@ def test_request_ids_at_their_extremes(fuzzed, request_id):
     assert outcome(fuzzed.stub, build(prompt(5), {"max_tokens": 2}, request_id)) == "end"
 
 
+def test_a_request_id_too_long_for_an_abort_to_name_is_refused(fuzzed):
+    longest = "x" * (512 << 10)
+    result = outcome(fuzzed.stub, build(prompt(5), {"max_tokens": 2}, longest + "x"))
+    assert result.startswith("INVALID_ARGUMENT") and "request_id is 524289 bytes" in result
+    assert outcome(fuzzed.stub, build(prompt(5), {"max_tokens": 2}, longest)) == "end"
+    fuzzed.stub.Abort(pb.AbortRequest(request_ids=[longest]), timeout=10)  # one it can name
+
+
 def test_random_combinations_at_concurrency(fuzzed):
     rng = random.Random(1)
 

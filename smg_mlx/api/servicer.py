@@ -39,6 +39,8 @@ MODEL_INFO_WAIT_SECONDS = 60.0
 # Every request but Generate's carries a few ids at most: larger ones are
 # refused unparsed.
 SMALL_REQUEST_BYTES = 1 << 20
+# Any id Generate takes, one Abort can name.
+MAX_REQUEST_ID_BYTES = SMALL_REQUEST_BYTES // 2
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
@@ -162,6 +164,12 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse | bytes]:
         request_id = request.request_id or uuid.uuid4().hex
+        if (size := len(request_id.encode())) > MAX_REQUEST_ID_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id is {size} bytes; this worker takes at most {MAX_REQUEST_ID_BYTES} "
+                "(an Abort must be able to name it)",
+            )
         if request_id in self._jobs or request_id in self._preparing:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
