@@ -169,6 +169,22 @@ non_negative = _number(float, 0, "a number, 0 or more")
 positive_float = _number(float, 1, "a number, 1 or more")
 
 
+MOST_BURST_WINDOW_MS = 60_000
+
+
+def burst_window(text: str) -> float:
+    """--burst-window-ms: 0 up to a minute, which each request on an idle worker
+    may wait before it starts (longer, no request would seem to start at all)."""
+    what = f"a number of milliseconds from 0 to {MOST_BURST_WINDOW_MS}"
+    window = _number(float, 0, what)(text)
+    if window > MOST_BURST_WINDOW_MS:
+        raise argparse.ArgumentTypeError(
+            f"expected {what} (a request on an idle worker may wait this long before it "
+            f"starts), got {text!r}"
+        )
+    return window
+
+
 def host(text: str) -> str:
     """--host: a name or an address; an IPv6 address may come in brackets, as in a URL."""
     return text[1:-1] if text.startswith("[") and text.endswith("]") else text

@@ -26,6 +26,7 @@ from smg_mlx.flag_types import (
     adapter_dir,
     any_port,
     budget,
+    burst_window,
     byte_size,
     count,
     directory,
@@ -278,7 +279,7 @@ def _pacing(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--burst-window-ms",
-        type=non_negative,
+        type=burst_window,
         default=EngineConfig.burst_window_seconds * 1000,
         help="an idle worker waits this long after each new request for another, so "
         "that a burst starts as one prefill group; where requests just ended, their "
