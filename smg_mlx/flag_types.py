@@ -47,10 +47,20 @@ def byte_size(text: str) -> int:
     return size
 
 
+def _expanded(text: str) -> Path:
+    """`text` as a path, a leading ~ or ~user made that home directory."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # (~user of no such user, or ~ without HOME)
+        user = text.split("/", 1)[0][1:]
+        whose = f"no user {user!r} has a" if user else "HOME names no"
+        raise argparse.ArgumentTypeError(f"{text!r}: {whose} home directory") from None
+
+
 def directory(text: str) -> Path:
     if not text.strip():  # Path("") is the current directory
         raise argparse.ArgumentTypeError("expected a directory, got an empty path")
-    return Path(text).expanduser().absolute()  # logged as it is used
+    return _expanded(text).absolute()  # logged as it is used
 
 
 def memory_budget(text: str) -> tuple[int | None, float | None]:
@@ -109,13 +119,12 @@ def model_name(text: str) -> Path:
         )
     # Absolute, so that a path written as one ("./models/x") stays one and is
     # never taken for a Hugging Face repo id (model_source).
-    path = Path(text)
-    return path.expanduser().absolute() if model_source.looks_like_a_path(text) else path
+    return _expanded(text).absolute() if model_source.looks_like_a_path(text) else Path(text)
 
 
 def adapter_dir(text: str) -> Path:
     # What mlx_lm.lora writes, and mlx-lm's loader reads.
-    path = Path(text).expanduser()
+    path = _expanded(text)
     if not path.is_dir():
         what = "a file" if path.exists() else "no such directory"
         raise argparse.ArgumentTypeError(f"{text!r} is not a LoRA adapter's directory ({what})")

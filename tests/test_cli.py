@@ -183,6 +183,24 @@ def test_an_adapter_path_names_an_adapter(capsys):
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "~no-such-user-here/m"],
+        ["--demo", "--adapter-path", "~no-such-user-here/a"],
+        ["--demo", "--prompt-cache-dir", "~no-such-user-here/c"],
+        ["--demo", "--draft-model", "~no-such-user-here/d"],
+    ],
+)
+def test_a_path_in_the_home_of_no_user_is_refused_with_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        serve_args(*argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[-2]}" in err
+    assert "no user 'no-such-user-here' has a home directory" in err
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         ([], "name one model to serve: MODEL or --model"),
