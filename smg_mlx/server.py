@@ -420,7 +420,8 @@ class Worker:
         grace = self.config.shutdown_grace_seconds
         log.info(
             "shutting down: %s in flight, waiting up to %gs",
-            counted(servicer.active_requests, "request"),
+            # (those turned away still count until their calls end, after this)
+            counted(servicer.active_requests - refused, "request"),
             grace,
         )
         deadline = time.monotonic() + grace

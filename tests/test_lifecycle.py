@@ -204,6 +204,7 @@ def test_at_a_stop_requests_waiting_for_a_place_go_to_another_worker_at_once(spa
     assert p.proc.wait(30) == 0
     log = p.log.read_text()
     assert "2 requests still waiting for a place in the batch turned away" in log
+    assert "shutting down: 1 request in flight" in log  # the running one alone
     ends = re.findall(r"request done .* finish_reason=(\w+)", log)
     assert sorted(ends) == ["length", "shutdown", "shutdown"], ends
 
