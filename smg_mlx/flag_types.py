@@ -199,11 +199,15 @@ def host(text: str) -> str:
     return text[1:-1] if text.startswith("[") and text.endswith("]") else text
 
 
+MOST_TIMEOUT = 86_400
+
+
 def timeout(text: str) -> float:
-    """Seconds to wait, above 0: a wait of none can never be met."""
-    what = "a number of seconds above 0"
+    """Seconds to wait, above 0 (a wait of none can never be met) and up to a day
+    (gRPC's deadlines overflow not far past a few billion seconds)."""
+    what = f"a number of seconds above 0, up to {MOST_TIMEOUT} (a day)"
     seconds = _number(float, 0, what)(text)
-    if seconds == 0:
+    if not 0 < seconds <= MOST_TIMEOUT:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return seconds
 

@@ -4,7 +4,9 @@ else 1 with a one-line reason on stderr."""
 from __future__ import annotations
 
 import datetime
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,12 +25,13 @@ from docs import README, section
 from helpers import wait_until
 
 
-def health(port: int, *args: str) -> subprocess.CompletedProcess:
+def health(port: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "smg_mlx", "health", "--port", str(port), "--timeout", "5", *args],
         capture_output=True,
         text=True,
         timeout=30,
+        env=env,
     )
 
 
@@ -64,6 +67,11 @@ def test_exit_zero_only_while_serving(spawn, model_dir):
 
     probe = health(serving.port)
     assert (probe.returncode, probe.stdout, probe.stderr) == (0, "SERVING\n", "")
+    # Not through a proxy that a unit sets for its downloads (this one is down).
+    proxy = f"http://127.0.0.1:{free_port()}"
+    proxied = {**os.environ, "http_proxy": proxy, "https_proxy": proxy, "grpc_proxy": proxy}
+    probe = health(serving.port, env=proxied)
+    assert (probe.returncode, probe.stdout) == (0, "SERVING\n"), probe.stderr
 
     assert serving.stop() == 0
     probe = health(serving.port)
@@ -138,13 +146,41 @@ def test_a_certificate_that_expired_while_served_is_named(tmp_path):
     ), probe.stderr
 
 
-def test_a_port_that_answers_but_not_in_grpc_is_named():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_probe_stopped_before_an_answer_is_no_verdict_of_serving(sig):
+    """A supervisor's probe timeout signals the probe: that is not SERVING."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections, says nothing
+        port = silent.getsockname()[1]
+        command = [sys.executable, "-m", "smg_mlx", "health", "--port", str(port)]
+        probe = subprocess.Popen(
+            [*command, "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        silent.settimeout(30)
+        connection, _ = silent.accept()  # the probe is waiting for its answer
+        with connection:
+            probe.send_signal(sig)
+            out, err = probe.communicate(timeout=30)
+    assert (probe.returncode, out) == (1, "")
+    assert err == f"stopped by {sig.name} before an answer\n"
+
+
+def test_a_port_that_answers_but_not_in_grpc_is_named(tmp_path):
     """The router's HTTP port or the metrics port given by mistake: a hint, not
     only gRPC's words about HTTP/2 frames."""
     http = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     threading.Thread(target=http.serve_forever, daemon=True).start()
     try:
         probe = health(http.server_port)
+    finally:
+        http.shutdown()
+    assert probe.returncode == 1
+    assert probe.stderr.endswith(f" (is {http.server_port} a worker's --port?)\n"), probe.stderr
+    # Asked for TLS too, it says the same, not that the port is a plaintext worker's.
+    http = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        probe = health(http.server_port, "--tls-ca", str(self_signed(tmp_path)[0]))
     finally:
         http.shutdown()
     assert probe.returncode == 1

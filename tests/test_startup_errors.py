@@ -189,7 +189,8 @@ def test_bad_flag_values_exit_two_before_anything_starts(model_dir, args):
     ("args", "message"),
     [
         (["--port", "70000"], "from 1 to 65535, got '70000'"),
-        (["--timeout", "0"], "expected a number of seconds above 0, got '0'"),
+        (["--timeout", "0"], "expected a number of seconds above 0, up to 86400 (a day), got '0'"),
+        (["--timeout", "1e10"], "up to 86400 (a day), got '1e10'"),
     ],
 )
 def test_health_refuses_what_it_cannot_ask(args, message):
