@@ -6,7 +6,9 @@ import asyncio
 import json
 import logging
 import socket
+import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -49,6 +51,19 @@ def test_only_the_metrics_path_answers(metered):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
         assert err.value.code == 404, path
+
+
+def test_connections_reset_before_their_request_print_nothing(metered, capfd):
+    """As a load balancer's TCP check or a port scan does."""
+    _, port = metered
+    for _ in range(3):
+        probe = socket.create_connection(("127.0.0.1", port))
+        time.sleep(0.05)  # accepted, its handler reading the request
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        probe.close()  # a reset
+    time.sleep(0.5)
+    assert ("smg_mlx_memory_budget_bytes", ()) in scrape(port)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_counters_move_by_what_requests_did(metered):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -23,6 +24,8 @@ from prometheus_client.utils import floatToGoString
 from smg_mlx.api.jobs import Job
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
 from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -56,8 +59,10 @@ class Metrics:
         self.requests = metric(
             Counter,
             "requests",
-            "Generate requests that ended, by finish reason "
-            "(stop, length, abort; cancelled: the client left; error: it could not run)",
+            "Generate requests that ended, by finish reason (stop, length, abort; "
+            "cancelled: the client left or its deadline passed; undelivered: finished, but "
+            "the client was gone before its last message; shutdown: turned away at a stop, "
+            "for another worker; error: the engine failed)",
             labelnames=["finish_reason"],
         )
         self.rpcs = metric(
@@ -179,6 +184,11 @@ class Metrics:
 
         class Server(ThreadingWSGIServer):
             address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                # A connection reset or cut off mid-request (a load balancer's TCP
+                # check, a port scan): no traceback on stderr for each.
+                log.debug("metrics: a connection from %s failed", client_address, exc_info=True)
 
         server = make_server(host, port, app, Server, handler_class=_Quiet)
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
