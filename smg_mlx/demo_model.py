@@ -235,7 +235,9 @@ def main() -> None:
         "`smg-mlx serve --model OUT`.",
     )
     default = " (default: %(default)s)"
-    parser.add_argument("out", type=Path, help="the directory to write")
+    parser.add_argument(
+        "out", type=lambda text: Path(text).expanduser(), help="the directory to write"
+    )
     parser.add_argument(
         "--family", choices=sorted(FAMILIES), default="llama", help="model family" + default
     )
@@ -251,7 +253,9 @@ def main() -> None:
         help="the MLP's hidden size (default: 2 x hidden size)",
     )  # fmt: skip
     parser.add_argument(
-        "--vocab-size", type=int, help="the model's vocabulary (default: the tokenizer's)"
+        "--vocab-size", type=int,
+        help="the model's vocabulary, the tokenizer's at least (a few hundred ids): a "
+        "smaller one is taken as the tokenizer's (default: the tokenizer's)",
     )
     parser.add_argument(
         "--tie-word-embeddings", action="store_true", help="share the input and output embeddings"
@@ -277,6 +281,8 @@ def main() -> None:
     for name, value in vars(args).items():
         if isinstance(value, int) and not isinstance(value, bool) and value < 1 and name != "seed":
             parser.error(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"{args.out} is a file: name a new or empty directory")
     if args.out.exists() and any(args.out.iterdir()) and not args.force:
         parser.error(f"{args.out} is not empty: name a new or empty directory, or give --force "
                      "to write over its files")  # fmt: skip
@@ -290,6 +296,10 @@ def main() -> None:
     if args.head_dim is None and args.hidden_size % args.heads:
         parser.error(f"--hidden-size {args.hidden_size} does not split into --heads "
                      f"{args.heads}: give a multiple of it, or --head-dim")  # fmt: skip
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"cannot make the directory {args.out}: {exc.strerror or exc}")
     write_model(
         args.out,
         hidden_size=args.hidden_size,

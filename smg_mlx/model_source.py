@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from smg_mlx.demo_model import ensure_demo_model
+from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
 from smg_mlx.logs import one_line
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,12 @@ def locate(model: Path, demo: bool, revision: str | None = None) -> ModelSource:
         return ModelSource(ensure_demo_model(), DEMO_NAME)
     except RuntimeError as exc:  # the build's child process failed
         raise ModelUnavailable(str(exc)) from None
+    except OSError as exc:  # its folder cannot be made
+        raise ModelNotFound(
+            f"--demo: cannot build the demo model in {default_demo_dir()}: "
+            f"{exc.strerror or exc} ({exc.filename}): set XDG_CACHE_HOME to a directory "
+            "this user can write"
+        ) from None
 
 
 def resolve(model: str, revision: str | None = None) -> ModelSource:

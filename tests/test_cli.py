@@ -315,3 +315,8 @@ def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):
     assert done.stdout == (f"wrote a random-weight llama model (float32) to {mine}: "
                            f"serve it with `smg-mlx serve --model {mine}`\n")  # fmt: skip
     assert (mine / "config.json").read_text() != "important"
+    (tmp_path / "a-file").write_text("")
+    for out, said in ((tmp_path / "a-file", "is a file: name a new or empty directory"),
+                      (tmp_path / "a-file" / "m", "cannot make the directory")):  # fmt: skip
+        done = demo_model(str(out))
+        assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr

@@ -30,6 +30,18 @@ def one_error(lines: list[str]) -> str:
     return errors[0]
 
 
+def test_a_demo_model_with_no_folder_to_build_in_says_where_to_build_it(tmp_path):
+    cache = tmp_path / "a-file"
+    cache.write_text("")
+    code, lines = serve("--demo", "--port", str(free_port()), env={"XDG_CACHE_HOME": str(cache)})
+    assert code == 2
+    assert one_error(lines).endswith(
+        f"--demo: cannot build the demo model in {cache}/smg-mlx/demo-llama-"
+        f"{version('smg-mlx')}: Not a directory ({cache}/smg-mlx): set XDG_CACHE_HOME to a "
+        "directory this user can write"
+    )
+
+
 @pytest.fixture(scope="module")
 def qwen2_dir(models_root: Path) -> Path:
     return build_model(models_root / "tiny-qwen2", ["--family", "qwen2"])
