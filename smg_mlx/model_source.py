@@ -12,6 +12,7 @@ build can take a while), so none of this imports MLX.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import re
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
 from smg_mlx.logs import one_line
+from smg_mlx.model_files import WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,20 @@ def resolve(model: str, revision: str | None = None) -> ModelSource:
     return ModelSource(snapshot, model.split("/")[1])
 
 
+def _missing_weights(snapshot: Path) -> str | None:
+    """What a cached snapshot lacks of its weights (None: nothing): its weight
+    files, or those of its shards' index it does not hold."""
+    index = snapshot / "model.safetensors.index.json"
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        shards = set()  # no index (one file), or one mlx-lm would refuse itself
+    absent = sorted(name for name in shards if not (snapshot / name).is_file())
+    if absent:
+        return f"{len(absent)} of its {len(shards)} weight files, {absent[0]} first"
+    return None if any(snapshot.glob(WEIGHTS)) else f"its weights ({WEIGHTS})"
+
+
 def _snapshot(repo_id: str, revision: str | None) -> Path:
     """The cached snapshot of `repo_id` at `revision` (None: its main branch),
     downloaded first when the cache lacks it."""
@@ -141,16 +157,27 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
     )
 
     get = {"repo_id": repo_id, "revision": revision, "allow_patterns": MODEL_FILES}
+    cached = None
     try:
-        return Path(snapshot_download(**get, local_files_only=True))
+        cached = Path(snapshot_download(**get, local_files_only=True))
     except LocalEntryNotFoundError:
         pass  # not cached, or only partly
+    # A snapshot that another tool fetched a file or two of (the tokenizer's,
+    # say) passes for a whole one where the cache holds no listing of it.
+    missing = None if cached is None else _missing_weights(cached)
+    if cached is not None and missing is None:
+        return cached
     cache = constants.HF_HUB_CACHE
     at = "" if revision is None else f" --revision {revision}"
     named = repo_id if revision is None else f"{repo_id} at revision {revision}"
     if constants.HF_HUB_OFFLINE:
+        where = (
+            f"is not in the Hugging Face cache ({cache})"
+            if missing is None
+            else f"is only partly in the Hugging Face cache ({cache}: {missing} missing)"
+        )
         raise ModelNotFound(
-            f"{named} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+            f"{named} {where} and HF_HUB_OFFLINE is set: "
             f"download it with `hf download {repo_id}{at}` where the Hub can be reached (same "
             "HF_HOME), unset HF_HUB_OFFLINE, or pass a local model directory"
         )

@@ -266,3 +266,38 @@ def test_a_revision_names_the_snapshot_to_serve(hf_home, model_dir, monkeypatch)
     assert f"hf download {REPO_ID} --revision v2" in str(err.value)
     with pytest.raises(ModelNotFound, match="is a local directory: --revision names a version"):
         resolve(str(model_dir), "v1")
+
+
+def partial_copy(model_dir: Path, to: Path) -> Path:
+    """`model_dir` without its weights, as a tool that fetched its config and
+    tokenizer alone leaves a repo in the cache."""
+    shutil.copytree(model_dir, to, ignore=shutil.ignore_patterns("*.safetensors"))
+    return to
+
+
+def test_a_partly_cached_repo_offline_says_what_is_missing(hf_home, model_dir, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snapshot = hub_cache(hf_home, REPO_ID, partial_copy(model_dir, hf_home.parent / "partial"))
+    said = rf"{REPO_ID} is only partly in the Hugging Face cache \(.*: its weights"
+    with pytest.raises(ModelNotFound, match=said) as err:
+        resolve(REPO_ID)
+    assert f"hf download {REPO_ID}" in str(err.value)
+    # Sharded, one shard absent.
+    shards = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    index = {"weight_map": {"a": shards[0], "b": shards[1]}}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    (snapshot / shards[0]).write_bytes(b"")
+    with pytest.raises(ModelNotFound, match=f"1 of its 2 weight files, {shards[1]} first"):
+        resolve(REPO_ID)
+
+
+def test_a_partly_cached_repo_is_downloaded_whole(spawn, model_dir, fake_hub, hf_home):
+    hub_cache(hf_home, REPO_ID, partial_copy(model_dir, hf_home.parent / "partial"))
+    fake_hub(model_dir)
+    p = spawn("--model", REPO_ID)
+    p.wait_serving()
+    assert len(generate(p.stub, prompt(8), max_tokens=2).tokens) == 2
+    assert f"downloading {REPO_ID} from the Hugging Face Hub" in p.log.read_text()
