@@ -158,6 +158,11 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             "caches in one format, so with --kv-bits every row is quantized from its first "
             "token; leave --quantized-kv-start out (or give 0)"
         )
+    if args.prompt_cache_bytes == 0 and args.prompt_cache_disk_bytes:
+        parser.error(
+            "--prompt-cache-disk-bytes: --prompt-cache-bytes 0 turns the prompt cache off, "
+            "its disk tier included (which keeps what memory lets go): leave one of them out"
+        )
     if args.prompt_cache_dir is not None:
         unusable = _unusable_directory(args.prompt_cache_dir)
         if unusable is not None:

@@ -219,6 +219,8 @@ def test_a_path_in_the_home_of_no_user_is_refused_with_the_flag(argv, capsys):
          "--quantized-kv-start 5000: a batch holds all its rows' KV caches in one format"),
         (["--demo", "--quantized-kv-start", "5000"],
          "--quantized-kv-start 5000: the KV caches are not quantized without --kv-bits"),
+        (["--demo", "--prompt-cache-bytes", "0", "--prompt-cache-disk-bytes", "10GiB"],
+         "--prompt-cache-bytes 0 turns the prompt cache off, its disk tier included"),
         (["--demo", "--quantized-kv-start", "0"],  # as --kv-group-size alone: it does nothing
          "--quantized-kv-start 0: the KV caches are not quantized without --kv-bits"),
     ],
