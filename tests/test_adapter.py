@@ -64,3 +64,11 @@ def test_an_adapter_made_for_another_model_is_refused_for_good(model_dir, tmp_pa
         # 2: a restart cannot cure it (a supervisor stops trying).
         assert code == 2, lines
         assert f"--adapter-path {adapter} does not fit {model_dir}" in lines[-1]
+
+
+def test_an_adapter_whose_weights_cannot_be_read_is_named(model_dir, tmp_path):
+    adapter = write_adapter(tmp_path / "adapter", model_dir)
+    (adapter / "adapters.safetensors").write_bytes(b"not weights" * 10)
+    code, lines = serve("--model", str(model_dir), "--adapter-path", str(adapter), "--port", "0")
+    assert code == 1
+    assert lines[-1].endswith("(the adapter's weights file cannot be read: write or copy it again)")

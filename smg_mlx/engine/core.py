@@ -106,8 +106,13 @@ class EngineCore:
                 self.sink.failed(one_line(exc), permanent=True)
             else:
                 said = error_line(exc)
+                adapter = self.config.adapter_path
                 if "[load_safetensors]" in said:  # (a restart reads it again: exit 1)
-                    said += " (a weights file that cannot be read: download the model again)"
+                    said += (
+                        " (the adapter's weights file cannot be read: write or copy it again)"
+                        if adapter is not None and str(adapter) in said
+                        else " (a weights file that cannot be read: download the model again)"
+                    )
                 self.sink.failed(f"model load failed: {said}")
             return
         ranks = channel.size if channel is not None else 1
