@@ -11,6 +11,7 @@ build can take a while), so none of this imports MLX.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -52,6 +53,10 @@ class ModelNotFound(ModelUnavailable, ValueError):
     """`--model` names nothing servable; the message says what to pass instead."""
 
     exit_code = 2  # the flag is to be fixed
+
+
+# Errors of writing the cache, which no retry of the network cures.
+CACHE_FAULTS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EROFS, errno.ENOSPC}
 
 
 class DownloadFailed(ModelUnavailable):
@@ -203,6 +208,14 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
             "or set HF_TOKEN to a token that may read it"
         ) from None
     except OSError as exc:  # the Hub's HTTP errors and connection failures are OSErrors
+        if exc.errno in CACHE_FAULTS and exc.filename is not None:
+            # This machine's cache, not the network (HF_HOME a file, read-only, full).
+            fault = ModelNotFound if exc.errno != errno.ENOSPC else DownloadFailed
+            raise fault(
+                f"cannot download {named} into the Hugging Face cache ({cache}): "
+                f"{exc.strerror} ({exc.filename}): point HF_HOME at a directory this user "
+                "can write, with room for the model"
+            ) from None
         raise DownloadFailed(
             f"cannot download {named} from {constants.ENDPOINT} ({one_line(exc)}): check the "
             f"network and any HTTPS_PROXY, or download it with `hf download {repo_id}{at}` where "

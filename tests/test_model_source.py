@@ -215,6 +215,24 @@ def test_an_unreachable_hub_exits_one_with_the_reason_on_one_line(hf_home, monke
     assert "Traceback" not in done.stderr
 
 
+def test_a_cache_that_cannot_be_written_is_named_not_the_network(
+    model_dir, fake_hub, tmp_path, monkeypatch
+):
+    fake_hub(model_dir)
+    home = tmp_path / "a-file"
+    home.write_text("")
+    monkeypatch.setenv("HF_HOME", str(home))
+    done = subprocess.run(
+        [sys.executable, "-m", "smg_mlx", "serve", "--model", REPO_ID, "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2  # a person fixes it: no restart cures it
+    (error,) = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert f"cannot download {REPO_ID} into the Hugging Face cache ({home}/hub): " in error
+    assert "Not a directory" in error and "point HF_HOME at a directory" in error
+    assert "check the network" not in error and "Traceback" not in done.stderr
+
+
 def test_a_local_path_wins_over_a_repo_id(model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org").mkdir()
