@@ -31,12 +31,13 @@ from smg_mlx.engine.batch import (  # (quantized_kv: QuantizedKVCache's merge)
 )
 from smg_mlx.engine.batch.batch_kv import steady_mask
 from smg_mlx.engine.batch.ended_rows import one_row
+from smg_mlx.engine.batch.sampling import make_processors
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import lookup
-from smg_mlx.engine.types import SamplingSettings
+from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
 import helpers
 
@@ -72,10 +73,11 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
 
 def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = False,
              stop=None, sampler=None, rows: int = 32, seeds=None, draft=None,
-             pacing=None, caches=None, one_width=False):  # fmt: skip
+             pacing=None, caches=None, one_width=False, processors=None):  # fmt: skip
     """Each prompt's tokens (and logprobs of them, and the finished caches' sizes);
     with `stagger` half the prompts join while the first half decode; `caches`
-    makes each row's fresh caches (mlx-lm's own by default)."""
+    makes each row's fresh caches (mlx-lm's own by default); `processors`, a
+    prompt's logits processors by its index."""
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows // 8,
                                stop_tokens=stop, sampler=sampler)  # fmt: skip
     stats = DraftStats()
@@ -95,7 +97,9 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
     def insert(i: int, prompt: list[int]) -> None:
         own = None if seeds is None else [seeded(SamplingSettings(temperature=1.0, seed=seeds[i]))]
         fresh = None if caches is None else [caches()]
-        which[generator.insert([prompt], [max_tokens[i]], samplers=own, caches=fresh)[0]] = i
+        its = None if processors is None else [processors(i)]
+        which[generator.insert([prompt], [max_tokens[i]], samplers=own, caches=fresh,
+                               logits_processors=its)[0]] = i  # fmt: skip
 
     for i, prompt in now:
         insert(i, prompt)
@@ -191,6 +195,40 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
         _, own_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
         pairs = [zip(own_logprobs[i], plain_logprobs[i], strict=True) for i in own_logprobs]
         assert max(abs(a - b) for row in pairs for a, b in row) > 1e-6
+
+
+def test_rows_with_penalties_or_a_logit_bias_propose_and_keep_plain_decodings_tokens():
+    """Penalties look back at the tokens before each position, proposals among
+    them, and a logit bias moves every position: a row with either (a model's
+    generation_config.json may give every request a repetition penalty) still
+    proposes, and its tokens and logprobs are plain decoding's, beside rows
+    with none and rows of other settings."""
+    model = tiny_model("llama", scale=1.5)
+    kinds = [
+        LogitsSettings(repetition_penalty=1.3),
+        LogitsSettings(presence_penalty=0.5, frequency_penalty=0.3),
+        LogitsSettings(logit_bias=((3, 2.0), (7, -1.5))),
+        LogitsSettings(),
+    ]
+
+    for seed, stagger, used in ((4, False, kinds[:3]), (5, True, kinds)):
+        # (the first run's rows all have processors: what they proposed is theirs)
+        def processors(i: int, used: list = used) -> list:
+            return make_processors(used[i % len(used)])
+
+        prompts = repetitive_prompts(8, seed)
+        max_tokens = [int(n) for n in np.random.default_rng(seed).integers(8, 40, len(prompts))]
+        plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger,
+                                               processors=processors)  # fmt: skip
+        ours, logprobs, _, stats = generate(model, prompts, max_tokens, True, stagger,
+                                            processors=processors)  # fmt: skip
+        assert ours == plain
+        for i in range(len(prompts)):
+            assert logprobs[i] == pytest.approx(plain_logprobs[i], abs=1e-4)
+        assert 0 < stats.accepted <= stats.proposed
+        # The processors were in use: without them the tokens differ.
+        assert generate(model, prompts, max_tokens, False, stagger)[0] != plain
+    assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -846,14 +884,18 @@ def _answers_as(stub, cases: list[tuple[list[int], dict]], want: list) -> None:
 @pytest.mark.parametrize("family", ["demo", "llama", "qwen3"])
 def test_a_worker_speculating_answers_as_one_that_does_not(family, model_dir, family_model,
                                                            start_worker):  # fmt: skip
-    """Greedy output, logprobs, stop tokens, max_tokens edges, concurrent streams,
-    prefix-cache hits and aborts: the same with speculation as without. The demo
+    """Greedy output, logprobs, penalties and logit bias, stop tokens, max_tokens
+    edges, concurrent streams, prefix-cache hits and aborts: the same with
+    speculation as without. The demo
     model repeats itself (proposals right), the families' models do not (mostly wrong)."""
     model = model_dir if family == "demo" else family_model(family)
     speculating = start_worker(model, speculative="always")
     plain = start_worker(model, speculative="off")
     cases = [(_repeating(40 + 9 * i, i), {"max_tokens": 1 + 7 * i}) for i in range(6)]
     cases.append((_repeating(30, 3), {"max_tokens": 24, "logprobs": 3}))
+    cases.append((_repeating(44, 6), {"max_tokens": 24, "repetition_penalty": 1.1}))
+    cases.append((_repeating(36, 7), {"max_tokens": 24, "presence_penalty": 0.4,
+                                      "logit_bias": {20: 1.5, 30: -1.0}}))
     first = helpers.generate(plain.stub, _repeating(50, 4), max_tokens=12).tokens
     cases.append((_repeating(50, 4), {"max_tokens": 30, "stop_token_ids": [first[6]]}))
     hit = _repeating(50, 4) + first + helpers.prompt(3, 2)  # extends a cached entry

@@ -31,6 +31,7 @@ from mlx_lm.generate import GenerationBatch
 
 from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
+from smg_mlx.engine.batch.sampling import CONTEXT
 from smg_mlx.engine.speculative.draft_model import DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
@@ -227,12 +228,11 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         ]
 
     def _likely(self) -> set[int]:
-        """Rows that may propose (those with logits processors never do: theirs
-        would need the proposals' context); with prompt lookup, those whose
-        tokens so far suggest a proposal."""
+        """Rows that may propose (not those joining); with prompt lookup, those
+        whose tokens so far suggest a proposal."""
         likely = set()
         for i, uid in enumerate(self.uids):
-            if self.logits_processors and self.logits_processors[i] or uid in self._joining:
+            if uid in self._joining:
                 continue
             if self._draft_rows is not None:
                 likely.add(i)
@@ -259,7 +259,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         self.prompt_cache = [ragged(c) for c in self.prompt_cache]
         # int32, as every token array is (engine.batch.sampling: kernels).
         logits = self.model(mx.array(inputs, dtype=mx.int32), cache=self.prompt_cache)
-        logits = self._processed(logits, pending)
+        proposals = [[] if i in joining else d for i, d in enumerate(drafts)]
+        logits = self._processed(logits, pending, proposals)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled, keeps = self._sample(logprobs)
         mx.eval(sampled, logprobs, self._next_logprobs)
@@ -274,6 +275,10 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
                 kept += 1
             tokens = [y, *proposal[:kept]]
+            if kept and self.logits_processors and self.logits_processors[i]:
+                # What its processors look back at next (its pending token went in
+                # as the pass was built, `_processed`).
+                self._token_context[i].update_and_fetch(mx.array(proposal[:kept], mx.int32))
             chosen = [self._next_logprobs[i], *(logprobs[i, j] for j in range(kept))]
             finish = None if joins else self._finish(i, tokens)
             if finish is not None:
@@ -308,20 +313,32 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             self.filter(keep)
         return out
 
-    def _processed(self, logits: mx.array, pending: list[int]) -> mx.array:
-        """The logits with each row's processors applied at its first position
-        (rows with processors propose nothing: that is all they use)."""
+    def _processed(self, logits: mx.array, pending: list[int], drafts: list[list[int]]) -> mx.array:
+        """The logits with each row's processors (penalties, logit bias) applied
+        at its pending token's position and at each of its proposals', each
+        after the tokens before it, as decoding them one at a time applies
+        them; a row's padding positions are left as they are (never kept)."""
         if not any(self.logits_processors):
             return logits
-        firsts = []
+        rows = []
         for i, processors in enumerate(self.logits_processors):
-            first = logits[i, :1]
-            if processors:
-                context = self._token_context[i].update_and_fetch(mx.array(pending[i : i + 1]))
+            if not processors:
+                rows.append(logits[i])
+                continue
+            context = self._token_context[i].update_and_fetch(mx.array(pending[i : i + 1]))
+            recent = context[-CONTEXT:]  # (all the penalties look back at)
+            proposal = drafts[i]
+            positions = []
+            for j in range(len(proposal) + 1):
+                before = recent if j == 0 else mx.concatenate(
+                    [recent, mx.array(proposal[:j], dtype=recent.dtype)]
+                )  # fmt: skip
+                position = logits[i, j : j + 1]
                 for processor in processors:
-                    first = processor(context, first)
-            firsts.append(first)
-        return mx.concatenate([mx.concatenate(firsts)[:, None], logits[:, 1:]], axis=1)
+                    position = processor(before, position)
+                positions.append(position)
+            rows.append(mx.concatenate([*positions, logits[i, len(proposal) + 1 :]]))
+        return mx.stack(rows)
 
     def _sample(self, logprobs: mx.array) -> tuple[mx.array, list]:
         """Every position of every row, by the row's sampler (one call where all
