@@ -25,6 +25,7 @@ from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo, load_model_info
 from smg_mlx.api.rpc_handlers import add_engine_service
 from smg_mlx.api.servicer import MlxEngineServicer
+from smg_mlx.api.tokenizer_files import tokenizer_zip
 from smg_mlx.config import ServerConfig
 from smg_mlx.engine.ranks.launched import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
@@ -266,6 +267,7 @@ class Worker:
             # engine thread loads them. Read them before the engine starts:
             # transformers' lazy imports are not safe from two threads at once.
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+            bundle = await asyncio.to_thread(tokenizer_zip, self.model_dir)
             # --generation-config none: not read at all (a broken one cannot matter).
             generation = (
                 generation_config(self.model_dir) if self.config.model_sampling_defaults else None
@@ -275,7 +277,7 @@ class Worker:
             )
             self._check_request_room(info)
             defaults = self._sampling_defaults(generation)
-            self.servicer.set_model(self.model_dir, info, tokenizer, defaults)
+            self.servicer.set_model(self.model_dir, info, tokenizer, defaults, bundle)
             self.engine.start(self.config.engine)
             await self.engine.wait_ready()
         except StartupError:

@@ -184,3 +184,15 @@ def test_tokenizer_files_in_a_hub_cache_snapshot_are_served(start_worker, model_
     files = tokenizer_names(w.stub)
     assert files["tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
     assert "config.json" in files
+
+
+def test_the_tokenizer_bundle_is_the_one_read_at_start_up(start_worker, model_dir, tmp_path):
+    """A model directory moved or deleted while the worker runs (a remount, a
+    cache cleaned) leaves the bundle a router fetches as it was, not empty."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    w = start_worker(model)
+    model.rename(tmp_path / "moved")
+    files = tokenizer_names(w.stub)
+    assert files["tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
+    assert {"tokenizer_config.json", "config.json"} <= set(files)

@@ -25,7 +25,7 @@ from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.api.payload import PayloadWork
 from smg_mlx.api.rpc_handlers import Refusal
 from smg_mlx.api.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from smg_mlx.api.tokenizer_files import chunks, tokenizer_zip
+from smg_mlx.api.tokenizer_files import chunks
 from smg_mlx.api.translation import InvalidRequest
 from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import Failure, GenerationSpec
@@ -71,16 +71,19 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self.tokenizer: Any = None
         self.sampling_defaults = NO_DEFAULTS
         self._model_known = asyncio.Event()
-        self._tokenizer_zip: tuple[bytes, str] | None = None
+        self._tokenizer_zip: tuple[bytes, str] = (b"", "")  # (`set_model`)
         # One thread: a fast tokenizer is not safe to call from several at once.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    def set_model(
-        self, model_dir: Path, info: ModelInfo, tokenizer: Any, defaults: SamplingDefaults
-    ) -> None:
-        """The model to serve; `defaults`: its sampling values for what requests leave unset."""
+    def set_model(self, model_dir: Path, info: ModelInfo, tokenizer: Any,
+                  defaults: SamplingDefaults, bundle: tuple[bytes, str]) -> None:  # fmt: skip
+        """The model to serve; `defaults`: its sampling values for what requests
+        leave unset; `bundle`: its tokenizer files as GetTokenizer serves them
+        (zipped, and the zip's sha256), read with the tokenizer: files moved
+        or deleted while the worker runs cannot change what it serves."""
         self.model_dir, self.info, self.tokenizer = model_dir, info, tokenizer
         self.sampling_defaults = defaults
+        self._tokenizer_zip = bundle
         self._model_known.set()
 
     @property
@@ -374,8 +377,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
         await self._model_info(context)
-        if self._tokenizer_zip is None:
-            self._tokenizer_zip = await asyncio.to_thread(tokenizer_zip, self.model_dir)
         for data, sha256 in chunks(*self._tokenizer_zip):
             yield common_pb2.GetTokenizerChunk(data=data, sha256=sha256)
 
