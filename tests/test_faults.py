@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from smg_mlx.engine.batch import sampling
+from smg_mlx.grpc_stubs import common_pb2
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
@@ -22,6 +23,7 @@ from helpers import collect, generate, prompt, request, wait_until
 
 GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"
 ABORT = "/mlx.grpc.engine.MlxEngine/Abort"
+TOKENIZER = "/mlx.grpc.engine.MlxEngine/GetTokenizer"
 
 
 def assert_still_serving(worker) -> None:
@@ -31,10 +33,9 @@ def assert_still_serving(worker) -> None:
 
 def send_raw(worker, method: str, payload: bytes):
     """Send bytes as they are, the way a buggy or hostile client would."""
-    if method == GENERATE:
-        call = worker.channel.unary_stream(
-            method, response_deserializer=pb.GenerateResponse.FromString
-        )
+    if method in (GENERATE, TOKENIZER):
+        answer = pb.GenerateResponse if method == GENERATE else common_pb2.GetTokenizerChunk
+        call = worker.channel.unary_stream(method, response_deserializer=answer.FromString)
         return list(call(payload, timeout=30))
     return worker.channel.unary_unary(method, response_deserializer=pb.AbortResponse.FromString)(
         payload, timeout=30
@@ -48,6 +49,9 @@ MALFORMED = [
     # A field sent with the wrong wire type is skipped, which leaves no input.
     ("request_id as a number", GENERATE, b"\x08\x05", "no input"),
     ("abort garbage", ABORT, b"\xff\xff\xff\xff", "not a valid mlx.grpc.engine.AbortRequest"),
+    # Each names the file its message is defined in.
+    ("tokenizer garbage", TOKENIZER, b"\xff\xff\xff\xff",
+     "Wire format was corrupt); build it from proto/common.proto"),
     # Counted before parsing, and refused without a parse (each holds the GIL).
     ("600,000 unknown fields", GENERATE, b"\x98\x06\x01" * 600_000,
      "more than 4160 fields"),

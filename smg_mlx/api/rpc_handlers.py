@@ -54,7 +54,7 @@ async def _parse(
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the request is not a valid {cls.DESCRIPTOR.full_name} ({exc}); "
-            "build it from proto/mlx_engine.proto",
+            f"build it from proto/{cls.DESCRIPTOR.file.name}",
         )
 
 
