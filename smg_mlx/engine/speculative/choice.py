@@ -15,6 +15,7 @@ from mlx_lm.utils import load_tokenizer
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch.kv_format import caches_for, other_kinds
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
+from smg_mlx.engine.speculative.draft_model import PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.shared_history import SharedHistory
 from smg_mlx.engine.types import LayerCaches, Unservable
@@ -94,11 +95,10 @@ def _ranks(group: mx.distributed.Group | None) -> int:
     return group.size() if group is not None else 1
 
 
-def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
+def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwise:
     """The draft model, loaded; refused (types.Unservable) unless it can
-    propose the model's tokens: the same tokenizer, no more outputs than the
-    model has inputs, inputs for every output of the model's, caches that take
-    tokens back."""
+    propose the model's tokens: the same tokenizer (its ids padded to another
+    count or not: `PaddedOtherwise`), caches that take tokens back."""
     started = time.perf_counter()
     draft_path = config.draft_model
     draft, draft_tokenizer = load(str(draft_path))
@@ -110,21 +110,16 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module:
             "the same family)"
         )
     token = mx.array([[0]])
-    outputs, inputs = draft(token).shape[-1], model(token).shape[-1]
-    if outputs > inputs:
-        raise Unservable(
-            f"--draft-model {draft_path}: it scores {outputs} token ids, the model knows "
-            f"{inputs}: a draft must not propose ids the model cannot read (name a draft of "
-            "the model's family with its vocabulary)"
-        )
-    # The draft reads every token the model writes: an id past its embedding
-    # table reads zeros, or memory past it.
-    if (reads := getattr(getattr(draft, "args", None), "vocab_size", None)) and reads < inputs:
-        raise Unservable(
-            f"--draft-model {draft_path}: it reads {reads} token ids, the model writes "
-            f"{inputs}: a draft must read every id the model can write (name a draft of the "
-            "model's family with its vocabulary)"
-        )
+    scores, ids = draft(token).shape[-1], model(token).shape[-1]
+    reads = getattr(getattr(draft, "args", None), "vocab_size", None) or scores
+    if reads < ids or scores > ids:  # (padding: the tokenizers are the same)
+        log.info(
+            "draft model %s: its token ids padded to %d (read) and %d (scored), the model's "
+            "to %d: ids past the draft's reach it as its last, and it proposes only ids the "
+            "model reads", draft_path, reads, scores, ids,
+        )  # fmt: skip
+        draft = PaddedOtherwise(draft, reads if reads < ids else None,
+                                ids if scores > ids else None)  # fmt: skip
     if (names := other_kinds(make_prompt_cache(draft))) is not None:
         raise Unservable(
             f"--draft-model {draft_path}: its caches ({names}) cannot take tokens back; "

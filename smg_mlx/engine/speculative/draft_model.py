@@ -163,3 +163,25 @@ class DraftRows:
             for mine, theirs in zip(self._cache, merged, strict=True):
                 mine.extend(theirs)
         self._uids.append(uid)
+
+
+class PaddedOtherwise:
+    """A draft whose token ids are padded to another count than the model's,
+    with the same tokenizer (Qwen2.5's 0.5B and its 7B, say): ids the model
+    writes past the draft's embedding (padding, no token of the tokenizer)
+    reach it as its last id, and it proposes only ids the model reads. Its
+    proposals are checked as any draft's, so outputs stay the model's."""
+
+    def __init__(self, model: nn.Module, reads: int | None, proposes: int | None) -> None:
+        self._model = model
+        self._reads = reads  # ids its embedding holds, where the model writes more
+        self._proposes = proposes  # ids the model reads, where the draft scores more
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        if self._reads is not None:
+            inputs = mx.minimum(inputs, self._reads - 1)
+        logits = self._model(inputs, cache=cache)
+        return logits if self._proposes is None else logits[..., : self._proposes]
+
+    def __getattr__(self, name: str) -> Any:  # (its layers, caches, parameters)
+        return getattr(self.__dict__["_model"], name)
