@@ -15,9 +15,8 @@ import grpc
 import pytest
 
 from smg_mlx.engine.batch import sampling
-from smg_mlx.grpc_stubs import common_pb2
+from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
-from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 
 from helpers import collect, generate, prompt, request, wait_until
 
