@@ -84,7 +84,7 @@ def test_a_generation_config_that_is_not_json_is_named_and_served_without(
     with caplog.at_level(logging.WARNING):
         w = start_worker(model, model_sampling_defaults=setting == "auto")
     assert len(collect(w.stub.Generate(unset_sampling(prompt(4)), timeout=60)).tokens) == 16
-    named = [r.getMessage() for r in caplog.records if "generation_config" in r.getMessage()]
+    named = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
     if setting == "none":  # not read at all
         assert named == []
     else:

@@ -320,10 +320,10 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         them; a row's padding positions are left as they are (never kept)."""
         if not any(self.logits_processors):
             return logits
-        rows = []
+        rows = []  # (slices: an int index would be a uint32 array to mlx)
         for i, processors in enumerate(self.logits_processors):
             if not processors:
-                rows.append(logits[i])
+                rows.append(logits[i : i + 1])
                 continue
             context = self._token_context[i].update_and_fetch(mx.array(pending[i : i + 1]))
             recent = context[-CONTEXT:]  # (all the penalties look back at)
@@ -337,8 +337,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 for processor in processors:
                     position = processor(before, position)
                 positions.append(position)
-            rows.append(mx.concatenate([*positions, logits[i, len(proposal) + 1 :]]))
-        return mx.stack(rows)
+            rows.append(mx.concatenate([*positions, logits[i, len(proposal) + 1 :]])[None])
+        return mx.concatenate(rows)
 
     def _sample(self, logprobs: mx.array) -> tuple[mx.array, list]:
         """Every position of every row, by the row's sampler (one call where all
