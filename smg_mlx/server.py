@@ -277,7 +277,7 @@ class Worker:
             )
             self._check_request_room(info)
             defaults = self._sampling_defaults(generation)
-            self.servicer.set_model(self.model_dir, info, tokenizer, defaults, bundle)
+            self.servicer.set_model(info, tokenizer, defaults, bundle)
             self.engine.start(self.config.engine)
             await self.engine.wait_ready()
         except StartupError:

@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -66,7 +65,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._started = time.monotonic()
         self.draining = False
         # Set by `set_model()` once the model directory has been read.
-        self.model_dir: Path | None = None
         self.info: ModelInfo | None = None
         self.tokenizer: Any = None
         self.sampling_defaults = NO_DEFAULTS
@@ -75,13 +73,13 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         # One thread: a fast tokenizer is not safe to call from several at once.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    def set_model(self, model_dir: Path, info: ModelInfo, tokenizer: Any,
-                  defaults: SamplingDefaults, bundle: tuple[bytes, str]) -> None:  # fmt: skip
+    def set_model(self, info: ModelInfo, tokenizer: Any, defaults: SamplingDefaults,
+                  bundle: tuple[bytes, str]) -> None:  # fmt: skip
         """The model to serve; `defaults`: its sampling values for what requests
         leave unset; `bundle`: its tokenizer files as GetTokenizer serves them
         (zipped, and the zip's sha256), read with the tokenizer: files moved
         or deleted while the worker runs cannot change what it serves."""
-        self.model_dir, self.info, self.tokenizer = model_dir, info, tokenizer
+        self.info, self.tokenizer = info, tokenizer
         self.sampling_defaults = defaults
         self._tokenizer_zip = bundle
         self._model_known.set()
