@@ -2,9 +2,11 @@
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
 
+from smg_mlx.engine.batch import quantized_kv
 from smg_mlx.engine.batch.ended_rows import EndedRow, SharedBlocks, Snapshot, copied_out
+from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 
 PADDING = [0, 2, 1, 0, 3, 0]
@@ -75,3 +77,39 @@ def test_a_row_alone_or_rows_far_apart_get_arrays_of_their_own():
         for place, layers in zip(places, out, strict=True):
             for got, expected in zip(_held(layers), _row(cache, place), strict=True):
                 np.testing.assert_array_equal(got, expected)
+
+
+def test_quantized_rows_ending_together_share_a_block_each_row_as_extract_gives_it(monkeypatch):
+    """--kv-bits: rows a pass ends come out as one block a layer part too
+    (each row alone: six copies a layer), their decoding tail quantized in."""
+    monkeypatch.setattr(quantized_kv, "TAILS", True)
+    cache = []
+    for _ in range(3):
+        layer = BatchQuantizedKVCache(list(PADDING), group_size=32, bits=8)
+        prompt = mx.random.normal((len(PADDING), 2, 6, 64))
+        layer.update_and_fetch(prompt, -prompt)
+        step = mx.random.normal((len(PADDING), 2, 1, 64))
+        layer.update_and_fetch(step, 2 * step)  # a decoding pass: into the 16-bit tail
+        cache.append(layer)
+    assert cache[0]._tailed == 1
+    places = [0, 1, 2, 3]
+    taken = Snapshot.of(cache)
+    out, blocks = copied_out([EndedRow(taken, p, PADDING[p]) for p in places])
+    block = blocks[0]
+    assert block is not None and all(b is block for b in blocks)
+    for place, layers in zip(places, out, strict=True):
+        want = [c.extract(place, PADDING[place]) for c in cache]
+        for got, expected in zip(layers, want, strict=True):
+            assert isinstance(got, QuantizedKVCache)
+            assert (got.group_size, got.bits, got.offset) == (32, 8, 7 - PADDING[place])
+            for a, b in zip((*got.keys, *got.values), (*expected.keys, *expected.values),
+                            strict=True):  # fmt: skip
+                np.testing.assert_array_equal(np.array(a), np.array(b))
+    memory = MemoryTier()
+    shared = SharedBlocks(memory)
+    tokens = [[place + 1] * (7 - PADDING[place]) for place in places]
+    entries = [memory.insert(t, layers)[0] for t, layers in zip(tokens, out, strict=True)]
+    shared.add(list(zip(entries, out, blocks, strict=True)))
+    memory.drop([entries[0].id, entries[1].id, entries[2].id])  # under half kept: copied out
+    assert shared.tend() and shared.waste == 0
+    assert all(isinstance(c.keys, tuple) and len(c.keys) == 3 for c in out[3])

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from smg_mlx.engine.batch import batch_kv  # noqa: F401 - its filter takes a known padding
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
@@ -39,22 +39,29 @@ SPAN_PER_ROW = 1.5
 
 @dataclass(eq=False)
 class Snapshot:
-    """A plain batch cache's arrays as a pass left them: later writes into
-    the cache (rows joining in the same call) change its arrays, not these."""
+    """A batch cache's arrays as a pass left them: later writes into the
+    cache (rows joining in the same call) change its arrays, not these."""
 
-    arrays: list[tuple[mx.array, mx.array]]  # each layer's keys and values
+    arrays: list[list[mx.array]]  # each layer's: keys then values (quantized: 3 parts each)
     end: int  # the column where every row's entries end
+    quantized: tuple[int, int] | None = None  # (group size, bits); None: 16-bit
 
     @classmethod
-    def of(cls, cache: list[BatchKVCache]) -> Snapshot:
+    def of(cls, cache: list[BatchKVCache] | list[BatchQuantizedKVCache]) -> Snapshot:
         # mx.array(a): a handle to a's present value, which writes into a leave be
-        return cls([(mx.array(c.keys), mx.array(c.values)) for c in cache], cache[0]._idx)
+        first = cache[0]
+        if isinstance(first, BatchQuantizedKVCache):
+            for c in cache:
+                c.flush()  # (its 16-bit tail into the quantized buffers)
+            arrays = [[mx.array(a) for a in (*c.keys, *c.values)] for c in cache]
+            return cls(arrays, first._idx, (first.group_size, first.bits))
+        return cls([[mx.array(c.keys), mx.array(c.values)] for c in cache], first._idx)
 
 
 @dataclass(eq=False)
 class EndedRow:
-    """A row of a plain batch cache that ended or left, where it lies in a
-    snapshot of the cache (rows a pass ended share theirs)."""
+    """A row of a batch cache (16-bit or quantized) that ended or left, where
+    it lies in a snapshot of the cache (rows a pass ended share theirs)."""
 
     snapshot: Snapshot
     place: int
@@ -160,8 +167,6 @@ class EndingGenerationBatch(GenerationBatch):
         if not cache or any(type(c) not in KNOWN_PADDING for c in cache):
             return [c.extract(place) for c in cache]
         padding = self._padding(idx)
-        if type(cache[0]) is BatchQuantizedKVCache:
-            return [c.extract(place, padding) for c in cache]
         if self._snapshots is None:  # (not in a pass: a row leaving)
             return EndedRow(Snapshot.of(cache), place, padding)
         if not self._snapshots:
@@ -224,7 +229,7 @@ class SharedBlocks:
                 del self._blocks[entry_id]
                 for layer in layers:
                     layer.keys, layer.values = (
-                        mx.contiguous(layer.keys), mx.contiguous(layer.values)
+                        _contiguous(layer.keys), _contiguous(layer.values)
                     )  # fmt: skip
                     copied += [layer.keys, layer.values]
         mx.async_eval(copied)
@@ -253,19 +258,19 @@ def copied_out(
         if len(rows) < 2 or high - low > SPAN_PER_ROW * len(rows):
             for i, row in zip(members, rows, strict=True):
                 out[i] = _own(taken, row.place, row.padding)
-                scheduled += [a for layer in out[i] for a in (layer.keys, layer.values)]
+                scheduled += [layer.state for layer in out[i]]
             continue
         first = min(r.padding for r in rows)
         parts = []
         block = Block()
-        for keys, values in taken.arrays:
-            pair = [mx.contiguous(a[low:high, :, first : taken.end]) for a in (keys, values)]
-            scheduled += pair
-            block.nbytes += sum(a.nbytes for a in pair)
-            parts.append([mx.split(a, high - low, axis=0) for a in pair])
+        for arrays in taken.arrays:
+            copies = [mx.contiguous(a[low:high, :, first : taken.end]) for a in arrays]
+            scheduled += copies
+            block.nbytes += sum(a.nbytes for a in copies)
+            parts.append([mx.split(a, high - low, axis=0) for a in copies])
         for i, row in zip(members, rows, strict=True):
             at, skip = row.place - low, row.padding - first
-            out[i] = [_layer(k[at], v[at], skip) for k, v in parts]
+            out[i] = [_layer(taken, [a[at] for a in layer], skip) for layer in parts]
             blocks[i] = block
     mx.async_eval(scheduled)
     return out, blocks
@@ -276,18 +281,30 @@ def one_row(cache: list[Any] | EndedRow) -> list[Any]:
     return copied_out([cache])[0][0]
 
 
-def _own(taken: Snapshot, place: int, padding: int) -> list[KVCache]:
+def _own(taken: Snapshot, place: int, padding: int) -> list[Any]:
     """The row at `place` in arrays of its own."""
     row = slice(place, place + 1)
     return [
-        _layer(*(mx.contiguous(a[row, :, padding : taken.end]) for a in pair), 0)
-        for pair in taken.arrays
+        _layer(taken, [mx.contiguous(a[row, :, padding : taken.end]) for a in arrays], 0)
+        for arrays in taken.arrays
     ]
 
 
-def _layer(keys: mx.array, values: mx.array, skip: int) -> KVCache:
-    """A single sequence's cache of `keys` and `values` after `skip` columns."""
-    layer = KVCache()
-    layer.keys, layer.values = (a[:, :, skip:] if skip else a for a in (keys, values))
-    layer.offset = layer.keys.shape[2]
+def _layer(taken: Snapshot, arrays: list[mx.array], skip: int) -> KVCache | QuantizedKVCache:
+    """A single sequence's cache of a layer's `arrays` (as `taken` holds
+    them) after `skip` columns."""
+    arrays = [a[:, :, skip:] if skip else a for a in arrays]
+    if taken.quantized is None:
+        layer = KVCache()
+        layer.keys, layer.values = arrays
+    else:
+        group_size, bits = taken.quantized
+        layer = QuantizedKVCache(group_size=group_size, bits=bits)
+        layer.keys, layer.values = tuple(arrays[:3]), tuple(arrays[3:])
+    layer.offset = arrays[0].shape[2]
     return layer
+
+
+def _contiguous(x: mx.array | tuple[mx.array, ...]) -> mx.array | tuple[mx.array, ...]:
+    """`x` (quantized: each part) in an array of its own."""
+    return tuple(map(mx.contiguous, x)) if isinstance(x, tuple) else mx.contiguous(x)
