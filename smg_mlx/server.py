@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from smg_mlx import model_files, model_source
-from smg_mlx.api import responses, sampling_defaults, translation
+from smg_mlx.api import health_service, responses, sampling_defaults, translation
 from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
 from smg_mlx.api.health_service import HealthServicer
 from smg_mlx.api.metrics import Metrics
@@ -198,7 +198,7 @@ class Worker:
             ]
         )
         add_engine_service(self.server, self.servicer, self.metrics.rpc_ended)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        health_service.add_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )

@@ -57,6 +57,11 @@ MALFORMED = [
     ("stop ids sent unpacked", GENERATE, b"\x22\x80\x7d" + b"\x50\x07" * 8000,
      "stop_token_ids has at least 4159 entries"),
     ("abort of 600,000 ids", ABORT, b"\x0a\x01x" * 600_000, "at most 1048576"),
+    # The health service too: a prober's bytes are told apart from a worker's fault.
+    ("health check garbage", "/grpc.health.v1.Health/Check", b"\xff\xff\xff\xff",
+     "not a valid grpc.health.v1.HealthCheckRequest"),
+    ("health list garbage", "/grpc.health.v1.Health/List", b"\x0a\x10ab",
+     "not a valid grpc.health.v1.HealthListRequest"),
 ]  # fmt: skip
 
 

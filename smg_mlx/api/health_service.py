@@ -1,12 +1,15 @@
 """grpc.health.v1's servicer, with a refusal that names the services a worker
-reports, and watches that end when the worker stops."""
+reports, and watches that end when the worker stops; registered so that a
+request that does not parse gets INVALID_ARGUMENT (`add_to_server`)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import grpc
+from google.protobuf import message
 from grpc_health.v1 import health, health_pb2
 
 Status = health_pb2.HealthCheckResponse.ServingStatus
@@ -85,3 +88,41 @@ class HealthServicer(health.aio.HealthServicer):
 
     def _status(self, service: str) -> Status:
         return self._statuses.get(service, SERVICE_UNKNOWN)
+
+
+def add_to_server(servicer: HealthServicer, server: grpc.aio.Server) -> None:
+    """`servicer` as grpc.health.v1.Health, each method parsing its request
+    itself: grpcio's registration answers bytes that do not parse with
+    UNKNOWN and an exception's name, which tells a prober nothing."""
+    check, listed = health_pb2.HealthCheckRequest, health_pb2.HealthListRequest
+    reply = health_pb2.HealthCheckResponse.SerializeToString
+    methods = {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            _parsing(servicer.Check, check), response_serializer=reply
+        ),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            _parsing(servicer.Watch, check), response_serializer=reply
+        ),
+        "List": grpc.unary_unary_rpc_method_handler(
+            _parsing(servicer.List, listed),
+            response_serializer=health_pb2.HealthListResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(health.SERVICE_NAME, methods),)
+    )
+
+
+def _parsing(method: Callable, cls: type[message.Message]) -> Callable:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = cls.FromString(raw)
+        except message.DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is not a valid {cls.DESCRIPTOR.full_name} ({exc}); "
+                "build it from grpc/health/v1/health.proto",
+            )
+        return await method(request, context)
+
+    return handler
