@@ -113,3 +113,22 @@ def test_quantized_rows_ending_together_share_a_block_each_row_as_extract_gives_
     memory.drop([entries[0].id, entries[1].id, entries[2].id])  # under half kept: copied out
     assert shared.tend() and shared.waste == 0
     assert all(isinstance(c.keys, tuple) and len(c.keys) == 3 for c in out[3])
+
+
+def test_a_block_mostly_unkept_from_the_start_goes_at_once():
+    """Rows the cache holds already (in longer entries) are not kept again:
+    the one row kept beside them keeps no block of theirs alive."""
+    cache = _batch()
+    taken = Snapshot.of(cache)
+    places = [0, 1, 2, 3]
+    out, blocks = copied_out([EndedRow(taken, p, PADDING[p]) for p in places])
+    memory = MemoryTier()
+    shared = SharedBlocks(memory)
+    tokens = [3] * (6 - PADDING[3])
+    entry, _ = memory.insert(tokens, out[3])
+    shared.add([(None, out[0], blocks[0]), (None, out[1], blocks[1]),
+                (None, out[2], blocks[2]), (entry, out[3], blocks[3])])  # fmt: skip
+    assert shared.waste == 0
+    assert all(not block.rows for block in blocks)
+    for got, expected in zip(_held(out[3]), _row(cache, 3), strict=True):
+        np.testing.assert_array_equal(got, expected)

@@ -366,6 +366,17 @@ def test_without_a_cap_a_large_entry_stays_until_memory_is_needed():
     assert len(store) == 0
 
 
+def test_memory_the_entries_hold_beside_their_own_counts_against_the_cap():
+    # (the batch blocks kept entries view: ended_rows.SharedBlocks.waste)
+    keys = [[i, i + 1, i + 2] for i in range(0, 30, 10)]
+    store = MemoryTier(3 * sum(c.nbytes for c in kv(keys[0])))
+    for key in keys:
+        store.insert(key, kv(key))
+    assert store.over(10 * store.nbytes) == []  # within the cap
+    assert len(store.over(10 * store.nbytes, besides=1)) == 1  # past it with what they keep
+    assert len(store.over(store.nbytes, besides=store.nbytes)) == 3
+
+
 def test_entries_a_request_reuses_stay_those_carried_by_a_running_row_go_first_but_wanted_last():
     store = MemoryTier()
     keys = [[i, i + 1, i + 2] for i in range(0, 40, 10)]
@@ -446,6 +457,36 @@ def test_the_cache_keeps_to_its_cap_once_the_worker_is_idle(start_worker, model_
     # for the next request to be held to the cap.
     assert wait_until(lambda: w.worker.engine.cache.memory_entries == 2)
     assert w.worker.engine.cache.memory_bytes <= cap
+
+
+def test_rows_ending_beside_the_one_kept_hold_nothing_past_the_cap(start_worker, model_dir, pair):
+    """--prompt-cache-bytes bounds all the memory the cache holds: the rows a
+    pass ends leave the batch as one block, and where the cache keeps only one
+    of them (the others' tokens it holds already, in longer entries), it keeps
+    none of the others' bytes."""
+    size = _entry_bytes(pair, 74, 70)  # as long as a first below and its answer
+    cap = 16 * size
+    w = start_worker(model_dir, prompt_cache_bytes=cap, prompt_cache_disk_bytes=0,
+                     burst_window_seconds=0.05)  # fmt: skip
+    engine = w.worker.engine
+
+    def together(prompts: list[list[int]], n: int) -> list:
+        # (as many as prefill together: they end in one pass)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(
+                lambda p: generate(w.stub, p, max_tokens=n, ignore_eos=True), prompts
+            ))  # fmt: skip
+
+    firsts = [prompt(60, 71 + i) for i in range(7)]
+    together(firsts, 16)
+    for r in range(6):
+        # The firsts again, shorter (their entries hold them), and one more.
+        out = together([*firsts, firsts[r] + [r + 3]], 8)
+        assert [o.complete.cached_tokens for o in out] == [59] * 7 + [60]
+        assert wait_until(lambda: 0 < engine.memory.prefix_cache <= cap), (
+            engine.memory.prefix_cache, cap
+        )  # fmt: skip
+    assert engine.cache.memory_evicted == 0  # (7 + 6 entries fit: nothing had to go)
 
 
 def test_a_worker_whose_cache_holds_two_of_four_sessions_serves_two(

@@ -14,7 +14,7 @@ block goes (`SharedBlocks.tend`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,7 +195,9 @@ class SharedBlocks:
 
     def add(self, kept: Sequence[tuple[Entry | None, list[KVCache], Block | None]]) -> None:
         """Rows the prefix cache was given, as `copied_out` made them (their
-        entries, None where not kept)."""
+        entries, None where not kept). A block less than half kept from the
+        start (rows the cache already held, in longer entries, are not kept
+        again) goes at once."""
         blocks = {}
         for entry, layers, block in kept:
             if entry is not None and block is not None:
@@ -203,11 +205,11 @@ class SharedBlocks:
                 block.kept += entry.nbytes
                 self._blocks[entry.id] = blocks[id(block)] = block
         self.waste += sum(block.nbytes - block.kept for block in blocks.values())
+        self._release(blocks.values())
 
     def tend(self) -> bool:
-        """Forget rows whose entries left the cache, and copy the rows of a
-        block less than half kept into arrays of their own (without waiting)
-        so that it goes; whether the memory held changed."""
+        """Forget rows whose entries left the cache, and let go of blocks
+        now less than half kept; whether the memory held changed."""
         departed = self._memory.departed if self._memory is not None else None
         if not departed:
             return False
@@ -220,8 +222,14 @@ class SharedBlocks:
                 block.kept -= entry.nbytes
                 self.waste += entry.nbytes
                 touched[id(block)] = block
+        self._release(touched.values())
+        return bool(touched)
+
+    def _release(self, blocks: Iterable[Block]) -> None:
+        """Copy the kept rows of each block less than half kept into arrays
+        of their own (without waiting), so that the block goes."""
         copied = []
-        for block in touched.values():
+        for block in blocks:
             if 2 * block.kept >= block.nbytes:
                 continue
             self.waste -= block.nbytes - block.kept
@@ -232,8 +240,8 @@ class SharedBlocks:
                         _contiguous(layer.keys), _contiguous(layer.values)
                     )  # fmt: skip
                     copied += [layer.keys, layer.values]
+            block.rows.clear()
         mx.async_eval(copied)
-        return bool(touched)
 
 
 def copied_out(

@@ -32,13 +32,15 @@ class PrefixCalls:
     def cached_over(
         self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = ()
     ) -> tuple[list[int], int]:
-        """The prompt-cache entries to drop to hold at most `limit` bytes (but
-        those in `keep`; those `wanted` by waiting requests last), and the
-        bytes it holds then."""
+        """The prompt-cache entries to drop to hold at most `limit` bytes and
+        --prompt-cache-bytes, the memory its entries' blocks hold beyond them
+        counted (but those in `keep`; those `wanted` by waiting requests
+        last), and the bytes it holds then."""
         if self.prefixes is None:
             return [], 0
-        drop, held = self.prefixes.over(max(0, limit - self._shared.waste), keep, wanted)
-        return drop, held + self._shared.waste
+        waste = self._shared.waste
+        drop, held = self.prefixes.over(limit, keep, wanted, besides=waste)
+        return drop, held + waste
 
     def drop_cached(self, ids: Iterable[int]) -> None:
         ids = list(ids)

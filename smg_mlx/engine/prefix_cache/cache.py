@@ -163,11 +163,13 @@ class PrefixCache:
         return self.memory.nbytes + pending
 
     def over(
-        self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = ()
-    ) -> tuple[list[int], int]:
+        self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = (),
+        besides: int = 0,
+    ) -> tuple[list[int], int]:  # fmt: skip
         """The memory entries to drop to hold at most `limit` bytes (but those
-        in `keep`; those `wanted` last), and the bytes held then."""
-        ids = self.memory.over(limit, keep, wanted)
+        in `keep`; those `wanted` last; `besides`: see MemoryTier.over), and
+        the entries' bytes held then."""
+        ids = self.memory.over(limit, keep, wanted, besides)
         return ids, self.nbytes - sum(e.nbytes for e in self.memory.entries(ids))
 
     def drop(self, ids: Sequence[int]) -> None:

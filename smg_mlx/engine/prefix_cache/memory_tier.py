@@ -201,15 +201,18 @@ class MemoryTier:
     # ---- what memory allows ----
 
     def over(
-        self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = ()
-    ) -> list[int]:
-        """The entries to drop to hold at most `limit` bytes (and the cap), but
-        those in `keep`: any larger than the cap alone, then as `Held.rank`
-        says, those `wanted` by requests waiting to start last. Asked at every
-        turn that plans, so it looks no further than it must."""
+        self, limit: int, keep: Collection[int] = (), wanted: Collection[int] = (),
+        besides: int = 0,
+    ) -> list[int]:  # fmt: skip
+        """The entries to drop to hold at most `limit` bytes (and the cap),
+        `besides` bytes held for them elsewhere counted in both, but those in
+        `keep`: any larger than the cap alone, then as `Held.rank` says, those
+        `wanted` by requests waiting to start last. Asked at every turn that
+        plans, so it looks no further than it must."""
         cap = self.max_bytes
         if cap is not None:
             limit = min(limit, cap)
+        limit = max(0, limit - besides)
         if self.nbytes <= limit:
             return []
         now = time.monotonic()
