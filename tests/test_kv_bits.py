@@ -188,6 +188,13 @@ def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_
     assert per_token[4] / per_token[16] == pytest.approx((4 + 64 / 64) / 32)
     w = start_worker(model64, kv_bits=8, prompt_cache_dir=tmp_path)  # its own format: used
     assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == len(history)
+    # ... and its log line, for an operator who reads the log rather than headers.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="smg_mlx.api.servicer"):
+        kv_bytes_per_token(w)
+    line = next(r.getMessage() for r in caplog.records if "GetServerInfo" in r.getMessage())
+    assert f"KV {format_bytes(per_token[8])} per token" in line, line
+    assert "0 running (0 prefilling), 0 waiting; serving mode batched" in line, line
 
 
 def test_start_up_checks_batching_anew_and_speculation_stays_exact(

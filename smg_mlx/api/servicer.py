@@ -29,7 +29,7 @@ from smg_mlx.api.translation import InvalidRequest
 from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import Failure, GenerationSpec
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
-from smg_mlx.logs import counted
+from smg_mlx.logs import counted, format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -351,20 +351,27 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.GetServerInfoResponse:
         # The message has no fields for the scheduler's state, and the router
-        # shares its definition: its headers carry it instead.
-        running = self._engine.running
+        # shares its definition: its headers carry it instead, and the log
+        # (the router asks once, as it adds a worker).
+        running, waiting = self._engine.running, max(len(self._jobs) - self._engine.running, 0)
+        per_token = self._engine.kv_per_token
         await context.send_initial_metadata(
             (
-                ("waiting-requests", str(max(len(self._jobs) - running, 0))),
+                ("waiting-requests", str(waiting)),
                 ("prefilling-requests", str(self._engine.prefilling)),
                 ("running-requests", str(running)),
                 # How requests are batched: other than "batched" is slower
                 # (docs/serving.md, "Model families").
                 ("serving-mode", self._engine.mode),
                 # What a token of context costs (--kv-bits makes it less).
-                ("kv-bytes-per-token", str(round(self._engine.kv_per_token))),
+                ("kv-bytes-per-token", str(round(per_token))),
             )
         )
+        log.info(
+            "GetServerInfo: %d running (%d prefilling), %d waiting; serving mode %s; "
+            "KV %s per token", running, self._engine.prefilling, waiting, self._engine.mode,
+            format_bytes(per_token),
+        )  # fmt: skip
         return mlx_engine_pb2.GetServerInfoResponse(
             server_type=SERVER_TYPE,
             active_requests=self.active_requests,

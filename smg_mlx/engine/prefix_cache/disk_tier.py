@@ -461,6 +461,7 @@ def _apart(count: int, nbytes: int) -> str:
     if not count:
         return ""
     return (
-        f"; {counted(count, 'entry', 'entries')} ({format_bytes(nbytes)}) of this model "
-        "under other settings (another --kv-bits, mlx or weights) are kept apart, unused"
+        f"; {counted(count, 'entry', 'entries')} ({format_bytes(nbytes)}) of this model under "
+        "other settings (another --kv-bits or --kv-group-size, mlx or weights) are kept apart, "
+        "unused"
     )
