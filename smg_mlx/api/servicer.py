@@ -353,7 +353,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         # The message has no fields for the scheduler's state, and the router
         # shares its definition: its headers carry it instead, and the log
         # (the router asks once, as it adds a worker).
-        running, waiting = self._engine.running, max(len(self._jobs) - self._engine.running, 0)
+        running = self._engine.running
+        waiting = max(len(self._jobs) - running, 0)
         per_token = self._engine.kv_per_token
         await context.send_initial_metadata(
             (
