@@ -12,6 +12,8 @@ import grpc
 from google.protobuf import message
 from grpc_health.v1 import health, health_pb2
 
+from smg_mlx.api.rpc_handlers import unparsable
+
 Status = health_pb2.HealthCheckResponse.ServingStatus
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
@@ -120,8 +122,7 @@ def _parsing(method: Callable, cls: type[message.Message]) -> Callable:
         except message.DecodeError as exc:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the request is not a valid {cls.DESCRIPTOR.full_name} ({exc}); "
-                "build it from grpc/health/v1/health.proto",
+                unparsable(cls, exc, "grpc/health/v1/health.proto"),
             )
         return await method(request, context)
 

@@ -51,11 +51,14 @@ async def _parse(
     except Refusal as exc:
         await context.abort(exc.code, str(exc))
     except (message.DecodeError, wire.Unreadable) as exc:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"the request is not a valid {cls.DESCRIPTOR.full_name} ({exc}); "
-            f"build it from proto/{cls.DESCRIPTOR.file.name}",
-        )
+        proto = f"proto/{cls.DESCRIPTOR.file.name}"
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, unparsable(cls, exc, proto))
+
+
+def unparsable(cls: type[message.Message], exc: Exception, proto: str) -> str:
+    """What a client sending bytes that do not parse as `cls` is told (`proto`:
+    the file that defines it)."""
+    return f"the request is not a valid {cls.DESCRIPTOR.full_name} ({exc}); build it from {proto}"
 
 
 def _ended_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
