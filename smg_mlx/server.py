@@ -67,6 +67,11 @@ class StartupError(RuntimeError):
         self.exit_code = exit_code
 
 
+# What a tokenizer's vocabulary is kept in (a tokenizer_config.json alone has none):
+# the tokenizers library's file, sentencepiece and tiktoken models, BPE and WordPiece lists.
+VOCABULARY_FILES = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     """The model's tokenizer (transformers tokenizes without MLX, so text
     prompts never touch the engine thread); raises StartupError when the
@@ -81,7 +86,8 @@ def load_tokenizer(model_dir: Path) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # noqa: BLE001 - transformers' own reasons, of many kinds
-        if not any(model_dir.glob("tokenizer*")):
+        if not any(any(model_dir.glob(name)) for name in VOCABULARY_FILES):
+            # transformers' reason would be to install a library that converts them
             raise missing from None
         # Its files, or what their config asks for, are to be fixed: a restart cannot cure it.
         where = next(_unreadable_json(model_dir.glob("*token*.json")), model_dir)

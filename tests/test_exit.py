@@ -15,6 +15,7 @@ import pytest
 
 from bench.workers import free_port
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 from smg_mlx.health_check import probe
 
@@ -91,6 +92,19 @@ def test_a_signal_while_the_model_loads_exits_zero_quietly(spawn, loading_model,
     log = p.log.read_text()
     assert "Traceback" not in log and "Exception ignored" not in log, log
     assert "asked to stop while starting" in log
+
+
+def test_server_info_while_the_model_loads_says_it_is_loading(spawn, loading_model):
+    """What a router or grpcurl sees of a worker that is not ready yet: nothing
+    running or waiting, and a serving mode that says why, not an empty one."""
+    p = spawn("--model", str(loading_model))
+    assert wait_until(lambda: "loading" in p.log.read_text(), 60)
+    _, call = p.stub.GetServerInfo.with_call(pb.GetServerInfoRequest(), timeout=10)
+    headers = dict(call.initial_metadata())
+    assert headers["serving-mode"] == "loading"
+    assert headers["running-requests"] == headers["waiting-requests"] == "0"
+    assert "serving mode loading;" in p.log.read_text()
+    assert p.stop(signal.SIGTERM, timeout=15) == 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -47,15 +47,18 @@ def qwen2_dir(models_root: Path) -> Path:
     return build_model(models_root / "tiny-qwen2", ["--family", "qwen2"])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("family", "kept"), [("llama", ()), ("qwen2", ()), ("llama", ("tokenizer_config.json",))]
+)
 def test_a_model_directory_without_a_tokenizer_is_refused(
-    family, model_dir, qwen2_dir, tmp_path
+    family, kept, model_dir, qwen2_dir, tmp_path
 ):
-    # transformers fails for a llama, and builds an empty tokenizer for a qwen2.
+    # transformers fails for a llama, and builds an empty tokenizer for a qwen2; with
+    # only the tokenizer's config, it asks for a library to convert files that are not there.
     source = model_dir if family == "llama" else qwen2_dir
     weights_only = tmp_path / "weights-only"
     weights_only.mkdir()
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", *kept):
         (weights_only / name).symlink_to(source / name)
     code, lines = serve("--model", str(weights_only), "--port", "0")
     assert code == 2
@@ -91,6 +94,8 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
         ("generation not UTF-8", "{model}/generation_config.json is not UTF-8 text"),
         ("generation folder", "{model}/generation_config.json is not a file"),
         ("tokenizer not JSON", "cannot load the tokenizer of {model}/tokenizer_config.json:"),
+        ("config of other weights", "the weights in {model} do not fit the model its "
+         "config.json describes (Expected shape"),
     ],
 )
 def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
@@ -114,6 +119,9 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
         generation.write_bytes(b"\xff\xfe{")
     if fault == "generation folder":
         generation.mkdir()
+    if fault == "config of other weights":
+        config["intermediate_size"] += 8
+        (model / "config.json").write_text(json.dumps(config))
     if fault == "tokenizer not JSON":
         (model / "tokenizer_config.json").unlink()
         (model / "tokenizer_config.json").write_text("{not json")
@@ -129,6 +137,7 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
         ("no weights", "--draft-model: {draft} has no weights (no model*.safetensors file)"),
         ("unknown family", "--draft-model: {draft}/config.json names model_type 'foobar'"),
         ("no tokenizer", "--draft-model: {draft} has no tokenizer"),
+        ("other weights", "--draft-model: the weights in {draft} do not fit the model"),
     ],
 )
 def test_a_draft_model_mlx_lm_cannot_load_exits_two_and_names_the_flag(
@@ -142,6 +151,9 @@ def test_a_draft_model_mlx_lm_cannot_load_exits_two_and_names_the_flag(
     if fault == "unknown family":
         config = json.loads((draft / "config.json").read_text())
         (draft / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
+    if fault == "other weights":
+        config = json.loads((draft / "config.json").read_text())
+        (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 9}))
     if fault == "no tokenizer":
         for path in draft.glob("*token*"):
             path.unlink()

@@ -178,3 +178,28 @@ def test_debug_logs_hold_the_workers_lines_not_grpcs_per_call_notes(spawn, model
     text = p.log.read_text()
     assert " DEBUG smg_mlx." in text
     assert "Loaded running loop" not in text  # grpcio's, a line a call
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tf32", "said"),
+    [("float32", None, True), ("bfloat16", None, False), ("float32", "0", False)],
+)
+def test_float32_weights_on_cuda_name_the_tf32_setting_that_keeps_batches_exact(
+    dtype, tf32, said, monkeypatch, caplog
+):
+    """mlx multiplies float32 on CUDA in TF32 unless told not to: an operator who
+    serves float32 weights for their precision learns how to keep it."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from smg_mlx.engine.batch import loading
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    if tf32 is not None:
+        monkeypatch.setenv("MLX_ENABLE_TF32", tf32)
+    model = nn.Linear(8, 8)
+    model.set_dtype(getattr(mx, dtype))
+    with caplog.at_level(logging.INFO, "smg_mlx"):
+        loading._say_tf32(model)
+    assert ("MLX_ENABLE_TF32=0 makes them the same" in caplog.text) is said

@@ -62,7 +62,8 @@ class EngineClient:
         self.cache = CacheStats()  # the prefix cache's tiers
         self.speculation = SpeculationStats()
         self.ranks = 1  # processes serving the model together
-        self.mode = ""  # how requests are batched (engine.batch.batch_check), once started
+        # How requests are batched (engine.batch.batch_check); "loading" until started.
+        self.mode = "loading"
         self.tokens_per_message = stream_interval
         self.each_alone = stream_interval == 1  # every token in a message of its own
         self._jobs: dict[int, Job] = {}

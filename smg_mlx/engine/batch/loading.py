@@ -11,16 +11,20 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.utils import load_adapters, load_model
 
 from smg_mlx.config import EngineConfig, cache_home
 from smg_mlx.engine.batch.attention_shapes import SHAPES_REMEMBERED
 from smg_mlx.engine.batch.batch_kv import steady_widths
 from smg_mlx.engine.types import Unservable
-from smg_mlx.logs import format_bytes
+from smg_mlx.logs import format_bytes, one_line
 from smg_mlx.model_files import weights_on_disk
 
 log = logging.getLogger(__name__)
+
+# Of a reason mlx-lm gives for refusing weights: it may list every parameter.
+WHY_CHARS = 300
 
 # mlx's CUDA backend keeps per-shape caches (cuDNN attention graphs, CUDA
 # graphs) and, past twice a cache's size in misses over the process's life,
@@ -61,7 +65,7 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
     log.info("loading the weights (%s)", format_bytes(weights_on_disk(config.model_path)))
     if group is None:
         # The model alone: the worker's process tokenizes, not this one.
-        model, _ = _model(config.model_path, lazy=False, strict=True)
+        model, _ = built_model(config.model_path, lazy=False, strict=True)
         adapter = config.adapter_path
         if adapter is not None:
             try:
@@ -78,8 +82,9 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
             time.perf_counter() - started,
             "" if adapter is None else f", with the adapter {adapter}",
         )
+        _say_tf32(model)
         return model
-    model, model_config = _model(config.model_path, lazy=True, strict=False)
+    model, model_config = built_model(config.model_path, lazy=True, strict=False)
     family = model_config.get("model_type", "this model")
     if config.pipeline:
         if not hasattr(getattr(model, "model", None), "pipeline"):
@@ -115,7 +120,24 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
         "pipeline" if config.pipeline else "tensor-parallel",
         time.perf_counter() - started,
     )
+    _say_tf32(model)
     return model
+
+
+def _say_tf32(model: nn.Module) -> None:
+    """Tell an operator of float32 weights on CUDA that mlx multiplies them in
+    TF32 (its default, MLX_ENABLE_TF32=1): rounded to TF32's 10-bit mantissa, in
+    an order that depends on the batch's shape, so a row's output batched may
+    differ from its output alone where two tokens nearly tie (with quantized KV
+    more so: a small difference moves a code to its neighbour)."""
+    if not mx.cuda.is_available() or os.environ.get("MLX_ENABLE_TF32") == "0":
+        return
+    if any(w.ndim == 2 and w.dtype == mx.float32 for _, w in tree_flatten(model.parameters())):
+        log.info(
+            "float32 weights: mlx multiplies them in TF32 on CUDA, so outputs solo and batched "
+            "may differ where two tokens nearly tie; MLX_ENABLE_TF32=0 makes them the same "
+            "(slower)"
+        )
 
 
 def _cuda_graphs_when_speculating(rows: int) -> None:
@@ -141,13 +163,24 @@ def _cuda_graphs_when_speculating(rows: int) -> None:
     )
 
 
-def _model(path: Path, lazy: bool, strict: bool) -> tuple[nn.Module, dict]:
-    """mlx-lm's model of `path` and its config; a config.json that lacks what its
-    family's settings need is refused, naming the file (restarts cannot cure it)."""
+def built_model(path: Path, lazy: bool, strict: bool) -> tuple[nn.Module, dict]:
+    """mlx-lm's model of `path` and its config. A config.json that lacks what its
+    family's settings need, or weights that do not fit the model it describes,
+    are refused naming the directory: restarts cannot cure either."""
     try:
         return load_model(path, lazy=lazy, strict=strict)
     except (TypeError, KeyError) as exc:
         raise Unservable(
             f"cannot build the model {path}/config.json describes ({type(exc).__name__}: "
             f"{exc}): the file lacks or misstates settings its model_type needs"
+        ) from None
+    except ValueError as exc:
+        # mlx-lm's checks of the weights against the model (shapes, names, the
+        # quantization the config names); a list of every parameter is cut short.
+        said = one_line(exc)
+        said = said if len(said) <= WHY_CHARS else said[:WHY_CHARS] + " …"
+        raise Unservable(
+            f"the weights in {path} do not fit the model its config.json describes "
+            f"({said}): serve the config.json that came with these weights, or download "
+            "the model again"
         ) from None

@@ -8,12 +8,12 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch.kv_format import caches_for, other_kinds
+from smg_mlx.engine.batch.loading import built_model
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
 from smg_mlx.engine.speculative.draft_model import PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Pacing
@@ -101,9 +101,12 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwis
     count or not: `PaddedOtherwise`), caches that take tokens back."""
     started = time.perf_counter()
     draft_path = config.draft_model
-    draft, draft_tokenizer = load(str(draft_path))
+    try:
+        draft, _ = built_model(draft_path, lazy=False, strict=True)
+    except Unservable as exc:
+        raise Unservable(f"--draft-model: {exc}") from None
     vocabulary = load_tokenizer(config.model_path).vocab
-    if (differs := _first_difference(draft_tokenizer.vocab, vocabulary)) is not None:
+    if (differs := _first_difference(load_tokenizer(draft_path).vocab, vocabulary)) is not None:
         raise Unservable(
             f"--draft-model {draft_path}: its tokenizer's vocabulary is not the model's "
             f"({differs}): a draft must share the model's tokenizer (e.g. a smaller model of "
