@@ -69,7 +69,7 @@ class StartupError(RuntimeError):
 
 # What a tokenizer's vocabulary is kept in (a tokenizer_config.json alone has none):
 # the tokenizers library's file, sentencepiece and tiktoken models, BPE and WordPiece lists.
-VOCABULARY_FILES = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
+VOCABULARY_PATTERNS = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -86,7 +86,7 @@ def load_tokenizer(model_dir: Path) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # noqa: BLE001 - transformers' own reasons, of many kinds
-        if not any(any(model_dir.glob(name)) for name in VOCABULARY_FILES):
+        if not any(any(model_dir.glob(name)) for name in VOCABULARY_PATTERNS):
             # transformers' reason would be to install a library that converts them
             raise missing from None
         # Its files, or what their config asks for, are to be fixed: a restart cannot cure it.

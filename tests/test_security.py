@@ -170,6 +170,32 @@ def test_tokenizer_bundle_never_follows_links_out_of_the_model(
     }
 
 
+def test_a_bundle_without_a_vocabulary_is_refused_with_what_to_fix(
+    start_worker, model_dir, tmp_path
+):
+    """A model directory of links to files kept elsewhere: the worker reads its
+    tokenizer, but GetTokenizer may hand out none of it. The router is told
+    why, not given an archive it cannot tokenize with."""
+    model = tmp_path / "linked"
+    model.mkdir()
+    for f in model_dir.iterdir():
+        (model / f.name).symlink_to(f)
+    w = start_worker(model)
+    assert generate(w.stub, prompt(5), max_tokens=2).tokens  # serving all the same
+    with pytest.raises(grpc.RpcError) as err:
+        tokenizer_names(w.stub)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == (
+        f"{model} has no tokenizer vocabulary GetTokenizer may serve (tokenizer.json: it "
+        f"links to {model_dir / 'tokenizer.json'}, outside the model directory (links are "
+        "followed only within it: copy the file in); tokenizer_config.json: it links to "
+        f"{model_dir / 'tokenizer_config.json'}, outside the model directory (links are "
+        "followed only within it: copy the file in); config.json: it links to "
+        f"{model_dir / 'config.json'}, outside the model directory (links are followed only "
+        "within it: copy the file in)): copy the tokenizer files into the model directory"
+    )
+
+
 def test_tokenizer_files_in_a_hub_cache_snapshot_are_served(start_worker, model_dir, tmp_path):
     # Hugging Face's cache keeps files in blobs/ and symlinks them from snapshots/<rev>/.
     repo = tmp_path / "models--org--tiny"

@@ -24,7 +24,7 @@ from smg_mlx.api.model_info import ModelInfo
 from smg_mlx.api.payload import PayloadWork
 from smg_mlx.api.rpc_handlers import Refusal
 from smg_mlx.api.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from smg_mlx.api.tokenizer_files import chunks
+from smg_mlx.api.tokenizer_files import Bundle, chunks
 from smg_mlx.api.translation import InvalidRequest
 from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import Failure, GenerationSpec
@@ -69,15 +69,15 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self.tokenizer: Any = None
         self.sampling_defaults = NO_DEFAULTS
         self._model_known = asyncio.Event()
-        self._tokenizer_zip: tuple[bytes, str] = (b"", "")  # (`set_model`)
+        self._tokenizer_zip = Bundle(b"", "")  # (`set_model`)
         # One thread: a fast tokenizer is not safe to call from several at once.
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     def set_model(self, info: ModelInfo, tokenizer: Any, defaults: SamplingDefaults,
-                  bundle: tuple[bytes, str]) -> None:  # fmt: skip
+                  bundle: Bundle) -> None:  # fmt: skip
         """The model to serve; `defaults`: its sampling values for what requests
         leave unset; `bundle`: its tokenizer files as GetTokenizer serves them
-        (zipped, and the zip's sha256), read with the tokenizer: files moved
+        (`tokenizer_files.Bundle`), read with the tokenizer: files moved
         or deleted while the worker runs cannot change what it serves."""
         self.info, self.tokenizer = info, tokenizer
         self.sampling_defaults = defaults
@@ -383,7 +383,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
         await self._model_info(context)
-        for data, sha256 in chunks(*self._tokenizer_zip):
+        bundle = self._tokenizer_zip
+        if bundle.refused:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, bundle.refused)
+        for data, sha256 in chunks(bundle.data, bundle.sha256):
             yield common_pb2.GetTokenizerChunk(data=data, sha256=sha256)
 
 

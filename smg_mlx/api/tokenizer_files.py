@@ -8,6 +8,7 @@ import logging
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,19 @@ TOKENIZER_FILES = (
     "config.json",
     "generation_config.json",
 )
+# Those of them that hold a vocabulary: a bundle without one tokenizes nothing.
+VOCABULARY_FILES = (
+    "tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt",
+)  # fmt: skip
+
+
+class Bundle(NamedTuple):
+    """What GetTokenizer serves: the zip of the files it may serve and its
+    sha256 hex, or why it refuses (none of them holds a vocabulary)."""
+
+    data: bytes
+    sha256: str
+    refused: str = ""
 
 
 def _why_not(path: Path, model_root: Path) -> str | None:
@@ -51,10 +65,11 @@ def _why_not(path: Path, model_root: Path) -> str | None:
     )
 
 
-def tokenizer_zip(model_dir: Path) -> tuple[bytes, str]:
-    """The zip archive and its sha256 hex: the listed files that are servable."""
+def tokenizer_zip(model_dir: Path) -> Bundle:
+    """The listed files that are servable, zipped (each left out is logged)."""
     model_root = model_dir.resolve()
     buffer = io.BytesIO()
+    left_out: dict[str, str] = {}
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for name in TOKENIZER_FILES:
             path = model_dir / name
@@ -64,9 +79,20 @@ def tokenizer_zip(model_dir: Path) -> tuple[bytes, str]:
             if why is None:
                 archive.writestr(name, path.read_bytes())
             else:
+                left_out[name] = why
                 log.warning("not serving %s: %s", path, why)
+        served = set(archive.namelist())
     data = buffer.getvalue()
-    return data, hashlib.sha256(data).hexdigest()
+    if served.isdisjoint(VOCABULARY_FILES):
+        # The worker's own tokenizer read them; a router given the rest could not.
+        reasons = "; ".join(f"{name}: {why}" for name, why in left_out.items()) or "none found"
+        refused = (
+            f"{model_dir} has no tokenizer vocabulary GetTokenizer may serve ({reasons}): "
+            "copy the tokenizer files into the model directory"
+        )
+        log.warning("GetTokenizer will refuse: %s", refused)
+        return Bundle(b"", "", refused)
+    return Bundle(data, hashlib.sha256(data).hexdigest())
 
 
 def chunks(data: bytes, sha256: str) -> Iterator[tuple[bytes, str]]:
