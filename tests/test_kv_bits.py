@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -179,7 +180,9 @@ def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_
         said = [r.getMessage() for r in caplog.records]
         opened = next(line for line in said if "from earlier runs" in line)
         assert "0 entries (0 B) from earlier runs" in opened, opened
-        assert "of this model under other settings" in opened and "kept apart" in opened
+        kept = re.search(r"; (\d+) entr(?:y|ies) \([^)]*\) of this model under other settings "
+                         r"\(.*\) (is|are) kept apart, unused", opened)
+        assert kept and (kept[1] == "1") == (kept[2] == "is"), opened
         per_token.setdefault(other.get("kv_bits", 16), kv_bytes_per_token(w))
         w.stop()
     # What GetServerInfo tells of a token's cost: float32 keys and values, 8 bits and

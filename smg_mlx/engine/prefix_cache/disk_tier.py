@@ -462,6 +462,6 @@ def _apart(count: int, nbytes: int) -> str:
         return ""
     return (
         f"; {counted(count, 'entry', 'entries')} ({format_bytes(nbytes)}) of this model under "
-        "other settings (another --kv-bits or --kv-group-size, mlx or weights) are kept apart, "
-        "unused"
+        "other settings (another --kv-bits or --kv-group-size, mlx or weights) "
+        f"{'is' if count == 1 else 'are'} kept apart, unused"
     )
