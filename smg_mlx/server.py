@@ -25,7 +25,7 @@ from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo, load_model_info
 from smg_mlx.api.rpc_handlers import add_engine_service
 from smg_mlx.api.servicer import MlxEngineServicer
-from smg_mlx.api.tokenizer_files import tokenizer_zip
+from smg_mlx.api.tokenizer_files import VOCABULARY_PATTERNS, tokenizer_zip
 from smg_mlx.config import ServerConfig
 from smg_mlx.engine.ranks.launched import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
@@ -65,11 +65,6 @@ class StartupError(RuntimeError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-# What a tokenizer's vocabulary is kept in (a tokenizer_config.json alone has none):
-# the tokenizers library's file, sentencepiece and tiktoken models, BPE and WordPiece lists.
-VOCABULARY_PATTERNS = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
 
 
 def load_tokenizer(model_dir: Path) -> Any:

@@ -7,6 +7,7 @@ import io
 import logging
 import zipfile
 from collections.abc import Iterator
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,10 +30,9 @@ TOKENIZER_FILES = (
     "config.json",
     "generation_config.json",
 )
-# Those of them that hold a vocabulary: a bundle without one tokenizes nothing.
-VOCABULARY_FILES = (
-    "tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt",
-)  # fmt: skip
+# Files that hold a tokenizer's vocabulary (a tokenizer_config.json alone has none):
+# the tokenizers library's file, sentencepiece and tiktoken models, BPE and WordPiece lists.
+VOCABULARY_PATTERNS = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
 
 
 class Bundle(NamedTuple):
@@ -83,7 +83,7 @@ def tokenizer_zip(model_dir: Path) -> Bundle:
                 log.warning("not serving %s: %s", path, why)
         served = set(archive.namelist())
     data = buffer.getvalue()
-    if served.isdisjoint(VOCABULARY_FILES):
+    if not any(fnmatch(name, pattern) for name in served for pattern in VOCABULARY_PATTERNS):
         # The worker's own tokenizer read them; a router given the rest could not.
         reasons = "; ".join(f"{name}: {why}" for name, why in left_out.items()) or "none found"
         refused = (
