@@ -15,7 +15,7 @@ from smg_mlx import model_source
 from smg_mlx.config import MOST_DRAFT_TOKENS
 from smg_mlx.model_config import BadModelConfig, read_json
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?))?b?", re.IGNORECASE)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?))?b?", re.IGNORECASE | re.ASCII)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 # Smaller message limits would refuse ordinary requests and responses.
 MIN_MESSAGE_BYTES = 64 << 10
@@ -82,6 +82,10 @@ def memory_budget(text: str) -> tuple[int | None, float | None]:
 def _number(kind: type, low: float, what: str) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         try:
+            # Python's own numbers take "1_0" and digits of other scripts ("٣"):
+            # a flag's value is written in ASCII digits, as its help says.
+            if not text.isascii() or "_" in text:
+                raise ValueError
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None

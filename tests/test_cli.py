@@ -147,6 +147,24 @@ def test_bad_values_say_what_is_expected(args, message, capsys):
     assert message in err and "_" not in err.split("error:")[1].replace("--", "")
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-draft-tokens", "1_0"], "expected a whole number from 1 to 15, got '1_0'"),
+        (["--num-draft-tokens", "\u0663"], "expected a whole number from 1 to 15"),
+        (["--max-pending", "1_000"], "expected a whole number, 0 or more, got '1_000'"),
+        (["--port", "\u0665\u0660"], "expected a port number from 0 to 65535"),
+        (["--prompt-cache-bytes", "\u0664GiB"], "expected a size such as 4GiB"),
+    ],
+)
+def test_numbers_are_written_in_plain_digits(args, message, capsys):
+    # Python reads "1_0" as 10 and Arabic-Indic digits as numbers too: a
+    # typo or a pasted value would start a worker the user did not ask for.
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--demo", *args])
+    assert message in capsys.readouterr().err
+
+
 def test_log_level_in_any_case_and_model_path_alias():
     args = build_parser().parse_args(["serve", "--model-path", "m", "--log-level", "INFO"])
     assert (args.model, args.log_level) == (Path("m"), "info")

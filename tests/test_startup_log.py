@@ -12,13 +12,15 @@ import subprocess
 import sys
 from datetime import datetime
 
+import grpc
 import pytest
 
 from bench.workers import free_port
+from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.health_check import probe
 from smg_mlx.logs import JsonFormatter, format_bytes
 
-from helpers import wait_until
+from helpers import generate, prompt, wait_until
 
 TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING) smg_mlx(\.\w+)*: \S")
 
@@ -109,6 +111,14 @@ def test_the_start_up_names_the_longest_request_of_context_and_memory(
     longest = tight.worker.engine.longest_sequence
     assert longest < 2048
     assert said.format(longest, "what memory holds") in caplog.text
+    # What GetModelInfo and a refusal say of the longest prompt agree with the log.
+    info = tight.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.max_req_input_len == longest - 1
+    with pytest.raises(grpc.RpcError) as err:
+        generate(tight.stub, prompt(longest), max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"prompts must be at most {longest - 1} tokens" in err.value.details()
+    assert len(generate(tight.stub, prompt(longest - 1), max_tokens=1).tokens) == 1
 
 
 def test_the_start_up_says_where_the_memory_budget_comes_from(start_worker, model_dir, caplog):

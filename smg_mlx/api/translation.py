@@ -149,7 +149,8 @@ def prompt_length(length: int, info: ModelInfo, memory_tokens: int, at_least: st
     _check(
         length < memory_tokens,
         f"the prompt has {at_least}{length} tokens; this worker's memory budget holds at most "
-        f"{memory_tokens} tokens of prompt and output per request: send a shorter prompt "
+        f"{memory_tokens} tokens of prompt and output per request, so prompts must be at "
+        f"most {memory_tokens - 1} tokens (one more is generated): send a shorter prompt "
         "or use a worker with more memory",
     )
 
