@@ -43,40 +43,19 @@ class Snapshot:
     cache (rows joining in the same call) change its arrays, not these."""
 
     arrays: list[list[mx.array]]  # each layer's: keys then values (quantized: 3 parts each)
-    end: int  # the column where every row's entries end (quantized: before the tail's)
+    end: int  # the column where every row's entries end
     quantized: tuple[int, int] | None = None  # (group size, bits); None: 16-bit
-    # Quantized: each layer's 16-bit tail (keys, values) and the positions in
-    # it. Left there, not flushed: the rows still running keep their tail
-    # (flushing it each time a row ends would take away what it saves).
-    tails: list[tuple[mx.array, mx.array]] | None = None
-    tailed: int = 0
 
     @classmethod
     def of(cls, cache: list[BatchKVCache] | list[BatchQuantizedKVCache]) -> Snapshot:
         # mx.array(a): a handle to a's present value, which writes into a leave be
         first = cache[0]
         if isinstance(first, BatchQuantizedKVCache):
+            for c in cache:
+                c.flush()  # (its 16-bit tail into the quantized buffers)
             arrays = [[mx.array(a) for a in (*c.keys, *c.values)] for c in cache]
-            tailed = first._tailed
-            tails = [tuple(map(mx.array, c._tail)) for c in cache] if tailed else None
-            return cls(arrays, first._idx, (first.group_size, first.bits), tails, tailed)
+            return cls(arrays, first._idx, (first.group_size, first.bits))
         return cls([[mx.array(c.keys), mx.array(c.values)] for c in cache], first._idx)
-
-    def rows(self, layer: int, rows: slice, first: int) -> list[mx.array]:
-        """Layer `layer`'s arrays of `rows` from column `first` to the rows'
-        last entries, in arrays of their own (a tail quantized in, as a
-        flush would: the same values)."""
-        parts = [a[rows, :, first : self.end] for a in self.arrays[layer]]
-        if not self.tailed:
-            return [mx.contiguous(a) for a in parts]
-        group_size, bits = self.quantized
-        after = max(first - self.end, 0)  # (a row whose entries start in the tail)
-        tail = [
-            q
-            for x in self.tails[layer]
-            for q in mx.quantize(x[rows, :, after : self.tailed], group_size=group_size, bits=bits)
-        ]
-        return [mx.concatenate([a, t], axis=2) for a, t in zip(parts, tail, strict=True)]
 
 
 @dataclass(eq=False)
@@ -292,8 +271,8 @@ def copied_out(
         first = min(r.padding for r in rows)
         parts = []
         block = Block()
-        for layer in range(len(taken.arrays)):
-            copies = taken.rows(layer, slice(low, high), first)
+        for arrays in taken.arrays:
+            copies = [mx.contiguous(a[low:high, :, first : taken.end]) for a in arrays]
             scheduled += copies
             block.nbytes += sum(a.nbytes for a in copies)
             parts.append([mx.split(a, high - low, axis=0) for a in copies])
@@ -313,7 +292,10 @@ def one_row(cache: list[Any] | EndedRow) -> list[Any]:
 def _own(taken: Snapshot, place: int, padding: int) -> list[Any]:
     """The row at `place` in arrays of its own."""
     row = slice(place, place + 1)
-    return [_layer(taken, taken.rows(layer, row, padding), 0) for layer in range(len(taken.arrays))]
+    return [
+        _layer(taken, [mx.contiguous(a[row, :, padding : taken.end]) for a in arrays], 0)
+        for arrays in taken.arrays
+    ]
 
 
 def _layer(taken: Snapshot, arrays: list[mx.array], skip: int) -> KVCache | QuantizedKVCache:
