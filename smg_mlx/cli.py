@@ -183,6 +183,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def _unusable_directory(path: Path) -> str | None:
     """Why `path` cannot hold files (made if missing, as the worker would), or None."""
+    if path.is_file():  # (mkdir would say only "File exists")
+        return "it is a file, not a directory"
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

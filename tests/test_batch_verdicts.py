@@ -47,7 +47,9 @@ def test_another_models_weights_are_checked_again(restart, model_dir, tmp_path):
     assert len(verdict_files(tmp_path)) == 2
 
 
-@pytest.mark.parametrize("damage", ["garbage", "another model's", "a link", "a folder"])
+@pytest.mark.parametrize(
+    "damage", ["garbage", "another model's", "a link", "a folder", "a list", "text for seconds"]
+)
 def test_a_verdict_file_that_is_not_this_models_is_ignored_and_checked_again(
     restart, model_dir, tmp_path, damage
 ):
@@ -59,6 +61,10 @@ def test_a_verdict_file_that_is_not_this_models_is_ignored_and_checked_again(
         kept.write_bytes(b"\x00{not json")
     elif damage == "another model's":
         kept.write_text(kept.read_text().replace('"fingerprint": "', '"fingerprint": "0'))
+    elif damage == "a list":
+        kept.write_text("[1, 2]")
+    elif damage == "text for seconds":  # (its log line failed with a traceback)
+        kept.write_text(json.dumps({**json.loads(kept.read_text()), "seconds": "x"}))
     elif damage == "a link":  # never followed: not read, and not written through
         kept.unlink()
         kept.symlink_to(outside)
@@ -67,9 +73,11 @@ def test_a_verdict_file_that_is_not_this_models_is_ignored_and_checked_again(
         kept.mkdir()
     before = outside.read_text()
     log = restart(model_dir)
-    assert "batch check: ignoring what " in log
+    assert "batch check: ignoring what " in log and "Traceback" not in log
     assert CHECKS in log and REMEMBERED not in log
     assert outside.read_text() == before
+    if damage == "a list":
+        assert "(ValueError: not a JSON object)" in log
     if damage != "a folder":  # the check's verdict replaces it
         assert json.loads(kept.read_text())["mode"] == "batched"
         assert not kept.is_symlink()

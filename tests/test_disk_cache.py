@@ -30,7 +30,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import verdicts
 from smg_mlx.engine.memory import probe_results
-from smg_mlx.engine.prefix_cache import disk_folder, disk_tier, fingerprint, kv_files
+from smg_mlx.engine.prefix_cache import disk_folder, disk_tier, fingerprint, kv_files, safe_files
 from smg_mlx.engine.prefix_cache.disk_folder import Folder
 from smg_mlx.engine.prefix_cache.folder_contents import file_name
 from smg_mlx.engine.schedule.bursts import BurstGatherer
@@ -716,6 +716,19 @@ def test_every_kind_of_layer_cache_comes_back_as_it_was(tmp_path):
     assert [type(c) for c in back] == [type(c) for c in cache]
     assert _states(back) == _states(cache)
     assert [c.nbytes for c in back] == [c.nbytes for c in cache]
+
+
+def test_a_file_the_system_will_not_create_fails_with_its_reason(tmp_path, monkeypatch):
+    """A create refused (a folder made read-only or immutable, inodes run out)
+    says the system's reason, which the write's warning passes on: not that
+    the file it could not make is missing."""
+
+    def refused(path, *args):
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+
+    monkeypatch.setattr(safe_files.os, "open", refused)
+    with pytest.raises(PermissionError, match=os.strerror(errno.EPERM)):
+        safe_files.create(tmp_path / "entry.kv.tmp")
 
 
 def test_a_file_cut_anywhere_is_refused(tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import remembered_files
 
 MEASURES = "measuring the model's memory and speed"
@@ -29,10 +31,26 @@ def test_a_restart_finds_the_figures_the_probe_measured(restart, model_dir, tmp_
     assert len(remembered_files(tmp_path, "memory-probe")) == 2
 
 
-def test_a_probe_file_that_is_not_this_workers_is_measured_again(restart, model_dir, tmp_path):
+@pytest.mark.parametrize(
+    ("part", "damage"),
+    [
+        ("memory", {"weights": "?"}),
+        ("memory", []),
+        ("memory", {"kv_per_token": None}),  # (a start that multiplied by these failed, exit 1)
+        ("memory", {"kv_per_token": -288}),  # (planned with: KV counted as freeing memory)
+        ("speed", {"per_token": "abc"}),
+        ("seconds", "1.5"),
+    ],
+)
+def test_a_probe_file_that_is_not_this_workers_is_measured_again(
+    restart, model_dir, tmp_path, part, damage
+):
     restart(model_dir)
     [kept] = remembered_files(tmp_path, "memory-probe")
-    kept.write_text(json.dumps({**json.loads(kept.read_text()), "memory": {"weights": "?"}}))
+    found = json.loads(kept.read_text())
+    if isinstance(damage, dict):  # one figure damaged, the others as they were
+        damage = {**found[part], **damage}
+    kept.write_text(json.dumps({**found, part: damage}))
     log = restart(model_dir)
     assert "memory probe: ignoring what " in log and MEASURES in log
     assert json.loads(kept.read_text())["memory"]["weights"] > 0  # measured and kept again

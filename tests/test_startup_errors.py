@@ -197,6 +197,10 @@ def test_a_prompt_cache_dir_named_that_cannot_be_used_is_refused(model_dir, tmp_
     assert code == 2
     assert f"--prompt-cache-dir {tmp_path}/afile/cache: cannot make it or write in it" in lines[-1]
     assert "give a directory this user can write" in lines[-1]
+    code, lines = serve("--model", str(model_dir), "--port", "0",
+                        "--prompt-cache-dir", str(tmp_path / "afile"))  # fmt: skip
+    assert code == 2
+    assert f"--prompt-cache-dir {tmp_path}/afile: it is a file, not a directory" in lines[-1]
 
 
 # Each flag's own check is test_cli's; these exit before anything starts, with 2.

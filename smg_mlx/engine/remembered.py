@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,16 @@ log = logging.getLogger(__name__)
 _UNWRITABLE: set[Path] = set()  # folders a write to has failed in, already warned of
 
 MOST_BYTES = 64 << 10  # what is remembered is a few hundred bytes: a larger file is not it
+
+
+def number(value: Any, name: str) -> float:
+    """A remembered figure, checked: a finite number, 0 or more (a file edited
+    or damaged by hand must not reach the planner as text or a negative size)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} is {value!r}, not a number")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} is {value!r}, not a finite number of 0 or more")
+    return value
 
 
 class Remembered:
@@ -82,7 +93,9 @@ class Remembered:
             if len(data) > MOST_BYTES:
                 raise ValueError(f"over {MOST_BYTES} bytes")
             found = json.loads(data)
-            if not isinstance(found, dict) or found.get("fingerprint") != self.key:
+            if not isinstance(found, dict):
+                raise ValueError("not a JSON object")
+            if found.get("fingerprint") != self.key:
                 raise ValueError("it is another model's")
             return found
         except (FileNotFoundError, NotADirectoryError):  # nothing remembered there

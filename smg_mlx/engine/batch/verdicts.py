@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.remembered import Remembered
+from smg_mlx.engine.remembered import Remembered, number
 
 FOLDER = "batch-check"
 
@@ -44,8 +44,15 @@ class Verdicts:
             return None
         try:
             verdict = Verdict(**{k: found[k] for k in Verdict.__dataclass_fields__})
+            for name in ("mode", "reason", "at"):
+                if not isinstance(getattr(verdict, name), str):
+                    raise ValueError(f"{name} is {getattr(verdict, name)!r}, not text")
+            number(verdict.seconds, "seconds")
         except KeyError as missing:
             self._kept.ignore(f"no {missing}")
+            return None
+        except ValueError as exc:
+            self._kept.ignore(str(exc))
             return None
         if verdict.mode not in modes:
             self._kept.ignore(f"no such mode: {verdict.mode!r}")

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
 from smg_mlx.engine.memory.probe import log_found
-from smg_mlx.engine.remembered import Remembered
+from smg_mlx.engine.remembered import Remembered, number
 from smg_mlx.logs import error_line
 
 FOLDER = "memory-probe"
@@ -41,14 +41,22 @@ def recall(kept: Remembered) -> tuple[MemoryModel, PrefillSpeed] | None:
     if found is None:
         return None
     try:
-        memory = MemoryModel(**found["memory"])
-        speed = PrefillSpeed(**found["speed"])
-        at, seconds = str(found["at"]), float(found["seconds"])
+        memory = MemoryModel(**_figures(found, "memory"))
+        speed = PrefillSpeed(**_figures(found, "speed"))
+        at, seconds = str(found["at"]), number(found["seconds"], "seconds")
     except (KeyError, TypeError, ValueError) as exc:
         kept.ignore(error_line(exc))
         return None
     log_found(memory, speed, f"as measured on {at} in {seconds:.1f}s; remembered")
     return memory, speed
+
+
+def _figures(found: dict, part: str) -> dict[str, float]:
+    """The figures of `part` (a JSON object of numbers), each checked."""
+    figures = found[part]
+    if not isinstance(figures, dict):
+        raise ValueError(f"{part} is not a JSON object")
+    return {name: number(value, f"{part}.{name}") for name, value in figures.items()}
 
 
 def keep(kept: Remembered, memory: MemoryModel, speed: PrefillSpeed, seconds: float) -> None:

@@ -43,8 +43,12 @@ def open_fd(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
     raises Unsafe for anything else, at once."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    except OSError:
-        _expect(path, os.lstat(path).st_mode)  # a link (ELOOP), a FIFO without a reader (ENXIO)
+    except OSError as failed:
+        try:
+            there = os.lstat(path).st_mode
+        except OSError:  # nothing there (a create refused): the open's own reason
+            raise failed from None
+        _expect(path, there)  # a link (ELOOP), a FIFO without a reader (ENXIO)
         raise
     try:
         found = os.fstat(fd)
