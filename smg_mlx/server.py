@@ -95,6 +95,26 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tokenizer
 
 
+def check_chat_template(tokenizer: Any) -> None:
+    """Warn where the chat template cannot render a one-message chat: the
+    router renders it itself from GetTokenizer's files, and would fail every
+    chat request of a worker that reports SERVING. A warning, not a refusal:
+    the worker's own API takes text and tokens, and completions still work."""
+    if not getattr(tokenizer, "chat_template", None):
+        return  # (a base model: the router refuses chats itself, saying why)
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja's and the template's own, of many kinds
+        log.warning(
+            "the chat template (tokenizer_config.json's chat_template, or chat_template.jinja) "
+            "cannot render a one-message chat: %s; the router's chat completions will fail "
+            "(its completions of text still work): fix the template, or serve the model's own",
+            one_line(exc),
+        )
+
+
 def _check_draft(draft: Path) -> None:
     """The checks --model's directory gets, for --draft-model's: a refusal
     (exit 2) that names the flag, not a load failure that a supervisor restarts."""
@@ -268,6 +288,7 @@ class Worker:
             # engine thread loads them. Read them before the engine starts:
             # transformers' lazy imports are not safe from two threads at once.
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+            await asyncio.to_thread(check_chat_template, tokenizer)
             bundle = await asyncio.to_thread(tokenizer_zip, self.model_dir)
             # --generation-config none: not read at all (a broken one cannot matter).
             generation = (

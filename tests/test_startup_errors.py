@@ -17,7 +17,7 @@ from bench.workers import free_port
 from smg_mlx import model_files
 from smg_mlx.config import EngineConfig
 from smg_mlx.demo_model import build_model
-from smg_mlx.server import listen_failure
+from smg_mlx.server import check_chat_template, listen_failure, load_tokenizer
 
 from helpers import model_copy, serve
 
@@ -270,3 +270,21 @@ def test_a_rank_stopped_while_it_loads_ends_quietly_with_zero(model_dir, monkeyp
     assert follower.run(EngineConfig(model_path=model_dir), 1) == 0
     assert "model load failed" not in caplog.text
     assert not any(record.exc_info for record in caplog.records)
+
+
+def test_a_chat_template_that_cannot_render_is_warned_of_at_start_up(model_dir, tmp_path, caplog):
+    """The router renders the template itself: a worker whose template is broken
+    reports SERVING while every chat through the router fails, so start-up says so."""
+    broken = model_copy(model_dir, tmp_path / "broken", leave_out="tokenizer_config.json")
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"]  # (the test model's own renders: no warning)
+    with caplog.at_level("WARNING", logger="smg_mlx.server"):
+        check_chat_template(load_tokenizer(model_dir))
+    assert not caplog.records
+    tokenizer_config["chat_template"] = "{% for m in messages %}{{ m.content }{% endfor %}"
+    (broken / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with caplog.at_level("WARNING", logger="smg_mlx.server"):
+        check_chat_template(load_tokenizer(broken))
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "the chat template" in warning and "cannot render a one-message chat" in warning
+    assert "the router's chat completions will fail" in warning
