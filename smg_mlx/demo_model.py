@@ -293,6 +293,12 @@ def main() -> None:
         # would attend to everything, as if none were asked for.
         parser.error(f"--sliding-window: mlx-lm's {args.family} has no sliding windows; "
                      "use --family llama")  # fmt: skip
+    if args.head_dim is not None and args.family == "qwen2":
+        # mlx-lm's qwen2 reads no head size from the config: its heads are hidden / heads.
+        if args.head_dim * args.heads != args.hidden_size:
+            parser.error(f"--head-dim: mlx-lm's qwen2 makes its heads --hidden-size / --heads "
+                         f"({args.hidden_size} / {args.heads}) wide: leave --head-dim out, or "
+                         "use --family llama or qwen3")  # fmt: skip
     if args.head_dim is None and args.hidden_size % args.heads:
         parser.error(f"--hidden-size {args.hidden_size} does not split into --heads "
                      f"{args.heads}: give a multiple of it, or --head-dim")  # fmt: skip

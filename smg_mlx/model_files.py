@@ -29,12 +29,30 @@ def weights_on_disk(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
+def missing_shards(model_dir: Path) -> tuple[list[str], int]:
+    """The weight files the directory's shard index lists and it lacks, and how
+    many the index lists (none: no index, or one mlx-lm would refuse itself)."""
+    try:
+        index = read_json(model_dir / "model.safetensors.index.json")
+        shards = {name for name in index["weight_map"].values() if isinstance(name, str)}
+    except (OSError, BadModelConfig, KeyError, TypeError, AttributeError):
+        return [], 0
+    return sorted(name for name in shards if not (model_dir / name).is_file()), len(shards)
+
+
 def check(model_dir: Path) -> None:
     """Raises BadModelConfig, saying what to fix, when mlx-lm cannot load `model_dir`."""
     if not any(model_dir.glob(WEIGHTS)):
         raise BadModelConfig(
             f"{model_dir} has no weights (no {WEIGHTS} file): serve an mlx-lm model directory "
             "(other formats' weights, such as PyTorch's, need converting with mlx_lm.convert)"
+        )
+    absent, listed = missing_shards(model_dir)
+    if absent:
+        raise BadModelConfig(
+            f"{model_dir} lacks {len(absent)} of the {listed} weight files its "
+            f"model.safetensors.index.json lists ({absent[0]} first): copy them in, or "
+            "download the model again"
         )
     config_file = model_dir / "config.json"
     family = read_json(config_file).get("model_type")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import logging
 import math
 import re
@@ -28,7 +27,7 @@ from tqdm import tqdm
 
 from smg_mlx.demo_model import default_demo_dir, ensure_demo_model
 from smg_mlx.logs import one_line
-from smg_mlx.model_files import WEIGHTS
+from smg_mlx.model_files import WEIGHTS, missing_shards
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +138,9 @@ def resolve(model: str, revision: str | None = None) -> ModelSource:
 def _missing_weights(snapshot: Path) -> str | None:
     """What a cached snapshot lacks of its weights (None: nothing): its weight
     files, or those of its shards' index it does not hold."""
-    index = snapshot / "model.safetensors.index.json"
-    try:
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        shards = set()  # no index (one file), or one mlx-lm would refuse itself
-    absent = sorted(name for name in shards if not (snapshot / name).is_file())
+    absent, listed = missing_shards(snapshot)
     if absent:
-        return f"{len(absent)} of its {len(shards)} weight files, {absent[0]} first"
+        return f"{len(absent)} of its {listed} weight files, {absent[0]} first"
     return None if any(snapshot.glob(WEIGHTS)) else f"its weights ({WEIGHTS})"
 
 

@@ -107,6 +107,22 @@ def test_requests_held_for_the_rest_of_a_burst_are_let_in_with_an_abort():
     assert inbox.take(hold=True) == ([held], {7})
 
 
+def test_work_finished_elsewhere_does_not_end_the_wait_for_the_rest_of_a_burst():
+    # (The disk tier opening as the first request came ended the wait: the
+    # burst started apart.)
+    inbox = Inbox()
+    inbox.submit(object())
+    waited: list[int] = []
+    waiter = threading.Thread(target=lambda: waited.append(inbox.wait_for_more(1, 30)))
+    waiter.start()
+    inbox.wake()
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    inbox.submit(object())
+    waiter.join(5)
+    assert waited == [2]
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "inf", "60001", "1e13"])
 def test_burst_window_flag_refuses_what_no_wait_can_be(value, capsys):
     with pytest.raises(SystemExit):

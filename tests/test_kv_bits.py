@@ -29,6 +29,7 @@ from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.handoff import Inbox
 from smg_mlx.engine.prefix_cache import kv_files
+from smg_mlx.engine.prefix_cache.folder_contents import SUFFIX
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.types import Request
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -170,6 +171,9 @@ def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_
     history = A + generate(w.stub, A, max_tokens=8).tokens
     per_token = {8: kv_bytes_per_token(w)}
     w.stop()
+    # A file of the user's in the 8-bit entries' folder does not hide them.
+    (stray,) = [entry.parent / "notes.txt" for entry in tmp_path.glob(f"*/*{SUFFIX}")]
+    stray.write_text("mine")
     for other in ({"kv_bits": 4}, {"kv_bits": 8, "kv_group_size": 32}, {}):
         caplog.clear()
         with caplog.at_level(logging.INFO):
@@ -189,6 +193,7 @@ def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_
     # 4 bits with a (float32) scale and bias for every 64 of them.
     assert per_token[8] / per_token[16] == pytest.approx((8 + 64 / 64) / 32)
     assert per_token[4] / per_token[16] == pytest.approx((4 + 64 / 64) / 32)
+    stray.unlink()
     w = start_worker(model64, kv_bits=8, prompt_cache_dir=tmp_path)  # its own format: used
     assert generate(w.stub, history + [7], max_tokens=4).complete.cached_tokens == len(history)
     # ... and its log line, for an operator who reads the log rather than headers.

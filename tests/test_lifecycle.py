@@ -161,6 +161,9 @@ def test_past_the_grace_requests_without_a_token_are_for_another_worker(spawn, m
     calls = [p.stub.Generate(request(prompt(5, i), max_tokens=2000), timeout=60) for i in range(3)]
     first = next(calls[0])  # the batch holds one: the others wait
     assert first.chunk.token_ids
+    # (All three in before the stop: one that came later would be turned away unread.)
+    info = pb.GetServerInfoRequest()
+    assert wait_until(lambda: p.stub.GetServerInfo(info).active_requests == 3, 10)
     assert p.stop() == 0
     assert collect(calls[0]).complete.finish_reason == "abort"
     for call in calls[1:]:

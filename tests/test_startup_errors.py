@@ -96,6 +96,8 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
         ("tokenizer not JSON", "cannot load the tokenizer of {model}/tokenizer_config.json:"),
         ("config of other weights", "the weights in {model} do not fit the model its "
          "config.json describes (Expected shape"),
+        ("a shard missing", "{model} lacks 1 of the 2 weight files its "
+         "model.safetensors.index.json lists (model-00002-of-00002.safetensors first)"),
     ],
 )
 def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
@@ -125,6 +127,12 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
     if fault == "tokenizer not JSON":
         (model / "tokenizer_config.json").unlink()
         (model / "tokenizer_config.json").write_text("{not json")
+    if fault == "a shard missing":  # its index lists a second file, not copied
+        shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+        (model / "model.safetensors").rename(model / shards[0])
+        weights = {"lm_head.weight": shards[1], "model.norm.weight": shards[0]}
+        index = {"metadata": {}, "weight_map": weights}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
     flags = ("--generation-config", "none") if fault.startswith("generation") else ()
     code, lines = serve("--model", str(model), "--port", "0", *flags)
     assert code == 2

@@ -102,10 +102,16 @@ class Inbox:
 
     def wait_for_more(self, seen: int, timeout: float) -> int:
         """Sleep until more than `seen` requests are pending, or an abort or stop
-        comes, or `timeout` passes; returns how many are pending."""
-        self._wake.clear()
-        if len(self._requests) == seen:
-            self._wake.wait(timeout)
+        comes, or `timeout` passes; returns how many are pending. A `wake` (work
+        finished elsewhere, such as the disk tier opening) does not end it."""
+        until = time.monotonic() + timeout
+        while len(self._requests) == seen and not self._aborts and not self._stopping:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.clear()
+            if len(self._requests) == seen and not self._aborts and not self._stopping:
+                self._wake.wait(left)
         return len(self._requests)
 
 

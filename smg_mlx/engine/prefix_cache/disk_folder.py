@@ -312,8 +312,11 @@ class Folder:
             try:
                 if folder == ours or (folder_contents.about(folder) or {}).get("model") != model:
                     continue
-                entries = [f for f in folder_contents.cache_files(folder) or ()
-                           if f.name.endswith(folder_contents.SUFFIX)]  # fmt: skip
+                # (A stray file in it, which keeps it from being deleted, is no reason
+                # to leave its entries uncounted.)
+                with os.scandir(folder) as listing:
+                    entries = [f for f in listing if f.name.endswith(folder_contents.SUFFIX)
+                               and f.is_file(follow_symlinks=False)]  # fmt: skip
                 size += sum(f.stat().st_size for f in entries)
                 count += len(entries)
             except OSError:
