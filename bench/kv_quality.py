@@ -79,8 +79,9 @@ def _greedy(model, prompt: list[int], n: int, cache: list) -> list[int]:
 
 
 def measure(model_dir: Path, prompt_len: int, new_tokens: int, group: int,
-            seed: int) -> dict | None:  # fmt: skip
-    """The model's figures (None: its KV cannot be quantized at `group`, said why)."""
+            seed: int, widths: tuple[int, ...] = (8, 4)) -> dict | None:  # fmt: skip
+    """The model's figures at each of `widths` bits (None: its KV cannot be
+    quantized at `group`, said why)."""
     quantized_attention.install(None)
     model, _ = load(str(model_dir))
     if not quantizable(model, 8, group, "--model: a model whose heads --kv-group-size divides"):
@@ -104,7 +105,7 @@ def measure(model_dir: Path, prompt_len: int, new_tokens: int, group: int,
         "reference_top1_margin_nats": margin,
         "settings": {},
     }  # fmt: skip
-    for bits in (8, 4):
+    for bits in widths:
 
         def quantized(bits: int = bits) -> list:
             return [BatchQuantizedKVCache([0], group_size=group, bits=bits) for _ in range(layers)]

@@ -33,6 +33,16 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="smg-mlx-tests-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 
+# Files whose tests each take tens of seconds (an install in a fresh virtualenv,
+# several ranks, a bench run): they go first, so that none is left running alone
+# at the end of a run while the other test processes have nothing left to take.
+SLOW_FILES = ("test_package.py", "test_bench_kv_formats.py", "test_parallel.py", "test_readme.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in SLOW_FILES)  # (a stable sort)
+
+
 @pytest.fixture(scope="session")
 def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the test models are built: one folder for all of a run's processes

@@ -538,7 +538,7 @@ def test_a_16_bit_models_quantized_cache_costs_what_quantizing_costs(models_root
     from bench.kv_quality import MODELS, measure
 
     flags = [*MODELS["small-head64"], "--dtype", "bfloat16"]
-    found = measure(build_model(models_root / "small-bf16", flags), 512, 32, group=64, seed=0)
+    found = measure(build_model(models_root / "small-bf16", flags), 512, 16, 64, 0, widths=(8,))
     assert found["distinct_reference_tokens"] > 2
     assert found["settings"]["8-bit, group 64"]["kl_mean_nats"] < 3e-4
 
@@ -663,10 +663,13 @@ def test_a_prompt_as_long_as_a_quantized_worker_takes_stays_within_its_budget(
     # where the model is slow), measured afresh.
     monkeypatch.setattr(memory_probe, "_seconds_per_token", lambda *args: 1e-6)
     budget = 24 << 20
+    # MLX counts this process's memory: arrays other tests left alive in it are not the worker's.
+    others = mx.get_active_memory()
     w = start_worker(model, kv_bits=bits, memory_budget_bytes=budget, prompt_cache_bytes=0,
                      prompt_cache_dir=tmp_path / "cache")  # fmt: skip
     longest = w.worker.engine.longest_sequence
     assert 2048 < longest < 65536  # the budget bounds it, past a layer at a time's keys
+    mx.reset_peak_memory()  # (the peak of the tests before)
     out = generate(w.stub, prompt(longest - 20, 1), max_tokens=16, ignore_eos=True)
     assert out.complete.finish_reason == "length"
-    assert w.worker.engine.memory.peak <= budget
+    assert w.worker.engine.memory.peak - others <= budget
