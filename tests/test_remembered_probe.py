@@ -40,6 +40,7 @@ def test_a_restart_finds_the_figures_the_probe_measured(restart, model_dir, tmp_
         ("memory", {"kv_per_token": -288}),  # (planned with: KV counted as freeing memory)
         ("speed", {"per_token": "abc"}),
         ("seconds", "1.5"),
+        ("at", None),  # (was logged as "measured on None")
     ],
 )
 def test_a_probe_file_that_is_not_this_workers_is_measured_again(

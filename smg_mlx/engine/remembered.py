@@ -50,6 +50,13 @@ def number(value: Any, name: str) -> float:
     return value
 
 
+def text(value: Any, name: str) -> str:
+    """A remembered piece of text, checked (as `number` checks a figure)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} is {value!r}, not text")
+    return value
+
+
 class Remembered:
     """One finding (`what`, as logs name it) about one model on one machine,
     kept in the folder `folder_name` of the prompt cache's folder."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smg_mlx.config import EngineConfig
-from smg_mlx.engine.remembered import Remembered, number
+from smg_mlx.engine.remembered import Remembered, number, text
 
 FOLDER = "batch-check"
 
@@ -45,8 +45,7 @@ class Verdicts:
         try:
             verdict = Verdict(**{k: found[k] for k in Verdict.__dataclass_fields__})
             for name in ("mode", "reason", "at"):
-                if not isinstance(getattr(verdict, name), str):
-                    raise ValueError(f"{name} is {getattr(verdict, name)!r}, not text")
+                text(getattr(verdict, name), name)
             number(verdict.seconds, "seconds")
         except KeyError as missing:
             self._kept.ignore(f"no {missing}")

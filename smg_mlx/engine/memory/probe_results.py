@@ -16,7 +16,7 @@ from dataclasses import asdict
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.memory.costs import MemoryModel, PrefillSpeed
 from smg_mlx.engine.memory.probe import log_found
-from smg_mlx.engine.remembered import Remembered, number
+from smg_mlx.engine.remembered import Remembered, number, text
 from smg_mlx.logs import error_line
 
 FOLDER = "memory-probe"
@@ -43,7 +43,7 @@ def recall(kept: Remembered) -> tuple[MemoryModel, PrefillSpeed] | None:
     try:
         memory = MemoryModel(**_figures(found, "memory"))
         speed = PrefillSpeed(**_figures(found, "speed"))
-        at, seconds = str(found["at"]), number(found["seconds"], "seconds")
+        at, seconds = text(found["at"], "at"), number(found["seconds"], "seconds")
     except (KeyError, TypeError, ValueError) as exc:
         kept.ignore(error_line(exc))
         return None
