@@ -105,13 +105,11 @@ class Inbox:
         comes, or `timeout` passes; returns how many are pending. A `wake` (work
         finished elsewhere, such as the disk tier opening) does not end it."""
         until = time.monotonic() + timeout
-        while len(self._requests) == seen and not self._aborts and not self._stopping:
-            left = until - time.monotonic()
-            if left <= 0:
+        while (left := until - time.monotonic()) > 0:
+            self._wake.clear()  # (before the check: what comes after it sets it again)
+            if len(self._requests) != seen or self._aborts or self._stopping:
                 break
-            self._wake.clear()
-            if len(self._requests) == seen and not self._aborts and not self._stopping:
-                self._wake.wait(left)
+            self._wake.wait(left)
         return len(self._requests)
 
 
