@@ -35,6 +35,14 @@ AGENT_FLAGS = (
 )
 
 
+def _seconds(text: str) -> float:
+    """A wait of more than 0 seconds (0 would send chats as fast as the loop runs)."""
+    value = float(text)
+    if not value > 0:  # (nan too)
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
@@ -56,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ranks on this host, mlx.launch over loopback)",
     )
     p.add_argument(
-        "--concurrency", help="levels, comma-separated (default 1,4,16,64; the gate's 1,16,64)"
+        "--concurrency", help="levels, comma-separated (default 1,4,16,64)"
     )
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=64)
@@ -192,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the workloads to run (--speculation)")  # fmt: skip
     p.add_argument("--chat-tokens", type=int, default=64, help="a chat's prompt (--mixed)")
     p.add_argument("--chat-gen-tokens", type=int, default=32, help="a chat's answer (--mixed)")
-    p.add_argument("--chat-interval", type=float, default=1.0, help="seconds (--mixed)")
+    p.add_argument("--chat-interval", type=_seconds, default=1.0, help="seconds (--mixed)")
     p.add_argument(
         "--worker-args",
         default="",

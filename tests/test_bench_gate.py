@@ -1,7 +1,10 @@
 """The throughput gate's verdict: each side's best round against the other's, with the
 pooled and the rounds-paired ratios beside it (the machine's drift shows there)."""
 
-from bench.gate import format_checks, throughput_checks
+import pytest
+
+from bench.__main__ import build_parser
+from bench.gate import format_checks, mixed_checks, throughput_checks
 from bench.stats import LevelResult
 
 
@@ -27,6 +30,16 @@ def test_a_level_short_of_its_bound_or_with_errors_fails_the_gate():
     failing = throughput_checks([engine, level("ours", (400.0, 400.0), errors=1)], [4])
     assert not short[0].met and format_checks(short).endswith("gate FAILED")
     assert failing[0].value is None and "not measured" in failing[0].line()
+
+
+def test_a_mixed_run_whose_long_prompts_failed_measures_nothing():
+    # (Prompts longer than the model's context: each refused at once, the stream never paused.)
+    mixed = {"stream_longest_gap_s": 0.01, "chat_ttft_p50_s": 0.02, "chats_failed": 0}
+    result = {"mixed": mixed, "long_errors": ["INVALID_ARGUMENT"] * 4, "stream_ended_early": False}
+    checks = mixed_checks(result, 0.15)
+    assert [c.value for c in checks] == [None, None]
+    assert format_checks(checks).endswith("gate FAILED")
+    assert all(c.met for c in mixed_checks({**result, "long_errors": []}, 0.15))
 
 
 def test_who_runs_first_alternates_from_level_to_level(monkeypatch, tmp_path):
@@ -68,3 +81,11 @@ def test_a_short_gate_runs_one_round_of_the_short_workload(model_dir, monkeypatc
     assert bench_main.main([*argv, "--out", str(tmp_path / "gate.json")]) == 1  # nothing ran
     (opts,) = seen
     assert opts.rounds == 1 and opts.workload.min_requests == 16
+
+
+def test_a_chat_interval_of_no_time_is_refused(capsys):
+    # (0 sent chats as fast as the loop ran: 183,947 of them, and the mixed run never ended.)
+    for value in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--mixed", "1", "--chat-interval", value])
+        assert "expected seconds above 0" in capsys.readouterr().err
