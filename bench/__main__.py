@@ -11,6 +11,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import cores, gate, machine, model, report, workers
+from bench.agent import SETTINGS as AGENT_SETTINGS
 from bench.agent import Agent, format_agent, run_agent, run_followups
 from bench.kv_formats import PARTS, KvFormats, format_kv_formats, run_kv_formats
 from bench.long_prompts import run_long_prompts
@@ -241,8 +242,55 @@ def host_bound(milliseconds: float) -> None:
     os.environ["BENCH_HOST_BOUND_MS"] = str(milliseconds)
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values the flags' types let through but no run can use: refused before
+    anything runs (argparse's usage line and exit status 2), not minutes later."""
+    for flag in ("concurrency", "followups", "long_prompts", "kv_formats"):
+        text = getattr(args, flag)
+        if text is not None:
+            try:
+                parse_levels(text)
+            except ValueError:
+                parser.error(f"--{flag.replace('_', '-')}: positive integers, comma-separated "
+                             f"(e.g. 1,4,16), not {text!r}")  # fmt: skip
+    at_least = {"prompt_tokens": 1, "gen_tokens": 1, "gen_spread": 0, "rounds": 1,
+                "requests": 1, "completion_batch_size": 1, "prefill_batch_size": 1,
+                "agent_sessions": 1, "agent_turns": 1, "agent_system_tokens": 0,
+                "agent_first_tokens": 1, "agent_turn_tokens": 0, "agent_answer_tokens": 1,
+                "agent_concurrency": 1, "kv_concurrency": 1, "mixed": 0}  # fmt: skip
+    for dest, least in at_least.items():
+        value = getattr(args, dest)
+        if value is not None and value < least:
+            flag = next((f for f, field, _ in AGENT_FLAGS if f"agent_{field}" == dest),
+                        "--" + dest.replace("_", "-"))  # fmt: skip
+            parser.error(f"{flag}: at least {least}, not {value}")
+    lists = {"speculation_kinds": KINDS, "kv_parts": PARTS, "agent_settings": AGENT_SETTINGS}
+    for dest, known in lists.items():
+        unknown = set(getattr(args, dest).split(",")) - set(known)
+        if unknown:
+            parser.error(f"--{dest.replace('_', '-')}: each of {', '.join(known)}; "
+                         f"not {', '.join(sorted(unknown))}")  # fmt: skip
+    draft = args.speculation_draft
+    if draft is not None and draft != "self" and draft not in model.SHAPES:
+        parser.error(f"--speculation-draft: self or a shape ({', '.join(sorted(model.SHAPES))}), "
+                     f"not {draft!r}")  # fmt: skip
+    if args.out is not None:
+        # Checked now: a run of an hour must not end unable to write its results.
+        folder = args.out.parent
+        if args.out.is_dir():
+            parser.error(f"--out {args.out}: a directory; name a file for the JSON results")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--out {args.out}: cannot make its folder ({exc.strerror})")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"--out {args.out}: {folder} is not writable")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -497,8 +545,6 @@ def _followups(args: argparse.Namespace, model_dir: Path, argv: list[str] | None
 
 def _kv_formats(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:
     parts = tuple(args.kv_parts.split(","))
-    if set(parts) - set(PARTS):
-        raise SystemExit(f"--kv-parts: each of {', '.join(PARTS)}, not {args.kv_parts}")
     run = KvFormats(tuple(parse_levels(args.kv_formats)), args.kv_fill_tokens,
                     args.kv_context_tokens, args.kv_concurrency, args.gen_tokens,
                     parts)  # fmt: skip

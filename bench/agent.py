@@ -63,6 +63,10 @@ class Agent:
         return asdict(self)
 
 
+# The prefix-cache settings compared, by name (`settings`).
+SETTINGS = ("2GiB", "default", "off")
+
+
 def settings(cache_dir: Path, cache_bytes: str | None) -> dict[str, list[str]]:
     """Our worker's flags for each prefix-cache setting compared."""
     default = ["--prompt-cache-dir", str(cache_dir)]

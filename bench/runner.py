@@ -15,7 +15,14 @@ from bench import cores, peer
 from bench.grpc_client import run_closed_loop
 from bench.long_prompts import metrics
 from bench.stats import LevelResult, RequestRecord, summarize
-from bench.workers import WorkerProcess, free_port, ours_command, two_ranks_command
+from bench.workers import (
+    WorkerProcess,
+    ended_on_sigterm,
+    forget,
+    free_port,
+    ours_command,
+    two_ranks_command,
+)
 from bench.workload import Level, Workload
 
 
@@ -47,11 +54,11 @@ class EngineProcess:
     """The raw engine's child process (`bench.engine_raw`): one round per call."""
 
     def __init__(self, opts: Options) -> None:
-        self._process = subprocess.Popen(
+        self._process = ended_on_sigterm(subprocess.Popen(
             [sys.executable, "-m", "bench.engine_raw", "--model", str(opts.model_dir),
              "--workload", json.dumps(opts.workload.to_dict())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        ))  # fmt: skip
         cores.pin(self._process.pid)
         self._pinned = False  # its threads, once it has started them
 
@@ -73,7 +80,9 @@ class EngineProcess:
     def stop(self) -> int:
         if self._process.stdin is not None:
             self._process.stdin.close()
-        return self._process.wait()
+        code = self._process.wait()
+        forget(self._process)
+        return code
 
 
 def _engine_round(

@@ -20,6 +20,7 @@ from bench.workload import Workload
 
 _handed_out: set[int] = set()
 _running: set[WorkerProcess] = set()  # started and not stopped yet
+_children: set[subprocess.Popen] = set()  # other processes started and not ended yet
 
 
 def free_port() -> int:
@@ -68,9 +69,22 @@ def stop_on_sigterm() -> None:
     def stop(signum: int, frame: object) -> None:
         for worker in list(_running):
             worker.stop()
+        for child in list(_children):
+            child.kill()  # the raw engine: nothing of its round is kept
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def ended_on_sigterm(process: subprocess.Popen) -> subprocess.Popen:
+    """`process`, which a SIGTERM to this one kills too (`stop_on_sigterm`)
+    until `forget` says it ended."""
+    _children.add(process)
+    return process
+
+
+def forget(process: subprocess.Popen) -> None:
+    _children.discard(process)
 
 
 class WorkerExited(RuntimeError):

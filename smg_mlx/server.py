@@ -87,12 +87,31 @@ def load_tokenizer(model_dir: Path) -> Any:
         # Its files, or what their config asks for, are to be fixed: a restart cannot cure it.
         where = next(_unreadable_json(model_dir.glob("*token*.json")), model_dir)
         why = f"cannot load the tokenizer of {where}: {one_line(exc)}"
+        if where == model_dir:
+            why = _config_unreadable(model_dir) or why
         raise StartupError(why, exit_code=2) from None
     # Without tokenizer files transformers may build an empty tokenizer of the
     # model's family, which turns every text into no tokens at all.
     if not tokenizer.encode("Hello"):
         raise missing
     return tokenizer
+
+
+def _config_unreadable(model_dir: Path) -> str | None:
+    """Why transformers cannot read the directory's config.json, which it reads
+    to find the tokenizer (a setting mlx-lm takes and transformers refuses,
+    such as a linear RoPE without its factor): None where it can."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:  # noqa: BLE001 - transformers' own reasons, of many kinds
+        return (
+            f"transformers cannot read {model_dir / 'config.json'} ({one_line(exc)}), and "
+            "loads the tokenizer through it: fix the setting it names, or serve the "
+            "config.json that came with the model"
+        )
+    return None
 
 
 def check_chat_template(tokenizer: Any) -> None:

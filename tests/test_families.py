@@ -16,7 +16,7 @@ from smg_mlx.demo_model import build_model
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.server import load_tokenizer
 
-from helpers import collect, generate, prompt, request
+from helpers import collect, generate, model_copy, prompt, request
 
 # Prompts of lengths 7 to 150, as the issue's check had them, and 24 tokens each.
 LENGTHS = (7, 19, 33, 50, 72, 97, 123, 150)
@@ -125,6 +125,26 @@ def test_a_stopped_worker_of_such_a_family_still_exits_zero(spawn, family_model)
     p = spawn("--model", str(family_model("rwkv7")))
     p.wait_serving()
     assert p.stop(signal.SIGTERM) == 0
+
+
+def test_a_text_that_begins_with_the_bos_gets_no_second_one(start_worker, model_dir, tmp_path):
+    """A tokenizer that adds a BOS (as llama's do) to a text a chat template
+    rendered with the BOS already in it: the model must see one BOS, not two."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    model = model_copy(model_dir, tmp_path / "m", leave_out="tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos = json.loads((model_dir / "tokenizer_config.json").read_text())["bos_token"]
+    tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+    )
+    tokenizer.save(str(model / "tokenizer.json"))
+    w = start_worker(model)
+    plain = generate(w.stub, text="Hello there", max_tokens=1).complete.prompt_tokens
+    assert plain == len(tokenizer.encode("Hello there").ids)  # the BOS added
+    began = generate(w.stub, text=f"{bos}Hello there", max_tokens=1).complete.prompt_tokens
+    assert began == plain
 
 
 def test_batching_can_be_asked_to_be_safer_than_the_check_finds(start_worker, model_dir):

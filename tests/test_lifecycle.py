@@ -300,6 +300,22 @@ def test_a_model_named_by_a_relative_path_is_reported_by_its_absolute_one(model_
     assert info.model_path == str(model_dir)
 
 
+def test_a_tokenizer_larger_than_the_vocabulary_is_warned_of_at_start(
+    model_dir, tmp_path, caplog
+):
+    tokenizer = load_tokenizer(model_dir)
+    smaller = model_copy(model_dir, tmp_path / "m", vocab_size=len(tokenizer) - 8)
+    info = load_model_info(smaller, tokenizer, None)
+    assert info.vocab_size == len(tokenizer) - 8
+    assert (
+        f"the tokenizer has {len(tokenizer)} tokens and the model's vocabulary "
+        f"{len(tokenizer) - 8}: prompts that tokenize to ids {len(tokenizer) - 8} and above"
+    ) in caplog.text
+    caplog.clear()
+    load_model_info(model_dir, tokenizer, None)  # the model's own: nothing to say
+    assert "the tokenizer has" not in caplog.text
+
+
 def test_model_info(worker, model_dir):
     info = worker.stub.GetModelInfo(pb.GetModelInfoRequest())
     config = json.loads((model_dir / "config.json").read_text())

@@ -98,6 +98,11 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
          "config.json describes (Expected shape"),
         ("a shard missing", "{model} lacks 1 of the 2 weight files its "
          "model.safetensors.index.json lists (model-00002-of-00002.safetensors first)"),
+        # Not blamed on the weights: mlx-lm fails building the model, before reading them.
+        ("rope type unknown", "cannot build the model {model}/config.json describes "
+         "(Unsupported RoPE type yarn-2): the file names a setting mlx-lm does not support"),
+        # transformers reads config.json to find the tokenizer; mlx-lm would take it.
+        ("config transformers refuses", "transformers cannot read {model}/config.json ("),
     ],
 )
 def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
@@ -121,6 +126,12 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
         generation.write_bytes(b"\xff\xfe{")
     if fault == "generation folder":
         generation.mkdir()
+    if fault == "rope type unknown":
+        config["rope_scaling"] = {"rope_type": "yarn-2", "factor": 2.0}
+        (model / "config.json").write_text(json.dumps(config))
+    if fault == "config transformers refuses":  # a linear RoPE without its factor
+        config["rope_scaling"] = {"rope_type": "linear"}
+        (model / "config.json").write_text(json.dumps(config))
     if fault == "config of other weights":
         config["intermediate_size"] += 8
         (model / "config.json").write_text(json.dumps(config))

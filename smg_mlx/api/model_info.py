@@ -79,6 +79,15 @@ def load_model_info(
     vocab = whole(len(tokenizer) if vocab is None else vocab, "vocab_size")
     if not 0 < vocab <= UINT32_MAX:
         raise BadModelConfig(f"config.json gives a vocab_size of {vocab}; fix it")
+    if len(tokenizer) > vocab:
+        # A tokenizer of another model (or one with tokens added after training):
+        # texts that come out with those ids are refused, request by request.
+        log.warning(
+            "the tokenizer has %d tokens and the model's vocabulary %d: prompts that "
+            "tokenize to ids %d and above will be refused as outside the vocabulary; "
+            "serve the tokenizer that came with the model",
+            len(tokenizer), vocab, vocab,
+        )  # fmt: skip
 
     def valid(ids: list[int], key: str) -> list[int]:
         kept = [i for i in ids if 0 <= i < vocab]

@@ -25,7 +25,7 @@ from smg_mlx.api.payload import PayloadWork
 from smg_mlx.api.rpc_handlers import Refusal
 from smg_mlx.api.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from smg_mlx.api.tokenizer_files import Bundle, chunks
-from smg_mlx.api.translation import InvalidRequest
+from smg_mlx.api.translation import InvalidRequest, encode
 from smg_mlx.config import RequestLimits
 from smg_mlx.engine.types import Failure, GenerationSpec
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
@@ -240,7 +240,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def _encode(self, text: str) -> list[int]:
         """Tokenize off the event loop: megabytes of text take seconds."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text)
+        return await loop.run_in_executor(self._tokenizing, encode, self.tokenizer, text)
 
     async def _complete(self, job: Job, streamed: bool) -> bytes:
         """The final message, serialized: a non-streamed one carries every token

@@ -106,6 +106,15 @@ def prompt_text(request: Any, info: ModelInfo) -> str | None:
     return request.text
 
 
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """The text's token ids, with the special tokens the tokenizer adds (a BOS)
+    unless the text begins with the BOS already, as a rendered chat template's
+    does: a second BOS would change what the model sees (mlx-lm's generate
+    does the same)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+
 def check_sizes(raw: bytes, info: ModelInfo, limits: RequestLimits, memory_tokens: int) -> None:
     """A GenerateRequest's lists within this worker's limits and its prompt's
     ids within the context and memory, counted in its bytes (api.wire) before

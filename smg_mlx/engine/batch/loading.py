@@ -175,12 +175,29 @@ def built_model(path: Path, lazy: bool, strict: bool) -> tuple[nn.Module, dict]:
             f"{exc}): the file lacks or misstates settings its model_type needs"
         ) from None
     except ValueError as exc:
-        # mlx-lm's checks of the weights against the model (shapes, names, the
-        # quantization the config names); a list of every parameter is cut short.
         said = one_line(exc)
         said = said if len(said) <= WHY_CHARS else said[:WHY_CHARS] + " …"
+        if not _raised_in(exc, "load_weights"):
+            # Building the model from config.json failed (a RoPE type mlx-lm does
+            # not implement, say): the weights were not even read.
+            raise Unservable(
+                f"cannot build the model {path}/config.json describes ({said}): the file "
+                "names a setting mlx-lm does not support for its model_type"
+            ) from None
+        # mlx's check of the weights against the model (shapes, names, the
+        # quantization the config names); a list of every parameter is cut short.
         raise Unservable(
             f"the weights in {path} do not fit the model its config.json describes "
             f"({said}): serve the config.json that came with these weights, or download "
             "the model again"
         ) from None
+
+
+def _raised_in(exc: BaseException, function: str) -> bool:
+    """Whether `exc` came through a call of a function of that name."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
