@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=int,
-        help="interleaved rounds per level, pooled (default 3, short 1): every system "
-        "runs a round before any runs the next, so a drifting machine slows them alike",
+        help="interleaved rounds per level, pooled (default 3, the gate's 5, short 1): every "
+        "system runs a round before any runs the next, so a drifting machine slows them alike",
     )
     p.add_argument(
         "--warmup",
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gate",
         action="store_true",
         help="instead of the table: the throughput gate (bench/gate.py): engine and ours at "
-        "--concurrency (interleaved --rounds, default 3; ours one worker throughout), then "
+        "--concurrency (interleaved --rounds, default 5; ours one worker throughout), then "
         "the --mixed run (default 16 long prompts); each ratio against its threshold; exit "
         "status 1 when one falls short",
     )
@@ -308,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.short:
         workload = replace(workload, **SHORT)
     if args.gate and not args.short:
-        # enough waves at low levels that one slow wave does not decide a ratio
-        workload = replace(workload, min_requests=32)
+        workload = replace(workload, min_requests=gate.MIN_REQUESTS)
     if args.requests:
         workload = replace(workload, min_requests=args.requests)
     if max(levels) > workload.completion_batch_size:
@@ -449,7 +448,7 @@ def _gate(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
         model_dir=model_dir.resolve(),
         work_dir=args.work_dir.resolve(),
         start_timeout_s=args.start_timeout,
-        rounds=args.rounds or (1 if args.short else 3),
+        rounds=args.rounds or (1 if args.short else gate.ROUNDS),
         # The bare engine has no speculative decoding, and the bench's greedy
         # random models repeat themselves (every proposal right): measured
         # with it, the gate would not see the serving path it guards

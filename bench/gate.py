@@ -30,6 +30,11 @@ THROUGHPUT = ((1, 1.0), (4, 0.95))
 STREAM_PAUSE_STEPS = 250 / 150
 CHAT_TTFT_STEPS = 500 / 150
 DEFAULT_LEVELS = (1, 4, 16, 64)
+# Rounds per level, and timed requests a round at least (levels of few streams):
+# a GPU VM's slow spells last seconds, so more, shorter rounds give each side
+# more rounds outside them and pair rounds that ran closer together.
+ROUNDS = 5
+MIN_REQUESTS = 16
 # Our worker's flags in the throughput part, before --worker-args (see bench.__main__._gate).
 WORKER_ARGS = ("--speculative", "off")
 

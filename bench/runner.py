@@ -182,6 +182,21 @@ def _worker_round(
     return records, wall, info
 
 
+# How long a kept worker may take to go quiet before the engine's round (`_quiet`).
+QUIET_TIMEOUT_S = 120.0
+
+
+def _quiet(kept: dict[str, tuple[WorkerProcess, dict]]) -> None:
+    """The kept workers idle before the engine's round: the systems run in turn,
+    and a worker that has just served goes on with work of its own for a while
+    (on CUDA, building the attention shapes prompts will meet), which would slow
+    the engine's round on the CPUs and the device they share."""
+    for worker, _ in kept.values():
+        if not worker.wait_quiet(QUIET_TIMEOUT_S):
+            progress(f"{worker.name} still busy after {QUIET_TIMEOUT_S:.0f}s idle: the "
+                     "engine's round runs beside it")  # fmt: skip
+
+
 def run_all(
     opts: Options, on_progress: Callable[[list[LevelResult], dict], None] | None = None
 ) -> tuple[list[LevelResult], dict]:
@@ -223,6 +238,7 @@ def _run_levels(
                      f"{len(level.warmup)} warm-up, {len(level.timed)} timed")  # fmt: skip
             try:
                 if name == "engine":
+                    _quiet(kept)
                     records, wall, info = _engine_round(opts, level, engine)
                     stats = {**info.pop("batch_stats"), "round": level.round}
                     steps = stats["decode_steps"]

@@ -142,6 +142,34 @@ class WorkerProcess:
         self.stop()
         raise RuntimeError(f"{self.name} not SERVING after {timeout_s:.0f}s; see {self.log_path}")
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time its session's processes (an engine process too) have used
+        so far; None where /proc cannot say (not Linux)."""
+        total, found = 0.0, False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+            if int(fields[3]) == self.process.pid:  # its session
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                found = True
+        return total if found else None
+
+    def wait_quiet(self, timeout_s: float, sample_s: float = 0.5, busy: float = 0.1) -> bool:
+        """Wait until it uses under `busy` of a CPU over `sample_s` (an idle
+        worker may still be doing work of its own, such as building attention
+        shapes): whether it did within `timeout_s` (True where unknown)."""
+        deadline = time.monotonic() + timeout_s
+        before = self.cpu_seconds()
+        while before is not None and time.monotonic() < deadline:
+            time.sleep(sample_s)
+            after = self.cpu_seconds()
+            if after is None or after - before < busy * sample_s:
+                return True
+            before = after
+        return before is None
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM to its whole process group (a launcher's ranks too; graceful:
         nothing is in flight by now), SIGKILL if any of them hangs."""

@@ -1,6 +1,8 @@
 """The throughput gate's verdict: each side's best round against the other's, with the
 pooled and the rounds-paired ratios beside it (the machine's drift shows there)."""
 
+from pathlib import Path
+
 import pytest
 
 from bench.__main__ import build_parser
@@ -89,3 +91,33 @@ def test_a_chat_interval_of_no_time_is_refused(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--mixed", "1", "--chat-interval", value])
         assert "expected seconds above 0" in capsys.readouterr().err
+
+
+def test_the_engines_round_waits_for_a_kept_worker_busy_with_work_of_its_own(tmp_path):
+    """Systems run in turn: a worker that goes on working once idle (building attention
+    shapes) would slow the engine's round beside it."""
+    import sys
+    import time
+
+    from bench import runner
+    from bench.workers import WorkerProcess, free_port
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads CPU time from /proc")
+    busy_then_idle = ("import time\nend = time.monotonic() + 1.5\n"
+                      "while time.monotonic() < end: pass\ntime.sleep(60)")  # fmt: skip
+    worker = WorkerProcess("ours", [sys.executable, "-c", busy_then_idle], free_port(),
+                           tmp_path / "ours.log")  # fmt: skip
+    try:
+        started = time.monotonic()
+        runner._quiet({"ours": (worker, {})})
+        assert 1.2 <= time.monotonic() - started < 10
+    finally:
+        worker.stop()
+    always_busy = "while True: pass"
+    worker = WorkerProcess("ours", [sys.executable, "-c", always_busy], free_port(),
+                           tmp_path / "busy.log")  # fmt: skip
+    try:
+        assert not worker.wait_quiet(1.0)
+    finally:
+        worker.stop()

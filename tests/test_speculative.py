@@ -461,6 +461,25 @@ def test_pacing_checks_proposals_only_where_that_pays(paced, caplog):
     assert 1 <= checks <= 4  # a losing checking run is tried again now and then, less often
 
 
+def test_while_checking_keeps_winning_plain_passes_are_timed_ever_more_rarely(paced):
+    """Where checking makes several tokens a pass, each plain block timed to see
+    whether it still pays costs most of its passes' worth: the longer checking
+    keeps winning, the rarer they get, but never gone for good; when plain
+    passes win, checking is tried again after RETRY blocks as before."""
+    from smg_mlx.engine.speculative import pacing as paced_module
+
+    pacing, _, run = paced
+    plain, paying, losing = (0.010, 8), (0.012, 40), (0.030, 9)
+    ran = [run(8, plain, paying) for _ in range(400)]
+    plain_blocks = [i for i, checked in enumerate(ran) if not checked]
+    assert plain_blocks[0] == 0 and 4 <= len(plain_blocks) <= 10  # (every 9th: 45)
+    gaps = [b - a for a, b in zip(plain_blocks[1:], plain_blocks[2:], strict=False)]
+    assert gaps == sorted(gaps) and max(gaps) == paced_module.MOST_PLAIN_RETRY
+    ran = [run(8, plain, losing) for _ in range(40)]
+    turned = ran.index(False)  # once its moving average sinks below plain's
+    assert turned <= 8 and sum(ran[turned:]) <= 3  # then trials now and then
+
+
 def test_where_checking_turns_to_pay_or_not_the_log_says_so_now_and_then(paced, caplog):
     """An operator sees (info) whether speculation pays at each batch size,
     and when that changes, but not at every run: rates near each other may

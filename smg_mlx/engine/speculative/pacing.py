@@ -21,8 +21,8 @@ one, tried when a losing checking run would be.
 Until both are measured it is tried; whichever kind loses runs again now and
 then, as the batch, its proposals and the machine change (a losing checking
 run after ever longer waits, and after plain passes ran long enough that what
-the last trial lost is a small share of the time, TRIAL_SHARE; plain, which
-costs little where checking wins, every few blocks); a checking block clearly
+the last trial lost is a small share of the time, TRIAL_SHARE; plain after
+longer waits too, within a few dozen blocks); a checking block clearly
 losing after its first passes ends there (`losing`), so that a trial costs a
 few passes. A pass of a
 shape run for the first time counts in no block, neither its time nor its
@@ -39,9 +39,11 @@ from collections.abc import Callable
 BLOCK = 8  # passes a block runs
 WEIGHT = 0.25  # of each new block in a moving average
 # Blocks after which the kind that lost runs again: a losing checking block
-# after RETRY, doubling after each retry that loses again, up to the most;
-# plain every RETRY.
-RETRY, MOST_RETRY = 8, 512
+# after RETRY, doubling after each retry that loses again, up to MOST_RETRY;
+# a plain block after RETRY too, doubling while checking keeps winning, up to
+# MOST_PLAIN_RETRY (where checking makes several tokens a pass, each plain
+# block costs most of its passes' worth).
+RETRY, MOST_RETRY, MOST_PLAIN_RETRY = 8, 512, 64
 # A checking block whose rate after EARLY passes is under this share of the
 # plain rate ends there.
 EARLY, LOSING = 2, 0.75
@@ -167,7 +169,8 @@ class Pacing:
         self._width: dict[int, int] = {}  # by size: the width checking runs at
         self._probe: dict[int, int] = {}  # by size: checking blocks since a neighbour's
         self._waited: dict[int, int] = {}  # plain blocks since checking lost, by size
-        self._retry: dict[int, int] = {}  # plain blocks between retries, by size
+        self._retry: dict[int, int] = {}  # blocks between retries, by size
+        self._wins: dict[int, bool] = {}  # by size: whether checking won, as last seen
         self._shapes: set[tuple[int, int]] = set()  # (rows, width) of the passes run so far
         self._said: dict[int, tuple[bool, float]] = {}  # by size: the verdict logged, when
         # By size: plain seconds due before the next trial (after one that lost), and run since.
@@ -331,9 +334,10 @@ class Pacing:
         # The kind that lost runs again now and then: its measure goes stale
         # as the batch, its proposals and the machine change (a plain block
         # timed while kernels were built would keep a losing checking run
-        # going). A plain block costs little where checking wins: every RETRY
-        # blocks; a losing checking run, after ever longer waits.
-        if wins:
+        # going). After ever longer waits while it keeps losing, from RETRY
+        # blocks where the verdict turned.
+        if wins != self._wins.get(size):
+            self._wins[size] = wins
             self._retry[size] = RETRY
         waited = self._waited[size] = self._waited.get(size, 0) + 1
         retry = self._retry.get(size, RETRY)
@@ -342,8 +346,7 @@ class Pacing:
         if not wins and self._plain_since.get(size, 0.0) < self._owed.get(size, 0.0):
             return False  # the last trial's cost is not yet a small share of the time since
         self._waited[size] = 0
-        if not wins:
-            self._retry[size] = min(2 * retry, MOST_RETRY)
+        self._retry[size] = min(2 * retry, MOST_RETRY if not wins else MOST_PLAIN_RETRY)
         return not wins
 
 
