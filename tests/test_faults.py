@@ -233,9 +233,11 @@ def test_an_abort_reaches_a_request_still_waiting_for_the_tokenizer(start_worker
     tokenizer, tokenizing = servicer.tokenizer, threading.Event()
 
     class Held:
-        def encode(self, text: str) -> list[int]:
+        bos_token = tokenizer.bos_token
+
+        def encode(self, text: str, **options) -> list[int]:
             tokenizing.wait(30)
-            return tokenizer.encode(text)
+            return tokenizer.encode(text, **options)
 
     servicer.tokenizer = Held()
     asked = request(text="Hello there", request_id="early", max_tokens=400, ignore_eos=True)

@@ -177,9 +177,9 @@ def test_tokenizing_a_text_never_blocks_the_event_loop(worker, monkeypatch):
     tokenizer = worker.worker.servicer.tokenizer
     encode, release = tokenizer.encode, threading.Event()
 
-    def slow_encode(text):
+    def slow_encode(text, **options):
         release.wait(30)  # a text that takes long to tokenize
-        return encode(text)
+        return encode(text, **options)
 
     monkeypatch.setattr(tokenizer, "encode", slow_encode)
     call = worker.stub.Generate(request(text="Hello there", max_tokens=3), timeout=60)
@@ -215,9 +215,9 @@ def test_text_beyond_capacity_is_refused_at_once_not_after_tokenizing(
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     encode, release = tokenizer.encode, threading.Event()
 
-    def slow_encode(text):
+    def slow_encode(text, **options):
         release.wait(30)  # a long text, taking its time
-        return encode(text)
+        return encode(text, **options)
 
     monkeypatch.setattr(tokenizer, "encode", slow_encode)
     # The batch (1) and --max-pending (1) are taken by two texts being tokenized.
