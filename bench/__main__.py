@@ -13,13 +13,20 @@ from pathlib import Path
 from bench import cores, gate, machine, model, report, workers
 from bench.agent import SETTINGS as AGENT_SETTINGS
 from bench.agent import Agent, format_agent, run_agent, run_followups
-from bench.kv_formats import PARTS, KvFormats, format_kv_formats, run_kv_formats
+from bench.kv_formats import (
+    DECODE_TAIL_TOKENS,
+    PARTS,
+    KvFormats,
+    format_kv_formats,
+    run_kv_formats,
+)
 from bench.long_prompts import run_long_prompts
 from bench.mixed import Mixed, format_mixed, run_mixed
 from bench.runner import Options, progress, run_all
 from bench.speculation import KINDS, Speculation, run_speculation
 from bench.speculation import format_table as format_speculation
 from bench.workload import SHORT, Workload, parse_levels
+from smg_mlx.model_config import named_context_length
 
 SYSTEMS = ("engine", "ours", "peer", "2ranks")
 
@@ -328,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         progress(f"model: {args.shape} (built once under {args.work_dir / 'models'})")
         model_dir = model.ensure_model(args.shape, args.work_dir / "models")
+    _check_context(args, model_dir)
     if args.gate:
         return _gate(args, model_dir, argv, levels, workload)
     if args.long_prompts:
@@ -397,6 +405,35 @@ def main(argv: list[str] | None = None) -> int:
     # A system that failed is in the table as missing; the exit status says so too.
     failed = any("error" in info for info in systems_info.values()) or "error" in agent
     return 1 if failed else 0
+
+
+def _check_context(args: argparse.Namespace, model_dir: Path) -> None:
+    """Prompts and answers the run would send that the model's context cannot
+    hold: refused now (exit 2), not counted as failures after minutes of work."""
+    context = named_context_length(model_dir)
+    if context is None:
+        return
+    wanted: list[tuple[int, str, str]] = []  # tokens, the flags that make them, advice
+    if args.long_prompts or args.mixed or (args.gate and args.mixed != 0):
+        wanted.append((args.long_prompt_tokens + args.long_gen_tokens,
+                       "--long-prompt-tokens plus --long-gen-tokens",
+                       " (or --mixed 0)" if args.gate else ""))  # fmt: skip
+    elif args.kv_formats:
+        parts = args.kv_parts.split(",")
+        if "capacity" in parts:
+            wanted.append((args.kv_fill_tokens + 1, "--kv-fill-tokens", ""))
+        if "decode" in parts or "prefill" in parts:
+            tail = DECODE_TAIL_TOKENS + args.gen_tokens if "decode" in parts else 1
+            wanted.append((args.kv_context_tokens + tail, "--kv-context-tokens", ""))
+    if not (args.agent or args.followups or args.long_prompts or args.mixed or args.kv_formats):
+        wanted.append((args.prompt_tokens + args.gen_tokens + args.gen_spread,
+                       "--prompt-tokens plus --gen-tokens (and --gen-spread)", ""))  # fmt: skip
+    for tokens, flags, advice in wanted:
+        if tokens > context:
+            print(f"python -m bench: error: {flags} come to {tokens} tokens, past the "
+                  f"{context}-token context of {model_dir}: give fewer{advice}, or a model "
+                  "with a longer context (--shape, --model)", file=sys.stderr)  # fmt: skip
+            raise SystemExit(2)
 
 
 def _long_prompts(args: argparse.Namespace, model_dir: Path, argv: list[str] | None) -> int:

@@ -98,3 +98,24 @@ def test_a_sigterm_during_an_engine_round_ends_the_engine_process_too(model_dir,
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--kv-formats", "16,8"], "--kv-fill-tokens come to 8193 tokens, past the 2048-token"),
+        (["--kv-formats", "16", "--kv-parts", "decode", "--kv-context-tokens", "2000"],
+         "--kv-context-tokens come to 2080 tokens"),  # its tail of 16 and 64 out
+        (["--gate"], "--long-prompt-tokens plus --long-gen-tokens come to 24016 tokens, past "
+         "the 2048-token context of {model}: give fewer (or --mixed 0)"),
+        (["--prompt-tokens", "2000", "--gen-tokens", "49"], "come to 2049 tokens"),
+    ],
+)  # fmt: skip
+def test_prompts_past_the_models_context_are_refused_before_anything_runs(
+    argv, said, model_dir, tmp_path, capsys
+):
+    with pytest.raises(SystemExit) as exited:
+        bench_main.main([*argv, "--model", str(model_dir), "--work-dir", str(tmp_path / "work")])
+    assert exited.value.code == 2
+    assert said.format(model=model_dir) in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # no worker started
