@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,17 +24,35 @@ _running: set[WorkerProcess] = set()  # started and not stopped yet
 _children: set[subprocess.Popen] = set()  # other processes started and not ended yet
 
 
+def ephemeral_low() -> int:
+    """The first of the kernel's ephemeral ports: outgoing connections and binds to
+    port 0 take theirs from there up."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; macOS starts at 49152
+    return int(ranges.read_text().split()[0]) if ranges.exists() else 49152
+
+
+def bindable(port: int) -> bool:
+    """Whether nothing listens on `port` on loopback now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now and that this process has
-    not handed out before: the kernel may offer a just-closed port again at once, and two
-    listeners given one port fail to start."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
+    not handed out before, below the kernel's ephemeral range: there an outgoing
+    connection (a client, another test's) could take it before the worker binds it, and
+    the kernel may offer a just-closed port again at once."""
+    low = ephemeral_low()
+    for _ in range(1000):
+        port = random.randrange(10000, low)
+        if port not in _handed_out and bindable(port):
             _handed_out.add(port)
             return port
+    raise RuntimeError(f"no free loopback port below {low}")
 
 
 def ours_command(model_dir: Path, port: int, workload: Workload) -> list[str]:

@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.workers import free_port
+from bench.workers import bindable, ephemeral_low, free_port
 from smg_mlx import __version__
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
@@ -110,25 +109,14 @@ def model_copy(model_dir: Path, out: Path, *, leave_out: str = "", **config) -> 
 
 def free_port_run(count: int) -> int:
     """The first of `count` consecutive loopback ports that nothing listens on, for a
-    launcher that numbers its ports up from one (mlx.launch's --starting-port). Drawn below
-    the kernel's ephemeral range, where `free_port()` and outgoing connections of other
-    tests running beside this one take theirs."""
-    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; macOS starts at 49152
-    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 49152
+    launcher that numbers its ports up from one (mlx.launch's --starting-port), below the
+    kernel's ephemeral range as `free_port()`'s are."""
+    low = ephemeral_low()
     for _ in range(100):
         first = random.randrange(10000, low - count)
-        if all(_bindable(first + i) for i in range(count)):
+        if all(bindable(first + i) for i in range(count)):
             return first
     raise RuntimeError(f"no {count} consecutive free ports below {low}")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
