@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -26,7 +27,9 @@ from bench.runner import Options, progress, run_all
 from bench.speculation import KINDS, Speculation, run_speculation
 from bench.speculation import format_table as format_speculation
 from bench.workload import SHORT, Workload, parse_levels
-from smg_mlx.model_config import named_context_length
+from smg_mlx import model_files
+from smg_mlx.flag_types import byte_size
+from smg_mlx.model_config import BadModelConfig, named_context_length
 
 SYSTEMS = ("engine", "ours", "peer", "2ranks")
 
@@ -277,21 +280,58 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if unknown:
             parser.error(f"--{dest.replace('_', '-')}: each of {', '.join(known)}; "
                          f"not {', '.join(sorted(unknown))}")  # fmt: skip
+    systems = [s for s in args.systems.split(",") if s]
+    if not systems or set(systems) - set(SYSTEMS):
+        parser.error(f"--systems: some of {', '.join(SYSTEMS)}, not {args.systems!r}")
+    if args.kv_formats and set(parse_levels(args.kv_formats)) - {16, 8, 4}:
+        parser.error(f"--kv-formats: each of 16 (the model's own), 8, 4; not {args.kv_formats}")
+    for dest in ("warmup", "system_cpus", "host_bound_ms", "start_timeout"):
+        value = getattr(args, dest)
+        least = 1e-9 if dest == "start_timeout" else 0  # (a worker needs some time)
+        if value is not None and not value >= least:  # (nan too)
+            above = "above" if least else "at least"
+            parser.error(f"--{dest.replace('_', '-')}: {above} 0, not {value}")
+    if args.agent_cache_bytes is not None:
+        try:
+            byte_size(args.agent_cache_bytes)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--agent-cache-bytes: {exc}")
+    try:
+        worker_args = shlex.split(args.worker_args)
+    except ValueError as exc:
+        parser.error(f"--worker-args {args.worker_args!r}: {exc}")
+    own = sorted(set(worker_args) & {"--port", "--host", "--metrics-port", "--model", "--demo"})
+    if own:
+        parser.error(f"--worker-args: {', '.join(own)} the bench sets itself, not a worker flag "
+                     "to add")  # fmt: skip
+    if args.model is not None and not args.model.is_dir():
+        parser.error(f"--model {args.model}: not a folder (an mlx-lm model directory)")
+    if args.model is not None:
+        try:
+            model_files.check(args.model)
+        except (BadModelConfig, OSError) as exc:
+            parser.error(f"--model {args.model}: {exc}")
     draft = args.speculation_draft
     if draft is not None and draft != "self" and draft not in model.SHAPES:
         parser.error(f"--speculation-draft: self or a shape ({', '.join(sorted(model.SHAPES))}), "
                      f"not {draft!r}")  # fmt: skip
     if args.out is not None:
         # Checked now: a run of an hour must not end unable to write its results.
-        folder = args.out.parent
         if args.out.is_dir():
             parser.error(f"--out {args.out}: a directory; name a file for the JSON results")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            parser.error(f"--out {args.out}: cannot make its folder ({exc.strerror})")
-        if not os.access(folder, os.W_OK):
-            parser.error(f"--out {args.out}: {folder} is not writable")
+        _writable_folder(parser, f"--out {args.out}:", args.out.parent)
+    _writable_folder(parser, "--work-dir", args.work_dir)  # last: it makes the folder
+
+
+def _writable_folder(parser: argparse.ArgumentParser, flag: str, folder: Path) -> None:
+    """`folder` made if need be, and a file written in it (as root, `os.access`
+    says yes even where nothing can be written, such as /proc)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        parser.error(f"{flag} {folder}: cannot write there ({exc.strerror or exc})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,9 +339,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     default_levels = ",".join(map(str, gate.DEFAULT_LEVELS)) if args.gate else "1,4,16,64"
     levels = parse_levels(args.concurrency or default_levels)
     workload = Workload(
@@ -402,9 +439,14 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print(format_agent(agent))
     progress(f"done in {time.monotonic() - began:.0f}s; results in {out}")
-    # A system that failed is in the table as missing; the exit status says so too.
+    # A system that failed is in the table as missing, requests that failed in its
+    # errors column: the exit status says so too.
+    errors = [f"{r.system} at {r.concurrency}: {r.errors} of {r.requests} requests failed"
+              f" ({r.first_error})" for r in results if r.errors]  # fmt: skip
+    for said in errors:
+        progress(said)
     failed = any("error" in info for info in systems_info.values()) or "error" in agent
-    return 1 if failed else 0
+    return 1 if failed or errors else 0
 
 
 def _check_context(args: argparse.Namespace, model_dir: Path) -> None:
@@ -593,4 +635,8 @@ def _kv_formats(args: argparse.Namespace, model_dir: Path, argv: list[str] | Non
 
 if __name__ == "__main__":
     workers.stop_on_sigterm()
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:  # Ctrl-C: what ran is stopped on the way out; no traceback
+        print("python -m bench: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

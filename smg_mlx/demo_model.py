@@ -302,6 +302,10 @@ def main() -> None:
     if args.head_dim is None and args.hidden_size % args.heads:
         parser.error(f"--hidden-size {args.hidden_size} does not split into --heads "
                      f"{args.heads}: give a multiple of it, or --head-dim")  # fmt: skip
+    head = args.head_dim or args.hidden_size // args.heads
+    if head % 2:  # RoPE turns pairs of a head's values: the worker would refuse the model
+        parser.error(f"heads {head} wide: RoPE needs an even head size; give another "
+                     + ("--head-dim" if args.head_dim else "--hidden-size or --heads"))
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

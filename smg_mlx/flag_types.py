@@ -200,7 +200,12 @@ def burst_window(text: str) -> float:
 
 def host(text: str) -> str:
     """--host: a name or an address; an IPv6 address may come in brackets, as in a URL."""
-    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    name = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not name.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected a host name or address (such as 127.0.0.1), got {text!r}"
+        )
+    return name
 
 
 MOST_TIMEOUT = 86_400

@@ -92,7 +92,16 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise StartupError(why, exit_code=2) from None
     # Without tokenizer files transformers may build an empty tokenizer of the
     # model's family, which turns every text into no tokens at all.
-    if not tokenizer.encode("Hello"):
+    try:
+        encoded = tokenizer.encode("Hello")
+    except Exception as exc:  # noqa: BLE001 - a setting of its files transformers took, then trips on
+        raise StartupError(
+            f"the tokenizer of {model_dir} cannot encode a text ({type(exc).__name__}: "
+            f"{one_line(exc)}): a setting in tokenizer_config.json or tokenizer.json has a "
+            "value of the wrong type (such as model_max_length given as text); fix it",
+            exit_code=2,
+        ) from None
+    if not encoded:
         raise missing
     return tokenizer
 
@@ -126,6 +135,20 @@ def check_chat_template(tokenizer: Any) -> None:
             [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True
         )
     except Exception as exc:  # noqa: BLE001 - jinja's and the template's own, of many kinds
+        from jinja2 import TemplateSyntaxError
+
+        if isinstance(exc, TemplateSyntaxError):
+            # The router parses the template as it loads the tokenizer: it then
+            # refuses every request for this model, text completions too.
+            log.warning(
+                "the chat template (tokenizer_config.json's chat_template, or "
+                "chat_template.jinja) is not valid Jinja: %s; the router cannot load this "
+                "model's tokenizer, so every request through it fails (chats and text "
+                "completions alike; requests of token ids over gRPC still work): fix the "
+                "template, serve the model's own, or give the router one (its --chat-template)",
+                one_line(exc),
+            )
+            return
         log.warning(
             "the chat template (tokenizer_config.json's chat_template, or chat_template.jinja) "
             "cannot render a one-message chat: %s; the router's chat completions will fail "

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,11 @@ from bench import peer, runner
 from bench.workload import Workload
 
 from helpers import wait_until
+
+
+def nothing_ran(work: Path) -> bool:
+    """No model built and no worker started under the work folder (made, at most)."""
+    return not work.exists() or not any(work.iterdir())
 
 
 @pytest.mark.parametrize(
@@ -33,6 +39,16 @@ from helpers import wait_until
         (["--agent", "--agent-settings", "default,2gib"], "not 2gib"),
         (["--kv-formats", "16", "--kv-parts", "decode,speed"], "not speed"),
         (["--followups", "4096,-1"], "--followups: positive integers"),
+        (["--systems", ""], "--systems: some of engine, ours, peer, 2ranks, not ''"),
+        (["--systems", "engine,foo"], "not 'engine,foo'"),
+        (["--start-timeout", "0"], "--start-timeout: above 0"),
+        (["--host-bound-ms", "nan"], "--host-bound-ms: at least 0, not nan"),
+        (["--warmup", "-1"], "--warmup: at least 0"),
+        (["--agent-cache-bytes", "abc"], "--agent-cache-bytes: expected a size"),
+        (["--kv-formats", "16,3"], "--kv-formats: each of 16 (the model's own), 8, 4; not 16,3"),
+        (["--worker-args", '"unbalanced'], "No closing quotation"),
+        (["--worker-args", "--port 52430"], "--worker-args: --port the bench sets itself"),
+        (["--model", "/nonexistent"], "--model /nonexistent: not a folder"),
     ],
 )  # fmt: skip
 def test_flags_no_run_can_use_are_refused_before_anything_runs(argv, said, tmp_path, capsys):
@@ -40,17 +56,25 @@ def test_flags_no_run_can_use_are_refused_before_anything_runs(argv, said, tmp_p
         bench_main.main([*argv, "--work-dir", str(tmp_path / "work")])
     assert exited.value.code == 2
     assert said in capsys.readouterr().err
-    assert not (tmp_path / "work").exists()  # no model built, no worker started
+    assert nothing_ran(tmp_path / "work")
 
 
-def test_an_out_file_that_cannot_be_written_is_refused_at_the_start(tmp_path, capsys):
-    for out, said in ((tmp_path, "a directory; name a file"),
-                      (tmp_path / "f" / "x.json", "cannot make its folder")):  # fmt: skip
-        (tmp_path / "f").write_text("a file where a folder should be")
-        with pytest.raises(SystemExit):
-            bench_main.main(["--out", str(out), "--work-dir", str(tmp_path / "work")])
+def test_an_out_file_or_work_dir_that_cannot_be_written_is_refused_at_the_start(
+    tmp_path, capsys
+):
+    (tmp_path / "f").write_text("a file where a folder should be")
+    work = ["--work-dir", str(tmp_path / "work")]
+    for argv, said in (
+        (["--out", str(tmp_path), *work], "a directory; name a file"),
+        (["--out", str(tmp_path / "f" / "x.json"), *work], "cannot write there"),
+        (["--out", "/proc/x.json", *work], "cannot write there"),  # (as root too)
+        (["--work-dir", str(tmp_path / "f")], "--work-dir " + str(tmp_path / "f")),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            bench_main.main(argv)
+        assert exited.value.code == 2
         assert said in capsys.readouterr().err
-    assert not (tmp_path / "work").exists()
+    assert nothing_ran(tmp_path / "work")
 
 
 def test_a_peer_that_cannot_be_installed_is_reported_and_the_rest_still_run(
@@ -118,4 +142,4 @@ def test_prompts_past_the_models_context_are_refused_before_anything_runs(
         bench_main.main([*argv, "--model", str(model_dir), "--work-dir", str(tmp_path / "work")])
     assert exited.value.code == 2
     assert said.format(model=model_dir) in capsys.readouterr().err
-    assert not (tmp_path / "work").exists()  # no worker started
+    assert nothing_ran(tmp_path / "work")

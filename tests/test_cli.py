@@ -327,6 +327,8 @@ def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):
         (["--layers", "0"], "--layers: expected at least 1, got 0"),
         (["--family", "qwen2", "--sliding-window", "64"], "mlx-lm's qwen2 has no sliding windows"),
         (["--family", "qwen2", "--head-dim", "64"], "mlx-lm's qwen2 makes its heads --hidden-size"),
+        # (the worker would refuse the model it wrote: RoPE turns pairs of values)
+        (["--head-dim", "7"], "heads 7 wide: RoPE needs an even head size"),
     ]
     for shape, said in wrong:
         done = demo_model(str(tmp_path / "new"), *shape)

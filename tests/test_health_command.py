@@ -185,3 +185,10 @@ def test_a_port_that_answers_but_not_in_grpc_is_named(tmp_path):
         http.shutdown()
     assert probe.returncode == 1
     assert probe.stderr.endswith(f" (is {http.server_port} a worker's --port?)\n"), probe.stderr
+
+
+def test_a_probe_told_no_host_is_refused_as_told_wrong():
+    """Exit 2, as for every probe told wrong: no restart of the worker cures it."""
+    done = health(free_port(), "--host", "")
+    assert done.returncode == 2
+    assert "--host: expected a host name or address (such as 127.0.0.1), got ''" in done.stderr

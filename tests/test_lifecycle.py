@@ -316,6 +316,12 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_warned_of_at_start(
     assert "the tokenizer has" not in caplog.text
 
 
+def test_one_architecture_named_alone_is_reported_as_a_list_of_one(model_dir, tmp_path):
+    named = model_copy(model_dir, tmp_path / "m", architectures="LlamaForCausalLM")
+    info = load_model_info(named, load_tokenizer(model_dir), None)
+    assert info.architectures == ("LlamaForCausalLM",)  # not one letter an entry
+
+
 def test_model_info(worker, model_dir):
     info = worker.stub.GetModelInfo(pb.GetModelInfoRequest())
     config = json.loads((model_dir / "config.json").read_text())

@@ -103,6 +103,8 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
          "(Unsupported RoPE type yarn-2): the file names a setting mlx-lm does not support"),
         # transformers reads config.json to find the tokenizer; mlx-lm would take it.
         ("config transformers refuses", "transformers cannot read {model}/config.json ("),
+        ("architectures a number", "config.json gives architectures as 5, not a list of names"),
+        ("tokenizer length as text", "the tokenizer of {model} cannot encode a text (TypeError"),
     ],
 )
 def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
@@ -132,6 +134,14 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
     if fault == "config transformers refuses":  # a linear RoPE without its factor
         config["rope_scaling"] = {"rope_type": "linear"}
         (model / "config.json").write_text(json.dumps(config))
+    if fault == "architectures a number":
+        (model / "config.json").write_text(json.dumps({**config, "architectures": 5}))
+    if fault == "tokenizer length as text":
+        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        (model / "tokenizer_config.json").unlink()
+        (model / "tokenizer_config.json").write_text(
+            json.dumps({**tokenizer_config, "model_max_length": "big"})
+        )
     if fault == "config of other weights":
         config["intermediate_size"] += 8
         (model / "config.json").write_text(json.dumps(config))
@@ -300,10 +310,24 @@ def test_a_chat_template_that_cannot_render_is_warned_of_at_start_up(model_dir, 
     with caplog.at_level("WARNING", logger="smg_mlx.server"):
         check_chat_template(load_tokenizer(model_dir))
     assert not caplog.records
-    tokenizer_config["chat_template"] = "{% for m in messages %}{{ m.content }{% endfor %}"
+    # Valid Jinja that fails as it renders a chat: the router loads the template and
+    # refuses chats; its completions of text still work.
+    tokenizer_config["chat_template"] = "{{ raise_exception('only tool calls here') }}"
     (broken / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     with caplog.at_level("WARNING", logger="smg_mlx.server"):
         check_chat_template(load_tokenizer(broken))
     [warning] = [r.getMessage() for r in caplog.records]
     assert "the chat template" in warning and "cannot render a one-message chat" in warning
-    assert "the router's chat completions will fail" in warning
+    assert "the router's chat completions will fail (its completions of text still work)" in (
+        warning
+    )
+    # Not Jinja at all: the router cannot load the tokenizer, and refuses every request.
+    caplog.clear()
+    tokenizer_config["chat_template"] = "{% for m in messages %}{{ m.content }{% endfor %}"
+    (broken / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with caplog.at_level("WARNING", logger="smg_mlx.server"):
+        check_chat_template(load_tokenizer(broken))
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "is not valid Jinja" in warning
+    assert "every request through it fails (chats and text completions alike" in warning
+    assert "its --chat-template" in warning

@@ -111,10 +111,24 @@ def load_model_info(
         model_path=str(model_dir.absolute()),
         served_model_name=served_model_name or model_dir.name,
         model_type=str(first(configs, ("model_type",)) or ""),
-        architectures=tuple(config.get("architectures") or ()),
+        architectures=_architectures(config.get("architectures")),
         context_length=context,
         vocab_size=vocab,
         eos_token_ids=tuple(sorted(valid(sorted(eos), "eos_token_id"))),
         bos_token_id=token_id("bos_token_id", tokenizer.bos_token_id),
         pad_token_id=token_id("pad_token_id", tokenizer.pad_token_id),
     )
+
+
+def _architectures(value: Any) -> tuple[str, ...]:
+    """config.json's architectures: a list of names (one name alone is taken as
+    a list of one)."""
+    if not value:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise BadModelConfig(
+            f"config.json gives architectures as {value!r}, not a list of names: fix it"
+        )
+    return tuple(value)
