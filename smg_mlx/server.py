@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from smg_mlx import model_files, model_source
+from smg_mlx import flag_types, model_files, model_source
 from smg_mlx.api import health_service, responses, sampling_defaults, translation
 from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
 from smg_mlx.api.health_service import HealthServicer
@@ -414,13 +414,18 @@ class Worker:
         per_id = responses.bytes_per_token(info.vocab_size, None)
         needed = info.context_length * per_id + translation.REQUEST_BESIDES_IDS
         if needed > limit:
+            most = flag_types.MAX_MESSAGE_BYTES
+            advice = (
+                f"set --max-request-bytes {-(-needed // 1024)}KiB for any such request to fit"
+                if needed <= most else
+                f"at its most ({most} bytes) --max-request-bytes takes prompts of up to "
+                f"{(most - translation.REQUEST_BESIDES_IDS) // per_id} tokens"
+            )  # fmt: skip
             log.warning(
                 "requests over %d bytes are refused (--max-request-bytes): a prompt of this "
                 "model's whole context (%d tokens) takes about %d bytes, up to %d with stop "
-                "ids and logit biases at their limits; set --max-request-bytes %dKiB for "
-                "any such request to fit",
-                limit, info.context_length, info.context_length * per_id, needed,
-                -(-needed // 1024),
+                "ids and logit biases at their limits; %s",
+                limit, info.context_length, info.context_length * per_id, needed, advice,
             )  # fmt: skip
 
     async def _locate_model(self) -> None:

@@ -20,7 +20,7 @@ from smg_mlx.engine.batch.sampling import StopTokens
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc as pb_grpc
 
-from helpers import generate, prompt, request
+from helpers import generate, model_copy, prompt, request
 
 QWEN_VOCAB = 151_936
 GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"
@@ -138,3 +138,19 @@ def test_counts_in_refusals_are_said_in_the_singular_for_one(start_worker, model
     assert "the worker is full (1 request in flight: --completion-batch-size running, " in (
         full.value.details()
     )
+
+
+def test_a_context_no_request_limit_can_hold_is_said_with_the_most_the_flag_takes(
+    start_worker, model_dir, tmp_path, caplog
+):
+    """Advice the flag would refuse helps no one: past --max-request-bytes' most, the
+    warning says how long a prompt that most holds."""
+    vast = model_copy(model_dir, tmp_path / "m", max_position_embeddings=10**12)
+    with caplog.at_level("WARNING", logger="smg_mlx.server"):
+        start_worker(vast)
+    [said] = [r.getMessage() for r in caplog.records if "--max-request-bytes" in r.getMessage()]
+    most = re.search(r"at its most \((\d+) bytes\) --max-request-bytes takes prompts of up "
+                     r"to (\d+) tokens", said)  # fmt: skip
+    assert most is not None and "for any such request to fit" not in said, said
+    assert int(most.group(1)) == (1 << 31) - 1
+    assert 0 < int(most.group(2)) * 2 + (64 << 10) <= int(most.group(1))  # (2-byte varints)
