@@ -47,6 +47,14 @@ def check(model_dir: Path) -> None:
             f"{model_dir} has no weights (no {WEIGHTS} file): serve an mlx-lm model directory "
             "(other formats' weights, such as PyTorch's, need converting with mlx_lm.convert)"
         )
+    for weights in sorted(model_dir.glob(WEIGHTS)):
+        # (A safetensors file begins with its header's 8-byte length.)
+        if not weights.is_file() or weights.stat().st_size < 8:
+            what = "not a file" if not weights.is_file() else "empty, or all but empty"
+            raise BadModelConfig(
+                f"{weights} is {what}: not a weights file; copy it in again, or download "
+                "the model again"
+            )
     absent, listed = missing_shards(model_dir)
     if absent:
         raise BadModelConfig(

@@ -104,12 +104,19 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
         # transformers reads config.json to find the tokenizer; mlx-lm would take it.
         ("config transformers refuses", "transformers cannot read {model}/config.json ("),
         ("architectures a number", "config.json gives architectures as 5, not a list of names"),
+        ("weights empty", "{model}/model.safetensors is empty, or all but empty: not a weights "
+         "file"),
+        ("weights a folder", "{model}/model.safetensors is not a file"),
         ("tokenizer length as text", "the tokenizer of {model} cannot encode a text (TypeError"),
     ],
 )
 def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
     model = model_copy(model_dir, tmp_path / "m", leave_out="model.safetensors")
-    if fault != "no weights":
+    if fault == "weights empty":
+        (model / "model.safetensors").write_bytes(b"")
+    elif fault == "weights a folder":
+        (model / "model.safetensors").mkdir()
+    elif fault != "no weights":
         (model / "model.safetensors").symlink_to(model_dir / "model.safetensors")
     config = json.loads((model / "config.json").read_text())
     generation = model / "generation_config.json"
