@@ -188,6 +188,9 @@ def built_aside(out: Path, build: Callable[[Path], object]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    for left in out.parent.glob(f".{out.name}.tmp*"):  # by builds stopped by a signal
+        if not _alive(left.name.rpartition(".tmp")[2]):
+            shutil.rmtree(left, ignore_errors=True)
     try:
         build(tmp)
     except BaseException:
@@ -198,6 +201,19 @@ def built_aside(out: Path, build: Callable[[Path], object]) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _alive(pid: str) -> bool:
+    """Whether a process of this number runs (True where it cannot be told)."""
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's
+    return True
 
 
 def build_model(out: Path, args: Sequence[str] = ()) -> Path:

@@ -343,3 +343,23 @@ def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):
                       (tmp_path / "a-file" / "m", "cannot make the directory")):  # fmt: skip
         done = demo_model(str(out))
         assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_model_build_stopped_by_a_signal_leaves_nothing_after_the_next(tmp_path):
+    """A --demo worker stopped while it builds its model leaves its build folder
+    (a SIGTERM ends it at once); the next build clears what no running process owns."""
+    from smg_mlx.demo_model import built_aside
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale = tmp_path / f".m.tmp{ended.stdout.strip()}"
+        building = tmp_path / f".m.tmp{running.pid}"  # another worker's build under way
+        for folder in (stale, building):
+            folder.mkdir()
+        built_aside(tmp_path / "m", lambda tmp: tmp.mkdir())
+        assert (tmp_path / "m").is_dir() and building.is_dir() and not stale.exists()
+    finally:
+        running.kill()
+        running.wait()
