@@ -197,7 +197,8 @@ def listen_failure(flag: str, host: str, port: int, exc: OSError | None = None) 
             _bind(host, port)
         except socket.gaierror as lookup:
             return StartupError(
-                f"{where}: {host} is neither an address nor a name this machine resolves "
+                f"{where}: {host or repr(host)} is neither an address nor a name this "
+                "machine resolves "
                 f"({lookup.strerror}): fix --host",
                 exit_code=2,
             )

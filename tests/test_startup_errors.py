@@ -281,6 +281,8 @@ def test_a_host_that_resolves_nowhere_exits_two(monkeypatch):
     failure = listen_failure("--port", "999.1.1.1", 50051)
     assert failure.exit_code == 2
     assert "999.1.1.1 is neither an address nor a name this machine resolves" in str(failure)
+    failure = listen_failure("--port", "", 50051)  # (--host ''): said as empty
+    assert ": '' is neither an address nor a name" in str(failure)
 
 
 def test_a_path_is_never_taken_for_a_repo_id(model_dir, tmp_path):

@@ -134,6 +134,9 @@ def test_the_start_up_says_where_the_memory_budget_comes_from(start_worker, mode
     start_worker(model_dir, memory_budget_share=0.5)
     assert "(50% (--memory-budget) of the host's memory" in caplog.text
     caplog.clear()
+    start_worker(model_dir, memory_budget_share=0.505)
+    assert "(50.5% (--memory-budget) of the host's memory" in caplog.text  # as given
+    caplog.clear()
     start_worker(model_dir, memory_budget_bytes=1 << 30)
     assert "memory budget 1.00 GiB (--memory-budget): the model takes" in caplog.text
     caplog.clear()

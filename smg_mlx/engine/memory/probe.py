@@ -104,7 +104,8 @@ def budget(size: int | None, share: float | None) -> tuple[int, str]:
         )
         named = " (--memory-budget)" if share is not None else ""
         share = default if share is None else share
-        source = f"{round(100 * share)}%{named} of {device}, {format_bytes(memory)}"
+        percent = f"{100 * share:.1f}".removesuffix(".0")  # (80.5% is not 80%)
+        source = f"{percent}%{named} of {device}, {format_bytes(memory)}"
         return int(memory * share), source
     if size > memory:
         log.warning(
