@@ -130,9 +130,10 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.revision is not None and args.demo:
         parser.error("--revision names a version of a Hugging Face repo id, not of --demo")
     if args.kv_bits is not None and args.demo:
-        parser.error("--kv-bits: the demo model's heads (16 wide) are narrower than a "
-                     "quantization group; write a model with heads 64 wide, `python -m "
-                     "smg_mlx.demo_model DIR --head-dim 64`, and serve --model DIR")  # fmt: skip
+        group = args.kv_group_size or EngineConfig.kv_group_size
+        parser.error(f"--kv-bits: the demo model's heads (16 wide) are narrower than a "
+                     f"quantization group; write a model with heads {group} wide, `python "
+                     f"-m smg_mlx.demo_model DIR --head-dim {group}`, and serve it (--model)")
     if args.draft_model is not None and args.speculative == "off":
         parser.error("--draft-model proposes tokens for speculative decoding, which "
                      "--speculative off turns off: leave one of them out")  # fmt: skip

@@ -228,6 +228,9 @@ def test_a_path_in_the_home_of_no_user_is_refused_with_the_flag(argv, capsys):
         (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
         (["--demo", "--kv-bits", "6"], "--kv-bits: invalid choice"),
         (["--demo", "--kv-bits", "8"], "heads 64 wide, `python -m smg_mlx.demo_model DIR --head"),
+        # (advice that works with the group asked for)
+        (["--demo", "--kv-bits", "8", "--kv-group-size", "128"],
+         "heads 128 wide, `python -m smg_mlx.demo_model DIR --head-dim 128`"),
         (["org/m", "--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size: invalid choice"),
         (["--demo", "--kv-group-size", "32"], "--kv-group-size: the KV caches are not quantized"),
         (["--demo", "--num-draft-tokens", "8"], "--num-draft-tokens: speculative decoding is off"),
