@@ -86,7 +86,11 @@ def load_tokenizer(model_dir: Path) -> Any:
             raise missing from None
         # Its files, or what their config asks for, are to be fixed: a restart cannot cure it.
         where = next(_unreadable_json(model_dir.glob("*token*.json")), model_dir)
-        why = f"cannot load the tokenizer of {where}: {one_line(exc)}"
+        said = one_line(exc)
+        if isinstance(exc, (KeyError, TypeError, AttributeError, IndexError)):
+            # Python's own words alone ('added_tokens') say nothing of a file.
+            said = f"{type(exc).__name__}: {said}; a tokenizer file lacks or misstates a field"
+        why = f"cannot load the tokenizer of {where}: {said}"
         if where == model_dir:
             why = _config_unreadable(model_dir) or why
         raise StartupError(why, exit_code=2) from None

@@ -107,6 +107,8 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
         ("weights empty", "{model}/model.safetensors is empty, or all but empty: not a weights "
          "file"),
         ("weights a folder", "{model}/model.safetensors is not a file"),
+        ("tokenizer without fields", "cannot load the tokenizer of {model}: KeyError: "
+         "'added_tokens'; a tokenizer file lacks or misstates a field"),
         ("tokenizer length as text", "the tokenizer of {model} cannot encode a text (TypeError"),
     ],
 )
@@ -141,6 +143,9 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
     if fault == "config transformers refuses":  # a linear RoPE without its factor
         config["rope_scaling"] = {"rope_type": "linear"}
         (model / "config.json").write_text(json.dumps(config))
+    if fault == "tokenizer without fields":
+        (model / "tokenizer.json").unlink()
+        (model / "tokenizer.json").write_text('{"model": {}}')
     if fault == "architectures a number":
         (model / "config.json").write_text(json.dumps({**config, "architectures": 5}))
     if fault == "tokenizer length as text":
