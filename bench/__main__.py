@@ -467,7 +467,8 @@ def _check_context(args: argparse.Namespace, model_dir: Path) -> None:
         if "decode" in parts or "prefill" in parts:
             tail = DECODE_TAIL_TOKENS + args.gen_tokens if "decode" in parts else 1
             wanted.append((args.kv_context_tokens + tail, "--kv-context-tokens", ""))
-    if not (args.agent or args.followups or args.long_prompts or args.mixed or args.kv_formats):
+    modes = args.agent or args.followups or args.long_prompts or args.mixed or args.kv_formats
+    if args.gate or not modes:  # the table's workload (the gate's throughput part too)
         wanted.append((args.prompt_tokens + args.gen_tokens + args.gen_spread,
                        "--prompt-tokens plus --gen-tokens (and --gen-spread)", ""))  # fmt: skip
     for tokens, flags, advice in wanted:

@@ -133,6 +133,9 @@ def test_a_sigterm_during_an_engine_round_ends_the_engine_process_too(model_dir,
         (["--gate"], "--long-prompt-tokens plus --long-gen-tokens come to 24016 tokens, past "
          "the 2048-token context of {model}: give fewer (or --mixed 0)"),
         (["--prompt-tokens", "2000", "--gen-tokens", "49"], "come to 2049 tokens"),
+        # the gate's throughput part, beside a mixed run of prompts that fit
+        (["--gate", "--mixed", "2", "--long-prompt-tokens", "100", "--prompt-tokens", "2000"],
+         "--prompt-tokens plus --gen-tokens (and --gen-spread) come to 2064 tokens"),
     ],
 )  # fmt: skip
 def test_prompts_past_the_models_context_are_refused_before_anything_runs(
