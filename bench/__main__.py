@@ -304,9 +304,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if own:
         parser.error(f"--worker-args: {', '.join(own)} the bench sets itself, not a worker flag "
                      "to add")  # fmt: skip
-    if args.model is not None and not args.model.is_dir():
-        parser.error(f"--model {args.model}: not a folder (an mlx-lm model directory)")
     if args.model is not None:
+        if not args.model.is_dir():
+            parser.error(f"--model {args.model}: not a folder (an mlx-lm model directory)")
         try:
             model_files.check(args.model)
         except (BadModelConfig, OSError) as exc:
