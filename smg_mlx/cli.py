@@ -7,6 +7,7 @@ import asyncio
 import difflib
 import logging
 import os
+import re
 import sys
 import tempfile
 from dataclasses import replace
@@ -39,6 +40,10 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, allow_abbrev=False, **kwargs)
+        # A word of '-' and a digit ("-5GiB", "-5%", "-.5") is a flag's value, for
+        # its type to refuse with its own words: argparse takes only bare numbers
+        # ("-5") so, and says of others "expected one argument". No flag starts so.
+        self._negative_number_matcher = re.compile(r"-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         text = f"{self.prog}: error: {message} (see {self.prog} --help)"

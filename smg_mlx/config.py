@@ -6,9 +6,13 @@ flag table in docs/configuration.md is checked against `--help` by the tests.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # --batching: "auto" (the mode the start-up check finds exact, remembered per
 # model and machine), "check" (check again), or a mode by name, unchecked; the
@@ -27,13 +31,31 @@ KV_GROUP_SIZES = (32, 64, 128)
 # space found at start-up (its own files counted as free), at most DISK_CACHE_MOST.
 DISK_CACHE_SHARE = 0.25
 DISK_CACHE_MOST = 100 << 30
+# A smaller --prompt-cache-disk-bytes (but 0) is refused: a model's KV cache takes
+# tens of KiB or more a token, so its disk tier would hold next to no prompt.
+DISK_CACHE_LEAST = 1 << 20
 
 
 def cache_home() -> Path:
     """The worker's folder under the user's cache directory ($XDG_CACHE_HOME,
     else ~/.cache), as the Hugging Face cache is: the demo model and the
-    prefix cache's disk tier live there."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smg-mlx"
+    prefix cache's disk tier live there. A relative $XDG_CACHE_HOME is
+    ignored, as the XDG base directory spec says."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if xdg and not os.path.isabs(xdg):
+        _relative_ignored(xdg)
+        xdg = ""
+    return Path(xdg or Path.home() / ".cache") / "smg-mlx"
+
+
+@cache  # said once a process
+def _relative_ignored(xdg: str) -> None:
+    log.warning(
+        "XDG_CACHE_HOME=%s is a relative path, which the XDG base directory spec says to "
+        "ignore: using %s; set it to an absolute path to use another",
+        xdg,
+        Path.home() / ".cache",
+    )
 
 
 def default_prompt_cache_dir() -> Path:

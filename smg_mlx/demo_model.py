@@ -41,6 +41,10 @@ _CORPUS = (
 
 # Model families write_model can write: mlx-lm module name -> HF architecture.
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# The tokenizer's vocabulary: the model's is this at least (--vocab-size: more).
+TOKENIZER_VOCAB = 512
+# MLX's arrays are at most this wide (a dimension is an int32).
+MOST_WIDTH = (1 << 31) - 1
 
 
 def default_demo_dir() -> Path:
@@ -93,7 +97,7 @@ def write_model(
     context_length: int = 2048,
     llama3_rope: bool = True,
     dtype: str = "float32",
-    vocab_size: int = 512,
+    vocab_size: int = TOKENIZER_VOCAB,
     seed: int = 0,
     sliding_window: int | None = None,
     family: str = "llama",
@@ -146,6 +150,16 @@ def write_model(
         config["sliding_window"] = sliding_window
         config["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
     return save_random_model(out, config, dtype, seed)
+
+
+def weight_count(
+    *, hidden: int, layers: int, heads: int, kv_heads: int, head: int, intermediate: int,
+    vocab: int, tied: bool,
+) -> int:  # fmt: skip
+    """The weights of a model of these sizes, about: its matrices (norms and
+    biases are a rounding error)."""
+    attention = hidden * head * (2 * heads + 2 * kv_heads)  # q and o, k and v
+    return vocab * hidden * (1 if tied else 2) + layers * (attention + 3 * hidden * intermediate)
 
 
 def special_token_ids(out: Path) -> dict[str, int]:
@@ -243,6 +257,37 @@ def ensure_demo_model() -> Path:
     return build_model(path)
 
 
+def _check_fits(parser: argparse.ArgumentParser, args: argparse.Namespace, head: int) -> None:
+    """Refuse sizes MLX cannot build (it crashes, or fails in its own words): arrays
+    wider than it takes, or weights more than the machine's memory holds while
+    they are made (float32 first, then a copy as --dtype)."""
+    from smg_mlx.engine.memory.probe import host_memory
+    from smg_mlx.logs import format_bytes
+
+    def size(n: int) -> str:
+        return f"{n / 2**40:,.1f} TiB" if n >= 2**40 else format_bytes(n)
+
+    intermediate = args.intermediate_size or 2 * args.hidden_size
+    vocab = max(TOKENIZER_VOCAB, args.vocab_size or 0)
+    widest = max(args.hidden_size, intermediate, vocab, args.heads * head)
+    if widest > MOST_WIDTH:
+        parser.error(f"weights {widest} wide: MLX's arrays are at most {MOST_WIDTH} wide; give "
+                     "smaller --hidden-size, --intermediate-size, --vocab-size or --heads "
+                     "x --head-dim")  # fmt: skip
+    count = weight_count(
+        hidden=args.hidden_size, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+        head=head, intermediate=intermediate, vocab=vocab, tied=args.tie_word_embeddings,
+    )  # fmt: skip
+    weights = count * (4 if args.dtype == "float32" else 2)
+    building = count * 4 + (weights if args.dtype != "float32" else 0)
+    made = f"; {size(building)} while they are made, in float32 first" if building > weights else ""
+    memory = host_memory()
+    if building > memory:
+        parser.error(f"the weights would take {size(weights)} ({args.dtype}{made}): more than "
+                     f"this machine's memory, {size(memory)}; give smaller --hidden-size, "
+                     "--layers, --intermediate-size or --vocab-size")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m smg_mlx.demo_model",
@@ -322,6 +367,7 @@ def main() -> None:
     if head % 2:  # RoPE turns pairs of a head's values: the worker would refuse the model
         parser.error(f"heads {head} wide: RoPE needs an even head size; give another "
                      + ("--head-dim" if args.head_dim else "--hidden-size or --heads"))
+    _check_fits(parser, args, head)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from smg_mlx import model_source
-from smg_mlx.config import MOST_DRAFT_TOKENS
+from smg_mlx.config import DISK_CACHE_LEAST, MOST_DRAFT_TOKENS
 from smg_mlx.model_config import BadModelConfig, read_json
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?))?b?", re.IGNORECASE | re.ASCII)
@@ -142,6 +142,18 @@ def adapter_dir(text: str) -> Path:
     except BadModelConfig as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return path
+
+
+def disk_cache_size(text: str) -> int:
+    """--prompt-cache-disk-bytes: 0 (no disk tier), or DISK_CACHE_LEAST at least."""
+    size = byte_size(text)
+    if 0 < size < DISK_CACHE_LEAST:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (no disk tier) or a size of at least {DISK_CACHE_LEAST >> 20}MiB, got "
+            f"{text!r}: a model's KV cache takes tens of KiB or more a token, so a smaller disk "
+            "tier would hold next to no prompt"
+        )
+    return size
 
 
 def message_size(text: str) -> int:

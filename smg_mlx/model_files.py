@@ -63,11 +63,13 @@ def check(model_dir: Path) -> None:
             "download the model again"
         )
     config_file = model_dir / "config.json"
-    family = read_json(config_file).get("model_type")
+    config = read_json(config_file)
+    family = config.get("model_type")
     if family is None or family == "":
         raise BadModelConfig(f"{config_file} names no model_type (the model's family)")
     if not isinstance(family, str):
         raise BadModelConfig(f"{config_file} gives model_type as {family!r}, not a family's name")
+    _check_settings(config_file, config)
     generation = model_dir / "generation_config.json"
     why = _unreadable_to_mlx_lm(generation)
     if why is not None:
@@ -83,6 +85,35 @@ def check(model_dir: Path) -> None:
             f"{version('mlx-lm')} does not have"
             + (f" (the nearest: {nearest[0]!r})" if nearest else "")
         )
+
+
+def _check_settings(config_file: Path, config: dict) -> None:
+    """Refuse settings of config.json of the wrong shape, in the file's words:
+    transformers and mlx-lm would say it in their own (a list for rope_scaling
+    is "rope_parameters" to transformers, a text for quantization a TypeError)."""
+    fix = "fix it, or serve the config.json that came with the model"
+    rope = config.get("rope_scaling")
+    if rope is not None and not isinstance(rope, dict):
+        raise BadModelConfig(
+            f"{config_file} gives rope_scaling as {json.dumps(rope)}, not an object (such as "
+            f'{{"rope_type": "linear", "factor": 2.0}}): {fix}'
+        )
+    quantization = config.get("quantization")
+    if quantization is None:
+        return
+    shape = 'an object such as {"group_size": 64, "bits": 4}, as mlx_lm.convert writes it'
+    if not isinstance(quantization, dict):
+        raise BadModelConfig(
+            f"{config_file} gives quantization as {json.dumps(quantization)}: it must be "
+            f"{shape}; {fix}"
+        )
+    for key in ("group_size", "bits"):
+        if type(quantization.get(key)) is not int:  # (true is no number of bits)
+            what = f"as {json.dumps(quantization[key])}" if key in quantization else "none"
+            raise BadModelConfig(
+                f"{config_file} gives quantization's {key} {what}: it must be a whole number, "
+                f"in {shape}; {fix}"
+            )
 
 
 def _unreadable_to_mlx_lm(path: Path) -> str | None:

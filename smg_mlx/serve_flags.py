@@ -12,6 +12,7 @@ from pathlib import Path
 from smg_mlx.api.streaming import MAX_CHUNK_SECONDS
 from smg_mlx.config import (
     BATCHING,
+    DISK_CACHE_LEAST,
     DISK_CACHE_MOST,
     DISK_CACHE_SHARE,
     KV_BITS,
@@ -30,6 +31,7 @@ from smg_mlx.flag_types import (
     byte_size,
     count,
     directory,
+    disk_cache_size,
     draft_tokens,
     fixed_port,
     host,
@@ -176,13 +178,13 @@ def _prompt_cache(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--prompt-cache-disk-bytes",
-        type=byte_size,
+        type=disk_cache_size,
         metavar="SIZE",
         help="the most disk the prefix cache may use in --prompt-cache-dir for this model "
         "(at start-up, other models' folders there that no worker uses go until the "
         "directory fits it); "
-        f"0 turns the disk tier off (default: {DISK_CACHE_SHARE * 100:.0f}%% of the free space, at "
-        f"most {DISK_CACHE_MOST >> 30}GiB)",
+        f"0 turns the disk tier off, else at least {DISK_CACHE_LEAST >> 20}MiB (default: "
+        f"{DISK_CACHE_SHARE * 100:.0f}%% of the free space, at most {DISK_CACHE_MOST >> 30}GiB)",
     )
 
 

@@ -4,6 +4,7 @@ docs/configuration.md."""
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from smg_mlx import __version__
 from smg_mlx.cli import build_parser, check_serve_args
-from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig
+from smg_mlx.config import EngineConfig, RequestLimits, ServerConfig, default_prompt_cache_dir
 from smg_mlx.flag_types import byte_size
 
 from docs import CONFIGURATION
@@ -106,6 +107,13 @@ def test_sizes_take_units(text, expected):
     assert args.prompt_cache_bytes == expected
 
 
+def test_the_disk_tier_takes_0_or_a_size_it_can_use():
+    # (smaller sizes are refused: test_bad_values_say_what_is_expected)
+    for text, expected in (("0", 0), ("1MiB", 1 << 20), ("1048576", 1 << 20)):
+        args = build_parser().parse_args(["serve", "--demo", "--prompt-cache-disk-bytes", text])
+        assert args.prompt_cache_disk_bytes == expected
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -115,6 +123,9 @@ def test_sizes_take_units(text, expected):
         (["--prompt-cache-bytes", "1.5"], "expected a whole number of bytes, got '1.5'"),
         (["--memory-budget", "99999999999999999999999GiB"], "more than any machine has"),
         (["--prompt-cache-disk-bytes", "9" * 400], "more than any machine has"),
+        (["--prompt-cache-disk-bytes", "1"], "expected 0 (no disk tier) or a size of at least "
+         "1MiB, got '1': a model's KV cache takes tens of KiB or more a token"),
+        (["--prompt-cache-disk-bytes", "1023KiB"], "at least 1MiB, got '1023KiB'"),
         (["--prompt-cache-dir", ""], "expected a directory, got an empty path"),
         (["--max-response-bytes", "1KiB"], "expected a size of at least 64KiB, got '1KiB'"),
         (["--max-request-bytes", "2GiB"], "expected a size below 2GiB (the largest message"),
@@ -131,6 +142,12 @@ def test_sizes_take_units(text, expected):
         (["--speculative", "on"], "invalid choice: 'on'"),
         (["--memory-budget", "0"], "expected a size above 0"),
         (["--memory-budget=-5%"], "expected a percentage above 0 and up to 100%, got '-5%'"),
+        # A value after a space that starts with '-' and a digit is the flag's, as after '='.
+        (["--memory-budget", "-5%"], "expected a percentage above 0 and up to 100%, got '-5%'"),
+        (["--memory-budget", "-5GiB"], "expected a size such as 4GiB, 512MB or a number of "
+         "bytes, got '-5GiB'"),
+        (["--prompt-cache-bytes", "-.5GiB"], "expected a size such as 4GiB, 512MB or a number "
+         "of bytes, got '-.5GiB'"),
         (["--memory-budget", "x%"], "expected a percentage above 0 and up to 100%, got 'x%'"),
         (["--served-model-name", "   "], "expected a name, got only spaces: '   '"),
         (["--served-model-name", " a b "], "' a b ' has spaces at its ends, which clients would "
@@ -278,6 +295,22 @@ def test_a_path_written_as_one_stays_one(tmp_path, monkeypatch):
         assert serve_args("--demo", "--prompt-cache-dir", given).prompt_cache_dir == used
 
 
+def test_a_relative_xdg_cache_home_is_ignored_with_one_warning(monkeypatch, caplog):
+    # The XDG base directory spec: a relative path is to be ignored (it would
+    # name a folder under whichever directory the worker happens to start in).
+    monkeypatch.setenv("HOME", "/HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative-cache")
+    with caplog.at_level(logging.WARNING, logger="smg_mlx.config"):
+        for _ in range(2):
+            assert default_prompt_cache_dir() == Path("/HOME/.cache/smg-mlx/prompt-cache")
+    assert caplog.messages == [
+        "XDG_CACHE_HOME=relative-cache is a relative path, which the XDG base directory spec "
+        "says to ignore: using /HOME/.cache; set it to an absolute path to use another"
+    ]
+    monkeypatch.setenv("XDG_CACHE_HOME", "/cache")
+    assert default_prompt_cache_dir() == Path("/cache/smg-mlx/prompt-cache")
+
+
 def test_demo_model_help_shows_every_default():
     text = subprocess.run(
         [sys.executable, "-m", "smg_mlx.demo_model", "--help"],
@@ -346,6 +379,27 @@ def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):
                       (tmp_path / "a-file" / "m", "cannot make the directory")):  # fmt: skip
         done = demo_model(str(out))
         assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("shape", "said"),
+    [
+        # (MLX crashed on these, a segmentation fault, after writing the tokenizer)
+        (["--hidden-size", "10000000"], "the weights would take 6,548.4 TiB (float32): more "
+         "than this machine's memory, "),
+        (["--layers", "10000000000", "--dtype", "bfloat16"], "the weights would take 670.6 TiB "
+         "(bfloat16; 2,011.7 TiB while they are made, in float32 first): more than this "
+         "machine's memory, "),
+        (["--vocab-size", "3000000000"], "weights 3000000000 wide: MLX's arrays are at most "
+         "2147483647 wide; give smaller --hidden-size, --intermediate-size, --vocab-size"),
+    ],
+)
+def test_demo_model_refuses_weights_no_machine_could_build(tmp_path, shape, said):
+    out = tmp_path / "new"
+    command = [sys.executable, "-m", "smg_mlx.demo_model", str(out), *shape]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert not out.exists()
 
 
 def test_a_model_build_stopped_by_a_signal_leaves_nothing_after_the_next(tmp_path):

@@ -103,6 +103,13 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
          "(Unsupported RoPE type yarn-2): the file names a setting mlx-lm does not support"),
         # transformers reads config.json to find the tokenizer; mlx-lm would take it.
         ("config transformers refuses", "transformers cannot read {model}/config.json ("),
+        # Said in the file's words, not transformers' ("rope_parameters") nor Python's.
+        ("rope scaling a list", "{model}/config.json gives rope_scaling as [8.0], not an object "
+         '(such as {{"rope_type": "linear", "factor": 2.0}}): fix it, or serve the config.json'),
+        ("quantization a text", '{model}/config.json gives quantization as "yes": it must be an '
+         'object such as {{"group_size": 64, "bits": 4}}, as mlx_lm.convert writes it'),
+        ("quantization without bits", "{model}/config.json gives quantization's bits none: it "
+         "must be a whole number, in an object such as"),
         ("architectures a number", "config.json gives architectures as 5, not a list of names"),
         ("weights empty", "{model}/model.safetensors is empty, or all but empty: not a weights "
          "file"),
@@ -140,6 +147,12 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
     if fault == "rope type unknown":
         config["rope_scaling"] = {"rope_type": "yarn-2", "factor": 2.0}
         (model / "config.json").write_text(json.dumps(config))
+    if fault == "rope scaling a list":
+        config["rope_scaling"] = [8.0]
+        (model / "config.json").write_text(json.dumps(config))
+    if fault.startswith("quantization"):
+        quantization = "yes" if fault == "quantization a text" else {"group_size": 64}
+        (model / "config.json").write_text(json.dumps({**config, "quantization": quantization}))
     if fault == "config transformers refuses":  # a linear RoPE without its factor
         config["rope_scaling"] = {"rope_type": "linear"}
         (model / "config.json").write_text(json.dumps(config))
