@@ -688,19 +688,91 @@ def test_a_checking_run_with_nothing_to_propose_counts_as_plain(monkeypatch):
     assert run_block(pacing, clock, 8, (0.010, 8), (0.012, 20))
 
 
+def run_rows(pacing: Pacing, clock: Clock, plain: float, checking: float,
+             made: dict[int, int]) -> bool:  # fmt: skip
+    """One run of passes over the rows of `made`, a plain pass taking `plain`
+    seconds and making each row a token, a checking one `checking` seconds and
+    making each row as many as `made` says: whether it checked."""
+    block = pacing.start(len(made))
+    while not block.over and not pacing.losing(block):
+        block.begins()
+        new = pacing.new_shape(len(made), 5 if block.checking else 1)
+        clock.now += 1.0 if new else checking if block.checking else plain
+        tokens = made if block.checking else dict.fromkeys(made, 1)
+        block.ran(sum(tokens.values()), new, checked=block.checking, rows=tokens)
+    pacing.ended(block)
+    return block.checking
+
+
+@pytest.mark.parametrize("checking_pass, keeps_checking", [(0.016, False), (0.0102, True)])
+def test_checking_runs_only_where_rows_with_nothing_right_to_propose_keep_their_pace(
+    paced, caplog, checking_pass, keeps_checking
+):
+    """Half the streams propose right (five tokens a pass), half have nothing
+    right to propose (one a pass). Checking passes that cost 1.6 plain ones
+    make more tokens in all, but slow the second half to 62% of their pace:
+    the worker does not check there (a trial now and then), and says why.
+    Passes that cost 2% more keep every stream within 3% of its pace: it checks."""
+    caplog.set_level(logging.INFO, logger="smg_mlx.engine.speculative.pacing")
+    pacing, clock, _ = paced
+    made = {uid: 5 if uid % 2 else 1 for uid in range(8)}
+    checks = [run_rows(pacing, clock, 0.010, checking_pass, made) for _ in range(200)]
+    if keeps_checking:
+        assert sum(checks[100:]) >= 85
+        return
+    assert sum(checks) <= 6, checks
+    said = [m for m in caplog.messages if "checking proposals" in m]
+    assert said == [
+        "speculation, batches of 5 to 8 streams: checking proposals does not pay (1500 tokens a "
+        "second against 800 plain, the slowest stream at 62% of its pace); plain passes, a "
+        "trial now and then"
+    ]
+
+
+def test_streams_sampled_beside_repeating_ones_are_not_slowed_by_their_checking(monkeypatch):
+    """Two streams repeat themselves (greedy: proposals right), two are sampled
+    at temperature 1 (next to nothing right to propose): where a checking pass
+    costs 1.6 plain ones, checking makes more tokens in all but would slow the
+    sampled streams to about 62% of their pace, so the worker stops checking
+    after a trial or two."""
+    from smg_mlx.engine.speculative import pacing
+
+    clock = Clock()
+    monkeypatch.setattr(pacing.time, "perf_counter", clock)
+    made: list[dict[int, int]] = []
+    ran = pacing.Block.ran
+
+    def counted(self, tokens, new_shape, checked=False, rows=None):
+        if checked and not new_shape:
+            made.append(dict(rows))
+        ran(self, tokens, new_shape, checked, rows)
+
+    monkeypatch.setattr(pacing.Block, "ran", counted)
+    hot = make_sampler(temp=1.0)
+    stats = run_paced(1.0, clock, lambda checked: 0.016 if checked else 0.010, calls=240,
+                      samplers=[None, hot, None, hot])  # fmt: skip
+    assert 1 <= stats.passes <= 12, stats.passes  # tried, then plain passes
+    assert stats.accepted > 0 and made  # the greedy streams' proposals were right...
+    greedy, sampled = ([p[u] for p in made for u in uids if u in p] for uids in ((0, 2), (1, 3)))
+    # ...and counted as theirs: several tokens a pass, against about one
+    assert sum(greedy) / len(greedy) > 2 and sum(sampled) / len(sampled) < 1.5
+
+
 def run_paced(
-    scale: float, clock: Clock, after: Callable[[bool], float], calls: int
-) -> DraftStats:
+    scale: float, clock: Clock, after: Callable[[bool], float], calls: int,
+    samplers: list | None = None,
+) -> DraftStats:  # fmt: skip
     """Four repeating streams through `calls` calls of a paced generator over a
-    model of `scale`, the clock moved on after each call by `after(whether it
-    checked)` seconds: what speculation did."""
+    model of `scale` (`samplers`: each stream's; None: greedy), the clock moved
+    on after each call by `after(whether it checked)` seconds: what
+    speculation did."""
     model = tiny_model("llama", scale=scale)
     stats = DraftStats()
     generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
     generator._generation_batch = SpeculativeGenerationBatch.start(
         model, generator.sampler, Drafting(most=4, pacing=Pacing(), stats=stats)
     )
-    generator.insert(repetitive_prompts(4, 5), [1500] * 4)
+    generator.insert(repetitive_prompts(4, 5), [1500] * 4, samplers=samplers)
     for _ in range(calls):
         checked = stats.passes
         generator.next()

@@ -165,11 +165,14 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                     # Only the pass goes untimed: the proposals (a draft model
                     # catching up on every row's tokens) count.
                     self._block.begins()
-                out = self._check(pending, drafts, width, self._joined())
-                self._block.ran(len(out), new, checked=True)
+                out, made = self._check(pending, drafts, width, self._joined())
+                self._block.ran(len(out), new, checked=True, rows=made)
                 return out
         responses = super()._decode()
-        self._block.ran(len(responses), pacing.new_shape(rows, 1))
+        made = None  # (a checking run's measure of its slowest row counts each row's token)
+        if self._block.checking:
+            made = {r.uid: 1 for r in responses if r.finish_reason is None}
+        self._block.ran(len(responses), pacing.new_shape(rows, 1), rows=made)
         return responses
 
     def exercise(self) -> list:
@@ -187,9 +190,9 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         drafts = self._proposals(self._likely(), pending, self.drafting.most)
         stats, self.drafting.stats = self.drafting.stats, DraftStats()
         try:
-            out = self._check(pending, [d or [y] * self.drafting.most
-                                        for d, y in zip(drafts, pending, strict=True)],
-                              width, self._joined())  # fmt: skip
+            out, _ = self._check(pending, [d or [y] * self.drafting.most
+                                           for d, y in zip(drafts, pending, strict=True)],
+                                 width, self._joined())  # fmt: skip
         finally:
             self.drafting.stats = stats
         self._line_up()
@@ -247,12 +250,13 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         return likely
 
     def _check(self, pending: list[int], drafts: list[list[int]], width: int,
-               joining: list[int]) -> list:  # fmt: skip
+               joining: list[int]) -> tuple[list, dict[int, int]]:  # fmt: skip
         """One pass over every row's pending token and proposals (module
         docstring), `width` tokens a row: rows with fewer proposals are padded
         (positions whose tokens are not kept; see `Drafting.one_width`). Rows
         `joining` run their prompts' last tokens: the sample after it is their
-        first token, and they return nothing."""
+        first token, and they return nothing. Its responses, and the tokens
+        each row that decodes on made, by uid (`pacing.Block.ran`)."""
         rows = len(self.uids)
         pairs = zip(pending, drafts, strict=True)
         inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
@@ -268,6 +272,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
 
         responses, keep, rewind, next_tokens, next_logprobs = [], [], [], [], []
         accepted: dict[int, int] = {}  # proposals kept, by row
+        made: dict[int, int] = {}  # tokens, by row decoding on
         for i, (y, proposal) in enumerate(zip(pending, drafts, strict=True)):
             joins = i in joining
             proposal = [] if joins else proposal  # (the warm-up's proposes for every row)
@@ -297,6 +302,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             if keeps[i] is not None:  # the draws kept: the proposals and the next token
                 keeps[i](kept + 1)
             keep += [i] if finish is None else []
+            if finish is None and not joins:
+                made[self.uids[i]] = len(tokens)
             # (a row that ended keeps its entries until the filter below drops them)
             next_tokens.append(sampled[i][kept])
             next_logprobs.append(logprobs[i, kept])
@@ -311,7 +318,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         self._next_logprobs = next_logprobs
         if len(keep) < rows:
             self.filter(keep)
-        return out
+        return out, made
 
     def _processed(self, logits: mx.array, pending: list[int], drafts: list[list[int]]) -> mx.array:
         """The logits with each row's processors (penalties, logit bias) applied

@@ -18,6 +18,13 @@ the device computes rather than waits: the width checking runs at is the
 one measured best, its neighbours timed now and then (every PROBE checking
 blocks); a width that loses to plain passes gives way to the next narrower
 one, tried when a losing checking run would be.
+Checking pays only where it is fair too: rows with nothing right to propose
+make a token a pass whatever their neighbours do, and a checking pass costs
+more than a plain one (it waits for the one before, and is wider), so a
+checking block counts each row's tokens, and its slowest row (of those that
+decoded through at least half its passes) must keep FAIR of the pace plain
+passes give every row. One stream's chat beside another's agent is not
+slowed for the agent's gain.
 Until both are measured it is tried; whichever kind loses runs again now and
 then, as the batch, its proposals and the machine change (a losing checking
 run after ever longer waits, and after plain passes ran long enough that what
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 BLOCK = 8  # passes a block runs
 WEIGHT = 0.25  # of each new block in a moving average
@@ -58,6 +65,8 @@ TRIAL_SHARE = 0.03
 SAY_EVERY = 10.0
 # Checking blocks at a size between two at a neighbouring width.
 PROBE = 8
+# The share of its pace under plain passes a row keeps in checking ones, at least.
+FAIR = 0.97
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +93,21 @@ class _Average:
     """A moving average; over its first blocks, their mean (a block timed in a
     slow moment weighs no more than its share)."""
 
-    __slots__ = ("seconds", "tokens", "blocks", "weight")
+    __slots__ = ("seconds", "tokens", "slowest", "blocks", "weight")
 
-    def __init__(self, seconds: float, tokens: float) -> None:
+    def __init__(self, seconds: float, tokens: float, slowest: float | None) -> None:
         self.seconds, self.tokens, self.blocks = seconds, tokens, 1
+        self.slowest = slowest  # the slowest row's tokens (`Block.slowest`); None: not known
         self.weight = 1.0  # the last block's
 
-    def add(self, seconds: float, tokens: float) -> None:
+    def add(self, seconds: float, tokens: float, slowest: float | None) -> None:
         self.blocks += 1
         self.weight = weight = max(WEIGHT, 1 / self.blocks)
         self.seconds += weight * (seconds - self.seconds)
         self.tokens += weight * (tokens - self.tokens)
+        if slowest is not None:
+            known = self.slowest if self.slowest is not None else slowest
+            self.slowest = known + weight * (slowest - known)
 
     def later(self, seconds: float) -> None:
         """The last block took `seconds` more."""
@@ -104,13 +117,20 @@ class _Average:
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def row_rate(self) -> float | None:
+        """The slowest row's tokens a second (None: not known)."""
+        if self.slowest is None or self.seconds <= 0:
+            return None
+        return self.slowest / self.seconds
+
 
 class Block:
     """A run of one batch's passes, all checking or all plain."""
 
     __slots__ = (
         "size", "checking", "width", "started", "passes", "checked", "tokens", "counted",
-        "skipped", "_pass",
+        "skipped", "rows", "_pass",
     )  # fmt: skip
 
     def __init__(self, rows: int, checking: bool, width: int = 0) -> None:
@@ -122,21 +142,40 @@ class Block:
         self.passes = self.checked = self.tokens = 0
         self.skipped = 0.0  # seconds of passes that do not count
         self.counted = True
+        self.rows: dict[int, list[int]] = {}  # by row: [tokens, passes] of those told (`ran`)
 
     def begins(self) -> None:
         """One of its passes begins."""
         self._pass = time.perf_counter()
 
-    def ran(self, tokens: int, new_shape: bool, checked: bool = False) -> None:
+    def ran(
+        self, tokens: int, new_shape: bool, checked: bool = False,
+        rows: Mapping[int, int] | None = None,
+    ) -> None:  # fmt: skip
         """The pass that began returned `tokens` (`new_shape`: its shape's
         first run, not timed; `checked`: it checked proposals, and waited for
-        the pass before it, timed or not)."""
+        the pass before it, timed or not; `rows`: the tokens of each row, by
+        uid, that decodes on after it: not those that ended or joined)."""
         self.checked += checked
         if new_shape:
             self.skipped += time.perf_counter() - self._pass
             return
         self.passes += 1
         self.tokens += tokens
+        for uid, made in (rows or {}).items():
+            counts = self.rows.setdefault(uid, [0, 0])
+            counts[0] += made
+            counts[1] += 1
+
+    @property
+    def slowest(self) -> float | None:
+        """The tokens its slowest row made, at that row's pace through all its
+        passes: of the rows told that decoded through at least half of them
+        (None: no such row). A plain pass makes each row one."""
+        if not self.checked:
+            return float(self.passes)
+        paces = [made / passes for made, passes in self.rows.values() if 2 * passes >= self.passes]
+        return min(paces) * self.passes if paces else None
 
     def fits(self, rows: int) -> bool:
         """Whether a batch of `rows` rows is of its size."""
@@ -207,8 +246,7 @@ class Pacing:
         """The next checking block's width: where it wins, every PROBE blocks
         a neighbour of the width it runs at (the wider, then the narrower)."""
         at = self._at(size)
-        plain, checking = self._plain.get(size), self._current(size)
-        if plain is None or checking is None or checking.rate <= plain.rate:
+        if not self._pays(self._plain.get(size), self._current(size)):
             return at
         probe = self._probe[size] = self._probe.get(size, 0) + 1
         if probe % PROBE:
@@ -219,11 +257,31 @@ class Pacing:
 
     def losing(self, block: Block) -> bool:
         """Whether `block`, checking, makes clearly fewer tokens a second so far
-        than plain blocks do: it ends now, its passes measured as they are."""
+        than plain blocks do, in all or for its slowest row: it ends now, its
+        passes measured as they are."""
         if not block.checked or self.always or block.passes < EARLY or not block.counted:
             return False
         plain, seconds = self._plain.get(block.size), block.seconds()
-        return plain is not None and seconds > 0 and block.tokens / seconds < LOSING * plain.rate
+        if plain is None or seconds <= 0:
+            return False
+        slowest, pace = block.slowest, plain.row_rate
+        slow = slowest is not None and pace is not None and slowest / seconds < LOSING * pace
+        return slow or block.tokens / seconds < LOSING * plain.rate
+
+    @staticmethod
+    def _fair(plain: _Average | None, checking: _Average) -> bool:
+        """Whether checking at this measure leaves every row FAIR of its pace
+        under plain passes, at least (as far as known)."""
+        slowest = checking.row_rate
+        pace = plain.row_rate if plain is not None else None
+        return slowest is None or pace is None or slowest >= FAIR * pace
+
+    def _pays(self, plain: _Average | None, checking: _Average | None) -> bool:
+        """Whether checking at this measure beats plain passes: more tokens a
+        second, fairly (`_fair`)."""
+        if plain is None or checking is None:
+            return False
+        return checking.rate > plain.rate and self._fair(plain, checking)
 
     def ended(self, block: Block) -> None:
         """`block` ran its passes: its rate, up to now, joins its kind's."""
@@ -232,9 +290,9 @@ class Pacing:
         seconds = block.seconds()
         kept, key = self._kept(block)
         if key in kept:
-            kept[key].add(seconds, block.tokens)
+            kept[key].add(seconds, block.tokens, block.slowest)
         else:
-            kept[key] = _Average(seconds, block.tokens)
+            kept[key] = _Average(seconds, block.tokens, block.slowest)
         self._account(block, seconds)
         if block.checked:
             self._choose_width(block.size, block.width)
@@ -261,10 +319,15 @@ class Pacing:
         at, current = self._at(size), self._current(size)
         if current is None:
             return  # the other lane's block moved it on to a width not tried yet
-        if self._measured(size, ran).rate > current.rate:
+        plain = self._plain.get(size)
+
+        def better(a: _Average) -> tuple[bool, float]:  # fair first, then faster
+            return self._fair(plain, a), a.rate
+
+        if better(self._measured(size, ran)) > better(current):
             self._width[size], at, current = ran, ran, self._measured(size, ran)
-        plain, i = self._plain.get(size), self._widths.index(at)
-        if plain is not None and current.rate < plain.rate and i > 0:
+        i = self._widths.index(at)
+        if plain is not None and not self._pays(plain, current) and i > 0:
             if self._measured(size, narrower := self._widths[i - 1]) is None:
                 self._width[size] = narrower
 
@@ -274,16 +337,19 @@ class Pacing:
         plain, checking = self._plain.get(size), self._current(size)
         if plain is None or checking is None or self.always:
             return
-        pays, now = checking.rate > plain.rate, time.perf_counter()
+        pays, now = self._pays(plain, checking), time.perf_counter()
         said, when = self._said.get(size, (None, -SAY_EVERY))
         if pays == said or now - when < SAY_EVERY:
             return
         self._said[size] = (pays, now)
+        unfair = "" if self._fair(plain, checking) else (
+            f", the slowest stream at {checking.row_rate / plain.row_rate:.0%} of its pace"
+        )  # fmt: skip
         log.info(
             "speculation, batches of %s: checking proposals %s (%.0f tokens a second%s against "
-            "%.0f plain)%s", _streams(size),
+            "%.0f plain%s)%s", _streams(size),
             "pays" if pays else "does not pay", checking.rate,
-            _width_said(self._at(size), ", {},"), plain.rate,
+            _width_said(self._at(size), ", {},"), plain.rate, unfair,
             "" if pays else "; plain passes, a trial now and then",
         )  # fmt: skip
 
@@ -306,8 +372,8 @@ class Pacing:
         plain, size = self._plain.get(block.size), block.size
         if not block.checked:
             self._plain_since[size] = self._plain_since.get(size, 0.0) + seconds
-        elif plain is not None and plain.rate > 0 and block.tokens / seconds < plain.rate:
-            self._owed[size] = (seconds - block.tokens / plain.rate) / TRIAL_SHARE
+        elif plain is not None and plain.rate > 0 and (lost := _lost(block, seconds, plain)) > 0:
+            self._owed[size] = lost / TRIAL_SHARE
             self._plain_since[size] = 0.0
         else:
             self._owed.pop(size, None)
@@ -330,7 +396,7 @@ class Pacing:
         # (A width not measured yet, after a wider one lost, waits as a losing
         # kind does: trying the widths one after another would cost as much as
         # as many trials.)
-        wins = checking is not None and checking.rate > plain.rate
+        wins = self._pays(plain, checking)
         # The kind that lost runs again now and then: its measure goes stale
         # as the batch, its proposals and the machine change (a plain block
         # timed while kernels were built would keep a losing checking run
@@ -348,6 +414,17 @@ class Pacing:
         self._waited[size] = 0
         self._retry[size] = min(2 * retry, MOST_RETRY if not wins else MOST_PLAIN_RETRY)
         return not wins
+
+
+def _lost(block: Block, seconds: float, plain: _Average) -> float:
+    """The seconds a checking block took beyond what plain passes would have
+    taken for its tokens, or for its slowest row's at FAIR of that row's pace
+    (whichever is more)."""
+    lost = seconds - block.tokens / plain.rate
+    slowest, pace = block.slowest, plain.row_rate
+    if slowest is not None and pace:
+        lost = max(lost, seconds - slowest / (FAIR * pace))
+    return lost
 
 
 def _width_said(width: int, form: str) -> str:
