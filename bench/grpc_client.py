@@ -92,7 +92,9 @@ async def closed_loop(
                 index = queue.pop()
                 request = generate_request(workload, index, tag, temperature(index))
                 expected = workload.answer_tokens(index)
-                records.append(await stream_one(stub, request, expected))
+                record = await stream_one(stub, request, expected)
+                record.index = index
+                records.append(record)
 
         begin = time.perf_counter()
         await asyncio.gather(*(slot() for _ in range(concurrency)))

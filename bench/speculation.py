@@ -23,6 +23,7 @@ tokenizer (proposals its own, mostly wrong).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 from bench.grpc_client import closed_loop
 from bench.long_prompts import default_worker, metrics
 from bench.runner import progress, steps_so_far
+from bench.stats import RequestRecord
 from bench.workload import Workload
 
 KINDS = ("right", "wrong", "half")
@@ -49,6 +51,18 @@ def temperature(kind: str, index: int) -> float:
     return 1.0 if sampled else 0.0
 
 
+def stream_rates(records: Iterable[RequestRecord], kind: str) -> dict[str, list[float]]:
+    """Each stream's tokens a second after its first, greedy ones apart from
+    sampled ones: in the half workload, whether the streams whose proposals
+    are right gain, and whether the others keep their pace."""
+    rates: dict[str, list[float]] = {"greedy": [], "sampled": []}
+    for record in records:
+        rate = record.stream_rate
+        if record.error is None and rate is not None:
+            rates["sampled" if temperature(kind, record.index) else "greedy"].append(rate)
+    return rates
+
+
 @dataclass(frozen=True)
 class Speculation:
     levels: tuple[int, ...]
@@ -61,7 +75,8 @@ class Speculation:
 def _round(address: str, port: int, workload: Workload, kind: str, c: int, first: int,
            tag: str) -> tuple:  # fmt: skip
     """Warm-up, then the timed requests: (tokens, seconds, errors, and the
-    worker's steps, their seconds and their rows meanwhile)."""
+    worker's steps, their seconds and their rows meanwhile), and the streams'
+    rates (`stream_rates`)."""
     warm, timed = workload.warmup(c), workload.requests(c)
     hot = partial(temperature, kind)
     asyncio.run(closed_loop(address, workload, c, range(first, first + warm), tag, hot))
@@ -70,7 +85,7 @@ def _round(address: str, port: int, workload: Workload, kind: str, c: int, first
     records, wall = asyncio.run(closed_loop(address, workload, c, span, tag, hot))
     steps = [b - a for a, b in zip(before, steps_so_far(port) or before, strict=True)]
     errors = sum(r.error is not None for r in records)
-    return sum(r.tokens for r in records), wall, errors, *steps
+    return (sum(r.tokens for r in records), wall, errors, *steps), stream_rates(records, kind)
 
 
 def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload: Workload,
@@ -91,13 +106,16 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
             for c in spec.levels:
                 # tokens, seconds, errors; steps, their seconds and rows
                 figures = {"off": [0, 0.0, 0, 0, 0.0, 0], "on": [0, 0.0, 0, 0, 0.0, 0]}
+                streams: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
                 before = metrics(on_metrics, *counted)
                 for r in range(spec.rounds):
                     for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
                         worker, port = workers[name]
-                        got = _round(worker.address, port, workload, kind, c, first,
-                                     f"{kind}-{c}-{r}")  # fmt: skip
+                        got, rates = _round(worker.address, port, workload, kind, c, first,
+                                            f"{kind}-{c}-{r}")  # fmt: skip
                         figures[name] = [a + b for a, b in zip(figures[name], got, strict=True)]
+                        for how, seen in rates.items():
+                            streams[name].setdefault(how, []).extend(seen)
                     first += workload.warmup(c) + workload.requests(c)
                 after = metrics(on_metrics, *counted)
                 proposed, accepted, passes, tokens = (
@@ -112,6 +130,16 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
                     "checking_passes": passes, "tokens_per_checking_pass": tokens / max(1, passes),
                 }  # fmt: skip
                 row["on_over_off"] = row["on_tok_s"] / row["off_tok_s"]
+                # A stream's own pace, greedy and sampled apart (mean tokens a second).
+                for name, rates in streams.items():
+                    row[f"{name}_stream_tok_s"] = {
+                        how: sum(seen) / len(seen) for how, seen in rates.items() if seen
+                    }
+                row["stream_on_over_off"] = {
+                    how: rate / row["off_stream_tok_s"][how]
+                    for how, rate in row["on_stream_tok_s"].items()
+                    if how in row["off_stream_tok_s"]
+                }
                 for name, (_, wall, _, steps, seconds, rows_stepped) in figures.items():
                     # Where the time goes: steps (passes, their syncs) or between them
                     # (the engine's work on each step's tokens, admissions, waiting).
@@ -134,6 +162,8 @@ def format_row(row: dict) -> str:
         f"{row['off_steps']:.0f} / {row['on_steps']:.0f} of {row['off_step_ms']:.1f} / "
         f"{row['on_step_ms']:.1f} ms, stepping {100 * row['off_stepping_share']:.0f}% / "
         f"{100 * row['on_stepping_share']:.0f}% of the time"
+        + "".join(f"; a {how} stream x{ratio:.2f}"
+                  for how, ratio in row.get("stream_on_over_off", {}).items())  # fmt: skip
     )
 
 

@@ -27,6 +27,14 @@ class RequestRecord:
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens the worker reported as served from its cache
     output_ids: list[int] | None = None  # kept only when asked for
+    index: int | None = None  # the workload's prompt it sent, where a closed loop sent it
+
+    @property
+    def stream_rate(self) -> float | None:
+        """Its tokens a second after its first (None: too few tokens to tell)."""
+        if self.ttft is None or self.last is None or self.last <= self.ttft:
+            return None
+        return (self.tokens - 1) / (self.last - self.ttft)
 
     def arrived(self, at: float, count: int) -> None:
         """`count` tokens arrived together at time `at`."""
