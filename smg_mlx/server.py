@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from smg_mlx import flag_types, model_files, model_source
 from smg_mlx.api import health_service, responses, sampling_defaults, translation
@@ -36,6 +36,8 @@ from smg_mlx.stop_signals import stop_signals
 log = logging.getLogger(__name__)
 
 ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_name
+# The reflection service's name since gRPC made it stable: v1alpha's messages, field for field.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 HEALTH_NAMES = ("", ENGINE_SERVICE)  # "" is the whole server, as Kubernetes probes ask
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -222,6 +224,23 @@ def listen_failure(flag: str, host: str, port: int, exc: OSError | None = None) 
     return StartupError(f"{where}: {exc.strerror or exc}")
 
 
+def _add_reflection(server: grpc.aio.Server) -> None:
+    """Reflection (grpcurl, Postman) under both of its names: grpcio-reflection
+    serves v1alpha alone, and a tool that asks v1 only would find nothing."""
+    servicer = reflection.aio.ReflectionServicer(
+        (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    )
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": method}),)
+    )
+
+
 class Worker:
     """One serving worker. Create, `start()`, then `serve_until_stopped()` or `shutdown()`."""
 
@@ -263,13 +282,16 @@ class Worker:
                 # gRPC shares ports by default: a second worker on the same
                 # port would silently take half the connections.
                 ("grpc.so_reuseport", 0),
+                # Clients' keepalive pings are welcome however often they come:
+                # gRPC's default closes a connection that pings more than once in
+                # five minutes while no data flows (a non-streamed answer, a long
+                # prompt before its first token), failing its calls UNAVAILABLE.
+                ("grpc.http2.max_ping_strikes", 0),
             ]
         )
         add_engine_service(self.server, self.servicer, self.metrics.rpc_ended)
         health_service.add_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        _add_reflection(self.server)
 
     def _tls_credentials(self) -> grpc.ServerCredentials | None:
         cert, key = self.config.tls_cert, self.config.tls_key

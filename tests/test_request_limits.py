@@ -135,9 +135,10 @@ def test_counts_in_refusals_are_said_in_the_singular_for_one(start_worker, model
     with pytest.raises(grpc.RpcError) as full:
         generate(w.stub, prompt(4), max_tokens=2)
     running.cancel()
-    assert "the worker is full (1 request in flight: --completion-batch-size running, " in (
-        full.value.details()
-    )
+    assert (
+        "the worker is full (1 request in flight: the most it takes: --completion-batch-size 1 "
+        "+ --max-pending 0; 1 running); retry on another worker or later"
+    ) == full.value.details()
 
 
 def test_a_context_no_request_limit_can_hold_is_said_with_the_most_the_flag_takes(

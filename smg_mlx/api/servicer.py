@@ -124,9 +124,13 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         are full, or requests wait for memory and --max-pending of them do
         besides those running (as the engine last said: every call since waits
         too, memory being full)."""
-        if self._calls >= self._batch + self._pending:
-            return "--completion-batch-size running, --max-pending waiting"
         memory, running = self._engine.memory, self._engine.running
+        if self._calls >= self._batch + self._pending:
+            # (as many running as the engine last said: memory may hold fewer than the batch)
+            return (
+                f"the most it takes: --completion-batch-size {self._batch} + --max-pending "
+                f"{self._pending}; {running} running"
+            )
         if memory is not None and memory.waiting_for_memory and (
             self._calls - running >= self._pending
         ):
