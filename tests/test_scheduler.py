@@ -590,3 +590,26 @@ def test_a_stream_moves_sooner_where_chats_wait_for_the_memory_its_padding_holds
     moved = [Running(Cost(3001, 3100, 0, True), 0, 3000, 1)]  # as the batch then holds it
     chats = [Running(Cost(200, 216, 0, generated=1), 0, 200, 2 + i) for i in range(len(plan.admit))]
     assert keys(s.schedule(moved + chats, 0, now=0).admit) == list(range(2 + len(chats), 10))
+
+
+def test_on_a_machine_too_slow_for_the_minimum_chunk_prompts_move_in_smaller_ones():
+    """The minimum chunk keeps a pass's fixed part (the weights read, the
+    streams decoded) from wasting the device. Where 128 prompt tokens take
+    seconds (a large model on a CPU: 26 ms a token, 150 ms a pass that only
+    decodes), a running stream beside a long prompt would wait that long
+    between tokens; there a chunk whose prompt work is four decoding passes'
+    worth wastes little, and the pause shrinks to under a second."""
+    s = make(step_ms=150, speed=PrefillSpeed(per_token=0.026, per_context=0.0))
+    assert s.schedule([prefilling(10_000)], 0).chunk == MIN_STEP_TOKENS  # no pass timed yet
+    for _ in range(20):
+        s.schedule([decoding()], 0)
+        s.observe(took(0.15), 1)
+    short = s.schedule([prefilling(10_000), decoding()], 0)
+    assert short.chunk == 32 and short.expected_seconds < 1.0  # 0.83 s of prompt work
+    long = s.schedule([prefilling(100_000, done=4096, long=True), decoding()], 0)
+    assert long.long_chunks == (32,)
+    fast = make(step_ms=150)  # 40 us a token: 128 tokens are under a decoding pass
+    for _ in range(20):
+        fast.schedule([decoding()], 0)
+        fast.observe(took(0.15), 1)
+    assert fast.schedule([prefilling(10_000)], 0).chunk == MIN_STEP_TOKENS

@@ -16,7 +16,10 @@ model. The rules:
   context are slow on some backends). Each lane prefills at least
   MIN_STEP_TOKENS (SHAPE_BUILD_STEP_TOKENS where a new shape costs a kernel
   build), even past the budget: smaller steps would waste the accelerator more
-  than they save anyone's time, and a long prompt always moves. Where the clock
+  than they save anyone's time, and a long prompt always moves. On a machine
+  so slow that fewer tokens' work already takes AMORTIZED decoding passes (a
+  large model on a CPU: 128 tokens take seconds), a chunk of those wastes
+  little, and keeps a running stream's pause near the budget. Where the clock
   is far off for a shape (a pass with it took over SLOW_STEP budgets SLOW_TIMES
   times), that shape gets a smaller chunk from then on.
 - **Few shapes.** Chunks are powers of two, and each ends where the batch's
@@ -58,6 +61,9 @@ MIN_STEP_TOKENS = 128
 # mlx's CUDA backend builds a cuDNN graph for each new attention shape, which
 # costs as much as prefilling hundreds of tokens: fewer, larger steps there.
 SHAPE_BUILD_STEP_TOKENS = 512
+# A chunk below the minimum is taken where its prompt work alone costs this
+# many passes that only decode (what every pass costs besides its tokens).
+AMORTIZED = 4
 SMALLEST_CHUNK = 16
 # Shapes remembered as slow; past this many the memory starts over.
 SLOW_REMEMBERED = 1024
@@ -191,8 +197,10 @@ class StepPlan:
         (`builds`: counting what a shape not seen yet costs to build), after
         `spent` seconds of the step's other passes."""
         floor = next(
-            s for s in self._sizes if s * rows >= self.min_step_tokens or s == self._sizes[-1]
-        )
+            s for s in self._sizes
+            if s * rows >= self.min_step_tokens or s == self._sizes[-1]
+            or self._amortized(lane, rows, s, context)
+        )  # fmt: skip
         for size in reversed(self._sizes):
             if size <= floor:
                 return floor
@@ -203,6 +211,16 @@ class StepPlan:
             if spent + self.pass_seconds(lane, part) <= self.step_seconds:
                 return size
         return floor
+
+    def _amortized(self, lane: int, rows: int, size: int, context: int) -> bool:
+        """Whether `rows` rows' chunks of `size` cost AMORTIZED passes that only
+        decode, at least (as the clocks know them: not before such passes ran;
+        never where each new shape costs a build)."""
+        decoding = max(clock.decode_seconds for clock in self.clocks)
+        if self.builds is not None or decoding <= 0:
+            return False
+        prefill = self.clocks[lane].prefill_seconds(rows * size, context + size // 2)
+        return prefill >= AMORTIZED * decoding
 
     def _piece(
         self, lane: int, rows: int, size: int, context: int, left: int, spent: float
