@@ -608,6 +608,10 @@ def test_on_a_machine_too_slow_for_the_minimum_chunk_prompts_move_in_smaller_one
     assert short.chunk == 32 and short.expected_seconds < 1.0  # 0.83 s of prompt work
     long = s.schedule([prefilling(100_000, done=4096, long=True), decoding()], 0)
     assert long.long_chunks == (32,)
+    # A question is no long prompt for that: it does not wait for the document.
+    s.add([req(1, 400)], now=0)
+    beside = s.schedule([prefilling(100_000, done=4096, long=True), decoding()], 0, now=0)
+    assert keys(beside.admit) == [1] and beside.long == ()
     fast = make(step_ms=150)  # 40 us a token: 128 tokens are under a decoding pass
     for _ in range(20):
         fast.schedule([decoding()], 0)

@@ -149,7 +149,11 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         prefilling = [r for r in running if r.cost.prefilling]
         # Prompt tokens past which a prompt is long.
-        long = LONG_PROMPT_STEPS * self.steps.row_chunk(1, 0, builds=False, lane=LONG)
+        # (by the minimum chunk: where a slow device takes smaller ones, a question
+        # would count as long and wait for the document before it)
+        long = LONG_PROMPT_STEPS * self.steps.row_chunk(
+            1, 0, builds=False, lane=LONG, amortized=False
+        )
         admitted, to_long, released, refused, for_memory = self._admit(
             running, prefilling, long, now
         )

@@ -191,15 +191,17 @@ class StepPlan:
         builds: bool = True,
         spent: float = 0.0,
         lane: int = SHORT,
+        amortized: bool = True,
     ) -> int:
         """The largest chunk each of `rows` prompt rows of `lane` may prefill
         in one pass within the step's budget, at `context` tokens of context
         (`builds`: counting what a shape not seen yet costs to build), after
-        `spent` seconds of the step's other passes."""
+        `spent` seconds of the step's other passes; `amortized`: below the
+        minimum where that wastes little (`_amortized`)."""
         floor = next(
             s for s in self._sizes
             if s * rows >= self.min_step_tokens or s == self._sizes[-1]
-            or self._amortized(lane, rows, s, context)
+            or (amortized and self._amortized(lane, rows, s, context))
         )  # fmt: skip
         for size in reversed(self._sizes):
             if size <= floor:
