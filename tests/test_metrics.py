@@ -247,6 +247,36 @@ def test_a_response_the_client_never_got_is_not_a_success(metered, monkeypatch, 
     assert "completion_tokens=3 " in line and "finish_reason=undelivered" in line
 
 
+def test_a_client_that_stops_reading_once_it_has_the_last_message_got_it(metered, caplog):
+    """A client may stop reading once it has the final message (GenerateComplete)
+    rather than wait for the stream's end; gRPC then ends the call before it
+    asks the worker for anything more. The message was sent: the request counts
+    by its finish reason, not as undelivered (it did in 1 of 30 such calls)."""
+    w, port = metered
+    servicer = w.worker.servicer
+
+    class Context:
+        async def abort(self, code, details):
+            raise AssertionError(f"{code}: {details}")
+
+    async def read_the_last_message_and_leave() -> object:
+        call = servicer.Generate(
+            request(prompt(4), request_id="read", max_tokens=3, stream=False), Context()
+        )
+        last = await call.__anext__()  # (not streamed: the one message)
+        await call.aclose()  # as gRPC closes it when the client has gone
+        return last
+
+    before = scrape(port)
+    with caplog.at_level(logging.INFO, logger="smg_mlx.requests"):
+        assert w.call(read_the_last_message_and_leave())
+    after = scrape(port)
+    assert moved(before, after, "smg_mlx_requests_total", finish_reason="length") == 1
+    assert moved(before, after, "smg_mlx_requests_total", finish_reason="undelivered") == 0
+    line = next(r.getMessage() for r in caplog.records if "read" in r.getMessage())
+    assert "finish_reason=length" in line
+
+
 def test_prefix_cache_metrics_and_log(metered, caplog):
     w, port = metered
     before = scrape(port)

@@ -208,9 +208,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 yield chunk
             if job.error:
                 await context.abort(self._error_code(job), job.error)
-            yield await self._complete(job, request.stream)
-            # gRPC asks for the next message only once it sent this one.
+            final = await self._complete(job, request.stream)
+            # Handed to gRPC: sent, even where the call ends before gRPC asks for
+            # more (a client may stop reading once it has this message).
             delivered = True
+            yield final
         finally:
             if self._jobs.get(request_id) is job:  # (Abort may have freed its id)
                 del self._jobs[request_id]
