@@ -258,7 +258,7 @@ def test_a_file_deleted_under_a_running_worker_is_said_gone_and_the_request_pref
         got = same_as_cold(w, cold, history + [7])
     assert got.complete.cached_tokens == 0
     (line,) = logged(caplog, path.name)
-    assert f"prompt cache: {path.name} is gone; the request prefills" in line
+    assert f"prompt cache: {path.name} is gone; the request goes on without it" in line
 
 
 def test_a_file_with_a_damaged_header_costs_only_its_own_entry(

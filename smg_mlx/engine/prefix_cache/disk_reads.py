@@ -111,12 +111,13 @@ class DiskReads:
         self._copying.append(read)
 
     def _fail(self, read: Read) -> None:
-        """A read that failed: a bad file is deleted, the request prefills.
+        """A read that failed: a bad file is deleted, the request goes on without it
+        (from what else is cached, or prefilling).
         Nothing is said of a file no longer indexed (its folder deleted, or
         a newer file made it redundant meanwhile)."""
         if not self._gone() and self.tree.get(read.entry.id) is read.entry:
             if isinstance(read.error, FileNotFoundError):  # deleted by someone else
-                log.warning("prompt cache: %s is gone; the request prefills", read.name)
+                log.warning("prompt cache: %s is gone; the request goes on without it", read.name)
             else:
                 log.warning("prompt cache: ignored and deleted %s: %s", read.name, read.error)
             if isinstance(read.error, kv_files.BadFile):
