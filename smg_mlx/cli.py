@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name,
         max_pending=args.max_pending,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
+        watchdog_seconds=args.watchdog_seconds,
         stream_interval=args.stream_interval,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

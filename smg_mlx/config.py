@@ -158,6 +158,9 @@ class ServerConfig:
     served_model_name: str | None = None
     max_pending: int = 256  # requests waiting beyond a full batch
     shutdown_grace_seconds: float = 30.0
+    # An engine stuck in a step (or not taking up a request) this long, or three
+    # times its slowest step when longer, fails the worker (0: never).
+    watchdog_seconds: float = 60.0
     stream_interval: int = 2  # tokens per stream message at light load (1: each alone)
     # PEM files; both set means the port speaks TLS only.
     tls_cert: Path | None = None

@@ -341,6 +341,14 @@ def _operations(serve: argparse.ArgumentParser) -> None:
         "(those still waiting for a place are turned away at once; %(default)s)",
     )
     serve.add_argument(
+        "--watchdog-seconds",
+        type=non_negative,
+        default=ServerConfig.watchdog_seconds,
+        help="an engine stuck this long in one step (or three times its slowest step, "
+        "when longer), or not taking up a request, fails the worker: NOT_SERVING, its "
+        "requests end, exit code 1 for the supervisor to restart it (0: never; %(default)s)",
+    )
+    serve.add_argument(
         "--tls-cert", type=Path, help="PEM certificate (chain) to serve TLS with; needs --tls-key"
     )
     serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")

@@ -254,7 +254,10 @@ class Worker:
         self._asked_at = 0.0  # when the first was (time.monotonic)
         self.serving = False  # started and reported SERVING
         self.engine = EngineClient(
-            asyncio.get_running_loop(), config.stream_interval, config.engine_process
+            asyncio.get_running_loop(),
+            config.stream_interval,
+            config.engine_process,
+            config.watchdog_seconds,
         )
         self.metrics = Metrics(
             active=lambda: self.servicer.active_requests,

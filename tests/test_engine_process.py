@@ -135,3 +135,50 @@ def test_a_stop_ends_within_its_grace_while_the_engine_is_stuck_in_a_step(spawn,
     assert time.monotonic() - began < 6  # the grace and a second, not the step's end
     assert wait_until(lambda: not alive(engine), 10)
     assert "the engine was still in a step" in p.log.read_text()
+
+
+def test_an_engine_stuck_in_a_step_fails_its_requests_and_the_worker_exits_one(spawn, model_dir):
+    # A stopped engine process stands in for a step that never ends (a hung GPU).
+    p = spawn("--model", str(model_dir), "--watchdog-seconds", "1")
+    p.wait_serving()
+    engine = engine_pid(p.proc.pid)
+    call = p.stub.Generate(request(prompt(4), max_tokens=1900, ignore_eos=True), timeout=60)
+    next(call)
+    os.kill(engine, signal.SIGSTOP)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(call)
+    assert err.value.code() == grpc.StatusCode.INTERNAL  # (the stream had begun)
+    assert "the engine is stuck: one step has run" in err.value.details()
+    assert p.proc.wait(30) == 1  # for the supervisor to restart it
+    assert wait_until(lambda: not alive(engine), 10)  # its memory is freed for the restart
+    assert "reporting NOT_SERVING" in p.log.read_text()
+
+
+def test_an_engine_that_takes_up_no_request_fails_the_worker(spawn, model_dir):
+    # Stopped while idle, it is between steps: the request handed over says it is stuck.
+    p = spawn("--model", str(model_dir), "--watchdog-seconds", "1")
+    p.wait_serving()
+    os.kill(engine_pid(p.proc.pid), signal.SIGSTOP)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(p.stub.Generate(request(prompt(4), max_tokens=8), timeout=60))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # (no token yet: the router retries)
+    assert "the engine is stuck: a request handed to it has waited" in err.value.details()
+    assert p.proc.wait(30) == 1
+
+
+def test_a_stop_counts_the_requests_in_flight_not_those_whose_clients_left(spawn, model_dir):
+    p = spawn("--model", str(model_dir), "--watchdog-seconds", "0", "--shutdown-grace-seconds", "1")
+    p.wait_serving()
+    running = p.stub.Generate(request(prompt(4), max_tokens=1900, ignore_eos=True), timeout=60)
+    next(running)
+    os.kill(engine_pid(p.proc.pid), signal.SIGSTOP)
+    left = p.stub.Generate(request(prompt(5), max_tokens=8), timeout=60)
+    time.sleep(0.5)  # handed to the engine, which never takes it up
+    left.cancel()
+    time.sleep(0.5)
+    p.proc.send_signal(signal.SIGTERM)
+    assert collect(running).complete.finish_reason == "abort"  # at the grace
+    p.proc.wait(30)
+    said = p.log.read_text()
+    assert "shutting down: 1 request in flight" in said
+    assert "turned away" not in said  # its client had left: nobody to turn away

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from smg_mlx.api.streaming import StreamPublisher
 from smg_mlx.engine import start_up
 from smg_mlx.engine.core import EngineCore
-from smg_mlx.engine.handoff import Inbox
+from smg_mlx.engine.handoff import Inbox, TurnTimes
 from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats, StepReport
 
 log = logging.getLogger(__name__)
@@ -121,9 +121,10 @@ def _relay(pipe: PipeEnd, inbox: Inbox, receiver: PipeReceiver) -> None:
     exit_later.start()
 
 
-def serve(conn: Connection, stream_interval: int, log_level: int) -> None:
+def serve(conn: Connection, stream_interval: int, log_level: int, turns: TurnTimes) -> None:
     """The child's entry point: once the worker sends ("start", config), serve
-    that model through `conn` until stopped."""
+    that model through `conn` until stopped, marking its turns in `turns`
+    (shared with the worker, whose watchdog reads them)."""
     # Signals are the worker's: it asks this process to stop through the pipe.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
@@ -143,7 +144,8 @@ def serve(conn: Connection, stream_interval: int, log_level: int) -> None:
         target=_relay, args=(pipe, inbox, receiver), name="engine-inbox", daemon=True
     )
     relay.start()
-    EngineCore(message[1][0], inbox, StreamPublisher(_call, receiver, stream_interval)).run()
+    publisher = StreamPublisher(_call, receiver, stream_interval)
+    EngineCore(message[1][0], inbox, publisher, turns).run()
     logging.shutdown()
     # As `cli.exit_process`: MLX's per-thread state must not meet interpreter finalization.
     os._exit(0)

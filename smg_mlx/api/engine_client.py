@@ -13,12 +13,14 @@ from smg_mlx.api.jobs import Job
 from smg_mlx.api.streaming import StreamPublisher, poster
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
-from smg_mlx.engine.handoff import Inbox
+from smg_mlx.engine.handoff import Inbox, TurnTimes
 from smg_mlx.engine.types import CacheStats, Failure, Memory, SpeculationStats, StepReport
 
 UNSTARTED_AT_STOP = (
     "the worker is shutting down and this request had no token yet: send it to another worker"
 )
+# How often the watchdog looks at the engine's turns (`EngineClient._watch`).
+WATCH_SECONDS = 0.5
 
 
 class EngineState(enum.Enum):
@@ -46,10 +48,16 @@ class EngineClient:
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, stream_interval: int, own_process: bool = False
+        self,
+        loop: asyncio.AbstractEventLoop,
+        stream_interval: int,
+        own_process: bool = False,
+        watchdog_seconds: float = 0.0,
     ) -> None:
         """`own_process`: the engine runs on the main thread of a child process,
-        spawned now (`engine_process`), not on a thread of this one."""
+        spawned now (`engine_process`), not on a thread of this one.
+        `watchdog_seconds`: once serving, an engine stuck in a turn for longer
+        than that, or three times its slowest (`TurnTimes.overdue`), fails (0: never)."""
         self.state = EngineState.STARTING
         self.failure: str | None = None
         # As of the last report: sequences being prefilled or decoded, of those
@@ -73,8 +81,10 @@ class EngineClient:
         self._ready: asyncio.Future[None] = loop.create_future()
         self._failure_listeners: list[Callable[[str], None]] = []
         self._step_listeners: list[Callable[[list[float], list[int]], None]] = []
+        self._watchdog_seconds = watchdog_seconds
+        self._turns = TurnTimes()
         self._inbox: Inbox | EngineProcess = (
-            EngineProcess(loop, self, stream_interval) if own_process else Inbox()
+            EngineProcess(loop, self, stream_interval, self._turns) if own_process else Inbox()
         )
         # What runs the engine: its process from now on, or the thread `start` makes.
         self._runner: threading.Thread | EngineProcess | None = self._inbox if own_process else None
@@ -87,7 +97,7 @@ class EngineClient:
             self._inbox.start(config)
             return
         publisher = StreamPublisher(poster(self._loop), self, self._stream_interval)
-        core = EngineCore(config, self._inbox, publisher)
+        core = EngineCore(config, self._inbox, publisher, self._turns)
         self._runner = threading.Thread(target=core.run, name="mlx-engine", daemon=True)
         self._runner.start()
 
@@ -113,6 +123,12 @@ class EngineClient:
 
     def abort(self, jobs: Iterable[Job]) -> None:
         self._inbox.abort(job.key for job in jobs)
+
+    def abandon(self, job: Job) -> None:
+        """The client of `job` left before it ended: aborted, and no longer
+        counted among the requests a stop turns away or aborts."""
+        self.abort([job])
+        self._jobs.pop(job.key, None)
 
     def abort_all(self) -> None:
         """At a stop, past its grace: every job the engine holds is aborted and
@@ -186,6 +202,29 @@ class EngineClient:
         self.state = EngineState.READY
         if not self._ready.done():
             self._ready.set_result(None)
+        if self._watchdog_seconds > 0:
+            self._loop.call_later(WATCH_SECONDS, self._watch)
+
+    def _watch(self) -> None:
+        """Fail an engine stuck in a turn, or one that has not taken up a request
+        handed over (`TurnTimes.overdue`): its requests would wait forever, and
+        health would go on saying SERVING. Its process is ended first (its
+        memory freed for the worker's restart)."""
+        if self._ended:
+            return
+        handed_over = min((j.arrived_at for j in self._jobs.values() if j.started_at is None),
+                          default=None)  # fmt: skip
+        overdue = self._turns.overdue(self._watchdog_seconds, handed_over)
+        if overdue is None:
+            self._loop.call_later(WATCH_SECONDS, self._watch)
+            return
+        self.kill()
+        what = "one step has run" if overdue.turn else "a request handed to it has waited"
+        self.failed(
+            f"the engine is stuck: {what} {overdue.seconds:.0f}s, past its limit of "
+            f"{overdue.limit:.0f}s (--watchdog-seconds {self._watchdog_seconds:g}, or three "
+            "times its slowest step)"
+        )
 
     @property
     def _ended(self) -> bool:

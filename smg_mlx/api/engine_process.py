@@ -19,6 +19,7 @@ from multiprocessing.connection import wait
 from smg_mlx.api import engine_child
 from smg_mlx.api.streaming import Receiver, poster
 from smg_mlx.config import EngineConfig
+from smg_mlx.engine.handoff import TurnTimes
 from smg_mlx.engine.types import Request
 
 # After the pipe closes, how long to wait for the child's exit code before saying it died.
@@ -40,8 +41,13 @@ class EngineProcess:
     may be called from any thread."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, receiver: Receiver, stream_interval: int
+        self,
+        loop: asyncio.AbstractEventLoop,
+        receiver: Receiver,
+        stream_interval: int,
+        turns: TurnTimes,
     ) -> None:
+        """`turns`: where the engine marks its loop's turns (shared memory)."""
         # Spawned, not forked: a fork copies the threads' locks in whatever state
         # they are (gRPC's among them) without the threads.
         context = multiprocessing.get_context("spawn")
@@ -53,7 +59,9 @@ class EngineProcess:
         self._serving = False  # the child reported `started`
         self.process = context.Process(
             target=engine_child.serve,
-            args=(child_end, stream_interval, logging.getLogger("smg_mlx").getEffectiveLevel()),
+            args=(
+                child_end, stream_interval, logging.getLogger("smg_mlx").getEffectiveLevel(), turns
+            ),
             name="smg-mlx-engine",
             daemon=True,
         )

@@ -217,7 +217,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             if self._jobs.get(request_id) is job:  # (Abort may have freed its id)
                 del self._jobs[request_id]
             if not job.done:  # the client left or its deadline passed
-                self._engine.abort([job])
+                self._engine.abandon(job)
             self._request_ended(job, delivered)
 
     async def _prepare(

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine import failures, start_up
-from smg_mlx.engine.handoff import Inbox, Sink
+from smg_mlx.engine.handoff import Inbox, Sink, TurnTimes
 from smg_mlx.engine.memory.planner import is_out_of_memory
 from smg_mlx.engine.schedule.bursts import WINDOWS_AT_MOST, BurstGatherer
 from smg_mlx.engine.schedule.scheduler import Plan, Scheduler
@@ -78,10 +78,14 @@ FIGURES_SECONDS = 0.25
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, inbox: Inbox, sink: Sink) -> None:
+    def __init__(
+        self, config: EngineConfig, inbox: Inbox, sink: Sink, turns: TurnTimes | None = None
+    ) -> None:
+        """`turns`: where the loop marks its turns, for a watchdog elsewhere to read."""
         self.config = config
         self.inbox = inbox
         self.sink = sink
+        self.turns = turns or TurnTimes()
         self._out_of_memory_steps = 0  # steps that ran out of memory, all told
         self._failed_steps = 0  # steps that failed otherwise, all told
         self._plan = Plan()  # the last turn's
@@ -155,7 +159,8 @@ class EngineCore:
         return now + PROGRESS_SECONDS
 
     def _lead(self, batch: Batch, scheduler: Scheduler, channel: Channel | None) -> None:
-        inbox, sink = self.inbox, self.sink
+        inbox, sink, turns = self.inbox, self.sink, self.turns
+        turns.may_take(batch.slowest_step)
         window = self.config.burst_window_seconds
         watchdog = None
         if channel is not None:
@@ -179,6 +184,7 @@ class EngineCore:
         reported_waits = 0  # requests waiting for memory, as last reported
         try:
             while True:
+                turns.next()
                 # A settling turn plans without taking what arrived: the requests
                 # that ended left their entries after the last turn planned, and it
                 # holds the cache to what memory and its cap allow. What arrives
@@ -191,6 +197,7 @@ class EngineCore:
                     bursts.taken()
                 tended = batch.tend_prefixes()
                 turn, events = self._decide(batch, scheduler, requests, aborts)
+                turns.started(turn.expected_seconds)
                 if watchdog is not None:
                     watchdog.turn_started(turn.expected_seconds)
                     turn = channel.share(turn)
@@ -250,14 +257,18 @@ class EngineCore:
                     due += [t for t in (batch.prefixes_due(),) if t is not None]
                     shapes = batch.shapes_queued
                     due += [0.0 if building else SHAPES_QUIET_SECONDS] if shapes else []
+                    turns.ended()
                     building = not inbox.wait(min(due, default=None)) and shapes
                     if building:  # quiet since: on with the next few
+                        turns.started(SHAPES_SECONDS)
                         batch.build_shapes(SHAPES_SECONDS)
                     else:
                         bursts.gather(inbox)
                 elif not batch.size and not turn.admit and not batch.prefixes_busy:
+                    turns.ended()
                     inbox.wait(READ_WAIT_SECONDS)  # requests wait for reads from disk
         finally:
+            turns.ended()
             if watchdog is not None:
                 watchdog.close()
 

@@ -1,7 +1,7 @@
 """Everything that crosses between the engine thread and the rest of the process.
 
 One thread owns MLX (it keeps per-stream state thread-local). It meets the
-other threads in exactly two places, both here:
+other threads in exactly three places, all here:
 
 - in, through an `Inbox`: `Request`s, abort keys and a stop flag. Any thread
   may write; only the engine thread drains it, once per loop turn.
@@ -11,6 +11,8 @@ other threads in exactly two places, both here:
   (`api.streaming.StreamPublisher`), a test's may just keep them. (One
   exception: with a model split over several ranks, a watchdog thread reports
   `failed` when the engine thread is stuck waiting for a hung rank.)
+- `TurnTimes`: when the engine loop's turn under way began, for a watchdog to
+  tell a stuck engine from a busy one.
 
 Nothing else is shared: no MLX array, cache or model object ever leaves the
 engine thread.
@@ -18,11 +20,12 @@ engine thread.
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from smg_mlx.engine.types import CacheStats, Memory, Request, SpeculationStats, StepReport
 
@@ -140,3 +143,67 @@ class Sink(Protocol):
         be served at all (`types.Unservable`), so restarting would not help.
         (With several ranks, a watchdog thread calls it when the engine thread
         is stuck waiting for a hung rank.)"""
+
+
+class Overdue(NamedTuple):
+    """An engine stuck (`TurnTimes.overdue`): for `seconds`, past `limit`; in a
+    turn (`turn`), or else with a request handed over that no turn took up."""
+
+    seconds: float
+    limit: float
+    turn: bool
+
+
+class TurnTimes:
+    """When the engine loop's turn under way began (a turn: taking what
+    arrived, deciding, and the step), what the scheduler expects it to take,
+    the slowest turn so far, and when the last one began. The engine thread
+    writes them; a watchdog reads them from another thread or process: they
+    live in shared memory, so a turn costs no message."""
+
+    # Slots of the shared array.
+    _SINCE, _EXPECTED, _SLOWEST, _BEGAN = range(4)
+
+    def __init__(self) -> None:
+        self._times = multiprocessing.RawArray("d", 4)  # since is 0 between turns
+
+    def may_take(self, seconds: float) -> None:
+        """Turns may take `seconds` (the slowest step the scheduler plans)."""
+        self._times[self._SLOWEST] = max(self._times[self._SLOWEST], seconds)
+
+    def next(self) -> None:
+        """The turn under way (if any) ends, and the next begins (no moment
+        between them for a watchdog to find the loop between turns)."""
+        times, now = self._times, time.monotonic()
+        if since := times[self._SINCE]:
+            times[self._SLOWEST] = max(times[self._SLOWEST], now - since)
+        times[self._SINCE] = times[self._BEGAN] = now
+        times[self._EXPECTED] = 0.0
+
+    def started(self, expected_seconds: float = 0.0) -> None:
+        """A turn begins, or the one under way now expects `expected_seconds`."""
+        times = self._times
+        if not times[self._SINCE]:
+            times[self._SINCE] = times[self._BEGAN] = time.monotonic()
+        times[self._EXPECTED] = expected_seconds
+
+    def ended(self) -> None:
+        """The turn under way (if any) ended."""
+        times = self._times
+        if since := times[self._SINCE]:
+            times[self._SLOWEST] = max(times[self._SLOWEST], time.monotonic() - since)
+            times[self._SINCE] = 0.0
+
+    def overdue(self, least: float, handed_over: float | None = None) -> Overdue | None:
+        """Where the engine is stuck, how long for and the limit it passed: a
+        turn under way, or a request `handed_over` at that time (monotonic)
+        with no turn begun since, for longer than `least` seconds or three
+        times the slowest turn expected or seen, whichever is more."""
+        since, expected, slowest, began = self._times[:]
+        limit = max(least, 3 * max(slowest, expected))
+        now = time.monotonic()
+        if since and now - since > limit:
+            return Overdue(now - since, limit, turn=True)
+        if handed_over is not None and began < handed_over and now - handed_over > limit:
+            return Overdue(now - handed_over, limit, turn=False)
+        return None

@@ -2,5 +2,5 @@
 read before MLX loads), its device and group (`placement`), and rank 0's
 decisions shared over `mx.distributed` with a watchdog (`lockstep`).
 
-Imports nothing else of the engine.
+Imports nothing else of the engine but `handoff` (the turn times its watchdog reads).
 """

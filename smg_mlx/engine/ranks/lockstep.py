@@ -19,13 +19,13 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from smg_mlx.engine.handoff import TurnTimes
 from smg_mlx.engine.ranks.launched import launched_rank
 
 HEARTBEAT_SECONDS = 1.0
@@ -110,34 +110,28 @@ def same_random_state(channel: Channel) -> None:
 class Watchdog:
     """Calls `on_hang` (once, from its own thread) when a turn has taken longer
     than HANG_SECONDS, or three times the slowest turn expected or seen,
-    whichever is more."""
+    whichever is more (`TurnTimes.overdue`)."""
 
     def __init__(self, on_hang: Callable[[float], None], expected_seconds: float) -> None:
         self._on_hang = on_hang
-        self._since: float | None = None
-        self._expected = 0.0
-        self._slowest = expected_seconds
+        self._turns = TurnTimes()
+        self._turns.may_take(expected_seconds)
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="lockstep-watchdog", daemon=True).start()
 
     def turn_started(self, expected_seconds: float = 0.0) -> None:
         """A turn begins (or its length is now known): it may take three times
         `expected_seconds` too."""
-        self._since = self._since or time.monotonic()
-        self._expected = expected_seconds
+        self._turns.started(expected_seconds)
 
     def turn_ended(self) -> None:
-        if self._since is not None:
-            self._slowest = max(self._slowest, time.monotonic() - self._since)
-        self._since = None
+        self._turns.ended()
 
     def close(self) -> None:
         self._stop.set()
 
     def _watch(self) -> None:
         while not self._stop.wait(0.25):
-            since = self._since
-            limit = max(HANG_SECONDS, 3 * max(self._slowest, self._expected))
-            if since is not None and time.monotonic() - since > limit:
-                self._on_hang(limit)
+            if (overdue := self._turns.overdue(HANG_SECONDS)) is not None:
+                self._on_hang(overdue.limit)
                 return
