@@ -51,6 +51,11 @@ def test_only_the_metrics_path_answers(metered):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
         assert err.value.code == 404, path
+    # An uptime check's HEAD: the headers GET has, no body.
+    head = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD")
+    with urllib.request.urlopen(head, timeout=5) as answer:
+        assert answer.status == 200 and answer.headers["Content-Type"].startswith("text/plain")
+        assert answer.read() == b""
 
 
 def test_connections_reset_before_their_request_print_nothing(metered, capfd):

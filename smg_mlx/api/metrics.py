@@ -178,7 +178,12 @@ class Metrics:
 
         def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
             if environ.get("PATH_INFO") == "/metrics":
-                return metrics(environ, start_response)
+                if environ.get("REQUEST_METHOD") != "HEAD":
+                    return metrics(environ, start_response)
+                # An uptime check's HEAD: GET's status and headers, no body
+                # (prometheus_client answers it 405).
+                list(metrics({**environ, "REQUEST_METHOD": "GET"}, start_response))
+                return []
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found: the metrics are at /metrics\n"]
 
