@@ -12,8 +12,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import cores, gate, machine, model, report, workers
+from bench.agent import (
+    FOLLOWUP_ANSWER,
+    FOLLOWUP_TOKENS,
+    Agent,
+    format_agent,
+    run_agent,
+    run_followups,
+)
 from bench.agent import SETTINGS as AGENT_SETTINGS
-from bench.agent import Agent, format_agent, run_agent, run_followups
 from bench.kv_formats import (
     DECODE_TAIL_TOKENS,
     PARTS,
@@ -267,13 +274,26 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 "requests": 1, "completion_batch_size": 1, "prefill_batch_size": 1,
                 "agent_sessions": 1, "agent_turns": 1, "agent_system_tokens": 0,
                 "agent_first_tokens": 1, "agent_turn_tokens": 0, "agent_answer_tokens": 1,
-                "agent_concurrency": 1, "kv_concurrency": 1, "mixed": 0}  # fmt: skip
+                "agent_concurrency": 1, "kv_concurrency": 1, "mixed": 0, "chat_tokens": 1,
+                "chat_gen_tokens": 1, "long_prompt_tokens": 1, "long_gen_tokens": 1,
+                "kv_fill_tokens": 1, "kv_context_tokens": 1}  # fmt: skip
     for dest, least in at_least.items():
         value = getattr(args, dest)
         if value is not None and value < least:
             flag = next((f for f, field, _ in AGENT_FLAGS if f"agent_{field}" == dest),
                         "--" + dest.replace("_", "-"))  # fmt: skip
             parser.error(f"{flag}: at least {least}, not {value}")
+    # One run at a time (--gate's own mixed run is part of it).
+    modes = [flag for flag, on in (
+        ("--gate", args.gate), ("--mixed", args.mixed is not None and not args.gate),
+        ("--long-prompts", args.long_prompts), ("--speculation", args.speculation),
+        ("--agent", args.agent), ("--followups", args.followups),
+        ("--kv-formats", args.kv_formats),
+    ) if on]  # fmt: skip
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)}: one run at a time")
+    if args.mixed == 0 and not args.gate:
+        parser.error("--mixed 0: only with --gate, whose mixed run it leaves out")
     lists = {"speculation_kinds": KINDS, "kv_parts": PARTS, "agent_settings": AGENT_SETTINGS}
     for dest, known in lists.items():
         unknown = set(getattr(args, dest).split(",")) - set(known)
@@ -407,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         """Written after each level, so a run cut short still leaves its numbers."""
         rows = report.ratios(results)
         payload = {
-            "command": " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
+            "command": shlex.join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
             "short": args.short,
             "machine": info,
             "model": model.describe(model_dir),
@@ -460,6 +480,12 @@ def _check_context(args: argparse.Namespace, model_dir: Path) -> None:
         wanted.append((args.long_prompt_tokens + args.long_gen_tokens,
                        "--long-prompt-tokens plus --long-gen-tokens",
                        " (or --mixed 0)" if args.gate else ""))  # fmt: skip
+    if args.mixed or (args.gate and args.mixed != 0):  # its chats, and its stream's answer
+        advice = " (or --mixed 0)" if args.gate else ""
+        wanted.append((args.chat_tokens + args.chat_gen_tokens,
+                       "--chat-tokens plus --chat-gen-tokens", advice))  # fmt: skip
+        stream = "--chat-tokens plus --long-prompt-tokens (the running stream)"
+        wanted.append((args.chat_tokens + args.long_prompt_tokens, stream, advice))
     elif args.kv_formats:
         parts = args.kv_parts.split(",")
         if "capacity" in parts:
@@ -467,6 +493,11 @@ def _check_context(args: argparse.Namespace, model_dir: Path) -> None:
         if "decode" in parts or "prefill" in parts:
             tail = DECODE_TAIL_TOKENS + args.gen_tokens if "decode" in parts else 1
             wanted.append((args.kv_context_tokens + tail, "--kv-context-tokens", ""))
+    elif args.followups:
+        wanted.append((max(parse_levels(args.followups)) + 2 * FOLLOWUP_ANSWER + FOLLOWUP_TOKENS,
+                       "--followups, the answer and the follow-up's tokens", ""))  # fmt: skip
+    elif args.agent:
+        wanted.append((_agent_shape(args).longest(), "an agent session's tokens and answers", ""))
     modes = args.agent or args.followups or args.long_prompts or args.mixed or args.kv_formats
     if args.gate or not modes:  # the table's workload (the gate's throughput part too)
         wanted.append((args.prompt_tokens + args.gen_tokens + args.gen_spread,
@@ -494,7 +525,7 @@ def _write(args: argparse.Namespace, argv: list[str] | None, model_dir: Path, **
     command, the machine, the model and `results`."""
     info = machine.describe()
     out = args.out or report.default_out(machine.slug(info))
-    command = " ".join(["python", "-m", "bench", *(argv or sys.argv[1:])])
+    command = shlex.join(["python", "-m", "bench", *(argv or sys.argv[1:])])
     payload = {"command": command, "machine": info, "model": model.describe(model_dir)}
     report.write_json(out, {**payload, **results})
     progress(f"results in {out}")
@@ -556,7 +587,8 @@ def _gate(args: argparse.Namespace, model_dir: Path, argv: list[str] | None,
         # One round of few requests moves by more than the bounds: no verdict.
         print("--short: one round of few requests, a check that the gate runs; its verdict "
               "is the full gate's (without --short)")  # fmt: skip
-        return 1 if any(r.errors for r in results) or not results else 0
+        ran = {r.system for r in results}
+        return 1 if any(r.errors for r in results) or ran != {"engine", "ours"} else 0
     return 0 if all(c.met for c in checks) else 1
 
 
@@ -582,7 +614,8 @@ def _speculation(args: argparse.Namespace, model_dir: Path, argv: list[str] | No
     elif draft == "self":
         draft = model_dir
     spec = Speculation(tuple(levels), tuple(args.speculation_kinds.split(",")),
-                       args.rounds or 2, args.speculation_setting, draft)  # fmt: skip
+                       args.rounds or (1 if args.short else 2), args.speculation_setting,
+                       draft)  # fmt: skip
     rows = run_speculation(model_dir.resolve(), args.work_dir.resolve(), spec, workload,
                            shlex.split(args.worker_args), args.start_timeout)  # fmt: skip
     print(format_speculation(rows))
@@ -590,12 +623,14 @@ def _speculation(args: argparse.Namespace, model_dir: Path, argv: list[str] | No
     return 0
 
 
-def _run_agent(args: argparse.Namespace, model_dir: Path) -> dict:
+def _agent_shape(args: argparse.Namespace) -> Agent:
     """The agent workload as the flags shape it (smaller with --short)."""
     shape = Agent(**{field: getattr(args, f"agent_{field}") for _, field, _ in AGENT_FLAGS})
-    if args.short:
-        shape = replace(shape, sessions=2, turns=3)
-    return run_agent(model_dir.resolve(), args.work_dir.resolve(), shape,
+    return replace(shape, sessions=2, turns=3) if args.short else shape
+
+
+def _run_agent(args: argparse.Namespace, model_dir: Path) -> dict:
+    return run_agent(model_dir.resolve(), args.work_dir.resolve(), _agent_shape(args),
                      args.agent_cache_bytes, args.start_timeout, shlex.split(args.worker_args),
                      tuple(args.agent_settings.split(",")))  # fmt: skip
 
@@ -641,3 +676,8 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C: what ran is stopped on the way out; no traceback
         print("python -m bench: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except workers.WorkerExited as exc:  # the worker's own words, not a traceback
+        reason = exc.reason()
+        print(f"python -m bench: {exc}" + (f"\n  {reason}" if reason != str(exc) else ""),
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(1) from None

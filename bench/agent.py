@@ -43,6 +43,7 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 CACHED_TARGET = 0.95  # of the resent history, from turn 2 on
 TTFT_TARGET = 0.3  # the default run's TTFT p50 over the cache-off run's, from turn 3 on
 FOLLOWUP_TOKENS = 200
+FOLLOWUP_ANSWER = 8  # tokens each request of a follow-up pair generates
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class Agent:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def longest(self) -> int:
+        """The most tokens a turn's request and answer come to (the turn after
+        the restart: the whole history, its new tokens and its answer)."""
+        turns = self.turns * (self.turn_tokens + self.answer_tokens)
+        return self.system_tokens + self.first_tokens + turns + self.answer_tokens
 
 
 # The prefix-cache settings compared, by name (`settings`).
@@ -254,9 +261,11 @@ def run_followups(model_dir: Path, work_dir: Path, contexts: list[int], flags: l
         ids = _tokens(rng, length)
         async with grpc.aio.insecure_channel(worker.address) as channel:
             stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
-            first = await stream_one(stub, token_request(ids, 8, f"ctx-{length}"), 8, True)
+            answer = FOLLOWUP_ANSWER
+            first = await stream_one(stub, token_request(ids, answer, f"ctx-{length}"), answer,
+                                     True)  # fmt: skip
             more = ids + first.output_ids + _tokens(rng, FOLLOWUP_TOKENS)
-            second = await stream_one(stub, token_request(more, 8, f"ctx-{length}+"), 8)
+            second = await stream_one(stub, token_request(more, answer, f"ctx-{length}+"), answer)
         for record in (first, second):
             if record.error is not None:
                 raise RuntimeError(f"context {length}: {record.error}")

@@ -25,6 +25,7 @@ from collections import Counter
 from functools import partial
 from pathlib import Path
 
+from bench import workers
 from bench.grpc_client import closed_loop
 from bench.long_prompts import default_worker
 from bench.model import SHAPES, ensure_model
@@ -123,4 +124,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    workers.stop_on_sigterm()  # (the workers run in sessions of their own)
     main()

@@ -137,4 +137,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches this child too: the bench says it
+        raise SystemExit(130) from None

@@ -138,7 +138,12 @@ async def _run(address: str, mixed: Mixed) -> dict:
         stream = asyncio.ensure_future(
             _stream(stub, mixed.chat_tokens, mixed.long_tokens, started, arrivals)
         )
-        await started.wait()
+        await asyncio.wait([asyncio.ensure_future(started.wait()), stream],
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        if not started.is_set():  # it ended (refused) before its first token
+            failed = stream.exception()
+            said = failed.details() if isinstance(failed, grpc.aio.AioRpcError) else failed
+            raise RuntimeError(f"the running stream ended before its first token: {said}")
         begin = time.perf_counter()
         longs = asyncio.ensure_future(_longs(stub, queued, mixed.long_gen_tokens))
         chats = _ttfts(await _chats(stub, mixed, seed=4, until=longs))

@@ -115,10 +115,14 @@ class WorkerExited(RuntimeError):
         self.code, self.log_path = code, log_path
 
     def reason(self) -> str:
-        """The worker's last error line, its level and logger left out."""
-        errors = [line for line in self.log_path.read_text(errors="replace").splitlines()
-                  if " ERROR " in line]  # fmt: skip
-        return errors[-1].split(": ", 1)[-1] if errors else str(self)
+        """The worker's last error line, its level and logger left out (or, where
+        it refused its flags before logging, the line that says so)."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        errors = [line for line in lines if " ERROR " in line]
+        if errors:
+            return errors[-1].split(": ", 1)[-1]
+        said = [line for line in lines if ": error: " in line]
+        return said[-1] if said else str(self)
 
 
 class WorkerProcess:

@@ -49,6 +49,11 @@ def nothing_ran(work: Path) -> bool:
         (["--worker-args", '"unbalanced'], "No closing quotation"),
         (["--worker-args", "--port 52430"], "--worker-args: --port the bench sets itself"),
         (["--model", "/nonexistent"], "--model /nonexistent: not a folder"),
+        (["--agent", "--followups", "256"], "--agent and --followups: one run at a time"),
+        (["--gate", "--speculation"], "--gate and --speculation: one run at a time"),
+        (["--mixed", "0"], "--mixed 0: only with --gate"),
+        (["--mixed", "1", "--chat-tokens", "0"], "--chat-tokens: at least 1, not 0"),
+        (["--long-prompts", "2", "--long-gen-tokens", "0"], "--long-gen-tokens: at least 1"),
     ],
 )  # fmt: skip
 def test_flags_no_run_can_use_are_refused_before_anything_runs(argv, said, tmp_path, capsys):
@@ -136,6 +141,10 @@ def test_a_sigterm_during_an_engine_round_ends_the_engine_process_too(model_dir,
         # the gate's throughput part, beside a mixed run of prompts that fit
         (["--gate", "--mixed", "2", "--long-prompt-tokens", "100", "--prompt-tokens", "2000"],
          "--prompt-tokens plus --gen-tokens (and --gen-spread) come to 2064 tokens"),
+        (["--followups", "256,2000"], "come to 2216 tokens"),  # the answers and follow-up too
+        (["--agent", "--turns", "40"], "an agent session's tokens and answers come to 6944"),
+        (["--mixed", "1", "--long-prompt-tokens", "100", "--chat-tokens", "2000"],
+         "--chat-tokens plus --long-prompt-tokens (the running stream) come to 2100 tokens"),
     ],
 )  # fmt: skip
 def test_prompts_past_the_models_context_are_refused_before_anything_runs(
@@ -146,3 +155,15 @@ def test_prompts_past_the_models_context_are_refused_before_anything_runs(
     assert exited.value.code == 2
     assert said.format(model=model_dir) in capsys.readouterr().err
     assert nothing_ran(tmp_path / "work")
+
+
+def test_a_worker_that_refuses_to_start_is_said_in_its_own_words(model_dir, tmp_path):
+    ran = subprocess.run(
+        [sys.executable, "-m", "bench", "--long-prompts", "1", "--long-prompt-tokens", "100",
+         "--model", str(model_dir), "--work-dir", str(tmp_path / "work"),
+         "--worker-args", "--bogus-flag 1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ran.returncode == 1
+    assert "unrecognized argument --bogus-flag" in ran.stderr
+    assert "Traceback" not in ran.stderr
