@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=int,
-        help="interleaved rounds per level, pooled (default 3, the gate's 5, short 1): every "
-        "system runs a round before any runs the next, so a drifting machine slows them alike",
+        help="interleaved rounds per level, pooled (default 3, the gate's 5, --speculation's 2, "
+        "short 1): every system runs a round before any runs the next, so a drifting machine "
+        "slows them alike",
     )
     p.add_argument(
         "--warmup",
