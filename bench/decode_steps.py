@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     add_model_flags(p)
     p.add_argument("--rows", default="1,4,16,64", help="batch sizes")
     p.add_argument("--contexts", default="64,960,1984", help="tokens each row holds")
-    p.add_argument("--kv-bits", default="8", help="quantized formats besides 16-bit ('' for none)")
+    p.add_argument("--kv-bits", default="8",
+                   help="quantized formats besides the model's own KV ('' for none)")
     p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES)
     p.add_argument("--matmuls", action="store_true",
                    help="the quantized formats through mlx's quantized matmuls too")  # fmt: skip

@@ -1,7 +1,7 @@
 """What a long prefill chunk holds beside the KV cache (`python -m bench.prefill_memory`).
 
 In process, no server: a prompt of `--context` tokens is prefilled in chunks
-of `--chunk` into a batch cache of one row (16-bit, then each of `--kv-bits`),
+of `--chunk` into a batch cache of one row (the model's own KV, then each of `--kv-bits`),
 and the next chunk is timed with its peak memory above what the KV cache
 grows by. Each runs with the worker's layer waits (`engine.batch.layer_waits`)
 and with the pass recorded whole, alternately, twice. A burst of 8 fresh
@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.model import add_model_flags, ensure_model
+from bench.model import add_model_flags, ensure_model, quantizable
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch import kv_format, layer_waits, quantized_attention
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes, shapes_build
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     add_model_flags(p)
     p.add_argument("--context", type=int, default=28672, help="tokens before the timed chunk")
     p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--kv-bits", default="8", help="quantized formats besides 16-bit ('' for none)")
+    p.add_argument("--kv-bits", default="8",
+                   help="quantized formats besides the model's own KV ('' for none)")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
     path = args.model or ensure_model(args.shape, args.work_dir)
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     quantized_attention.install(shapes)
     waits = layer_waits.WAIT_KEYS
     results = []
-    for bits in [None, *(int(b) for b in args.kv_bits.split(",") if b)]:
+    quantized = [b for b in (int(b) for b in args.kv_bits.split(",") if b)
+                 if quantizable(model, b, EngineConfig.kv_group_size, "--kv-bits '' for the "
+                                "model's own KV alone, or a model whose heads the group size "
+                                "divides: --model, --shape")]  # fmt: skip
+    for bits in [None, *quantized]:
         config = EngineConfig(model_path=path, kv_bits=bits)
         caches = kv_format.caches_for(config, model)
         fresh = caches if caches is not None else lambda: make_prompt_cache(model)
@@ -99,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(model, fresh, per_token, args.context, args.chunk)
             r.update(kv_bits=bits, layer_waits=waited, kv_per_token=per_token)
             results.append(r)
-            print(f"{bits or 16}-bit KV, {'layer by layer' if waited else 'recorded whole'}: "
+            kv = f"{bits}-bit KV" if bits else "the model's own KV"
+            print(f"{kv}, {'layer by layer' if waited else 'recorded whole'}: "
                   f"{args.chunk} tokens over {args.context}: {r['chunk_ms']:.0f} ms, peak above "
                   f"the KV {r['peak_above_kv_bytes'] / 2**20:.0f} MiB "
                   f"({r['peak_above_kv_per_key'] / 1024:.1f} KiB a key, the KV "
