@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from bench.workload import levels_flag
 from smg_mlx.config import KV_GROUP_SIZES
 from smg_mlx.engine.batch import fused_quantized_attention, quantized_attention
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=32, help="query heads (Qwen3-8B's)")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=128, help="each head's size")
-    p.add_argument("--rows", default="1,16,64", help="batch sizes")
+    p.add_argument("--rows", default="1,16,64", type=levels_flag, help="batch sizes")
     p.add_argument("--contexts", default="2048,8192,32768", help="keys each row holds")
     p.add_argument("--kv-bits", type=int, default=8, choices=(4, 8), help="the quantized KV's")
     p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES,

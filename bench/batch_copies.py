@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
 from bench.model import add_model_flags, load_model
+from bench.workload import levels_flag
 from smg_mlx.engine.speculative.ragged_kv import ragged
 
 
@@ -87,7 +88,7 @@ def measure(model: nn.Module, rows: int, context: int, runs: int) -> dict[str, f
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.batch_copies", description=__doc__)
     add_model_flags(p)
-    p.add_argument("--rows", default="16,32", help="batch sizes")
+    p.add_argument("--rows", default="16,32", type=levels_flag, help="batch sizes")
     p.add_argument("--context", type=int, default=300, help="tokens in each row's cache")
     p.add_argument("--runs", type=int, default=8, help="timed runs of each")
     p.add_argument("--out", type=Path, help="JSON results")

@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="the prompt's")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
+    for path in args.model or ():
+        if not path.is_dir():
+            p.error(f"--model {path}: not a folder (an mlx-lm model directory)")
     models = args.model or [build_model(args.work_dir / n, a) for n, a in MODELS.items()]
     head = ("model", "KV", "KL mean (nats)", "KL p99", "top-1 agrees", "greedy same for",
             "entropy", "top-1 margin")  # fmt: skip

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from bench.workload import positive_int
 from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
 from smg_mlx.engine.speculative.shared_history import SharedHistory
 
@@ -124,12 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--repo", type=Path, default=Path("."), help="a git repository")
     p.add_argument("--suffix", default=".py", help="the files whose edits are replayed")
-    p.add_argument("--requests", type=int, default=200, help="edits replayed, oldest first")
+    p.add_argument("--requests", type=positive_int, default=200,
+                   help="edits replayed, oldest first")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="the most a step proposes")
     p.add_argument("--vocab", type=int, default=8192, help="the BPE's tokens")
     p.add_argument("--out", type=Path, help="JSON results")
     args = p.parse_args(argv)
+    if not (args.repo / ".git").exists():
+        p.error(f"--repo {args.repo}: not a git repository (its top folder)")
     rows = run(args.repo, args.suffix, args.requests, args.num_draft_tokens, args.vocab)
+    if not rows or not rows[0]["requests"]:
+        p.error(f"--suffix {args.suffix}: no edits of such files in {args.repo}'s history")
     for r in rows:
         print(f"{r['workload']:8s} {'with' if r['shared'] else 'without':7s} other streams: "
               f"{r['tokens'] / r['passes']:.2f} tokens a pass over {r['requests']} requests, "

@@ -27,6 +27,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from bench.model import add_model_flags, load_model
+from bench.workload import levels_flag
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes, shapes_build
 from smg_mlx.engine.batch.batch import CUDA_CHUNK
 from smg_mlx.engine.batch.sampling import make_sampler
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     add_model_flags(p)
-    p.add_argument("--rows", default="4,16,64", help="batch sizes")
+    p.add_argument("--rows", default="4,16,64", type=levels_flag, help="batch sizes")
     p.add_argument("--workload", choices=WORKLOADS, default="right",
                    help="greedy streams (right) or every other one sampled (half)")  # fmt: skip
     p.add_argument("--num-draft-tokens", type=int, default=8, help="the most a row proposes")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import asdict, dataclass
 
@@ -93,3 +94,25 @@ def parse_levels(text: str) -> list[int]:
     if not levels or min(levels) < 1:
         raise ValueError(f"concurrency levels must be positive integers, got {text!r}")
     return levels
+
+
+def levels_flag(text: str) -> str:
+    """An argparse type: `text` as given, where `parse_levels` takes it."""
+    try:
+        parse_levels(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers, comma-separated (e.g. 1,4,16), got {text!r}"
+        ) from None
+    return text
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of 1 or more, got {text!r}")
+    return value

@@ -4,6 +4,7 @@ no child process running."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -167,3 +168,22 @@ def test_a_worker_that_refuses_to_start_is_said_in_its_own_words(model_dir, tmp_
     assert ran.returncode == 1
     assert "unrecognized argument --bogus-flag" in ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "said"),
+    [
+        ("spec_passes", ["--rows", "0"], "--rows: expected positive integers"),
+        ("attention_pass", ["--rows", "4,0"], "--rows: expected positive integers"),
+        ("batch_copies", ["--rows", ""], "--rows: expected positive integers"),
+        ("lookup_replay", ["--requests", "0"], "--requests: expected an integer of 1 or more"),
+        ("lookup_replay", ["--repo", "/"], "--repo /: not a git repository"),
+        ("kv_quality", ["--model", "/nonexistent"], "--model /nonexistent: not a folder"),
+    ],
+)  # fmt: skip
+def test_the_side_scripts_refuse_values_no_run_can_use(script, argv, said, capsys):
+    main = importlib.import_module(f"bench.{script}").main
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
