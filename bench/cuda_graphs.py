@@ -25,6 +25,8 @@ from collections import Counter
 from functools import partial
 from pathlib import Path
 
+import mlx.core as mx
+
 from bench import workers
 from bench.grpc_client import closed_loop
 from bench.long_prompts import default_worker
@@ -89,7 +91,7 @@ def committed(folder: Path) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.cuda_graphs", description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--speculative", default="off", help="the worker's --speculative")
     parser.add_argument("--kind", choices=KINDS, default="right")
@@ -99,6 +101,8 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=Path(".bench"))
     parser.add_argument("--out", type=Path, help="the figures as JSON")
     args = parser.parse_args()
+    if not mx.cuda.is_available():
+        parser.error("mlx's CUDA backend is not available here: CUDA graphs are CUDA's")
     model_dir = ensure_model(args.shape, args.work_dir / "models")
     folder = args.work_dir / "cuda-graphs"
     shutil.rmtree(folder, ignore_errors=True)
