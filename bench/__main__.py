@@ -477,12 +477,12 @@ def _check_context(args: argparse.Namespace, model_dir: Path) -> None:
     if context is None:
         return
     wanted: list[tuple[int, str, str]] = []  # tokens, the flags that make them, advice
-    if args.long_prompts or args.mixed or (args.gate and args.mixed != 0):
+    mixed = args.mixed or (args.gate and args.mixed != 0)
+    advice = " (or --mixed 0)" if args.gate else ""
+    if args.long_prompts or mixed:
         wanted.append((args.long_prompt_tokens + args.long_gen_tokens,
-                       "--long-prompt-tokens plus --long-gen-tokens",
-                       " (or --mixed 0)" if args.gate else ""))  # fmt: skip
-    if args.mixed or (args.gate and args.mixed != 0):  # its chats, and its stream's answer
-        advice = " (or --mixed 0)" if args.gate else ""
+                       "--long-prompt-tokens plus --long-gen-tokens", advice))  # fmt: skip
+    if mixed:  # its chats, and its stream's answer
         wanted.append((args.chat_tokens + args.chat_gen_tokens,
                        "--chat-tokens plus --chat-gen-tokens", advice))  # fmt: skip
         stream = "--chat-tokens plus --long-prompt-tokens (the running stream)"

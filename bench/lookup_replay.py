@@ -29,9 +29,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from bench.workload import positive_int
 from smg_mlx.engine.speculative.prompt_lookup import RowDrafts
 from smg_mlx.engine.speculative.shared_history import SharedHistory
+from smg_mlx.flag_types import positive
 
 WORKLOADS = ("edit", "rewrite")
 LARGEST_FILE = 40_000  # characters: a request of a few thousand tokens at most
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--repo", type=Path, default=Path("."), help="a git repository")
     p.add_argument("--suffix", default=".py", help="the files whose edits are replayed")
-    p.add_argument("--requests", type=positive_int, default=200,
+    p.add_argument("--requests", type=positive, default=200,
                    help="edits replayed, oldest first")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="the most a step proposes")
     p.add_argument("--vocab", type=int, default=8192, help="the BPE's tokens")

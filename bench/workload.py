@@ -106,13 +106,3 @@ def levels_flag(text: str) -> str:
         ) from None
     return text
 
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer of 1 or more, got {text!r}")
-    return value

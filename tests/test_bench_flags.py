@@ -176,7 +176,7 @@ def test_a_worker_that_refuses_to_start_is_said_in_its_own_words(model_dir, tmp_
         ("spec_passes", ["--rows", "0"], "--rows: expected positive integers"),
         ("attention_pass", ["--rows", "4,0"], "--rows: expected positive integers"),
         ("batch_copies", ["--rows", ""], "--rows: expected positive integers"),
-        ("lookup_replay", ["--requests", "0"], "--requests: expected an integer of 1 or more"),
+        ("lookup_replay", ["--requests", "0"], "--requests: expected a whole number of at least 1"),
         ("lookup_replay", ["--repo", "/"], "--repo /: not a git repository"),
         ("kv_quality", ["--model", "/nonexistent"], "--model /nonexistent: not a folder"),
     ],
