@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=int,
-        help="interleaved rounds per level, pooled (default 3, the gate's 5, --speculation's 2, "
+        help="interleaved rounds per level, pooled (default 3, the gate's 5, "
         "short 1): every system runs a round before any runs the next, so a drifting machine "
         "slows them alike",
     )
@@ -615,7 +615,7 @@ def _speculation(args: argparse.Namespace, model_dir: Path, argv: list[str] | No
     elif draft == "self":
         draft = model_dir
     spec = Speculation(tuple(levels), tuple(args.speculation_kinds.split(",")),
-                       args.rounds or (1 if args.short else 2), args.speculation_setting,
+                       args.rounds or (1 if args.short else 3), args.speculation_setting,
                        draft)  # fmt: skip
     rows = run_speculation(model_dir.resolve(), args.work_dir.resolve(), spec, workload,
                            shlex.split(args.worker_args), args.start_timeout)  # fmt: skip

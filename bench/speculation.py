@@ -67,7 +67,7 @@ def stream_rates(records: Iterable[RequestRecord], kind: str) -> dict[str, list[
 class Speculation:
     levels: tuple[int, ...]
     kinds: tuple[str, ...] = KINDS
-    rounds: int = 2
+    rounds: int = 3
     setting: str = "auto"  # --speculative of the worker that speculates
     draft: Path | None = None  # its --draft-model (None: prompt lookup)
 
