@@ -218,7 +218,7 @@ def _running(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--quantized-kv-start",
-        type=count,
+        type=int,  # (any other than 0 is refused with the reason, a negative one too)
         metavar="N",
         help="mlx-lm's: keep a sequence's KV in 16 bits until it passes N tokens. Here only "
         "0: a batch holds all its rows' caches in one format, so with --kv-bits every row is "

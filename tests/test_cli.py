@@ -255,6 +255,8 @@ def test_a_path_in_the_home_of_no_user_is_refused_with_the_flag(argv, capsys):
          "--num-draft-tokens: speculative decoding is off"),
         (["org/m", "--kv-bits", "8", "--quantized-kv-start", "5000"],
          "--quantized-kv-start 5000: a batch holds all its rows' KV caches in one format"),
+        (["org/m", "--kv-bits", "8", "--quantized-kv-start", "-1"],
+         "--quantized-kv-start -1: a batch holds all its rows' KV caches in one format"),
         (["--demo", "--quantized-kv-start", "5000"],
          "--quantized-kv-start 5000: the KV caches are not quantized without --kv-bits"),
         (["--demo", "--prompt-cache-bytes", "0", "--prompt-cache-disk-bytes", "10GiB"],

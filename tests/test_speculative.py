@@ -1071,6 +1071,33 @@ def test_a_worker_with_a_draft_model_answers_as_one_without(model_dir, tmp_path,
             assert stats.accepted < stats.proposed
 
 
+def test_a_draft_catching_up_on_a_long_prompt_stays_within_the_memory_budget(
+    tmp_path, start_worker, caplog
+):
+    """A row new to the draft model is fed its prompt in chunks: each chunk's
+    attention holds scores for every token it attends to, so at a long
+    context a full chunk took several times the budget (a 12,700-token prompt
+    under 80 MiB peaked at 475 MiB). Its chunks now fit in what the step's
+    plan leaves free, and its output is the model's. A draft that reads less
+    context than the model is served with a warning at start-up."""
+    caplog.set_level(logging.WARNING, "smg_mlx")
+    model = build_model(tmp_path / "long", ["--context-length", "8192", "--seed", "5"])
+    draft = build_model(tmp_path / "draft", ["--context-length", "4096", "--seed", "6"])
+    ids = helpers.prompt(5000, 3)
+    plain = start_worker(model, speculative="off")
+    want = helpers.generate(plain.stub, ids, max_tokens=24)
+    weights = plain.worker.engine.memory.weights
+    budget = 2 * weights + 40 * 2**20  # (the draft's weights are the model's size)
+    drafting = start_worker(model, speculative="always", draft_model=draft,
+                            memory_budget_bytes=budget, prompt_cache_bytes=0)  # fmt: skip
+    got = helpers.generate(drafting.stub, ids, max_tokens=24)
+    assert got.tokens == want.tokens
+    engine = drafting.worker.engine
+    assert engine.speculation.proposed > 0  # the draft caught up, and proposed
+    assert engine.memory.peak <= budget
+    assert "reads 4096 tokens of context, the model 8192: past that its proposals" in caplog.text
+
+
 def test_a_draft_whose_ids_are_padded_otherwise_proposes_for_the_model(model_dir, tmp_path,
                                                                       start_worker):  # fmt: skip
     """The same tokenizer, ids padded to another count (as Qwen2.5's 0.5B and

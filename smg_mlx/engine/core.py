@@ -358,6 +358,7 @@ class EngineCore:
             plan.expected_seconds,
             move=plan.move,
             release=plan.release,
+            spare_bytes=plan.spare_bytes,
         )
         changes = remove or drop or plan.admit or plan.refuse or plan.move
         steady = not changes and not batch.prefilling and not batch.waiting
@@ -417,7 +418,7 @@ class EngineCore:
         (`early`: see `Batch.step`)."""
         if turn.chunk is None:
             return [], None, 0, 0
-        stepped, passes = batch.step(turn.chunk, turn.long_chunks, early)
+        stepped, passes = batch.step(turn.chunk, turn.long_chunks, early, turn.spare_bytes)
         finished = sum(e.finish_reason is not None for e in stepped)
         return stepped, passes, batch.running + finished, finished
 

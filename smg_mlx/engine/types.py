@@ -7,6 +7,7 @@ No MLX and no asyncio here: a request goes in as a `Request` (its
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -192,3 +193,4 @@ class Turn:
     move: tuple[int, ...] = ()  # keys of decoding requests that move to the long prompts' lane
     # prompt-cache entries dropped once the requests admitted have copied them
     release: tuple[int, ...] = ()
+    spare_bytes: float = math.inf  # memory the step's plan leaves free (a draft's catch-up)

@@ -9,6 +9,7 @@ what BatchGenerator returns (`rows`), rather than from BatchGenerator's internal
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Iterable
 from contextlib import nullcontext
@@ -40,6 +41,7 @@ from smg_mlx.engine.schedule.scheduler import Running
 from smg_mlx.engine.schedule.step_clock import StepClock
 from smg_mlx.engine.schedule.step_plan import LONG, SHORT, Passes
 from smg_mlx.engine.speculative.choice import draft_for, drafting_for
+from smg_mlx.engine.speculative.draft_model import wider
 from smg_mlx.engine.speculative.prompt_lookup import Ahead
 from smg_mlx.engine.types import Event, GenerationSpec, Request, SpeculationStats
 from smg_mlx.model_config import DEFAULT_CONTEXT_LENGTH, named_context_length
@@ -125,6 +127,7 @@ class Batch(PrefixCalls):
         if config.kv_format is not None:
             kv_format.log_cost(config.kv_format, self.memory.kv_per_token, self.model, self._stream)
         if drafting is not None and drafting.draft is not None:
+            drafting.catch_up.measured(self.memory, wider(drafting.draft, self.model))
             self.memory = memory_probe.with_draft(
                 self.memory, drafting.draft, self._stream, drafting.draft_caches
             )
@@ -374,6 +377,7 @@ class Batch(PrefixCalls):
         chunk: int,
         long_chunks: tuple[int, ...] = (),
         early: Callable[[list[Event]], None] | None = None,
+        spare: float = math.inf,
     ) -> tuple[list[Event], Passes]:
         """Advance the batch by one step: each sequence's new token, and what
         each pass over the model took. The short lane prefills in chunks of
@@ -381,7 +385,11 @@ class Batch(PrefixCalls):
         `long_chunks` (once at `chunk` if none). Where the long lane runs
         after the short one, `early` gets the short lane's events first (the
         list returned begins with them): a chat's first token and a stream's
-        next one need not wait for a long prompt's chunks."""
+        next one need not wait for a long prompt's chunks. `spare`: the
+        bytes the step's plan leaves free, which a draft model catching up
+        may take."""
+        if self._lanes.drafting is not None:
+            self._lanes.drafting.catch_up.room = spare
         held = self._rows.lanes()
         both = len(held) == 2
         events, short, long = [], None, []

@@ -93,6 +93,7 @@ class Plan:
     wanted: tuple[int, ...] = ()  # prefix-cache entries requests still waiting reuse
     expected_seconds: float = 0.0  # how long the step should take
     prefill_bytes: float = 0.0  # the step's prefill working set (estimated)
+    spare_bytes: float = 0.0  # what the step leaves free of the budget (estimated)
     waiting_for_memory: int = 0  # requests seen waiting for memory alone
 
 
@@ -186,6 +187,8 @@ class Scheduler:
             needs, context, bool(shorts or starting_short), longs[0] if longs else None,
             bool(starting_long or any(r.long for r in running)), largest,
         )  # fmt: skip
+        # (the prefix cache holds what it may keep of what it holds now)
+        spare = self.planner.budget - self.planner.need(costs, max((chunk, *long_chunks)))
         return Plan(
             admit=tuple(w.request for w in admitted),
             long=tuple(w.request.key for w in starting_long),
@@ -199,6 +202,7 @@ class Scheduler:
             wanted=wanted,
             expected_seconds=self.steps.planned_seconds(),
             prefill_bytes=self.planner.prefill_bytes(costs, max((chunk, *long_chunks))),
+            spare_bytes=max(0.0, spare - min(prefix_bytes, allowance)),
             waiting_for_memory=for_memory,
         )
 

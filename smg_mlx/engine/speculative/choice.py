@@ -19,6 +19,7 @@ from smg_mlx.engine.speculative.draft_model import PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.shared_history import SharedHistory
 from smg_mlx.engine.types import LayerCaches, Unservable
+from smg_mlx.model_config import named_context_length
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +117,11 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwis
     scores, ids = draft(token).shape[-1], model(token).shape[-1]
     reads = getattr(getattr(draft, "args", None), "vocab_size", None) or scores
     if reads < ids or scores > ids:  # (padding: the tokenizers are the same)
+        how = ["ids the model writes past the draft's reach it as its last"] if reads < ids else []
+        how += ["it proposes only ids the model reads"] if scores > ids else []
         log.info(
             "draft model %s: its token ids padded to %d (read) and %d (scored), the model's "
-            "to %d: ids past the draft's reach it as its last, and it proposes only ids the "
-            "model reads", draft_path, reads, scores, ids,
+            "to %d: %s", draft_path, reads, scores, ids, "; ".join(how),
         )  # fmt: skip
         draft = PaddedOtherwise(draft, reads if reads < ids else None,
                                 ids if scores > ids else None)  # fmt: skip
@@ -128,6 +130,13 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwis
             f"--draft-model {draft_path}: its caches ({names}) cannot take tokens back; "
             "choose a draft with plain attention"
         )
+    mine, theirs = named_context_length(draft_path), named_context_length(config.model_path)
+    if mine is not None and theirs is not None and mine < theirs:
+        log.warning(
+            "draft model %s reads %d tokens of context, the model %d: past that its "
+            "proposals are mostly wrong (checked, so outputs are unchanged, but what "
+            "speculation would gain there is lost)", draft_path, mine, theirs,
+        )  # fmt: skip
     log.info("draft model %s loaded in %.1fs", draft_path, time.perf_counter() - started)
     return draft
 

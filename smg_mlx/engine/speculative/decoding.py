@@ -23,7 +23,7 @@ ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -32,7 +32,7 @@ from mlx_lm.generate import GenerationBatch
 from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
 from smg_mlx.engine.batch.sampling import CONTEXT
-from smg_mlx.engine.speculative.draft_model import DraftRows
+from smg_mlx.engine.speculative.draft_model import CatchUp, DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
 from smg_mlx.engine.speculative.ragged_kv import line_up, ragged
@@ -64,6 +64,8 @@ class Drafting:
     one_width: bool = False
     # Finished streams' last tokens, where rows look up proposals (prompt lookup).
     shared: SharedHistory | None = None
+    # How much a draft model's row catching up is fed a pass (within the memory budget).
+    catch_up: CatchUp = field(default_factory=CatchUp)
 
 
 class SpeculativeGenerationBatch(PlacedGenerationBatch):
@@ -84,7 +86,9 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         batch._rows = {}
         batch._ahead = {}
         batch._draft_rows = (
-            DraftRows(drafting.draft, drafting.draft_caches) if drafting.draft is not None else None
+            DraftRows(drafting.draft, drafting.draft_caches, drafting.catch_up)
+            if drafting.draft is not None
+            else None
         )
         batch._steps = 0
         batch._block = None

@@ -11,8 +11,9 @@ Its cache follows one lane's decoding rows by uid, in an order of its own
 
 - a row new to it, or further behind than one pass may feed (the target ran
   plain passes meanwhile), catches up alone, at most JOIN_TOKENS prompt
-  tokens a step among all such rows, and joins the draft's batch once
-  within FEED_MOST tokens: a long prompt never stalls the batch for long;
+  tokens a step among all such rows, in passes whose working set fits the
+  memory budget (`CatchUp`), and joins the draft's batch once within
+  FEED_MOST tokens: a long prompt never stalls the batch for long;
 - a row that left the target's batch leaves the draft's;
 - after a checking pass each row takes back the proposals the target did
   not keep (`kept`).
@@ -25,12 +26,15 @@ none; the draft runs as many passes as the row that proposes the most.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from smg_mlx.engine.memory.costs import MemoryModel
+from smg_mlx.engine.memory.planner import SAFETY
 from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
 from smg_mlx.engine.types import LayerCaches
 
@@ -39,13 +43,65 @@ from smg_mlx.engine.types import LayerCaches
 FEED_MOST = 64
 # Tokens the rows catching up alone are fed in one step, in all.
 JOIN_TOKENS = 2048
+# Tokens a row catching up is fed in a pass where memory is short, at least.
+SMALLEST_CATCH_UP = 16
+
+
+class CatchUp:
+    """How many tokens a row catching up may be fed in one pass. A pass of n
+    tokens attending to c holds scores for n x c pairs in each head, so at a
+    long context a full chunk can take several times the memory budget. Its
+    working set is estimated as the model's own prefill's (the start-up
+    probe's, `engine.memory.costs`) times how much wider the draft is, and
+    kept within the bytes the step's plan leaves spare (`room`): halved until
+    it fits, down to SMALLEST_CATCH_UP (a row always gains ground)."""
+
+    def __init__(self) -> None:
+        self.room = math.inf  # bytes the step's plan leaves spare
+        self._memory: MemoryModel | None = None  # None: not measured, nothing bounds it
+        self._scale = 1.0
+
+    def measured(self, memory: MemoryModel, scale: float) -> None:
+        """The model's measures, and how many times its working set the draft's is."""
+        self._memory, self._scale = memory, scale
+
+    def tokens(self, context: int, most: int) -> int:
+        """Tokens a pass may feed a row whose cache holds `context`, `most` at most."""
+        n = most
+        while n > SMALLEST_CATCH_UP and self.bytes(n, context) > self.room:
+            n //= 2
+        return n
+
+    def bytes(self, n: int, context: int) -> float:
+        """A pass's working set: `n` tokens after `context` (as the planner counts a prefill's)."""
+        m = self._memory
+        if m is None:
+            return 0.0
+        keys = context + n
+        per_token = m.prefill_per_token + m.prefill_per_context * keys
+        return self._scale * SAFETY * (n * per_token + m.prefill_row_per_key * keys)
+
+
+def wider(draft: nn.Module, model: nn.Module) -> float:
+    """How many times the model's prefill working set the draft's may be for
+    as many tokens: its attention heads and hidden size against the model's
+    (1 where it is no wider, or where its configuration does not say)."""
+    ratios = [1.0]
+    for name in ("num_attention_heads", "hidden_size"):
+        mine, theirs = (getattr(getattr(m, "args", None), name, None) for m in (draft, model))
+        if isinstance(mine, int) and isinstance(theirs, int) and theirs > 0:
+            ratios.append(mine / theirs)
+    return max(ratios)
 
 
 class DraftRows:
     """The draft model's cache for one lane's decoding rows (see the module's doc)."""
 
-    def __init__(self, model: nn.Module, caches: LayerCaches | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, caches: LayerCaches | None = None, catch_up: CatchUp | None = None
+    ) -> None:
         self._model = model
+        self._catch_up_size = catch_up or CatchUp()
         # A row's fresh caches: quantized under --kv-bits, as the model's rows are.
         self._fresh = caches or (lambda: make_prompt_cache(model))
         self._cache: list[Ragged] | None = None  # per layer; None: no row
@@ -134,8 +190,9 @@ class DraftRows:
                 cache.filter(keep)
 
     def _catch_up(self, rows: dict[int, tuple[list[int], int]]) -> None:
-        """Rows new to the draft, or behind, fed alone (JOIN_TOKENS in all);
-        those within FEED_MOST tokens join the draft's batch."""
+        """Rows new to the draft, or behind, fed alone (JOIN_TOKENS in all, in
+        passes that fit: `CatchUp`); those within FEED_MOST tokens join the
+        draft's batch."""
         budget = JOIN_TOKENS
         for uid, (tokens, _) in rows.items():
             if uid in self._seen and uid not in self._joining:
@@ -146,7 +203,7 @@ class DraftRows:
             cache, seen = self._joining[uid], self._seen[uid]
             todo = len(tokens) - seen - (FEED_MOST - 1)  # the last few go in the batched pass
             if todo > 0 and budget > 0:
-                n = min(todo, budget)
+                n = self._catch_up_size.tokens(seen, min(todo, budget))
                 self._model(mx.array([tokens[seen : seen + n]]), cache=cache)
                 mx.eval([c.state for c in cache])
                 self._seen[uid] = seen + n
