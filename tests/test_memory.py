@@ -57,6 +57,32 @@ def test_each_lane_costs_its_own_longest_row():
     assert beside < 2.5 * p.kv_bytes([long_row]) / 2
 
 
+def test_a_full_prefix_cache_leaves_a_draft_model_room_to_catch_up():
+    """A draft model catches up on a stream's prompt in passes that fit what
+    the plan leaves free (engine.speculative.draft_model). The prefix cache
+    fills what work leaves: were it to fill that too, every new stream's
+    draft would catch up 16 tokens a pass. It leaves room for a pass of
+    CATCH_UP_TOKENS at the longest stream's context."""
+    from dataclasses import replace
+
+    from smg_mlx.engine.memory.planner import CATCH_UP_TOKENS
+    from smg_mlx.engine.speculative.draft_model import CatchUp
+
+    drafted = MemoryPlanner(replace(MODEL, draft_width=0.5), 1000 * MIB, max_chunk=2048,
+                            prefill_rows=8)  # fmt: skip
+    streams = [Cost(6000, 6500, 0), Cost(40, 100, 0)]
+    kept = planner(1000).prefix_allowance(streams) - drafted.prefix_allowance(streams)
+    assert kept == pytest.approx(drafted.catch_up_bytes(streams), abs=1) and kept > 0
+    catch_up = CatchUp()
+    catch_up.measured(drafted.model)
+    # What a step leaves free with the prefix cache full (as the scheduler plans it).
+    full = drafted.prefix_allowance(streams)
+    catch_up.room = drafted.budget - drafted.need(streams, drafted.max_chunk) - full
+    assert catch_up.tokens(6000, 2048) >= CATCH_UP_TOKENS
+    catch_up.room = 0  # work took it all: the draft still gains ground, slowly
+    assert 0 < catch_up.tokens(6000, 2048) < CATCH_UP_TOKENS
+
+
 def test_a_prompt_from_a_cached_prefix_counts_only_the_rest_as_prefill():
     p = planner(1000)
     whole = p.prefill_bytes([Cost(20_000, 20_016, 20_000)], 2048)

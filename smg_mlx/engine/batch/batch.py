@@ -127,10 +127,11 @@ class Batch(PrefixCalls):
         if config.kv_format is not None:
             kv_format.log_cost(config.kv_format, self.memory.kv_per_token, self.model, self._stream)
         if drafting is not None and drafting.draft is not None:
-            drafting.catch_up.measured(self.memory, wider(drafting.draft, self.model))
             self.memory = memory_probe.with_draft(
-                self.memory, drafting.draft, self._stream, drafting.draft_caches
-            )
+                self.memory, drafting.draft, self._stream, wider(drafting.draft, self.model),
+                drafting.draft_caches,
+            )  # fmt: skip
+            drafting.catch_up.measured(self.memory)
         # The longest a step should take at the probe's context: a full chunk.
         self.slowest_step = StepClock(self.speed).seconds(
             self.max_chunk, memory_probe.PROBE_CONTEXT

@@ -19,6 +19,9 @@ class MemoryModel:
     prefill_per_context: float  # ...plus this for each token it attends to
     prefill_row_per_key: float = 0.0  # and a prompt's copies of the keys it attends to, per key
     row_bytes: float = 0.0  # a running row's, whatever its length (--kv-bits' 16-bit tail)
+    # A draft model's prefill working set as a share of this one's (its catch-up
+    # passes, engine.speculative.draft_model); 0: no draft.
+    draft_width: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ from smg_mlx.engine.types import Request
 KV_BLOCK = 256
 # Chunks are halved down to this many tokens at the most.
 MIN_CHUNK = 128
+# A draft model's catch-up pass the prefix cache leaves room for: its tokens
+# (at the longest sequence's context). Where memory is short, passes shrink.
+CATCH_UP_TOKENS = 256
 # Estimates are multiplied by this, and by LEARN_FACTOR after each out-of-memory error.
 SAFETY = 1.1
 LEARN_FACTOR = 1.25
@@ -112,11 +115,17 @@ class MemoryPlanner:
             rows = min(len(lane), self.prefill_rows)
             tokens = min(chunk, max(s.prefill for s in lane))
             context = max(s.prompt for s in lane)
-            per_token = self.model.prefill_per_token + self.model.prefill_per_context * context
-            # the keys the last chunk attends to, padded by up to a chunk
-            copies = self.model.prefill_row_per_key * (context + tokens)
-            most = max(most, rows * (tokens * per_token + copies))
+            most = max(most, rows * pass_bytes(self.model, tokens, context))
         return most * self.safety
+
+    def catch_up_bytes(self, costs: Iterable[Cost]) -> float:
+        """A draft model's catch-up pass of CATCH_UP_TOKENS at the longest
+        sequence's context (0 without a draft)."""
+        if not self.model.draft_width:
+            return 0.0
+        context = max((s.length for s in costs), default=0) + CATCH_UP_TOKENS
+        width = self.model.draft_width * self.safety
+        return width * pass_bytes(self.model, CATCH_UP_TOKENS, context)
 
     def need(self, costs: list[Cost], chunk: int | None = None, extra: int = 0) -> float:
         """Bytes the costs need, prefix cache aside but for `extra` bytes of
@@ -130,8 +139,10 @@ class MemoryPlanner:
         """What the prefix cache may hold beside these costs, prefilling in
         full chunks (smaller ones would cost every prompt more passes). A
         sequence that ends is copied in as its lane's rows are: the lane's
-        copy (`kv_bytes`) has room for both."""
-        return max(0, int(self.budget - self.need(costs, self.max_chunk)))
+        copy (`kv_bytes`) has room for both. Room for a draft model's
+        catch-up pass is left too (`catch_up_bytes`)."""
+        need = self.need(costs, self.max_chunk) + self.catch_up_bytes(costs)
+        return max(0, int(self.budget - need))
 
     def fits(self, costs: list[Cost], extra: int = 0) -> bool:
         """Whether the costs fit beside `extra` bytes of the prefix cache."""
@@ -163,6 +174,13 @@ class MemoryPlanner:
         """An out-of-memory error: the estimates were short; raise them."""
         self.safety = min(self.safety * LEARN_FACTOR, MAX_SAFETY)
         self.longest_sequence = self._longest_sequence()
+
+
+def pass_bytes(model: MemoryModel, tokens: int, context: int) -> float:
+    """One row's prefill pass working set: `tokens` prompt tokens, the last
+    attending to `context` (padded by up to a pass: the keys it copies)."""
+    per_token = model.prefill_per_token + model.prefill_per_context * context
+    return tokens * per_token + model.prefill_row_per_key * (context + tokens)
 
 
 def _lanes(costs: Iterable[Cost]) -> tuple[list[Cost], list[Cost]]:

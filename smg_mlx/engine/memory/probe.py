@@ -165,11 +165,13 @@ def weights(model: nn.Module) -> int:
 
 
 def with_draft(
-    found: MemoryModel, draft: nn.Module, stream: mx.Stream, caches: LayerCaches | None = None
-) -> MemoryModel:
+    found: MemoryModel, draft: nn.Module, stream: mx.Stream, width: float,
+    caches: LayerCaches | None = None,
+) -> MemoryModel:  # fmt: skip
     """What the model costs with a draft model beside it (engine.speculative):
-    its weights, and its cache's rows (`caches()`, else its own), which follow
-    the model's."""
+    its weights, its cache's rows (`caches()`, else its own), which follow
+    the model's, and its catch-up passes (`width`: their working set per the
+    model's prefill's, as many tokens)."""
     per_token = kv_per_token(draft, stream, caches)
     # The total is what GetServerInfo's kv-bytes-per-token and the planner count.
     log.info(
@@ -180,6 +182,7 @@ def with_draft(
         found,
         weights=found.weights + weights(draft),
         kv_per_token=found.kv_per_token + per_token,
+        draft_width=width,
     )
 
 

@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from smg_mlx.engine.memory.costs import MemoryModel
-from smg_mlx.engine.memory.planner import SAFETY
+from smg_mlx.engine.memory.planner import SAFETY, pass_bytes
 from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
 from smg_mlx.engine.types import LayerCaches
 
@@ -52,18 +52,18 @@ class CatchUp:
     tokens attending to c holds scores for n x c pairs in each head, so at a
     long context a full chunk can take several times the memory budget. Its
     working set is estimated as the model's own prefill's (the start-up
-    probe's, `engine.memory.costs`) times how much wider the draft is, and
-    kept within the bytes the step's plan leaves spare (`room`): halved until
-    it fits, down to SMALLEST_CATCH_UP (a row always gains ground)."""
+    probe's, `engine.memory.planner.pass_bytes`) times how much wider the
+    draft is, and kept within the bytes the step's plan leaves spare (`room`,
+    where the prefix cache leaves a pass of CATCH_UP_TOKENS room): halved
+    until it fits, down to SMALLEST_CATCH_UP (a row always gains ground)."""
 
     def __init__(self) -> None:
         self.room = math.inf  # bytes the step's plan leaves spare
         self._memory: MemoryModel | None = None  # None: not measured, nothing bounds it
-        self._scale = 1.0
 
-    def measured(self, memory: MemoryModel, scale: float) -> None:
-        """The model's measures, and how many times its working set the draft's is."""
-        self._memory, self._scale = memory, scale
+    def measured(self, memory: MemoryModel) -> None:
+        """The model's measures, the draft's width among them."""
+        self._memory = memory
 
     def tokens(self, context: int, most: int) -> int:
         """Tokens a pass may feed a row whose cache holds `context`, `most` at most."""
@@ -73,13 +73,12 @@ class CatchUp:
         return n
 
     def bytes(self, n: int, context: int) -> float:
-        """A pass's working set: `n` tokens after `context` (as the planner counts a prefill's)."""
+        """A pass's working set: `n` tokens after `context`."""
         m = self._memory
         if m is None:
             return 0.0
-        keys = context + n
-        per_token = m.prefill_per_token + m.prefill_per_context * keys
-        return self._scale * SAFETY * (n * per_token + m.prefill_row_per_key * keys)
+        width = m.draft_width * SAFETY
+        return width * pass_bytes(m, n, context + n)
 
 
 def wider(draft: nn.Module, model: nn.Module) -> float:
