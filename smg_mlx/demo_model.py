@@ -262,10 +262,7 @@ def _check_fits(parser: argparse.ArgumentParser, args: argparse.Namespace, head:
     wider than it takes, or weights more than the machine's memory holds while
     they are made (float32 first, then a copy as --dtype)."""
     from smg_mlx.engine.memory.probe import host_memory
-    from smg_mlx.logs import format_bytes
-
-    def size(n: int) -> str:
-        return f"{n / 2**40:,.1f} TiB" if n >= 2**40 else format_bytes(n)
+    from smg_mlx.logs import format_bytes as size
 
     intermediate = args.intermediate_size or 2 * args.hidden_size
     vocab = max(TOKENIZER_VOCAB, args.vocab_size or 0)
