@@ -57,9 +57,11 @@ def one_line(text: object) -> str:
 
 def format_bytes(n: float) -> str:
     """Bytes for a log line: "1.50 GiB", "12.0 MiB", "3,072.0 TiB"."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    units = (("TiB", 2**40, ",.1f"), ("GiB", 2**30, ".2f"), ("MiB", 2**20, ".1f"),
+             ("KiB", 2**10, ".1f"))  # fmt: skip
+    for unit, scale, form in units:
         if abs(n) >= scale:
-            return f"{n / scale:,.{2 if unit == 'GiB' else 1}f} {unit}"
+            return f"{n / scale:{form}} {unit}"
     return f"{n:.0f} B"
 
 
