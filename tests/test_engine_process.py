@@ -152,6 +152,8 @@ def test_an_engine_stuck_in_a_step_fails_its_requests_and_the_worker_exits_one(s
     assert p.proc.wait(30) == 1  # for the supervisor to restart it
     assert wait_until(lambda: not alive(engine), 10)  # its memory is freed for the restart
     assert "reporting NOT_SERVING" in p.log.read_text()
+    # The limit in force was said at start-up.
+    assert "watchdog: a step running past 1s counts as the engine stuck" in p.log.read_text()
 
 
 def test_an_engine_that_takes_up_no_request_fails_the_worker(spawn, model_dir):

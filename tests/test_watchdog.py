@@ -19,6 +19,7 @@ def clock(monkeypatch):
 def test_a_step_may_take_three_times_the_slowest_step_expected_or_seen(clock):
     turns = TurnTimes()
     turns.may_take(10.0)  # the slowest step the scheduler plans
+    assert turns.limit(5.0) == 30.0 and turns.limit(45.0) == 45.0  # (the start-up log says it)
     turns.next()
     clock[0] += 29.0
     assert turns.overdue(5.0) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -19,6 +20,8 @@ from smg_mlx.engine.types import CacheStats, Failure, Memory, SpeculationStats, 
 UNSTARTED_AT_STOP = (
     "the worker is shutting down and this request had no token yet: send it to another worker"
 )
+log = logging.getLogger(__name__)
+
 # How often the watchdog looks at the engine's turns (`EngineClient._watch`).
 WATCH_SECONDS = 0.5
 
@@ -203,6 +206,13 @@ class EngineClient:
         if not self._ready.done():
             self._ready.set_result(None)
         if self._watchdog_seconds > 0:
+            limit = self._turns.limit(self._watchdog_seconds)
+            log.info(
+                "watchdog: a step running past %.0fs counts as the engine stuck "
+                "(--watchdog-seconds %g%s)", limit, self._watchdog_seconds,
+                "" if limit <= self._watchdog_seconds
+                else "; three times the slowest step expected, a full prefill chunk, is longer",
+            )  # fmt: skip
             self._loop.call_later(WATCH_SECONDS, self._watch)
 
     def _watch(self) -> None:

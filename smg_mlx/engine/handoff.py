@@ -194,13 +194,19 @@ class TurnTimes:
             times[self._SLOWEST] = max(times[self._SLOWEST], time.monotonic() - since)
             times[self._SINCE] = 0.0
 
+    def limit(self, least: float) -> float:
+        """How long a turn may run before it counts as stuck: `least` seconds,
+        or three times the slowest turn expected or seen, whichever is more."""
+        _, expected, slowest, _ = self._times[:]
+        return max(least, 3 * max(slowest, expected))
+
     def overdue(self, least: float, handed_over: float | None = None) -> Overdue | None:
         """Where the engine is stuck, how long for and the limit it passed: a
         turn under way, or a request `handed_over` at that time (monotonic)
         with no turn begun since, for longer than `least` seconds or three
         times the slowest turn expected or seen, whichever is more."""
-        since, expected, slowest, began = self._times[:]
-        limit = max(least, 3 * max(slowest, expected))
+        since, _, _, began = self._times[:]
+        limit = self.limit(least)
         now = time.monotonic()
         if since and now - since > limit:
             return Overdue(now - since, limit, turn=True)
