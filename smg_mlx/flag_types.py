@@ -6,6 +6,7 @@ argparse.ArgumentTypeError, which argparse reports with the flag's name.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import re
 from collections.abc import Callable
@@ -217,7 +218,19 @@ def host(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"expected a host name or address (such as 127.0.0.1), got {text!r}"
         )
+    if ":" in name and not _ipv6(name):  # (a port, as in 127.0.0.1:50051)
+        raise argparse.ArgumentTypeError(
+            f"expected a host name or address without a port (give the port with --port), "
+            f"got {text!r}"
+        )
     return name
+
+
+def _ipv6(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).version == 6
+    except ValueError:
+        return False
 
 
 MOST_TIMEOUT = 86_400

@@ -192,3 +192,9 @@ def test_a_probe_told_no_host_is_refused_as_told_wrong():
     done = health(free_port(), "--host", "")
     assert done.returncode == 2
     assert "--host: expected a host name or address (such as 127.0.0.1), got ''" in done.stderr
+    # Nor one given a port in its --host (it probed "[127.0.0.1:50075]:50051", exit 1).
+    done = health(free_port(), "--host", "127.0.0.1:50075")
+    assert done.returncode == 2
+    assert "address without a port (give the port with --port), got '127.0.0.1:50075'" in (
+        done.stderr
+    )

@@ -51,10 +51,11 @@ def test_only_the_metrics_path_answers(metered):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
         assert err.value.code == 404, path
-    # An uptime check's HEAD: the headers GET has, no body.
+    # An uptime check's HEAD: the headers GET has, the body's length among them, no body.
     head = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD")
     with urllib.request.urlopen(head, timeout=5) as answer:
         assert answer.status == 200 and answer.headers["Content-Type"].startswith("text/plain")
+        assert int(answer.headers["Content-Length"]) > 1000
         assert answer.read() == b""
 
 

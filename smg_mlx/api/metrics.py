@@ -180,9 +180,13 @@ class Metrics:
             if environ.get("PATH_INFO") == "/metrics":
                 if environ.get("REQUEST_METHOD") != "HEAD":
                     return metrics(environ, start_response)
-                # An uptime check's HEAD: GET's status and headers, no body
-                # (prometheus_client answers it 405).
-                list(metrics({**environ, "REQUEST_METHOD": "GET"}, start_response))
+                # An uptime check's HEAD: GET's status and headers, its length
+                # included, no body (prometheus_client answers it 405).
+                said: list = []
+                body = b"".join(metrics({**environ, "REQUEST_METHOD": "GET"},
+                                        lambda *answer: said.extend(answer[:2])))  # fmt: skip
+                status, headers = said
+                start_response(status, [*headers, ("Content-Length", str(len(body)))])
                 return []
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found: the metrics are at /metrics\n"]
