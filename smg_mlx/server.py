@@ -36,6 +36,8 @@ from smg_mlx.stop_signals import stop_signals
 log = logging.getLogger(__name__)
 
 ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_name
+# Tokens a request may have, below which the start-up says so as a warning.
+FEW_TOKENS = 512
 # The reflection service's name since gRPC made it stable: v1alpha's messages, field for field.
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 HEALTH_NAMES = ("", ENGINE_SERVICE)  # "" is the whole server, as Kubernetes probes ask
@@ -389,11 +391,13 @@ class Worker:
         if self.config.engine.pipeline and self.engine.ranks == 1:  # a launcher of one rank
             log.warning("--pipeline does nothing: the model runs whole in this one process")
         longest = self.engine.longest_sequence
-        log.info(
+        short = longest < min(info.context_length, FEW_TOKENS)  # hardly a chat's: worth a warning
+        (log.warning if short else log.info)(
             "one request may have up to %d tokens of prompt and output (%s)",
             min(longest, info.context_length),
-            "the model's context" if info.context_length <= longest else "what memory holds",
-        )
+            "the model's context" if info.context_length <= longest
+            else "what memory holds" + ("; --memory-budget gives more" if short else ""),
+        )  # fmt: skip
         await self._set_health(SERVING)
         self.serving = True
         logging.getLogger(READY).info(
@@ -519,12 +523,12 @@ class Worker:
                 counted(refused, "request"),
             )
         grace = self.config.shutdown_grace_seconds
-        log.info(
-            "shutting down: %s in flight, waiting up to %gs",
-            # (those turned away still count until their calls end, after this)
-            counted(servicer.active_requests - refused, "request"),
-            grace,
-        )
+        # (those turned away still count until their calls end, after this)
+        in_flight = counted(servicer.active_requests - refused, "request")
+        if self.engine.state is EngineState.FAILED:  # its requests end with it, now
+            log.info("shutting down: %s in flight end with the engine", in_flight)
+        else:
+            log.info("shutting down: %s in flight, waiting up to %gs", in_flight, grace)
         deadline = time.monotonic() + grace
         while servicer.active_requests and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)

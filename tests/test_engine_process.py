@@ -80,6 +80,8 @@ def test_a_killed_engine_fails_its_requests_and_the_worker_exits_one(spawn, mode
     said = p.log.read_text()
     assert "the engine process was killed by SIGKILL" in said
     assert "asked again to stop" not in said  # the first signal is the first request
+    # No grace is waited for: what was in flight ended with the engine.
+    assert "in flight end with the engine" in said and "waiting up to" not in said
 
 
 def test_ctrl_c_in_a_terminal_drains_and_exits_zero(model_dir, tmp_path):

@@ -210,6 +210,8 @@ def test_at_a_stop_requests_waiting_for_a_place_go_to_another_worker_at_once(spa
     assert "shutting down: 1 request in flight" in log  # the running one alone
     ends = re.findall(r"request done .* finish_reason=(\w+)", log)
     assert sorted(ends) == ["length", "shutdown", "shutdown"], ends
+    # Those turned away had no first token: their lines give no time to it.
+    assert "ttft_ms=None" not in log and log.count("ttft_ms=") == 1
 
 
 def test_sigterm_under_load_ends_every_stream_cleanly(spawn, model_dir):

@@ -119,6 +119,13 @@ def test_the_start_up_names_the_longest_request_of_context_and_memory(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"prompts must be at most {longest - 1} tokens" in err.value.details()
     assert len(generate(tight.stub, prompt(longest - 1), max_tokens=1).tokens) == 1
+    # Memory that holds hardly a chat's worth is a warning that says what gives more.
+    caplog.clear()
+    few = start_worker(model_dir, memory_budget_bytes=weights + (1 << 20)).worker.engine
+    assert few.longest_sequence < 512
+    (line,) = [r for r in caplog.records if "one request may have up to" in r.getMessage()]
+    assert line.levelno == logging.WARNING
+    assert line.getMessage().endswith("(what memory holds; --memory-budget gives more)")
 
 
 def test_the_start_up_says_where_the_memory_budget_comes_from(start_worker, model_dir, caplog):

@@ -48,7 +48,8 @@ def request_ended(job: Job, outcome: str) -> None:
         "duration_ms": round((job.ended_at - job.arrived_at) * 1000, 1),
         "finish_reason": outcome,
     }
-    text = " ".join(f"{k}={_value(v)}" for k, v in fields.items())
+    # (no ttft_ms where no token came: JSON's fields say null)
+    text = " ".join(f"{k}={_value(v)}" for k, v in fields.items() if v is not None)
     log.info("request done %s", text, extra={"fields": fields})
 
 
