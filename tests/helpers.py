@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import mlx.core as mx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -307,3 +309,11 @@ def remembered_files(tmp_path: Path, folder: str) -> list[Path]:
     """What a worker started by the `restart` fixture remembered in `folder`
     of its cache folder (engine.remembered)."""
     return sorted((tmp_path / "cache" / folder).glob("*.json"))
+
+
+def memory_in_use() -> int:
+    """MLX's memory in use in this process now: a worker's engine runs here
+    beside other tests' models and caches, and its peak counts them too, so
+    what it takes of its budget is its peak above this, read before it starts."""
+    gc.collect()
+    return mx.get_active_memory()

@@ -35,7 +35,7 @@ from smg_mlx.engine.types import Request
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.logs import format_bytes
 
-from helpers import generate, prompt, serve, wait_until
+from helpers import generate, memory_in_use, prompt, serve, wait_until
 
 A = prompt(400, 1)  # longer than the disk tier's minimum
 PROMPTS = [prompt(n, i) for i, n in enumerate((3, 40, 130, 300))]
@@ -663,8 +663,7 @@ def test_a_prompt_as_long_as_a_quantized_worker_takes_stays_within_its_budget(
     # where the model is slow), measured afresh.
     monkeypatch.setattr(memory_probe, "_seconds_per_token", lambda *args: 1e-6)
     budget = 24 << 20
-    # MLX counts this process's memory: arrays other tests left alive in it are not the worker's.
-    others = mx.get_active_memory()
+    others = memory_in_use()
     w = start_worker(model, kv_bits=bits, memory_budget_bytes=budget, prompt_cache_bytes=0,
                      prompt_cache_dir=tmp_path / "cache")  # fmt: skip
     longest = w.worker.engine.longest_sequence
