@@ -31,7 +31,7 @@ from bench.kv_formats import (
 from bench.long_prompts import run_long_prompts
 from bench.mixed import Mixed, format_mixed, run_mixed
 from bench.runner import Options, progress, run_all
-from bench.speculation import KINDS, Speculation, run_speculation
+from bench.speculation import DEFAULT_KINDS, KINDS, Speculation, run_speculation
 from bench.speculation import format_table as format_speculation
 from bench.workload import SHORT, Workload, parse_levels
 from smg_mlx import model_files
@@ -215,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculation-draft", metavar="self|SHAPE",
                    help="proposals from a draft model (--speculation): the model itself, or a "
                    "random model of a --shape (default: prompt lookup)")  # fmt: skip
-    p.add_argument("--speculation-kinds", default=",".join(KINDS),
-                   help="the workloads to run (--speculation)")  # fmt: skip
+    p.add_argument("--speculation-kinds", default=",".join(DEFAULT_KINDS),
+                   help=f"the workloads to run (--speculation), of {','.join(KINDS)}")  # fmt: skip
     p.add_argument("--chat-tokens", type=int, default=64, help="a chat's prompt (--mixed)")
     p.add_argument("--chat-gen-tokens", type=int, default=32, help="a chat's answer (--mixed)")
     p.add_argument("--chat-interval", type=_seconds, default=1.0, help="seconds (--mixed)")

@@ -31,7 +31,7 @@ from bench import workers
 from bench.grpc_client import closed_loop
 from bench.long_prompts import default_worker
 from bench.model import SHAPES, ensure_model
-from bench.speculation import KINDS, temperature
+from bench.speculation import DEFAULT_KINDS, temperature
 from bench.workload import Workload
 
 _NODE = re.compile(r'"graph_(\d+)_node_(\d+)"\[[^\]]*?label="(.*?)"\];', re.S)
@@ -94,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.cuda_graphs", description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--speculative", default="off", help="the worker's --speculative")
-    parser.add_argument("--kind", choices=KINDS, default="right")
+    parser.add_argument("--kind", choices=DEFAULT_KINDS, default="right")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--requests", type=int, default=8, help="timed requests")
     parser.add_argument("--gen-tokens", type=int, default=64)

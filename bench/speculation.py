@@ -13,6 +13,10 @@ the bench's random models behave, and the table reports what was measured:
   and what they find is wrong. This is what speculation costs where it
   cannot help.
 - half: every other stream each way, in one batch.
+- again: greedy, each timed prompt asked once before (untimed), so the prefix
+  cache holds its answer and the drafter proposes the rest of it: proposals
+  right in full, as where a client retries or regenerates. Both workers see
+  the same cache hits; only the one that speculates proposes from them.
 
 With `--speculation-draft` the proposals come from a draft model instead:
 `self` (the model as its own draft: greedy proposals always right, sampled
@@ -34,7 +38,8 @@ from bench.runner import progress, steps_so_far
 from bench.stats import RequestRecord
 from bench.workload import Workload
 
-KINDS = ("right", "wrong", "half")
+KINDS = ("right", "wrong", "half", "again")
+DEFAULT_KINDS = KINDS[:3]  # "again" is asked for by name: it runs its prompts twice
 
 
 def counters(drafter: str) -> tuple[str, ...]:
@@ -66,26 +71,29 @@ def stream_rates(records: Iterable[RequestRecord], kind: str) -> dict[str, list[
 @dataclass(frozen=True)
 class Speculation:
     levels: tuple[int, ...]
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = DEFAULT_KINDS
     rounds: int = 3
     setting: str = "auto"  # --speculative of the worker that speculates
     draft: Path | None = None  # its --draft-model (None: prompt lookup)
 
 
 def _round(address: str, port: int, workload: Workload, kind: str, c: int, first: int,
-           tag: str) -> tuple:  # fmt: skip
-    """Warm-up, then the timed requests: (tokens, seconds, errors, and the
-    worker's steps, their seconds and their rows meanwhile), and the streams'
-    rates (`stream_rates`)."""
+           tag: str, counted: tuple[str, ...]) -> tuple:  # fmt: skip
+    """Warm-up, then the timed requests: (tokens, seconds, errors, the
+    worker's steps, their seconds and their rows, and its `counted` counters,
+    over the timed requests), and the streams' rates (`stream_rates`)."""
     warm, timed = workload.warmup(c), workload.requests(c)
     hot = partial(temperature, kind)
     asyncio.run(closed_loop(address, workload, c, range(first, first + warm), tag, hot))
     span = range(first + warm, first + warm + timed)
-    before = steps_so_far(port) or (0.0, 0.0, 0.0)
+    if kind == "again":
+        asyncio.run(closed_loop(address, workload, c, span, f"{tag}-first", hot))
+    before = [*(steps_so_far(port) or (0.0, 0.0, 0.0)), *metrics(port, *counted)]
     records, wall = asyncio.run(closed_loop(address, workload, c, span, tag, hot))
-    steps = [b - a for a, b in zip(before, steps_so_far(port) or before, strict=True)]
+    after = [*(steps_so_far(port) or before[:3]), *metrics(port, *counted)]
+    changes = [(b or 0) - (a or 0) for a, b in zip(before, after, strict=True)]
     errors = sum(r.error is not None for r in records)
-    return (sum(r.tokens for r in records), wall, errors, *steps), stream_rates(records, kind)
+    return (sum(r.tokens for r in records), wall, errors, *changes), stream_rates(records, kind)
 
 
 def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload: Workload,
@@ -104,23 +112,19 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
         workers = {"off": (off, off_metrics), "on": (on, on_metrics)}
         for kind in spec.kinds:
             for c in spec.levels:
-                # tokens, seconds, errors; steps, their seconds and rows
-                figures = {"off": [0, 0.0, 0, 0, 0.0, 0], "on": [0, 0.0, 0, 0, 0.0, 0]}
+                # tokens, seconds, errors; steps, their seconds and rows; the counters
+                figures = {name: [0.0] * (6 + len(counted)) for name in workers}
                 streams: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
-                before = metrics(on_metrics, *counted)
                 for r in range(spec.rounds):
                     for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
                         worker, port = workers[name]
                         got, rates = _round(worker.address, port, workload, kind, c, first,
-                                            f"{kind}-{c}-{r}")  # fmt: skip
+                                            f"{kind}-{c}-{r}", counted)  # fmt: skip
                         figures[name] = [a + b for a, b in zip(figures[name], got, strict=True)]
                         for how, seen in rates.items():
                             streams[name].setdefault(how, []).extend(seen)
                     first += workload.warmup(c) + workload.requests(c)
-                after = metrics(on_metrics, *counted)
-                proposed, accepted, passes, tokens = (
-                    (b or 0) - (a or 0) for a, b in zip(before, after, strict=True)
-                )
+                proposed, accepted, passes, tokens = figures["on"][6:]
                 row = {
                     "kind": kind, "concurrency": c,
                     "off_tok_s": figures["off"][0] / figures["off"][1],
@@ -140,7 +144,7 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
                     for how, rate in row["on_stream_tok_s"].items()
                     if how in row["off_stream_tok_s"]
                 }
-                for name, (_, wall, _, steps, seconds, rows_stepped) in figures.items():
+                for name, (_, wall, _, steps, seconds, rows_stepped, *_) in figures.items():
                     # Where the time goes: steps (passes, their syncs) or between them
                     # (the engine's work on each step's tokens, admissions, waiting).
                     row[f"{name}_steps"] = steps

@@ -36,7 +36,7 @@ def nothing_ran(work: Path) -> bool:
         (["--speculation", "--speculation-draft", "nonsense"],
          "--speculation-draft: self or a shape (llama-8b, qwen3-0.6b"),
         (["--speculation", "--speculation-kinds", "right,bogus"],
-         "--speculation-kinds: each of right, wrong, half; not bogus"),
+         "--speculation-kinds: each of right, wrong, half, again; not bogus"),
         (["--agent", "--agent-settings", "default,2gib"], "not 2gib"),
         (["--kv-formats", "16", "--kv-parts", "decode,speed"], "not speed"),
         (["--followups", "4096,-1"], "--followups: positive integers"),
