@@ -543,6 +543,24 @@ def test_checking_runs_at_the_width_that_pays_most_as_the_batch_turns_compute_bo
     assert late[8] >= 70, late
 
 
+def test_once_proposals_turn_right_checking_is_tried_at_the_widest_width_again(paced):
+    """Proposals wrong at first (a conversation that did not repeat itself)
+    make every width lose, down to the narrowest; once they turn right (the
+    answer asked for again) the wide passes that now pay most are found, not
+    only the narrowest that lost before (at 16 streams on the GPU checking
+    stayed at one proposal a stream while eight were right)."""
+    _, clock, _ = paced
+    pacing = Pacing(most=8)
+    plain = (0.010, 8)  # 800 tokens a second
+    wrong = {w: (0.030, 9) for w in (8, 4, 2, 1)}
+    ran = [run_widths(pacing, clock, 8, plain, wrong) for _ in range(120)]
+    assert [w for w in ran if w][:4] == [8, 4, 2, 1]
+    right = {8: (0.014, 72), 4: (0.013, 40), 2: (0.013, 10), 1: (0.012, 9)}
+    ran = [run_widths(pacing, clock, 8, plain, right) for _ in range(400)]
+    late = Counter(ran[300:])
+    assert late[8] >= 70, late
+
+
 @pytest.mark.parametrize("drafter", ["prompt lookup", "draft model"])
 def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals(drafter):
     """A block's width is the most proposals a row has checked in one pass

@@ -17,7 +17,8 @@ A wider pass keeps more of a row's right proposals, and costs more once
 the device computes rather than waits: the width checking runs at is the
 one measured best, its neighbours timed now and then (every PROBE checking
 blocks); a width that loses to plain passes gives way to the next narrower
-one, tried when a losing checking run would be.
+one, tried when a losing checking run would be; once none is left to try, the
+next trial starts again from the widest, the measures before it forgotten.
 Checking pays only where it is fair too: rows with nothing right to propose
 make a token a pass whatever their neighbours do, and a checking pass costs
 more than a plain one (it waits for the one before, and is wider), so a
@@ -413,7 +414,19 @@ class Pacing:
             return False  # the last trial's cost is not yet a small share of the time since
         self._waited[size] = 0
         self._retry[size] = min(2 * retry, MOST_RETRY if not wins else MOST_PLAIN_RETRY)
+        if not wins and self._current(size) is not None:
+            self._forget_widths(size)  # (else the trial tries a narrower width first)
         return not wins
+
+    def _forget_widths(self, size: int) -> None:
+        """A trial after checking lost at every width it could try starts from
+        the widest again, its measures at `size` forgotten: they date from
+        proposals as they were (a width that lost to wrong ones would never be
+        tried once they are right)."""
+        for key in [key for key in self._checking if key[0] == size]:
+            del self._checking[key]
+        self._width.pop(size, None)
+        self._probe.pop(size, None)
 
 
 def _lost(block: Block, seconds: float, plain: _Average) -> float:
