@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,7 +156,10 @@ def test_an_engine_stuck_in_a_step_fails_its_requests_and_the_worker_exits_one(s
     assert wait_until(lambda: not alive(engine), 10)  # its memory is freed for the restart
     assert "reporting NOT_SERVING" in p.log.read_text()
     # The limit in force was said at start-up.
-    assert "watchdog: a step running past 1s counts as the engine stuck" in p.log.read_text()
+    # (A loaded machine's slowest step expected may make it longer than asked.)
+    said = re.search(r"watchdog: a step running past ([\d.]+)s counts as the engine stuck "
+                     r"\(--watchdog-seconds 1[;)]", p.log.read_text())  # fmt: skip
+    assert said is not None and float(said[1]) >= 1
 
 
 def test_an_engine_that_takes_up_no_request_fails_the_worker(spawn, model_dir):

@@ -208,7 +208,7 @@ class EngineClient:
         if self._watchdog_seconds > 0:
             limit = self._turns.limit(self._watchdog_seconds)
             log.info(
-                "watchdog: a step running past %.0fs counts as the engine stuck "
+                "watchdog: a step running past %.3gs counts as the engine stuck "
                 "(--watchdog-seconds %g%s)", limit, self._watchdog_seconds,
                 "" if limit <= self._watchdog_seconds
                 else "; three times the slowest step expected, a full prefill chunk, is longer",

@@ -414,15 +414,18 @@ class Pacing:
             return False  # the last trial's cost is not yet a small share of the time since
         self._waited[size] = 0
         self._retry[size] = min(2 * retry, MOST_RETRY if not wins else MOST_PLAIN_RETRY)
-        if not wins and self._current(size) is not None:
-            self._forget_widths(size)  # (else the trial tries a narrower width first)
+        # (A narrower width not measured yet is tried first; at the widest the
+        # trial's measure joins those before it, which hold the lining up of
+        # rows that ended apart, charged when a checking run ends.)
+        if not wins and self._current(size) is not None and self._at(size) != self._widths[-1]:
+            self._forget_widths(size)
         return not wins
 
     def _forget_widths(self, size: int) -> None:
-        """A trial after checking lost at every width it could try starts from
-        the widest again, its measures at `size` forgotten: they date from
-        proposals as they were (a width that lost to wrong ones would never be
-        tried once they are right)."""
+        """A trial after checking lost at every width it could try, down to a
+        narrower one, starts from the widest again, its measures at `size`
+        forgotten: they date from proposals as they were (a width that lost to
+        wrong ones would never be tried once they are right)."""
         for key in [key for key in self._checking if key[0] == size]:
             del self._checking[key]
         self._width.pop(size, None)
