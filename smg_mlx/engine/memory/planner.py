@@ -123,9 +123,8 @@ class MemoryPlanner:
         sequence's context (0 without a draft)."""
         if not self.model.draft_width:
             return 0.0
-        context = max((s.length for s in costs), default=0) + CATCH_UP_TOKENS
-        width = self.model.draft_width * self.safety
-        return width * pass_bytes(self.model, CATCH_UP_TOKENS, context)
+        context = max((s.length for s in costs), default=0)
+        return draft_pass_bytes(self.model, CATCH_UP_TOKENS, context, self.safety)
 
     def need(self, costs: list[Cost], chunk: int | None = None, extra: int = 0) -> float:
         """Bytes the costs need, prefix cache aside but for `extra` bytes of
@@ -181,6 +180,12 @@ def pass_bytes(model: MemoryModel, tokens: int, context: int) -> float:
     attending to `context` (padded by up to a pass: the keys it copies)."""
     per_token = model.prefill_per_token + model.prefill_per_context * context
     return tokens * per_token + model.prefill_row_per_key * (context + tokens)
+
+
+def draft_pass_bytes(model: MemoryModel, tokens: int, context: int, safety: float) -> float:
+    """A draft model's catch-up pass: `tokens` after `context`, at its width
+    (`MemoryModel.draft_width`) times `safety`."""
+    return model.draft_width * safety * pass_bytes(model, tokens, context + tokens)
 
 
 def _lanes(costs: Iterable[Cost]) -> tuple[list[Cost], list[Cost]]:

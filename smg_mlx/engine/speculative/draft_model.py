@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from smg_mlx.engine.memory.costs import MemoryModel
-from smg_mlx.engine.memory.planner import SAFETY, pass_bytes
+from smg_mlx.engine.memory.planner import SAFETY, draft_pass_bytes
 from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
 from smg_mlx.engine.types import LayerCaches
 
@@ -52,7 +52,7 @@ class CatchUp:
     tokens attending to c holds scores for n x c pairs in each head, so at a
     long context a full chunk can take several times the memory budget. Its
     working set is estimated as the model's own prefill's (the start-up
-    probe's, `engine.memory.planner.pass_bytes`) times how much wider the
+    probe's, `engine.memory.planner.draft_pass_bytes`) times how much wider the
     draft is, and kept within the bytes the step's plan leaves spare (`room`,
     where the prefix cache leaves a pass of CATCH_UP_TOKENS room): halved
     until it fits, down to SMALLEST_CATCH_UP (a row always gains ground)."""
@@ -74,11 +74,9 @@ class CatchUp:
 
     def bytes(self, n: int, context: int) -> float:
         """A pass's working set: `n` tokens after `context`."""
-        m = self._memory
-        if m is None:
+        if self._memory is None:
             return 0.0
-        width = m.draft_width * SAFETY
-        return width * pass_bytes(m, n, context + n)
+        return draft_pass_bytes(self._memory, n, context, SAFETY)
 
 
 def wider(draft: nn.Module, model: nn.Module) -> float:
