@@ -8,6 +8,7 @@ must not change whether a prefix came from memory, from disk or was prefilled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import json
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
@@ -35,7 +37,7 @@ from smg_mlx.engine.prefix_cache.disk_folder import Folder
 from smg_mlx.engine.prefix_cache.folder_contents import file_name
 from smg_mlx.engine.schedule.bursts import BurstGatherer
 
-from helpers import generate, prompt, wait_until
+from helpers import generate, prompt, request, wait_until
 
 # Longer than the disk tier's minimum, and the tiny model prefills them in milliseconds.
 A = prompt(400, 1)
@@ -601,6 +603,46 @@ def test_an_idle_engine_waiting_on_slow_writes_sleeps(start_worker, model_dir, t
         assert len(turns) - before < 20
     finally:
         stuck.set()
+
+
+def test_writes_costing_more_than_a_hit_saves_wait_while_requests_run(
+    start_worker, model_dir, tmp_path, monkeypatch, caplog
+):
+    """Copying an entry out for its write costs the engine thread, between
+    steps; where that outweighs the prefill a hit would save, a running stream
+    would pay it for nothing: such writes wait until no request runs."""
+    export = kv_files.export
+
+    def slow_export(*args, **kwargs):  # as a large entry on a slow host would be
+        time.sleep(0.2)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(kv_files, "export", slow_export)
+    monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
+    caplog.set_level(logging.INFO, "smg_mlx")
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    long = w.stub.Generate(request(prompt(16, 9), max_tokens=2000, ignore_eos=True), timeout=60)
+    streamed, ended = [], threading.Event()
+
+    def read() -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for response in long:
+                streamed.append(response)
+        ended.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert wait_until(lambda: streamed, 10)
+    generate(w.stub, prompt(400, 1), max_tokens=4)
+    assert wait_until(lambda: len(files(tmp_path)) == 1, 10)  # its cost not known yet: written
+    for key in (2, 3):
+        generate(w.stub, prompt(400, key), max_tokens=4)
+    time.sleep(0.5)  # both due, the stream still running
+    waited = len(files(tmp_path))
+    assert not ended.is_set(), "the long stream ended before the check: make it longer"
+    long.cancel()
+    assert waited == 1
+    assert wait_until(lambda: len(files(tmp_path)) >= 3, 10)  # once no request runs
+    assert len(logged(caplog, "wait for an idle moment")) == 1
 
 
 def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(

@@ -24,6 +24,7 @@ class PrefixCalls:
     # kept once that step's report is out (`keep_ended`).
     _ended: list[tuple[Sequence[int], RowCache, Pace | None]]
     _shared: SharedBlocks  # blocks of rows copied out together, and the memory they hold
+    size: int  # requests admitted to the batch (`Batch.size`)
 
     @property
     def prefix_cache_bytes(self) -> int:
@@ -50,7 +51,7 @@ class PrefixCalls:
     def tend_prefixes(self) -> bool:
         """The prefix cache's work between steps (its disk tier); whether it
         changed anything."""
-        return self.prefixes is not None and self.prefixes.tick()
+        return self.prefixes is not None and self.prefixes.tick(busy=self.size > 0)
 
     @property
     def prefixes_busy(self) -> bool:

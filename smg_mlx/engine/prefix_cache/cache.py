@@ -178,9 +178,10 @@ class PrefixCache:
         if self.disk is not None:
             self.disk.spill(gone)
 
-    def tick(self) -> bool:
-        """A turn of the engine loop: the disk tier's work (see `DiskTier.tick`)."""
-        return self.disk is not None and self.disk.tick(self.memory)
+    def tick(self, busy: bool) -> bool:
+        """A turn of the engine loop (`busy`: with requests running): the disk
+        tier's work (see `DiskTier.tick`)."""
+        return self.disk is not None and self.disk.tick(self.memory, busy)
 
     def due(self) -> float | None:
         """Seconds until the disk tier has work again (None: none waits)."""

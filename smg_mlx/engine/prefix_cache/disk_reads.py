@@ -62,10 +62,12 @@ class DiskReads:
 
     def _worth(self, entry: Entry, context: int = 0) -> bool:
         """Whether reading `entry` back beats prefilling its tokens after `context`."""
+        return entry.length - context >= MIN_TOKENS and self._saving(entry, context) > 0
+
+    def _saving(self, entry: Entry, context: int = 0) -> float:
+        """Seconds reading `entry` back saves against prefilling its tokens after `context`."""
         tokens = entry.length - context
-        return tokens >= MIN_TOKENS and self.read_seconds(entry.nbytes) < self.prefill_seconds(
-            tokens, context
-        )
+        return self.prefill_seconds(tokens, context) - self.read_seconds(entry.nbytes)
 
     def fetch(self, prompt: Sequence[int], cached: int, room: int) -> Read | None:
         """Start (or join) reading back the file that holds more of `prompt`

@@ -12,7 +12,10 @@ also decides which file to read back).
   without a newer one replacing it (a conversation's next turn replaces its
   last within seconds: that one is never written), one the memory tier drops
   for room (a spill), and at a graceful stop whatever is left; only where
-  reading it back would be faster than prefilling its tokens again.
+  reading it back would be faster than prefilling its tokens again, and,
+  while requests run, where a hit would repay what the write costs the
+  engine thread (`engine.prefix_cache.write_costs`; the others wait for an
+  idle turn).
 - **What is read back.** The entry holding more of a prompt than memory does,
   where reading it (and copying it into MLX) beats prefilling the difference,
   and where memory has room for it. The worker knows its prefill speed from
@@ -55,6 +58,7 @@ from smg_mlx.engine.prefix_cache.disk_reads import FIRST_COPY_RATE, DiskReads
 from smg_mlx.engine.prefix_cache.folder_contents import file_name
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.prefix_cache.token_tree import Entry, TokenTree
+from smg_mlx.engine.prefix_cache.write_costs import WriteCosts
 from smg_mlx.logs import counted, format_bytes
 
 log = logging.getLogger(__name__)
@@ -69,6 +73,8 @@ MAX_QUEUED_WRITES = 4
 SPILL_BACKLOG = 1 << 30
 # After a write fails, none starts for this long.
 RETRY_SECONDS = 10.0
+# Entries waiting for an idle turn to be written, at most (the oldest go first).
+DEFERRED_MOST = 4096
 
 
 @dataclass
@@ -121,6 +127,10 @@ class DiskTier(DiskReads):
         self._read_rate = 0.0  # measured when the folder opens
         self._copy_rate = float(FIRST_COPY_RATE)
         self._candidates: deque[tuple[float, int]] = deque()  # (kept at, memory entry id)
+        # Candidates whose write would not pay while requests run, for an idle turn.
+        self._deferred: deque[tuple[float, int]] = deque(maxlen=DEFERRED_MOST)
+        self._busy = False  # requests were running at this turn's `tick`
+        self._costs = WriteCosts()
         self._writes: dict[str, Write] = {}  # by file name, queued or under way
         self._exported: list[Write] = []  # started this turn: handed to the folder next turn
         self._reads: dict[str, Read] = {}  # by file name
@@ -156,11 +166,12 @@ class DiskTier(DiskReads):
         """Seconds until the next write falls due (None: none waits)."""
         if self._exported:
             return 0.0
-        if not self.open or not self._candidates or self._remaking:
+        if not self.open or self._remaking or not (self._candidates or self._deferred):
             return None  # (a folder being made again wakes the engine when it is)
         if len(self._writes) >= MAX_QUEUED_WRITES:
             return None  # until a write ends, which wakes the engine
-        due = max(self._candidates[0][0] + WRITE_AFTER, self._retry_at or 0.0)
+        since = self._deferred[0][0] if self._deferred else self._candidates[0][0]
+        due = max(since + WRITE_AFTER, self._retry_at or 0.0)
         return max(0.0, due - time.monotonic())
 
     @property
@@ -168,9 +179,14 @@ class DiskTier(DiskReads):
         """Memory held by writes whose entries have left memory, until they are done."""
         return sum(w.nbytes for w in self._writes.values() if w.entry is None)
 
-    def tick(self, memory: MemoryTier) -> bool:
+    def tick(self, memory: MemoryTier, busy: bool) -> bool:
         """Take in what the threads finished, go on copying read entries into
-        memory, and start the writes now due; whether anything changed."""
+        memory, and start the writes now due (`busy`: with requests running,
+        those that pay for themselves alone); whether anything changed."""
+        self._busy = busy
+        if not busy and self._deferred:  # older than every candidate: first
+            self._candidates.extendleft(reversed(self._deferred))
+            self._deferred.clear()
         self._hand_over()
         finished = self._folder.finished()
         changed = bool(self._copying or finished)
@@ -249,6 +265,7 @@ class DiskTier(DiskReads):
         log.warning("prompt cache: %s; serving on with the memory tier alone", why)
         self.off, self.open = True, False
         self._candidates.clear()
+        self._deferred.clear()
 
     def _index(
         self, tokens: tuple[int, ...], name: str, size: int, trimmable: bool,
@@ -286,6 +303,10 @@ class DiskTier(DiskReads):
         held = entry.value
         if held.written or not self._worth(entry):
             return False
+        if self._busy and not self._costs.pays(self._saving(entry)):
+            if in_memory:
+                self._deferred.append((held.since, entry.id))
+            return False
         tokens = TokenTree.tokens(entry)
         name = file_name(tokens)
         if name in self._writes or self._covered(tokens, entry.trimmable):
@@ -295,9 +316,11 @@ class DiskTier(DiskReads):
             return room is None
         # An entry kept WRITE_AFTER ago was evaluated long since; one dropped
         # for room may have been kept this turn.
+        began = time.perf_counter()
         header, arrays = kv_files.export(held.cache, entry.length, entry.trimmable, in_memory)
         self._started_bytes += header.data_bytes
         write = Write(name, tokens, header, arrays, entry if in_memory else None)
+        write.engine_seconds, write.busy = time.perf_counter() - began, self._busy
         self._writes[name] = write
         self._exported.append(write)
         return False
@@ -310,7 +333,9 @@ class DiskTier(DiskReads):
         the running step, and the device would idle while the engine thread
         prepares the next."""
         for write in self._exported:
+            began = time.perf_counter()
             write.views = kv_files.buffers(write.arrays)
+            write.engine_seconds += time.perf_counter() - began
             self._folder.write(write)
         self._exported.clear()
 
@@ -370,7 +395,10 @@ class DiskTier(DiskReads):
                 log.warning("prompt cache: cannot delete %s: %s", write.name, write.error)
             return
         del self._writes[write.name]
+        began = time.perf_counter()
         write.arrays = []  # released here, on the engine thread
+        if write.busy:
+            self._costs.measured(write.engine_seconds + time.perf_counter() - began)
         if write.cancelled and not write.size:
             return
         if write.error is not None:
@@ -427,8 +455,10 @@ class DiskTier(DiskReads):
         disk yet, until `until()` (a time.monotonic(), asked as it goes; None:
         nothing); then let the threads go."""
         began = time.monotonic()
+        self._busy = False  # (what is left is written now, whatever it costs)
         if self.open and until is not None and until() > began:
             self._candidates.clear()
+            self._deferred.clear()
             entries, started = list(memory.tree), 0
             for entry in entries:
                 self._drain(memory, until, MAX_QUEUED_WRITES - 1)
