@@ -85,9 +85,7 @@ class Write:
         self.size = 0  # the file's length, once written
         self.seconds = 0.0
         self.error: Exception | None = None
-        # The engine thread's time on it (`write_costs`), and whether requests ran then.
-        self.engine_seconds = 0.0
-        self.busy = False
+        self.engine_seconds = 0.0  # the engine thread's time on it (`write_costs`)
 
 
 class Read:

@@ -320,7 +320,7 @@ class DiskTier(DiskReads):
         header, arrays = kv_files.export(held.cache, entry.length, entry.trimmable, in_memory)
         self._started_bytes += header.data_bytes
         write = Write(name, tokens, header, arrays, entry if in_memory else None)
-        write.engine_seconds, write.busy = time.perf_counter() - began, self._busy
+        write.engine_seconds = time.perf_counter() - began
         self._writes[name] = write
         self._exported.append(write)
         return False
@@ -397,8 +397,7 @@ class DiskTier(DiskReads):
         del self._writes[write.name]
         began = time.perf_counter()
         write.arrays = []  # released here, on the engine thread
-        if write.busy:
-            self._costs.measured(write.engine_seconds + time.perf_counter() - began)
+        self._costs.measured(write.engine_seconds + time.perf_counter() - began)
         if write.cancelled and not write.size:
             return
         if write.error is not None:

@@ -6,9 +6,10 @@ copies) and freed on the engine thread, between steps. On a fast accelerator
 that takes longer than prefilling a short entry again, and a worker serving a
 stream of new prompts would spend a third of its time writing entries no hit
 could repay. So while requests run, an entry goes to disk only where one hit
-on it saves WRITE_PAYBACK times what a write costs, as the writes made while
-requests ran measured; the rest wait for a turn with none running (an entry
-dropped from memory meanwhile is not written).
+on it saves WRITE_PAYBACK times what a write costs, as the latest writes
+measured (those made while idle too: an estimate that only the writes it lets
+through could lower would stick where one write was slow); the rest wait for a
+turn with none running (an entry dropped from memory meanwhile is not written).
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ WEIGHT = 0.3
 
 
 class WriteCosts:
-    """A write's engine-thread seconds while requests run, as measured."""
+    """A write's engine-thread seconds, as measured."""
 
     def __init__(self) -> None:
         self.seconds: float | None = None  # None: not measured yet (a write pays)
         self._said = False
 
     def measured(self, seconds: float) -> None:
-        """A write made while requests ran took `seconds` of the engine thread."""
+        """A write took `seconds` of the engine thread."""
         self.seconds = (
             seconds if self.seconds is None else self.seconds + WEIGHT * (seconds - self.seconds)
         )
