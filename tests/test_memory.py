@@ -77,10 +77,40 @@ def test_a_full_prefix_cache_leaves_a_draft_model_room_to_catch_up():
     catch_up.measured(drafted.model)
     # What a step leaves free with the prefix cache full (as the scheduler plans it).
     full = drafted.prefix_allowance(streams)
-    catch_up.room = drafted.budget - drafted.need(streams, drafted.max_chunk) - full
+    free = drafted.budget - drafted.need(streams, drafted.max_chunk) - full
+    catch_up.room = free / drafted.safety
     assert catch_up.tokens(6000, 2048) >= CATCH_UP_TOKENS
     catch_up.room = 0  # work took it all: the draft still gains ground, slowly
     assert 0 < catch_up.tokens(6000, 2048) < CATCH_UP_TOKENS
+
+
+def test_after_an_out_of_memory_step_a_draft_catches_up_within_the_wider_margin_too():
+    """An out-of-memory step widens the planner's margin on every estimate; a
+    draft catching up on a long prompt takes it as well, else its passes would
+    fail again where everything else now fits."""
+    from dataclasses import replace
+
+    from smg_mlx.engine.memory.costs import PrefillSpeed
+    from smg_mlx.engine.memory.planner import draft_pass_bytes
+    from smg_mlx.engine.schedule.scheduler import Running, Scheduler
+    from smg_mlx.engine.speculative.draft_model import CatchUp
+
+    drafted = MemoryPlanner(replace(MODEL, draft_width=0.5), 300 * MIB, max_chunk=2048,
+                            prefill_rows=8)  # fmt: skip
+    scheduler = Scheduler(drafted, PrefillSpeed(4e-5, 4e-9), batch_size=8, prefill_rows=8,
+                          step_seconds=0.1)  # fmt: skip
+    streams = [Running(Cost(6000, 6500, 0), 0, 6000)]
+    catch_up = CatchUp()
+    catch_up.measured(drafted.model)
+    passes = []
+    for _ in range(3):
+        catch_up.room = scheduler.schedule(streams, 0).spare_bytes
+        n = catch_up.tokens(6000, 2048)
+        free = drafted.budget - drafted.need([s.cost for s in streams], drafted.max_chunk)
+        assert draft_pass_bytes(drafted.model, n, 6000, drafted.safety) <= free
+        passes.append(n)
+        drafted.learn()
+    assert passes[-1] < passes[0]  # (the margin did bind)
 
 
 def test_a_prompt_from_a_cached_prefix_counts_only_the_rest_as_prefill():

@@ -387,8 +387,8 @@ class Batch(PrefixCalls):
         after the short one, `early` gets the short lane's events first (the
         list returned begins with them): a chat's first token and a stream's
         next one need not wait for a long prompt's chunks. `spare`: the
-        bytes the step's plan leaves free, which a draft model catching up
-        may take."""
+        working set the step's plan leaves room for (`Plan.spare_bytes`),
+        which a draft model catching up may take."""
         if self._lanes.drafting is not None:
             self._lanes.drafting.catch_up.room = spare
         held = self._rows.lanes()

@@ -93,7 +93,7 @@ class Plan:
     wanted: tuple[int, ...] = ()  # prefix-cache entries requests still waiting reuse
     expected_seconds: float = 0.0  # how long the step should take
     prefill_bytes: float = 0.0  # the step's prefill working set (estimated)
-    spare_bytes: float = 0.0  # what the step leaves free of the budget (estimated)
+    spare_bytes: float = 0.0  # what the step leaves free of the budget, as a working set
     waiting_for_memory: int = 0  # requests seen waiting for memory alone
 
 
@@ -202,7 +202,9 @@ class Scheduler:
             wanted=wanted,
             expected_seconds=self.steps.planned_seconds(),
             prefill_bytes=self.planner.prefill_bytes(costs, max((chunk, *long_chunks))),
-            spare_bytes=max(0.0, spare - min(prefix_bytes, allowance)),
+            # (before the planner's margin, which an out-of-memory step widens:
+            # a draft's catch-up pass measured against it takes the margin too)
+            spare_bytes=max(0.0, spare - min(prefix_bytes, allowance)) / self.planner.safety,
             waiting_for_memory=for_memory,
         )
 

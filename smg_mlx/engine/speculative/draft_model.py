@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from smg_mlx.engine.memory.costs import MemoryModel
-from smg_mlx.engine.memory.planner import SAFETY, draft_pass_bytes
+from smg_mlx.engine.memory.planner import draft_pass_bytes
 from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
 from smg_mlx.engine.types import LayerCaches
 
@@ -58,7 +58,9 @@ class CatchUp:
     until it fits, down to SMALLEST_CATCH_UP (a row always gains ground)."""
 
     def __init__(self) -> None:
-        self.room = math.inf  # bytes the step's plan leaves spare
+        # What the step's plan leaves spare, as a working set (the planner's
+        # margin, which an out-of-memory step widens, taken off).
+        self.room = math.inf
         self._memory: MemoryModel | None = None  # None: not measured, nothing bounds it
 
     def measured(self, memory: MemoryModel) -> None:
@@ -76,7 +78,7 @@ class CatchUp:
         """A pass's working set: `n` tokens after `context`."""
         if self._memory is None:
             return 0.0
-        return draft_pass_bytes(self._memory, n, context, SAFETY)
+        return draft_pass_bytes(self._memory, n, context, safety=1.0)
 
 
 def wider(draft: nn.Module, model: nn.Module) -> float:
