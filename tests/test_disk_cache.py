@@ -605,12 +605,11 @@ def test_an_idle_engine_waiting_on_slow_writes_sleeps(start_worker, model_dir, t
         stuck.set()
 
 
-def test_writes_costing_more_than_a_hit_saves_wait_while_requests_run(
-    start_worker, model_dir, tmp_path, monkeypatch, caplog
-):
-    """Copying an entry out for its write costs the engine thread, between
-    steps; where that outweighs the prefill a hit would save, a running stream
-    would pay it for nothing: such writes wait until no request runs."""
+def _writes_waiting_behind_a_stream(start_worker, model_dir, tmp_path, monkeypatch, **settings):
+    """A worker whose writes cost more than a hit would save (a slow export),
+    a long stream running on it, and the entries of three prompts asked
+    meanwhile: the first written (its cost not known yet), two waiting. The
+    worker, the stream's call, and an event set when the stream ends."""
     export = kv_files.export
 
     def slow_export(*args, **kwargs):  # as a large entry on a slow host would be
@@ -619,8 +618,7 @@ def test_writes_costing_more_than_a_hit_saves_wait_while_requests_run(
 
     monkeypatch.setattr(kv_files, "export", slow_export)
     monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
-    caplog.set_level(logging.INFO, "smg_mlx")
-    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path, **settings)
     long = w.stub.Generate(request(prompt(16, 9), max_tokens=2000, ignore_eos=True), timeout=60)
     streamed, ended = [], threading.Event()
 
@@ -633,16 +631,41 @@ def test_writes_costing_more_than_a_hit_saves_wait_while_requests_run(
     threading.Thread(target=read, daemon=True).start()
     assert wait_until(lambda: streamed, 10)
     generate(w.stub, prompt(400, 1), max_tokens=4)
-    assert wait_until(lambda: len(files(tmp_path)) == 1, 10)  # its cost not known yet: written
+    assert wait_until(lambda: len(files(tmp_path)) == 1, 10)
     for key in (2, 3):
         generate(w.stub, prompt(400, key), max_tokens=4)
     time.sleep(0.5)  # both due, the stream still running
-    waited = len(files(tmp_path))
     assert not ended.is_set(), "the long stream ended before the check: make it longer"
+    return w, long, ended
+
+
+def test_writes_costing_more_than_a_hit_saves_wait_while_requests_run(
+    start_worker, model_dir, tmp_path, monkeypatch, caplog
+):
+    """Copying an entry out for its write costs the engine thread, between
+    steps; where that outweighs the prefill a hit would save, a running stream
+    would pay it for nothing: such writes wait until no request runs."""
+    caplog.set_level(logging.INFO, "smg_mlx")
+    _, long, _ = _writes_waiting_behind_a_stream(start_worker, model_dir, tmp_path, monkeypatch)
+    waited = len(files(tmp_path))
     long.cancel()
     assert waited == 1
     assert wait_until(lambda: len(files(tmp_path)) >= 3, 10)  # once no request runs
     assert len(logged(caplog, "wait for an idle moment")) == 1
+
+
+def test_entries_a_stop_leaves_no_time_to_write_are_said(
+    start_worker, model_dir, tmp_path, monkeypatch, caplog
+):
+    """A stream that runs through the whole grace leaves the stop no time to
+    write what waited: the entries it could not write are said all the same."""
+    w, _, _ = _writes_waiting_behind_a_stream(
+        start_worker, model_dir, tmp_path, monkeypatch, shutdown_grace_seconds=0.1
+    )
+    with caplog.at_level(logging.WARNING, "smg_mlx"):
+        assert w.stop() == 0
+    said = logged(caplog, "not written to disk")
+    assert len(said) == 1 and "took all of --shutdown-grace-seconds" in said[0], said
 
 
 def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(

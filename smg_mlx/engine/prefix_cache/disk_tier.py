@@ -455,9 +455,10 @@ class DiskTier(DiskReads):
         nothing); then let the threads go."""
         began = time.monotonic()
         self._busy = False  # (what is left is written now, whatever it costs)
-        if self.open and until is not None and until() > began:
+        if self.open and until is not None:
             self._candidates.clear()
             self._deferred.clear()
+            given = until() - began  # none where the requests in flight took the grace
             entries, started = list(memory.tree), 0
             for entry in entries:
                 self._drain(memory, until, MAX_QUEUED_WRITES - 1)
@@ -468,12 +469,16 @@ class DiskTier(DiskReads):
             self._drain(memory, until, 0)
             # Those the time given left unwritten (others were not worth it,
             # or not to be written: covered, too large, no room).
-            late = entries[started:]
-            left = len(self._writes) + sum(not e.value.written and self._worth(e) for e in late)
-            if left:
-                log.warning("prompt cache: %s not written to disk in the %.1fs given",
-                            counted(left, "entry", "entries"),
-                            time.monotonic() - began)  # fmt: skip
+            left = sum(not e.value.written and self._worth(e) for e in entries[started:])
+            if left or self._writes:
+                log.warning(
+                    "prompt cache: %s not written to disk %s%s",
+                    counted(left + len(self._writes), "entry", "entries"),
+                    f"in the {time.monotonic() - began:.1f}s given" if given > 0 else
+                    "(the requests in flight took all of --shutdown-grace-seconds)",
+                    f"; {len(self._writes)} of them begun, which may yet end" if self._writes
+                    else "",
+                )  # fmt: skip
         self._folder.close(release_lock=not self._writes)
 
     def _drain(self, memory: MemoryTier, until: Callable[[], float], most: int) -> None:

@@ -45,7 +45,8 @@ class WriteCosts:
             self._said = True
             log.info(
                 "prompt cache: while requests run, entries whose hit saves under %gx what a "
-                "write costs the engine (%.1f ms, measured; this one %.1f ms) wait for an idle "
-                "moment to go to disk", WRITE_PAYBACK, 1e3 * self.seconds, 1e3 * saving,
+                "write costs the engine wait for an idle moment to go to disk (a write costs "
+                "%.1f ms, measured; a hit on this entry would save %.1f ms of prefill)",
+                WRITE_PAYBACK, 1e3 * self.seconds, 1e3 * saving,
             )  # fmt: skip
         return False
