@@ -20,7 +20,7 @@ from smg_mlx.config import EngineConfig, ServerConfig
 from smg_mlx.demo_model import build_model
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
-from smg_mlx.server import Worker
+from smg_mlx.server import StartupError, Worker
 
 from family_models import FAMILIES, build_family_models
 from helpers import Process
@@ -115,6 +115,49 @@ def worker_config(model: Path, **overrides) -> ServerConfig:
     engine = {k: overrides.pop(k) for k in list(overrides) if hasattr(EngineConfig, k)}
     base = ServerConfig(engine=EngineConfig(model_path=model), port=0)
     return replace(base, engine=replace(base.engine, **engine), **overrides)
+
+
+@pytest.fixture
+def refused(caplog, capfd):
+    """Start a worker in-process that must refuse to start, for tests of what is
+    refused rather than of the process (a subprocess costs seconds; a served one
+    is test_startup_errors' test_an_unknown_model_family_is_one_line): the
+    StartupError whose message `serve` logs as its error line and whose exit code
+    it ends with (server.run). Checked as test_startup_errors' `one_error` checks a
+    process's log: the refusal is the only error, on one line, and nothing printed
+    a traceback."""
+    from transformers.utils import logging as transformers_logging
+
+    async def start(config: ServerConfig) -> StartupError:
+        worker = Worker(config)
+        try:
+            await worker.start()
+        except StartupError as refusal:
+            worker.engine.stop()  # (as server.run does)
+            return refusal
+        await worker.shutdown()
+        pytest.fail(f"a worker on {config.engine.model_path} started")
+
+    def run(model: Path, **overrides) -> StartupError:
+        caplog.clear()
+        # transformers' warnings are not the worker's: its command line silences them
+        # (TRANSFORMERS_VERBOSITY, read at import: too late here).
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
+        loop = asyncio.new_event_loop()
+        try:
+            refusal = loop.run_until_complete(start(worker_config(model, **overrides)))
+        finally:
+            loop.close()
+            transformers_logging.set_verbosity(verbosity)
+        printed = capfd.readouterr().err
+        assert "\n" not in str(refusal), str(refusal)
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors and not any(r.exc_info for r in caplog.records), errors
+        assert "Traceback" not in printed, printed
+        return refusal
+
+    return run
 
 
 @pytest.fixture

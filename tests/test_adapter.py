@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from smg_mlx.demo_model import build_model
 
-from helpers import generate, prompt, serve
+from helpers import generate, prompt
 
 RANK = 4
 
@@ -53,22 +53,23 @@ def test_an_adapter_changes_what_the_model_says(start_worker, model_dir, tmp_pat
     assert before != after
 
 
-def test_an_adapter_made_for_another_model_is_refused_for_good(model_dir, tmp_path):
+def test_an_adapter_made_for_another_model_is_refused_for_good(model_dir, tmp_path, refused):
     wide_model = build_model(tmp_path / "m128", ["--hidden-size", "128"])
     wider = write_adapter(tmp_path / "wider", wide_model)
     no_config = write_adapter(tmp_path / "no-config", model_dir)
     (no_config / "adapter_config.json").write_text("{}")
     for adapter in (wider, no_config):
-        code, lines = serve("--model", str(model_dir), "--adapter-path", str(adapter),
-                            "--port", "0")  # fmt: skip
+        refusal = refused(model_dir, adapter_path=adapter)
         # 2: a restart cannot cure it (a supervisor stops trying).
-        assert code == 2, lines
-        assert f"--adapter-path {adapter} does not fit {model_dir}" in lines[-1]
+        assert refusal.exit_code == 2, refusal
+        assert f"--adapter-path {adapter} does not fit {model_dir}" in str(refusal)
 
 
-def test_an_adapter_whose_weights_cannot_be_read_is_named(model_dir, tmp_path):
+def test_an_adapter_whose_weights_cannot_be_read_is_named(model_dir, tmp_path, refused):
     adapter = write_adapter(tmp_path / "adapter", model_dir)
     (adapter / "adapters.safetensors").write_bytes(b"not weights" * 10)
-    code, lines = serve("--model", str(model_dir), "--adapter-path", str(adapter), "--port", "0")
-    assert code == 1
-    assert lines[-1].endswith("(the adapter's weights file cannot be read: write or copy it again)")
+    refusal = refused(model_dir, adapter_path=adapter)
+    assert refusal.exit_code == 1
+    assert str(refusal).endswith(
+        "(the adapter's weights file cannot be read: write or copy it again)"
+    )

@@ -21,8 +21,8 @@ from smg_mlx.health_check import probe
 
 from helpers import NOT_SERVING, collect, generate, model_copy, prompt, request, wait_until
 
-# More with SOAK_EXIT_CYCLES (make soak runs 200).
-CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "5"))
+# More with SOAK_EXIT_CYCLES (make soak runs 200); 4 take each signal with and without traffic.
+CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "4"))
 
 
 def test_start_stop_cycles_always_exit_zero(spawn, model_dir):
@@ -69,9 +69,10 @@ def test_a_thread_that_ran_mlx_never_spoils_the_exit_code():
         )
         return done.returncode
 
+    # A plain exit aborted 11 runs of 40: 24 runs miss that but once in a few thousand.
     with ThreadPoolExecutor(2) as pool:
-        codes = list(pool.map(run, range(40)))
-    assert codes == [0] * 40
+        codes = list(pool.map(run, range(24)))
+    assert codes == [0] * 24
 
 
 @pytest.fixture
@@ -151,16 +152,16 @@ def test_a_signal_while_the_command_line_imports_exits_zero_quietly(tmp_path, si
     assert "Traceback" not in proc.stderr.read()
 
 
-def test_a_second_worker_on_a_taken_port_exits_one(spawn, model_dir, tmp_path):
-    first = spawn("--model", str(model_dir))
-    first.wait_serving()
+def test_a_second_worker_on_a_taken_port_exits_one(start_worker, model_dir, tmp_path):
+    first = start_worker(model_dir)  # (in-process: the second's exit is what is tested)
+    port = first.worker.port
     second = subprocess.run(
         [sys.executable, "-m", "smg_mlx", "serve", "--model", str(model_dir),
-         "--port", str(first.port)],
+         "--port", str(port)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert second.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{first.port}: port {first.port} is in use" in second.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: port {port} is in use" in second.stderr
     assert "Failed to add port" not in second.stderr  # gRPC's own line, before ours
     # The first still owns the port and serves.
     assert len(generate(first.stub, prompt(4), max_tokens=2).tokens) == 2

@@ -4,6 +4,7 @@ else 1 with a one-line reason on stderr."""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ import pytest
 from test_security import self_signed
 
 from bench.workers import free_port
+from smg_mlx.logs import READY
 
 from docs import README, section
 from helpers import wait_until
@@ -46,13 +48,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_exit_zero_only_while_serving(spawn, model_dir):
+# The workers probed run in-process (the probe, the command under test, does not).
+def test_exit_zero_only_while_serving(start_worker, model_dir):
     port = free_port()
     command = [sys.executable, "-c", NEVER_READY, "serve", "--model", str(model_dir)]
     loading = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.DEVNULL)
     try:
-        serving = spawn("--model", str(model_dir))
-        serving.wait_serving()
+        serving = start_worker(model_dir)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             grpc.channel_ready_future(channel).result(60)
         probe = health(port)
@@ -65,63 +67,65 @@ def test_exit_zero_only_while_serving(spawn, model_dir):
     said = re.search(r"prints `([^`]*NOT_SERVING)` on stderr", section(README, "## Quick start"))
     assert said is not None and said[1].replace("50051", str(port)) + "\n" == probe.stderr
 
-    probe = health(serving.port)
+    port = serving.worker.port
+    probe = health(port)
     assert (probe.returncode, probe.stdout, probe.stderr) == (0, "SERVING\n", "")
     # Not through a proxy that a unit sets for its downloads (this one is down).
     proxy = f"http://127.0.0.1:{free_port()}"
     proxied = {**os.environ, "http_proxy": proxy, "https_proxy": proxy, "grpc_proxy": proxy}
-    probe = health(serving.port, env=proxied)
+    probe = health(port, env=proxied)
     assert (probe.returncode, probe.stdout) == (0, "SERVING\n"), probe.stderr
 
     assert serving.stop() == 0
-    probe = health(serving.port)
+    probe = health(port)
     assert probe.returncode == 1
-    assert probe.stderr.startswith(f"cannot check 127.0.0.1:{serving.port}: UNAVAILABLE")
+    assert probe.stderr.startswith(f"cannot check 127.0.0.1:{port}: UNAVAILABLE")
     assert probe.stderr.count("\n") == 1
 
 
-def test_tls(spawn, model_dir, tmp_path):
+def test_tls(start_worker, model_dir, tmp_path):
     cert, key, _ = self_signed(tmp_path)
-    p = spawn("--model", str(model_dir), "--tls-cert", str(cert), "--tls-key", str(key))
-    assert wait_until(lambda: health(p.port, "--tls-ca", str(cert)).returncode == 0, 60)
-    plaintext = health(p.port)
+    port = start_worker(model_dir, tls_cert=cert, tls_key=key).worker.port
+    assert wait_until(lambda: health(port, "--tls-ca", str(cert)).returncode == 0, 60)
+    plaintext = health(port)
     assert plaintext.returncode == 1
     # gRPC's own reason is "Socket closed": the probe finds out what is wrong.
     assert plaintext.stderr == (
-        f"127.0.0.1:{p.port} serves TLS: pass --tls-ca with the certificate to trust\n"
+        f"127.0.0.1:{port} serves TLS: pass --tls-ca with the certificate to trust\n"
     )
     # TLS asked of a plaintext worker: the reason, on one line (gRPC logs none of its own).
-    plain = spawn("--model", str(model_dir))
-    assert wait_until(lambda: health(plain.port).returncode == 0, 60)
-    mismatched = health(plain.port, "--tls-ca", str(cert))
+    plain = start_worker(model_dir).worker.port
+    assert wait_until(lambda: health(plain).returncode == 0, 60)
+    mismatched = health(plain, "--tls-ca", str(cert))
     assert mismatched.returncode == 1
-    assert mismatched.stderr == f"127.0.0.1:{plain.port} serves plaintext: leave out --tls-ca\n"
+    assert mismatched.stderr == f"127.0.0.1:{plain} serves plaintext: leave out --tls-ca\n"
     # A certificate the worker's is not: said so, on one line.
     (tmp_path / "other").mkdir()
     other, _, _ = self_signed(tmp_path / "other")
-    untrusted = health(p.port, "--tls-ca", str(other))
+    untrusted = health(port, "--tls-ca", str(other))
     assert untrusted.returncode == 1
     assert untrusted.stderr.startswith(
-        f"cannot check 127.0.0.1:{p.port}: its certificate is not one --tls-ca {other} trusts"
+        f"cannot check 127.0.0.1:{port}: its certificate is not one --tls-ca {other} trusts"
     )
     assert len(untrusted.stderr.splitlines()) == 1, untrusted.stderr
     # The probe told wrong: 2, which no restart of the worker cures.
     for wrong, said in ((tmp_path / "none.pem", "No such file"), (key, "holds no PEM certificate")):
-        told = health(p.port, "--tls-ca", str(wrong))
+        told = health(port, "--tls-ca", str(wrong))
         assert told.returncode == 2 and said in told.stderr, told.stderr
 
 
-def test_an_ipv6_address_is_served_and_probed_bare_or_in_brackets(spawn, model_dir):
+def test_an_ipv6_address_is_served_and_probed_bare_or_in_brackets(start_worker, model_dir, caplog):
     try:
         with socket.socket(socket.AF_INET6) as s:
             s.bind(("::1", 0))
     except OSError:
         pytest.skip("this machine has no IPv6 loopback")
     metrics = free_port()
-    worker = spawn("--model", str(model_dir), "--host", "::1", "--metrics-port", str(metrics))
-    assert wait_until(lambda: health(worker.port, "--host", "::1").returncode == 0, 60)
-    assert health(worker.port, "--host", "[::1]").returncode == 0
-    assert f"on [::1]:{worker.port}, ready in" in worker.log.read_text()
+    caplog.set_level(logging.INFO, READY)
+    port = start_worker(model_dir, host="::1", metrics_port=metrics).worker.port
+    assert wait_until(lambda: health(port, "--host", "::1").returncode == 0, 60)
+    assert health(port, "--host", "[::1]").returncode == 0
+    assert f"on [::1]:{port}, ready in" in caplog.text
     with urllib.request.urlopen(f"http://[::1]:{metrics}/metrics", timeout=10) as page:
         assert b"smg_mlx_" in page.read()
 

@@ -315,22 +315,19 @@ def test_chats_beside_long_streams_start_while_they_are_short(
         assert all(len(stream.result().tokens) == grow for stream in streams)
 
 
-def test_a_budget_below_the_model_is_refused_at_start(spawn, model_dir):
-    p = spawn("--model", str(model_dir), "--memory-budget", "1KB")
-    assert p.proc.wait(60) == 2  # a flag to fix: no supervisor should restart it
-    log = p.log.read_text()
-    assert "cannot hold the model: its weights alone take" in log
-    assert "raise --memory-budget" in log and "Traceback" not in log
+def test_a_budget_below_the_model_is_refused_at_start(refused, model_dir):
+    refusal = refused(model_dir, memory_budget_bytes=1000)
+    assert refusal.exit_code == 2  # a flag to fix: no supervisor should restart it
+    assert "cannot hold the model: its weights alone take" in str(refusal)
+    assert "raise --memory-budget" in str(refusal)
 
 
-def test_a_budget_that_holds_the_model_but_no_request_is_refused_as_a_flag(spawn, model_dir):
+def test_a_budget_that_holds_the_model_but_no_request_is_refused_as_a_flag(refused, model_dir):
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    p = spawn("--model", str(model_dir), "--memory-budget", str(weights + 1024))
-    assert p.proc.wait(60) == 2  # a restart cannot cure it
-    log = p.log.read_text()
-    assert "does not hold the model" in log
-    assert "and one short request: raise --memory-budget" in log
-    assert "Traceback" not in log
+    refusal = refused(model_dir, memory_budget_bytes=weights + 1024)
+    assert refusal.exit_code == 2  # a restart cannot cure it
+    assert "does not hold the model" in str(refusal)
+    assert "and one short request: raise --memory-budget" in str(refusal)
 
 
 OUT_OF_MEMORY = RuntimeError("[metal::malloc] Unable to allocate 8589934592 bytes")

@@ -134,15 +134,15 @@ def test_running_and_queued_gauges(start_worker, model_dir):
     assert scrape(port)[("smg_mlx_requests_total", (("finish_reason", "cancelled"),))] == 3
 
 
-def test_metrics_port_in_use_is_a_clear_start_up_error(spawn, model_dir):
+def test_metrics_port_in_use_is_a_clear_start_up_error(refused, model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        p = spawn("--model", str(model_dir), "--metrics-port", str(port))
-        assert p.proc.wait(60) == 1
-    assert f"cannot listen on 127.0.0.1:{port}: port {port} is in use" in p.log.read_text()
-    assert "choose another --metrics-port" in p.log.read_text()
+        refusal = refused(model_dir, metrics_port=port)
+        assert refusal.exit_code == 1
+    assert f"cannot listen on 127.0.0.1:{port}: port {port} is in use" in str(refusal)
+    assert "choose another --metrics-port" in str(refusal)
 
 
 def test_one_log_line_per_request_with_its_id_and_counts(worker, caplog):

@@ -111,12 +111,15 @@ def one_process_outputs(start_worker, model: Path, **sampling) -> list[list[int]
     [("llama", ()), ("qwen3", ()), ("qwen2", ("--pipeline",))],
     ids=["llama tensor parallel", "qwen3 tensor parallel", "qwen2 pipeline"],
 )
-def test_two_ranks_give_one_process_output(start_ranks, start_worker, models, family, flags):
+def test_two_ranks_give_one_process_output(
+    start_ranks, start_worker, models, family, flags, tmp_path
+):
     expected = one_process_outputs(start_worker, models[family])
     # Random weights drawn too small repeat one token: equality would prove nothing.
     assert all(len(set(tokens)) > 1 for tokens in expected)
     assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS)
-    ranks = start_ranks("--model", str(models[family]), *flags)
+    ranks = start_ranks("--model", str(models[family]), *flags, env=watch_init(tmp_path))
+    assert loaded_at_init(tmp_path) == {rank: [] for rank in range(RANKS)}
     assert outputs(ranks.stub) == expected
     split = "pipeline" if flags else "tensor parallel"
     assert f"the model split over 2 ranks ({split})" in ranks.leader.log.read_text()
@@ -163,24 +166,26 @@ sys.meta_path.insert(0, WatchInit())
 """
 
 
-def test_every_rank_joins_its_group_before_loading_what_can_bring_another_nccl(
-    start_ranks, models, tmp_path
-):
-    # On CUDA, importing MLX loads libnccl, unless the process has loaded one
-    # already: PyTorch brings its own, and transformers (so the tokenizer and
-    # mlx-lm) may import PyTorch. Ranks that load different builds cannot connect.
+def watch_init(tmp_path: Path) -> dict[str, str]:
+    """The environment that puts WATCH_INIT on the ranks' path. Every rank must
+    join its group before loading what can bring another NCCL: on CUDA, importing
+    MLX loads libnccl, unless the process has loaded one already: PyTorch brings
+    its own, and transformers (so the tokenizer and mlx-lm) may import PyTorch.
+    Ranks that load different builds cannot connect."""
     watch = tmp_path / "watch"
     watch.mkdir()
     (watch / "sitecustomize.py").write_text(WATCH_INIT)
     path = [str(watch), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {"PYTHONPATH": os.pathsep.join(path), "INIT_WATCH": str(tmp_path / "init-rank-")}
-    start_ranks("--model", str(models["llama"]), env=env)
-    # What each rank had loaded when it first called mx.distributed.init.
-    loaded = {
+    return {"PYTHONPATH": os.pathsep.join(path), "INIT_WATCH": str(tmp_path / "init-rank-")}
+
+
+def loaded_at_init(tmp_path: Path) -> dict[int, list[str]]:
+    """What each rank started with watch_init had loaded when it first called
+    mx.distributed.init."""
+    return {
         rank: json.loads((tmp_path / f"init-rank-{rank}").read_text().splitlines()[0])
         for rank in range(RANKS)
     }
-    assert loaded == {rank: [] for rank in range(RANKS)}
 
 
 def test_two_ranks_on_one_gpu_are_refused_with_where_they_are():
@@ -189,7 +194,7 @@ def test_two_ranks_on_one_gpu_are_refused_with_where_they_are():
     assert shared_gpu(places).startswith("ranks 2, 3 all run on GPU GPU-1 of host-b: give each")
 
 
-def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process(
+def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process_then_sigterm_drains(
     start_ranks, start_worker, models
 ):
     model = models["llama"]
@@ -202,7 +207,8 @@ def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process(
     expected_hit = generate(single.stub, long_prompt + [7, 8], max_tokens=12)
     single.stop()
 
-    ranks = start_ranks("--model", str(model), "--metrics-port", str(metrics := free_port()))
+    ranks = start_ranks("--model", str(model), "--metrics-port", str(metrics := free_port()),
+                        "--shutdown-grace-seconds", "30")  # fmt: skip
     stub = ranks.stub
     # An abort mid-stream and a client that leaves, beside requests that go on.
     aborted = stub.Generate(request(PROMPTS[1], request_id="ab", max_tokens=1500), timeout=60)
@@ -234,6 +240,12 @@ def test_aborts_cancels_seeds_cache_hits_and_refusals_as_one_process(
     # the ranks still give one process's output.
     assert generate(stub, PROMPTS[3], max_tokens=24, ignore_eos=True).tokens == expected_plain
     assert ranks.ranks[1].proc.poll() is None
+    # SIGTERM to rank 0 drains a stream in flight, then stops every rank.
+    call = stub.Generate(request(PROMPTS[0], max_tokens=40, ignore_eos=True), timeout=60)
+    next(call)
+    ranks.leader.proc.send_signal(signal.SIGTERM)
+    assert collect(call).complete.finish_reason == "length"  # drained, not cut
+    assert [r.proc.wait(30) for r in ranks.ranks] == [0, 0]
 
 
 def test_a_model_that_cannot_be_split_so_is_refused_on_every_rank(start_ranks, models, tmp_path):
@@ -251,15 +263,6 @@ def test_a_model_that_cannot_be_split_so_is_refused_on_every_rank(start_ranks, m
         said = rank.log.read_text()
         assert "llama cannot be split tensor parallel over 2 ranks (" in said, said
         assert "start a number of ranks its sizes divide by" in said
-
-
-def test_sigterm_to_rank_0_drains_then_stops_every_rank(start_ranks, models):
-    ranks = start_ranks("--model", str(models["llama"]), "--shutdown-grace-seconds", "30")
-    call = ranks.stub.Generate(request(PROMPTS[0], max_tokens=40, ignore_eos=True), timeout=60)
-    next(call)
-    ranks.leader.proc.send_signal(signal.SIGTERM)
-    assert collect(call).complete.finish_reason == "length"  # drained, not cut
-    assert [r.proc.wait(30) for r in ranks.ranks] == [0, 0]
 
 
 def test_kill_9_of_the_follower(start_ranks, models):

@@ -3,6 +3,7 @@ and however large its payload, the worker keeps answering everyone else."""
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import threading
@@ -29,9 +30,7 @@ GENERATE = "/mlx.grpc.engine.MlxEngine/Generate"
 @pytest.fixture(scope="module")
 def wide_model_dir(models_root: Path) -> Path:
     """A Qwen-sized vocabulary: room for lists of 150,000 token ids."""
-    return build_model(
-        models_root / "tiny-vocab152k", ["--vocab-size", str(QWEN_VOCAB)]
-    )
+    return build_model(models_root / "tiny-vocab152k", ["--vocab-size", str(QWEN_VOCAB)])
 
 
 def test_vocabulary_sized_stop_sets_and_biases_are_refused_naming_the_flag(
@@ -108,21 +107,24 @@ def test_health_answers_at_once_while_large_requests_arrive(spawn, model_dir):
     assert len(codes) == 30 and all("--max-stop-token-ids" in c for c in codes), codes
 
 
-def test_a_request_limit_too_small_for_the_context_is_named_at_start_up(spawn, model_dir):
-    small = spawn("--model", str(model_dir), "--max-request-bytes", "64KiB")
-    small.wait_serving()
-    said = [line for line in small.log.read_text().splitlines() if "--max-request-bytes" in line]
-    assert len(said) == 1 and "WARNING" in said[0], said
+def test_a_request_limit_too_small_for_the_context_is_named_at_start_up(
+    start_worker, model_dir, caplog
+):
+    caplog.set_level(logging.INFO, "smg_mlx")
+    start_worker(model_dir, limits=RequestLimits(max_request_bytes=64 << 10))
+    records = [r for r in caplog.records if "--max-request-bytes" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelname == "WARNING", caplog.text
+    said = records[0].getMessage()
     # What a whole-context prompt takes (a plain one fits in 64 KiB: no claim
     # that nothing fits), and the size that takes it whatever else the request
     # carries, which then says nothing.
-    takes = re.search(r"whole context \((\d+) tokens\) takes about (\d+) bytes", said[0])
+    takes = re.search(r"whole context \((\d+) tokens\) takes about (\d+) bytes", said)
     assert takes is not None and 0 < int(takes.group(2)) < 64 << 10, said
-    fix = re.search(r"set --max-request-bytes (\d+KiB)", said[0])
+    fix = re.search(r"set --max-request-bytes (\d+KiB)", said)
     assert fix is not None, said
-    enough = spawn("--model", str(model_dir), "--max-request-bytes", fix.group(1))
-    enough.wait_serving()
-    assert "--max-request-bytes" not in enough.log.read_text()
+    caplog.clear()
+    start_worker(model_dir, limits=RequestLimits(max_request_bytes=int(fix.group(1)[:-3]) << 10))
+    assert "--max-request-bytes" not in caplog.text
 
 
 def test_counts_in_refusals_are_said_in_the_singular_for_one(start_worker, model_dir):

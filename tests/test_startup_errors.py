@@ -51,7 +51,7 @@ def qwen2_dir(models_root: Path) -> Path:
     ("family", "kept"), [("llama", ()), ("qwen2", ()), ("llama", ("tokenizer_config.json",))]
 )
 def test_a_model_directory_without_a_tokenizer_is_refused(
-    family, kept, model_dir, qwen2_dir, tmp_path
+    family, kept, model_dir, qwen2_dir, tmp_path, refused
 ):
     # transformers fails for a llama, and builds an empty tokenizer for a qwen2; with
     # only the tokenizer's config, it asks for a library to convert files that are not there.
@@ -60,9 +60,9 @@ def test_a_model_directory_without_a_tokenizer_is_refused(
     weights_only.mkdir()
     for name in ("config.json", "model.safetensors", *kept):
         (weights_only / name).symlink_to(source / name)
-    code, lines = serve("--model", str(weights_only), "--port", "0")
-    assert code == 2
-    assert f"{weights_only} has no tokenizer" in one_error(lines)
+    why = refused(weights_only)
+    assert why.exit_code == 2
+    assert f"{weights_only} has no tokenizer" in str(why)
 
 
 def test_an_unknown_model_family_is_one_line(model_dir, tmp_path):
@@ -89,37 +89,64 @@ def test_model_families_mlx_lm_serves_under_another_name_are_taken(model_dir, tm
         ("no model_type", "{model}/config.json names no model_type"),
         ("model_type 5", "{model}/config.json gives model_type as 5, not a family's name"),
         ("settings missing", "cannot build the model {model}/config.json describes (TypeError"),
-        ("generation list", "{model}/generation_config.json holds a JSON list, not an object: "
-         "mlx-lm reads it as it loads the model (even with --generation-config none)"),
+        (
+            "generation list",
+            "{model}/generation_config.json holds a JSON list, not an object: "
+            "mlx-lm reads it as it loads the model (even with --generation-config none)",
+        ),
         ("generation not UTF-8", "{model}/generation_config.json is not UTF-8 text"),
         ("generation folder", "{model}/generation_config.json is not a file"),
         ("tokenizer not JSON", "cannot load the tokenizer of {model}/tokenizer_config.json:"),
-        ("config of other weights", "the weights in {model} do not fit the model its "
-         "config.json describes (Expected shape"),
-        ("a shard missing", "{model} lacks 1 of the 2 weight files its "
-         "model.safetensors.index.json lists (model-00002-of-00002.safetensors first)"),
+        (
+            "config of other weights",
+            "the weights in {model} do not fit the model its config.json describes (Expected shape",
+        ),
+        (
+            "a shard missing",
+            "{model} lacks 1 of the 2 weight files its "
+            "model.safetensors.index.json lists (model-00002-of-00002.safetensors first)",
+        ),
         # Not blamed on the weights: mlx-lm fails building the model, before reading them.
-        ("rope type unknown", "cannot build the model {model}/config.json describes "
-         "(Unsupported RoPE type yarn-2): the file names a setting mlx-lm does not support"),
+        (
+            "rope type unknown",
+            "cannot build the model {model}/config.json describes "
+            "(Unsupported RoPE type yarn-2): the file names a setting mlx-lm does not support",
+        ),
         # transformers reads config.json to find the tokenizer; mlx-lm would take it.
         ("config transformers refuses", "transformers cannot read {model}/config.json ("),
         # Said in the file's words, not transformers' ("rope_parameters") nor Python's.
-        ("rope scaling a list", "{model}/config.json gives rope_scaling as [8.0], not an object "
-         '(such as {{"rope_type": "linear", "factor": 2.0}}): fix it, or serve the config.json'),
-        ("quantization a text", '{model}/config.json gives quantization as "yes": it must be an '
-         'object such as {{"group_size": 64, "bits": 4}}, as mlx_lm.convert writes it'),
-        ("quantization without bits", "{model}/config.json gives quantization's bits none: it "
-         "must be a whole number, in an object such as"),
+        (
+            "rope scaling a list",
+            "{model}/config.json gives rope_scaling as [8.0], not an object "
+            '(such as {{"rope_type": "linear", "factor": 2.0}}): fix it, or serve the config.json',
+        ),
+        (
+            "quantization a text",
+            '{model}/config.json gives quantization as "yes": it must be an '
+            'object such as {{"group_size": 64, "bits": 4}}, as mlx_lm.convert writes it',
+        ),
+        (
+            "quantization without bits",
+            "{model}/config.json gives quantization's bits none: it "
+            "must be a whole number, in an object such as",
+        ),
         ("architectures a number", "config.json gives architectures as 5, not a list of names"),
-        ("weights empty", "{model}/model.safetensors is empty, or all but empty: not a weights "
-         "file"),
+        (
+            "weights empty",
+            "{model}/model.safetensors is empty, or all but empty: not a weights file",
+        ),
         ("weights a folder", "{model}/model.safetensors is not a file"),
-        ("tokenizer without fields", "cannot load the tokenizer of {model}: KeyError: "
-         "'added_tokens'; a tokenizer file lacks or misstates a field"),
+        (
+            "tokenizer without fields",
+            "cannot load the tokenizer of {model}: KeyError: "
+            "'added_tokens'; a tokenizer file lacks or misstates a field",
+        ),
         ("tokenizer length as text", "the tokenizer of {model} cannot encode a text (TypeError"),
     ],
 )
-def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fault, message):
+def test_a_model_directory_mlx_lm_cannot_load_exits_two(
+    model_dir, tmp_path, fault, message, refused
+):
     model = model_copy(model_dir, tmp_path / "m", leave_out="model.safetensors")
     if fault == "weights empty":
         (model / "model.safetensors").write_bytes(b"")
@@ -179,10 +206,10 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
         weights = {"lm_head.weight": shards[1], "model.norm.weight": shards[0]}
         index = {"metadata": {}, "weight_map": weights}
         (model / "model.safetensors.index.json").write_text(json.dumps(index))
-    flags = ("--generation-config", "none") if fault.startswith("generation") else ()
-    code, lines = serve("--model", str(model), "--port", "0", *flags)
-    assert code == 2
-    assert message.format(model=model) in one_error(lines)
+    # (--generation-config none for those of generation_config.json)
+    why = refused(model, model_sampling_defaults=not fault.startswith("generation"))
+    assert why.exit_code == 2
+    assert message.format(model=model) in str(why)
 
 
 @pytest.mark.parametrize(
@@ -195,7 +222,7 @@ def test_a_model_directory_mlx_lm_cannot_load_exits_two(model_dir, tmp_path, fau
     ],
 )
 def test_a_draft_model_mlx_lm_cannot_load_exits_two_and_names_the_flag(
-    model_dir, tmp_path, fault, message
+    model_dir, tmp_path, fault, message, refused
 ):
     """A mistyped draft is the person's to fix, as a mistyped --model is: exit 2,
     not 1 (which supervisors restart into the same failure)."""
@@ -211,9 +238,9 @@ def test_a_draft_model_mlx_lm_cannot_load_exits_two_and_names_the_flag(
     if fault == "no tokenizer":
         for path in draft.glob("*token*"):
             path.unlink()
-    code, lines = serve("--model", str(model_dir), "--draft-model", str(draft), "--port", "0")
-    assert code == 2
-    assert message.format(draft=draft) in one_error(lines)
+    why = refused(model_dir, draft_model=draft, speculative="auto")  # (--draft-model's)
+    assert why.exit_code == 2
+    assert message.format(draft=draft) in str(why)
 
 
 def test_an_adapter_directory_without_its_weights_exits_two(model_dir, tmp_path):
@@ -226,20 +253,19 @@ def test_an_adapter_directory_without_its_weights_exits_two(model_dir, tmp_path)
     assert missing in lines[-1]
 
 
-def test_truncated_weights_are_one_line(model_dir, tmp_path):
+def test_truncated_weights_are_one_line(model_dir, tmp_path, refused):
     truncated = model_copy(model_dir, tmp_path / "m", leave_out="model.safetensors")
     weights = (model_dir / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
-    code, lines = serve("--model", str(truncated), "--port", "0")
-    assert code == 1
-    assert "incomplete download or corrupt file" in one_error(lines)
-    assert "(a weights file that cannot be read: download the model again)" in one_error(lines)
+    why = refused(truncated)
+    assert why.exit_code == 1
+    assert "incomplete download or corrupt file" in str(why)
+    assert "(a weights file that cannot be read: download the model again)" in str(why)
     # Not weights at all (mlx says only that its header is wrong): the same advice.
     (truncated / "model.safetensors").write_bytes(bytes(range(256)) * 64)
-    code, lines = serve("--model", str(truncated), "--port", "0")
-    assert code == 1
-    advice = "(a weights file that cannot be read: download the model again)"
-    assert one_error(lines).endswith(advice)
+    why = refused(truncated)
+    assert why.exit_code == 1
+    assert str(why).endswith("(a weights file that cannot be read: download the model again)")
 
 
 def test_a_prompt_cache_dir_named_that_cannot_be_used_is_refused(model_dir, tmp_path):
@@ -258,9 +284,7 @@ def test_a_prompt_cache_dir_named_that_cannot_be_used_is_refused(model_dir, tmp_
 
 
 # Each flag's own check is test_cli's; these exit before anything starts, with 2.
-@pytest.mark.parametrize(
-    "args", [["--port", "70000"], ["--metrics-port", "50051"], ["--bogus"]]
-)
+@pytest.mark.parametrize("args", [["--port", "70000"], ["--metrics-port", "50051"], ["--bogus"]])
 def test_bad_flag_values_exit_two_before_anything_starts(model_dir, args):
     code, lines = serve("--model", str(model_dir), *args)
     assert code == 2
