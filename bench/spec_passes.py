@@ -9,7 +9,7 @@ warm-up. The streams are greedy (`right`), or every other one is sampled at
 temperature 1 (`half`: those find nothing to propose), as in `python -m
 bench --speculation`. Where the worker's own figures (`python -m bench --speculation`)
 fall short of these, the cost is in the serving around the passes, not in
-the passes. On mlx's CUDA backend the worker's attention shapes are
+the passes. On mlx's CUDA backend the worker's attention shapes and few-row kernel are
 installed, as the worker installs them. The bench's random models repeat
 themselves under greedy decoding: proposals are right once a stream has.
 """
@@ -28,6 +28,7 @@ from mlx_lm.generate import BatchGenerator
 
 from bench.model import add_model_flags, load_model
 from bench.workload import levels_flag
+from smg_mlx.engine.batch import few_rows_matmul
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes, shapes_build
 from smg_mlx.engine.batch.batch import CUDA_CHUNK
 from smg_mlx.engine.batch.sampling import make_sampler
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = shapes_build()
     if cuda:  # as the worker runs there
         AttentionShapes(CUDA_CHUNK).install()
+    few_rows_matmul.install(model)  # (CUDA only, as the worker)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         plain = None

@@ -22,6 +22,7 @@ from smg_mlx.engine.batch import (
     batch_check,
     batch_kv,  # noqa: F401 - installs itself
     batch_mode,
+    few_rows_matmul,
     kv_format,
     loading,
     quantized_attention,
@@ -77,6 +78,13 @@ class Batch(PrefixCalls):
         self.attention = AttentionShapes(self.max_chunk) if builds else None
         if self.attention is not None:
             self.attention.install()
+        # Passes of a few rows (decoding, checking proposals) multiply in a kernel
+        # of ours where it fits (CUDA): before the batch check, which runs them.
+        models = [self.model, *([draft.model] if draft is not None else [])]
+        taken = sum(few_rows_matmul.install(m) for m in models)
+        if taken:
+            log.info("%d linear layers multiply passes of %d-%d rows in a kernel of ours",
+                     taken, few_rows_matmul.LEAST_ROWS, few_rows_matmul.most_rows(0))  # fmt: skip
         # The kinds of few-query passes over quantized caches run (warm-up).
         self._quantized_kinds: set[quantized_attention.Kind] = set()
         if self._fresh_caches is not None:
