@@ -24,6 +24,7 @@ MLX_SIDE = {
     "smg_mlx.engine.batch.quantized_kv",
     "smg_mlx.engine.batch.quantized_attention",
     "smg_mlx.engine.batch.fused_quantized_attention",
+    "smg_mlx.engine.batch.few_rows_matmul",
     "smg_mlx.engine.batch.attention_shapes",
     "smg_mlx.engine.memory.buffer_cache",
     "smg_mlx.engine.memory.probe",

@@ -1,4 +1,6 @@
-"""Long prefill passes handed to the device a layer at a time (engine thread).
+"""Passes handed to the device a layer at a time (engine thread): long prefill
+passes, so that they hold few layers' copies, and passes the host waits for,
+so that the device starts on them while the host records the rest.
 
 MLX records a pass's work ahead of the device, and a buffer let go on the way
 returns to the allocator only once the device has run the work that read it.
@@ -10,11 +12,22 @@ activations besides. Here, after each layer's attention of such a pass, the
 work so far is sent to the device and the host waits for the layer before it:
 the host stays a layer ahead (the device never waits for it), and only the
 layers in flight hold their copies.
+
+A pass whose results the host waits for before it can record the next (one
+checking speculative proposals) cannot overlap the pass before it as decoding
+passes do: recorded whole, it leaves the device idle while the host records
+it. `sent_layer_by_layer` sends each layer's attention output as it is
+recorded, without waiting for any.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import mlx.core as mx
+from mlx_lm.models import base
 
 # Layers whose attention copies are held at once: the one the device runs, the
 # one the host records, and one more for what a layer's end leaves (measured).
@@ -51,3 +64,27 @@ class LayerWaits:
             mx.eval(ahead)
         self._ahead = out
         return out
+
+
+@contextmanager
+def sent_layer_by_layer() -> Iterator[None]:
+    """Inside, each attention call's output (16-bit or quantized keys, through
+    whatever attention is installed) goes to the device as it is recorded."""
+    fused = mx.fast.scaled_dot_product_attention
+    quantized = base.quantized_scaled_dot_product_attention
+
+    def sent(attention: Callable[..., mx.array]) -> Callable[..., mx.array]:
+        def call(*args: Any, **kwargs: Any) -> mx.array:
+            out = attention(*args, **kwargs)
+            mx.async_eval(out)
+            return out
+
+        return call
+
+    mx.fast.scaled_dot_product_attention = sent(fused)
+    base.quantized_scaled_dot_product_attention = sent(quantized)
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = fused
+        base.quantized_scaled_dot_product_attention = quantized

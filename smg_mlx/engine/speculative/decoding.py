@@ -14,7 +14,8 @@ decoding gives the same tokens, sampling the same distribution, and every
 logprob returned is the model's.
 
 Such a pass must see its rows' latest tokens before it is built, so it waits
-for the pass before it, where mlx-lm would overlap them: `Pacing` has passes
+for the pass before it, where mlx-lm would overlap them (its layers go to the
+device as they are recorded: `layer_waits.sent_layer_by_layer`): `Pacing` has passes
 check only where measured runs of them (`pacing.Block`) say that pays. A
 cache whose rows ended apart is lined up again at the end of each checking
 run, on that run's clock, so that plain passes run, and are timed, as plain
@@ -30,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
 from smg_mlx.engine.batch.ended_rows import one_row
+from smg_mlx.engine.batch.layer_waits import sent_layer_by_layer
 from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
 from smg_mlx.engine.batch.sampling import CONTEXT
 from smg_mlx.engine.speculative.draft_model import CatchUp, DraftRows
@@ -266,7 +268,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
         self.prompt_cache = [ragged(c) for c in self.prompt_cache]
         # int32, as every token array is (engine.batch.sampling: kernels).
-        logits = self.model(mx.array(inputs, dtype=mx.int32), cache=self.prompt_cache)
+        with sent_layer_by_layer():  # (waited for below: the device starts on it meanwhile)
+            logits = self.model(mx.array(inputs, dtype=mx.int32), cache=self.prompt_cache)
         proposals = [[] if i in joining else d for i, d in enumerate(drafts)]
         logits = self._processed(logits, pending, proposals)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
