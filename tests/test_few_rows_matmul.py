@@ -68,3 +68,50 @@ def test_a_model_takes_it_at_a_few_rows_with_the_same_outputs():
     after = model(x)
     assert mx.allclose(after, before, rtol=1 / 32, atol=mx.abs(before).max().item() / 64).item()
     assert mx.array_equal(model(x[:1, :1]), one_row).item()  # one row stays mlx's
+
+
+
+def _model():
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=True), nn.Linear(1024, 256, bias=False))
+    model.set_dtype(mx.bfloat16)
+    return model
+
+
+@pytest.mark.parametrize("kernel,said", [
+    ("fails", "the kernel failed at 2 rows (nvrtc: error: invalid value for --gpu-architecture)"),
+    ("differs", "this GPU's differed from mlx's at 2 rows"),
+])  # fmt: skip
+def test_a_kernel_that_fails_or_differs_leaves_the_products_to_mlx(monkeypatch, caplog, kernel,
+                                                                   said):  # fmt: skip
+    def matmul(x, w):
+        if kernel == "fails":
+            raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture")
+        return x @ w.T + 1
+
+    monkeypatch.setattr(few, "AVAILABLE", True)  # (as on CUDA, the kernel replaced)
+    monkeypatch.setattr(few, "matmul", matmul)
+    model = _model()
+    assert few.install(model) == 0
+    assert all(type(m) is nn.Linear for m in model.layers)
+    assert said in caplog.text
+
+
+def test_products_of_a_few_rows_go_to_the_kernel_and_others_to_mlx(monkeypatch):
+    taken = []
+
+    def matmul(x, w):  # the kernel's product, as mlx makes it (CI has no CUDA)
+        taken.append(x.shape[0])
+        return x @ w.T
+
+    monkeypatch.setattr(few, "AVAILABLE", True)
+    monkeypatch.setattr(few, "matmul", matmul)
+    model = _model()
+    x = mx.random.normal((2, 3, 1024), key=mx.random.key(6)).astype(mx.bfloat16)
+    expected = [model(x[:1, :1]), model(x), model(mx.concatenate([x, x, x]))]
+    assert few.install(model) == 2
+    taken.clear()
+    one, six, eighteen = (model(r) for r in (x[:1, :1], x, mx.concatenate([x, x, x])))
+    assert taken == [6, 6]  # one row is mlx's, and so are 18
+    assert mx.array_equal(one, expected[0]).item() and mx.array_equal(eighteen, expected[2]).item()
+    # (mlx adds the bias in its product, rounding once; here it is added after)
+    assert mx.allclose(six, expected[1], rtol=1 / 64, atol=1 / 64).item()

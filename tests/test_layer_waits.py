@@ -67,4 +67,5 @@ def test_a_waited_for_pass_goes_to_the_device_a_layer_at_a_time(monkeypatch, bit
     assert mx.array_equal(out, expected).item()
     with pytest.raises(ValueError), sent_layer_by_layer():
         raise ValueError
-    assert (mx.fast.scaled_dot_product_attention, base.quantized_scaled_dot_product_attention) == before
+    after = (mx.fast.scaled_dot_product_attention, base.quantized_scaled_dot_product_attention)
+    assert after == before
