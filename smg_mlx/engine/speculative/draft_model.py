@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from smg_mlx.engine.batch.layer_waits import sent_layer_by_layer
 from smg_mlx.engine.memory.costs import MemoryModel
 from smg_mlx.engine.memory.planner import draft_pass_bytes
 from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
@@ -132,17 +133,19 @@ class DraftRows:
         feeds = [rows[uid][0][self._seen[uid] :] + [rows[uid][1]] for uid in self._uids]
         width = max(len(feed) for feed in feeds)
         inputs = mx.array([feed + [feed[-1]] * (width - len(feed)) for feed in feeds], mx.int32)
-        logits = self._model(inputs, cache=self._cache)
-        last = mx.array([len(feed) - 1 for feed in feeds])
-        token = mx.argmax(logits[mx.arange(len(feeds)), last], axis=-1)
-        if width > 1:
-            for cache in self._cache:
-                cache.rewind([width - len(feed) for feed in feeds])
-        lengths = [min(self._length.setdefault(uid, most), most) for uid in self._uids]
-        proposals = [token]
-        for _ in range(max(lengths) - 1):
-            token = mx.argmax(self._model(token[:, None], cache=self._cache)[:, -1], axis=-1)
-            proposals.append(token)
+        # (read only at the end: the device starts on each pass while the host records the rest)
+        with sent_layer_by_layer():
+            logits = self._model(inputs, cache=self._cache)
+            last = mx.array([len(feed) - 1 for feed in feeds])
+            token = mx.argmax(logits[mx.arange(len(feeds)), last], axis=-1)
+            if width > 1:
+                for cache in self._cache:
+                    cache.rewind([width - len(feed) for feed in feeds])
+            lengths = [min(self._length.setdefault(uid, most), most) for uid in self._uids]
+            proposals = [token]
+            for _ in range(max(lengths) - 1):
+                token = mx.argmax(self._model(token[:, None], cache=self._cache)[:, -1], axis=-1)
+                proposals.append(token)
         proposed = mx.stack(proposals, axis=1).tolist()
         for uid in self._uids:
             base = len(rows[uid][0]) + 1  # its tokens and the sampled one
