@@ -115,3 +115,11 @@ def test_products_of_a_few_rows_go_to_the_kernel_and_others_to_mlx(monkeypatch):
     assert mx.array_equal(one, expected[0]).item() and mx.array_equal(eighteen, expected[2]).item()
     # (mlx adds the bias in its product, rounding once; here it is added after)
     assert mx.allclose(six, expected[1], rtol=1 / 64, atol=1 / 64).item()
+
+
+@pytest.mark.skipif(few.AVAILABLE, reason="off CUDA only")
+def test_its_bench_says_it_needs_cuda_where_there_is_none(capsys):
+    from bench import few_rows
+
+    assert few_rows.main([]) == 1
+    assert "CUDA" in capsys.readouterr().err
