@@ -83,8 +83,9 @@ class Batch(PrefixCalls):
         models = [self.model, *([draft.model] if draft is not None else [])]
         taken = sum(few_rows_matmul.install(m) for m in models)
         if taken:
-            log.info("%d linear layers multiply passes of %d-%d rows in a kernel of ours",
-                     taken, few_rows_matmul.LEAST_ROWS, few_rows_matmul.most_rows(0))  # fmt: skip
+            log.info("few-row products: %d linear layers multiply passes of %d-%d rows in the "
+                     "worker's CUDA kernel, faster than cuBLAS's there", taken,
+                     few_rows_matmul.LEAST_ROWS, few_rows_matmul.most_rows(0))  # fmt: skip
         # The kinds of few-query passes over quantized caches run (warm-up).
         self._quantized_kinds: set[quantized_attention.Kind] = set()
         if self._fresh_caches is not None:
