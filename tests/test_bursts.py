@@ -52,6 +52,10 @@ def test_an_idle_worker_starts_requests_that_arrive_together_as_one_group(start_
     # A window well past the 0.1 s between them: a busy machine may start the
     # second's thread late.
     w = start_worker(model_dir, burst_window_seconds=1.0)
+    # Idle: its engine has waited for a request since start (what comes during
+    # its first turn after the warm-up is taken as it comes; a busy machine may
+    # delay that turn past a request sent at once).
+    time.sleep(0.5)
     first = Stream(w.stub, prompt(6, 1))
     time.sleep(0.1)
     second = Stream(w.stub, prompt(6, 2))
