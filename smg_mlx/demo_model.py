@@ -339,6 +339,10 @@ def main() -> None:
     for name, value in vars(args).items():
         if isinstance(value, int) and not isinstance(value, bool) and value < 1 and name != "seed":
             parser.error(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
+    if args.context_length < 2:
+        # The worker refuses such a model: a request needs a prompt token and one to generate.
+        parser.error(f"--context-length: expected at least 2 (a prompt token and one to "
+                     f"generate), got {args.context_length}")  # fmt: skip
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"{args.out} is a file: name a new or empty directory")
     if args.out.exists() and any(args.out.iterdir()) and not args.force:

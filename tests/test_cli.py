@@ -363,6 +363,8 @@ def test_demo_model_writes_no_model_over_a_directory_that_holds_files(tmp_path):
     wrong = [
         (["--heads", "3"], "--heads 3 is not a multiple of --kv-heads 2"),
         (["--layers", "0"], "--layers: expected at least 1, got 0"),
+        # (the worker would refuse the model it wrote)
+        (["--context-length", "1"], "--context-length: expected at least 2"),
         (["--family", "qwen2", "--sliding-window", "64"], "mlx-lm's qwen2 has no sliding windows"),
         (["--family", "qwen2", "--head-dim", "64"], "mlx-lm's qwen2 makes its heads --hidden-size"),
         # (the worker would refuse the model it wrote: RoPE turns pairs of values)
