@@ -148,7 +148,10 @@ def write_model(
         # Every other layer attends to a window: a rotating cache that cannot be
         # cut back once it wraps (what the prefix cache must handle).
         config["sliding_window"] = sliding_window
-        config["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
+        # One type per layer: transformers refuses a list of another length.
+        config["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)
+        ]
     return save_random_model(out, config, dtype, seed)
 
 
@@ -355,6 +358,10 @@ def main() -> None:
         # would attend to everything, as if none were asked for.
         parser.error(f"--sliding-window: mlx-lm's {args.family} has no sliding windows; "
                      "use --family llama")  # fmt: skip
+    if args.sliding_window and args.layers < 2:
+        # mlx-lm's llama needs a layer of full attention beside the windowed ones.
+        parser.error("--sliding-window windows every other layer, and needs a full-attention "
+                     "layer beside them: give --layers 2 or more")  # fmt: skip
     if args.head_dim is not None and args.family == "qwen2":
         # mlx-lm's qwen2 reads no head size from the config: its heads are hidden / heads.
         if args.head_dim * args.heads != args.hidden_size:

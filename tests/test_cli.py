@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -424,3 +425,23 @@ def test_a_model_build_stopped_by_a_signal_leaves_nothing_after_the_next(tmp_pat
     finally:
         running.kill()
         running.wait()
+
+
+def test_demo_model_windows_layers_of_any_count(tmp_path):
+    """Every layer gets a type (transformers refuses a model whose list is
+    shorter, so the worker would not start), and one layer alone, which
+    mlx-lm's llama cannot window without a full-attention layer, is refused."""
+    def demo_model(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "smg_mlx.demo_model", *args]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    done = demo_model(str(tmp_path / "one"), "--sliding-window", "8", "--layers", "1")
+    assert done.returncode == 2 and "give --layers 2 or more" in done.stderr
+    assert "Traceback" not in done.stderr
+    odd = tmp_path / "odd"
+    assert demo_model(str(odd), "--sliding-window", "8", "--layers", "3").returncode == 0
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"import mlx_lm; mlx_lm.load({str(odd)!r})"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
