@@ -668,6 +668,25 @@ def test_entries_a_stop_leaves_no_time_to_write_are_said(
     assert len(said) == 1 and "took all of --shutdown-grace-seconds" in said[0], said
 
 
+def test_entries_a_second_stop_signal_leaves_unwritten_are_said_for_that_reason(
+    start_worker, model_dir, tmp_path, monkeypatch, caplog
+):
+    """A second stop signal ends the writes at once, with grace to spare: the
+    entries left are said to be left by it, not by the requests in flight
+    (an operator would raise --shutdown-grace-seconds for nothing)."""
+    w, _, _ = _writes_waiting_behind_a_stream(
+        start_worker, model_dir, tmp_path, monkeypatch, shutdown_grace_seconds=60
+    )
+    with caplog.at_level(logging.WARNING, "smg_mlx"):
+        w.loop.call_soon_threadsafe(w.worker.request_stop)
+        stopping = asyncio.run_coroutine_threadsafe(w.worker.shutdown(), w.loop)
+        time.sleep(0.5)  # (a second signal, not the first delivered twice)
+        w.loop.call_soon_threadsafe(w.worker.request_stop)
+        assert stopping.result(30) == 0
+    said = logged(caplog, "not written to disk")
+    assert len(said) == 1 and "a second stop signal ended the writes" in said[0], said
+
+
 def test_a_disk_bound_too_small_for_an_entry_says_so_once_and_nothing_else(
     start_worker, model_dir, cold, tmp_path, caplog
 ):

@@ -20,6 +20,7 @@ engine thread.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import threading
 import time
@@ -44,6 +45,7 @@ class Inbox:
         self._wake = threading.Event()
         self._stopping = False
         self._flush_until = 0.0  # see `stop`
+        self._hurried = False  # see `hurry`
 
     def submit(self, request: Request) -> None:
         self._requests.append(request)
@@ -66,13 +68,15 @@ class Inbox:
         self._wake.set()
 
     def hurry(self) -> None:
-        """End the prefix cache's writes at a stop now, wherever they are."""
-        self._flush_until = 0.0
+        """End the prefix cache's writes at a stop now, wherever they are (a
+        second stop signal)."""
+        self._hurried = True
 
     def flush_until(self) -> float:
-        """The time.monotonic() by which the writes at a stop end (asked as they
-        go: `hurry` brings it forward)."""
-        return self._flush_until
+        """The time.monotonic() by which the writes at a stop end, asked as they
+        go; -inf once `hurry` ended them (which the writes tell apart from a
+        grace the requests in flight took)."""
+        return -math.inf if self._hurried else self._flush_until
 
     @property
     def stopping(self) -> bool:

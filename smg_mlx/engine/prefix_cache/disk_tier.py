@@ -36,6 +36,7 @@ also decides which file to read back).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -451,8 +452,9 @@ class DiskTier(DiskReads):
 
     def close(self, memory: MemoryTier, until: Callable[[], float] | None) -> None:
         """A graceful stop: write what memory holds that is worth it and not on
-        disk yet, until `until()` (a time.monotonic(), asked as it goes; None:
-        nothing); then let the threads go."""
+        disk yet, until `until()` (a time.monotonic(), asked as it goes; -inf:
+        a second stop signal ended the writes; None: nothing); then let the
+        threads go."""
         began = time.monotonic()
         self._busy = False  # (what is left is written now, whatever it costs)
         if self.open and until is not None:
@@ -474,6 +476,7 @@ class DiskTier(DiskReads):
                 log.warning(
                     "prompt cache: %s not written to disk %s%s",
                     counted(left + len(self._writes), "entry", "entries"),
+                    "(a second stop signal ended the writes)" if until() == -math.inf else
                     f"in the {time.monotonic() - began:.1f}s given" if given > 0 else
                     "(the requests in flight took all of --shutdown-grace-seconds)",
                     f"; {len(self._writes)} of them begun, which may yet end" if self._writes
