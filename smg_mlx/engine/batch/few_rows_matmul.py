@@ -126,12 +126,14 @@ def matmul(x: mx.array, weight: mx.array) -> mx.array:
 class FewRowsLinear(nn.Linear):
     """An `nn.Linear` whose products of a few rows run in `matmul`."""
 
+    most = 0  # the most rows its products take here (`install`: by its weight's size)
+
     def __call__(self, x: mx.array) -> mx.array:
-        weight = self["weight"]
+        # (every layer of every pass comes here: one row, the commonest, is let through first)
         rows = x.size // x.shape[-1]
-        if not LEAST_ROWS <= rows <= most_rows(weight.size) or x.dtype != weight.dtype:
-            return super().__call__(x)
-        out = matmul(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
+        if rows < LEAST_ROWS or rows > self.most or x.dtype != self["weight"].dtype:
+            return nn.Linear.__call__(self, x)
+        out = matmul(x.reshape(rows, x.shape[-1]), self["weight"]).reshape(*x.shape[:-1], -1)
         return out + self["bias"] if "bias" in self else out
 
 
@@ -166,4 +168,5 @@ def install(model: nn.Module) -> int:
             return 0
     for layer in layers:
         layer.__class__ = FewRowsLinear
+        layer.most = most_rows(layer["weight"].size)
     return len(layers)
