@@ -29,8 +29,9 @@ from smg_mlx.engine.batch import fused_quantized_attention, quantized_attention
 PASSES = 20  # passes a run queues before it waits
 
 
-def _ms(attend: Callable[[], mx.array], runs: int) -> float:
-    """The median milliseconds a pass, over `runs` runs of PASSES (after one untimed)."""
+def device_ms(attend: Callable[[], mx.array], runs: int) -> float:
+    """The median milliseconds a pass, over `runs` runs of PASSES queued before a wait
+    (after one untimed): the device's time, launches overlapped."""
     mx.eval(attend())
     times = []
     for _ in range(runs + 1):
@@ -54,12 +55,12 @@ def measure(heads: int, kv_heads: int, dim: int, rows: int, context: int, bits: 
     )
     mx.eval(keys, values, queries, q_keys, q_values)
     scale = dim**-0.5
-    ms = {"16-bit": _ms(lambda: mx.fast.scaled_dot_product_attention(
+    ms = {"16-bit": device_ms(lambda: mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=None), runs)}  # fmt: skip
-    ms[f"{bits}-bit"] = _ms(lambda: quantized_attention.attention(
+    ms[f"{bits}-bit"] = device_ms(lambda: quantized_attention.attention(
         queries, q_keys, q_values, scale, None, group_size, bits), runs)  # fmt: skip
     if matmuls and fused_quantized_attention.AVAILABLE:
-        ms[f"{bits}-bit matmuls"] = _ms(lambda: quantized_attention._few(
+        ms[f"{bits}-bit matmuls"] = device_ms(lambda: quantized_attention._few(
             queries, q_keys, q_values, scale, None, group_size, bits), runs)  # fmt: skip
     return {k: round(v, 3) for k, v in ms.items()}
 

@@ -1,7 +1,7 @@
 """A linear layer's product of a few rows, mlx's against the worker's few-row
 kernel (`python -m bench.few_rows`, CUDA only): microseconds a product, the
-device's time (products of one shape chained in one evaluation, launches
-overlapped), for the shapes of Llama-8B's and Qwen3-0.6B's layers. Where ours
+device's time (`attention_pass.device_ms`: products of one shape queued
+before a wait), for the shapes of Llama-8B's and Qwen3-0.6B's layers. Where ours
 is the faster is where `few_rows_matmul.MOST_ROWS` lets it take a product."""
 
 from __future__ import annotations
@@ -9,24 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 # (in, out): Llama-8B's q/o, k/v, gate/up, down, lm_head; Qwen3-0.6B's.
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256),
           (1024, 2048), (1024, 1024), (1024, 3072), (3072, 1024), (1024, 151936)]  # fmt: skip
-CHAINED, REPEATS = 20, 5
-
-
-def device_us(product) -> float:
-    """Microseconds a product, CHAINED to an evaluation."""
-    import mlx.core as mx
-
-    mx.eval([product() for _ in range(CHAINED)])
-    started = time.perf_counter()
-    for _ in range(REPEATS):
-        mx.eval([product() for _ in range(CHAINED)])
-    return (time.perf_counter() - started) / (CHAINED * REPEATS) * 1e6
+RUNS = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import mlx.core as mx
 
+    from bench.attention_pass import device_ms
     from smg_mlx.engine.batch import few_rows_matmul as few
 
     if not few.AVAILABLE:
@@ -47,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         said = [f"{k:>5} -> {n:<6}"]
         for rows in (int(r) for r in args.rows.split(",")):
             x = mx.random.normal((rows, k)).astype(mx.bfloat16)
-            theirs = device_us(lambda x=x, w=w: x @ w.T)
-            ours = device_us(lambda x=x, w=w: few.matmul(x, w)) if rows >= few.LEAST_ROWS else None
+            theirs = 1e3 * device_ms(lambda x=x, w=w: x @ w.T, RUNS)
+            ours = (1e3 * device_ms(lambda x=x, w=w: few.matmul(x, w), RUNS)
+                    if rows >= few.LEAST_ROWS else None)  # fmt: skip
             taken = few.LEAST_ROWS <= rows <= few.most_rows(w.size)
             results.append({"in": k, "out": n, "rows": rows, "mlx_us": theirs, "ours_us": ours,
                             "taken": taken})  # fmt: skip
