@@ -1172,6 +1172,29 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start_up(
     assert f"--draft-model: {tmp_path}/no/such/draft is not a model directory" in lines[-1]
 
 
+def test_a_draft_model_not_smaller_than_the_model_is_served_with_a_warning(
+    model_dir, tmp_path, caplog
+):
+    """A draft as large as the model (itself) or larger reads as many bytes a
+    pass as the model: its proposals cannot pay. Served (benchmarks draft with
+    the model itself), but the log says so; a smaller draft gets no warning."""
+    from smg_mlx.config import EngineConfig
+    from smg_mlx.engine.speculative.choice import draft_for
+
+    model = load(str(model_dir))[0]
+    larger = build_model(tmp_path / "larger", ["--hidden-size", "128", "--layers", "3"])
+    smaller = build_model(tmp_path / "smaller", ["--hidden-size", "32", "--layers", "1"])
+    for draft, warned in ((model_dir, True), (larger, True), (smaller, False)):
+        config = EngineConfig(model_path=model_dir, speculative="auto", draft_model=draft)
+        with caplog.at_level(logging.WARNING, logger="smg_mlx.engine.speculative.choice"):
+            caplog.clear()
+            assert draft_for(config, model, None) is not None
+        said = f"draft model {draft} is not smaller than the model (its weights "
+        assert (said in caplog.text) is warned, caplog.text
+        if warned:
+            assert "name a smaller draft of the model's family" in caplog.text
+
+
 def test_speculation_asked_for_but_off_is_a_warning_naming_the_flag_that_turns_it_off(
     start_worker, model_dir, caplog
 ):

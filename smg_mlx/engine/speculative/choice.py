@@ -14,11 +14,13 @@ from mlx_lm.utils import load_tokenizer
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch.kv_format import caches_for, other_kinds
 from smg_mlx.engine.batch.loading import built_model
+from smg_mlx.engine.memory.probe import weights
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
 from smg_mlx.engine.speculative.draft_model import PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.shared_history import SharedHistory
 from smg_mlx.engine.types import LayerCaches, Unservable
+from smg_mlx.logs import format_bytes
 from smg_mlx.model_config import named_context_length
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,18 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwis
             "draft model %s reads %d tokens of context, the model %d: past that its "
             "proposals are mostly wrong (checked, so outputs are unchanged, but what "
             "speculation would gain there is lost)", draft_path, mine, theirs,
+        )  # fmt: skip
+    draft_bytes, model_bytes = weights(draft), weights(model)
+    if draft_bytes >= model_bytes:
+        # A draft pass then reads as many bytes as the model's own: each proposal
+        # costs what a plain pass making that token would (the model itself, a
+        # larger model of the family passed by mistake).
+        log.warning(
+            "draft model %s is not smaller than the model (its weights %s, the model's %s): "
+            "each token it proposes costs about a pass of the model, so checking its "
+            "proposals cannot be faster than plain decoding (--speculative auto finds that "
+            "and decodes plainly; always is slower): name a smaller draft of the model's "
+            "family", draft_path, format_bytes(draft_bytes), format_bytes(model_bytes),
         )  # fmt: skip
     log.info("draft model %s loaded in %.1fs", draft_path, time.perf_counter() - started)
     return draft
