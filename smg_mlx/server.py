@@ -277,6 +277,7 @@ class Worker:
             pending=config.max_pending,
             metrics=self.metrics,
             limits=config.limits,
+            kv_format=config.engine.kv_format,
         )
         self.health = HealthServicer()
         self.engine.on_failure(self._on_engine_failure)

@@ -102,7 +102,7 @@ def test_server_info_while_the_model_loads_says_it_is_loading(spawn, loading_mod
     assert wait_until(lambda: "loading" in p.log.read_text(), 60)
     _, call = p.stub.GetServerInfo.with_call(pb.GetServerInfoRequest(), timeout=10)
     headers = dict(call.initial_metadata())
-    assert headers["serving-mode"] == "loading"
+    assert headers["serving-mode"] == headers["speculative-decoding"] == "loading"
     assert headers["running-requests"] == headers["waiting-requests"] == "0"
     assert "serving mode loading;" in p.log.read_text()
     assert p.stop(signal.SIGTERM, timeout=15) == 0

@@ -161,9 +161,13 @@ def test_prefixes_reused_together_from_memory_and_from_disk_are_as_prefilled(
     assert again.worker.engine.cache.disk_tokens == sum(map(len, histories))
 
 
-def kv_bytes_per_token(worker) -> int:
+def server_headers(worker) -> dict[str, str]:
     _, call = worker.stub.GetServerInfo.with_call(pb.GetServerInfoRequest())
-    return int(dict(call.initial_metadata())["kv-bytes-per-token"])
+    return dict(call.initial_metadata())
+
+
+def kv_bytes_per_token(worker) -> int:
+    return int(server_headers(worker)["kv-bytes-per-token"])
 
 
 def test_an_entry_of_another_kv_format_is_never_used(start_worker, model64, tmp_path, caplog):
@@ -212,7 +216,11 @@ def test_start_up_checks_batching_anew_and_speculation_stays_exact(
     start_worker, model64, cold, bits, tmp_path, caplog
 ):
     # The batch check's verdicts are kept in the prompt cache's directory.
-    start_worker(model64, prompt_cache_dir=tmp_path).stop()
+    unquantized = start_worker(model64, prompt_cache_dir=tmp_path)
+    # GetServerInfo's headers say how KV is stored and what proposes tokens.
+    headers = server_headers(unquantized)
+    assert (headers["kv-format"], headers["speculative-decoding"]) == ("unquantized", "off")
+    unquantized.stop()
     caplog.clear()
     with caplog.at_level(logging.INFO):
         w = start_worker(model64, kv_bits=bits, speculative="always", prompt_cache_dir=tmp_path)
@@ -224,6 +232,10 @@ def test_start_up_checks_batching_anew_and_speculation_stays_exact(
     stored = next(line for line in said if line.startswith("KV caches stored as"))
     assert stored.startswith(f"KV caches stored as {bits}-bit KV, group 64: ")
     assert "x of the model's own float32 KV (" in stored
+    headers = server_headers(w)
+    assert headers["kv-format"] == f"{bits}-bit KV, group 64"
+    assert headers["speculative-decoding"] == "prompt_lookup"
+    assert server_headers(cold)["speculative-decoding"] == "off"
     # Rows take back their rejected proposals from quantized caches: the tokens
     # are plain decoding's, solo and together.
     repeating = [(prompt(n, i)[:7] * 40)[:n] for i, n in enumerate((30, 90, 200))]

@@ -51,8 +51,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         pending: int,
         metrics: Metrics,
         limits: RequestLimits,
+        kv_format: str | None = None,
     ) -> None:
+        """`kv_format`: how --kv-bits stores the KV caches (None: as the model computes them)."""
         self._engine = engine
+        self._kv_format = kv_format or "unquantized"
         self._metrics = metrics
         self._batch, self._pending = batch, pending  # --completion-batch-size, --max-pending
         self._limits = limits
@@ -362,6 +365,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         running = self._engine.running
         waiting = max(len(self._jobs) - running, 0)
         per_token = self._engine.kv_per_token
+        # What proposes tokens to check (the metrics' drafter label), once started.
+        loading = self._engine.mode == "loading"
+        drafter = self._engine.speculation.drafter or ("loading" if loading else "off")
         await context.send_initial_metadata(
             (
                 ("waiting-requests", str(waiting)),
@@ -372,12 +378,17 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 ("serving-mode", self._engine.mode),
                 # What a token of context costs (--kv-bits makes it less).
                 ("kv-bytes-per-token", str(round(per_token))),
+                # --kv-bits and --kv-group-size ("8-bit KV, group 64"), and
+                # --speculative / --draft-model as the engine found them.
+                ("kv-format", self._kv_format),
+                ("speculative-decoding", drafter),
             )
         )
         log.info(
             "GetServerInfo: %d running (%d prefilling), %d waiting; serving mode %s; "
-            "KV %s per token", running, self._engine.prefilling, waiting, self._engine.mode,
-            format_bytes(per_token),
+            "KV %s per token (%s); speculative decoding: %s", running,
+            self._engine.prefilling, waiting, self._engine.mode, format_bytes(per_token),
+            self._kv_format, drafter,
         )  # fmt: skip
         return mlx_engine_pb2.GetServerInfoResponse(
             server_type=SERVER_TYPE,
