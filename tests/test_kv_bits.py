@@ -259,7 +259,7 @@ def test_models_whose_caches_cannot_be_quantized_are_refused(model_dir, tmp_path
     windowed = build_model(tmp_path / "windowed", ["--head-dim", "64", "--sliding-window", "8"])
     refusal = refused(windowed, kv_bits=4)
     assert refusal.exit_code == 2
-    why = "--kv-bits 4: this model's caches (KVCache, RotatingKVCache) are not all plain"
+    why = "--kv-bits 4: this model's caches include RotatingKVCache, not plain attention"
     assert why in str(refusal)
 
 

@@ -41,7 +41,7 @@ def caches_for(
     cache = make_prompt_cache(model)
     if (names := other_kinds(cache)) is not None:
         raise Unservable(
-            f"{flag}: {whose} caches ({names}) are not all plain attention KV caches, "
+            f"{flag}: {whose} caches include {names}, not plain attention KV caches, "
             "which alone can be quantized; leave out --kv-bits"
         )
     # The heads' sizes, from a pass never evaluated: shapes are known before any work.
@@ -70,10 +70,10 @@ def caches_for(
 
 
 def other_kinds(cache: list) -> str | None:
-    """The names of the kinds of `cache`'s layers, unless every one is a plain
-    attention KVCache (None): what neither quantizes nor takes tokens back."""
-    kinds = {type(layer) for layer in cache}
-    return None if kinds == {KVCache} else ", ".join(sorted(k.__name__ for k in kinds))
+    """The names of the kinds of `cache`'s layers other than plain attention
+    KVCaches (None: there are none): those neither quantize nor take tokens back."""
+    kinds = {type(layer) for layer in cache} - {KVCache}
+    return ", ".join(sorted(k.__name__ for k in kinds)) or None
 
 
 def log_cost(kv_format: str, per_token: float, model: nn.Module, stream: mx.Stream) -> None:

@@ -129,7 +129,8 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwis
                                 ids if scores > ids else None)  # fmt: skip
     if (names := other_kinds(make_prompt_cache(draft))) is not None:
         raise Unservable(
-            f"--draft-model {draft_path}: its caches ({names}) cannot take tokens back; "
+            f"--draft-model {draft_path}: its caches include {names}, which cannot take "
+            "tokens back; "
             "choose a draft with plain attention"
         )
     mine, theirs = named_context_length(draft_path), named_context_length(config.model_path)
@@ -174,5 +175,5 @@ def _why_not(config: EngineConfig, model: nn.Module, ranks: int) -> str | None:
         # Each rank would pace its passes by its own clock; they must run the same passes.
         return "several ranks"
     if (names := other_kinds(make_prompt_cache(model))) is not None:
-        return f"this model's caches ({names}) cannot take tokens back"
+        return f"this model's caches include {names}, which cannot take tokens back"
     return None
