@@ -94,6 +94,35 @@ def test_entries_memory_drops_are_spilled_and_read_back(start_worker, model_dir,
     assert stats(w).loaded >= 1 and stats(w).written >= 1 and stats(w).memory_evicted >= 1
 
 
+def test_a_file_read_back_from_a_disk_turned_read_only_still_serves(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch
+):
+    """Marking a file's last use is a hint for the next start: a disk that turned
+    read-only while the worker ran (ext4 does so on errors) refuses it, and the
+    file, read back whole and checked, must still serve, not be taken for bad."""
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_bytes=300_000)
+    first = same_as_cold(w, cold, A)
+    same_as_cold(w, cold, prompt(400, 2))
+    same_as_cold(w, cold, prompt(400, 3))  # its turn drops A's entry from memory
+    assert wait_until(lambda: len(files(tmp_path)) >= 1, 10)
+    written = files(tmp_path)
+    utime = os.utime
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(".kv"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return utime(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_folder.os, "utime", read_only)
+    history = A + first.tokens
+    with caplog.at_level(logging.WARNING):
+        again = same_as_cold(w, cold, history + prompt(30, 4))
+    assert again.complete.cached_tokens == len(history)
+    assert stats(w).loaded >= 1 and stats(w).corrupt == 0
+    assert not logged(caplog, "ignored and deleted")
+    assert all(path.exists() for path in written)
+
+
 def test_a_restarted_worker_finds_the_entries_it_held_in_memory(
     start_worker, model_dir, cold, tmp_path
 ):

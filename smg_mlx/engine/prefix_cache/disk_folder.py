@@ -26,6 +26,7 @@ joins when it is done. A folder deleted under the worker is made again
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -378,9 +379,15 @@ class Folder:
         began = time.perf_counter()
         try:
             read.data = kv_files.read(path, model)
-            os.utime(path, follow_symlinks=False)  # its last use, for the next start's order
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
             read.error = exc
+        else:
+            # Its last use, for the next start's order: a hint only. A disk
+            # turned read-only (ext4 does so on errors), or a file another user
+            # owns, refuses it, but the file read back whole and checked still
+            # serves: failing it would prefill the prompt and delete a good file.
+            with contextlib.suppress(OSError):
+                os.utime(path, follow_symlinks=False)
         read.seconds = time.perf_counter() - began
         return read
 
