@@ -177,6 +177,39 @@ def test_entries_of_earlier_runs_deleted_to_fit_a_smaller_bound_are_said(
     assert wait_until(lambda: len(files(tmp_path)) == 1)
 
 
+def test_files_whose_deletion_failed_are_deleted_once_the_disk_takes_writes_again(
+    start_worker, model_dir, tmp_path, caplog, monkeypatch
+):
+    """A file the index drops whose deletion fails (a disk turned read-only for a
+    while) would stay past --prompt-cache-disk-bytes, known to no index, until a
+    restart: once a write succeeds again, it is deleted."""
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    generate(w.stub, prompt(400, 1), max_tokens=8)
+    w.stop()
+    (first,) = files(tmp_path)
+    bound = first.stat().st_size + 1000  # room for one
+    refused = {"on": True}
+    write = Folder._write
+
+    def deleting(job, path, model):
+        if job.header is None and refused["on"]:
+            job.error = OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return job
+        return write(job, path, model)
+
+    monkeypatch.setattr(Folder, "_write", staticmethod(deleting))
+    monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_disk_bytes=bound)
+    with caplog.at_level(logging.WARNING):
+        generate(w.stub, prompt(400, 2), max_tokens=8)  # its file takes the first's place
+        assert wait_until(lambda: logged(caplog, f"cannot delete {first.name}"), 10)
+    assert wait_until(lambda: len(files(tmp_path)) == 2, 10)  # one past the bound
+    refused["on"] = False
+    generate(w.stub, prompt(400, 3), max_tokens=8)
+    assert wait_until(lambda: len(files(tmp_path)) == 1, 10), files(tmp_path)
+    assert not first.exists()
+
+
 def _written(start_worker, model: Path, directory: Path) -> tuple[list[int], Path]:
     """Serve A once and stop: its entry is in `directory`."""
     w = start_worker(model, prompt_cache_dir=directory)

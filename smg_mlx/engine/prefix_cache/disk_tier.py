@@ -139,6 +139,9 @@ class DiskTier(DiskReads):
         self._full_warned = False
         self._cap_warned = False
         self._retry_at: float | None = None  # writes failed: none starts before then
+        # Files the index dropped whose deletion failed (a disk turned read-only):
+        # deleted again once a write succeeds, or they would stay past the bound.
+        self._undeleted: set[str] = set()
         self._free, self._free_at, self._started_bytes = 0, -FREE_SECONDS, 0  # see _free_bytes
         self._remaking = False  # the folder was deleted: it is being made again
         versions = (FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
@@ -394,6 +397,7 @@ class DiskTier(DiskReads):
         if write.header is None:  # a deletion
             if write.error is not None:
                 log.warning("prompt cache: cannot delete %s: %s", write.name, write.error)
+                self._undeleted.add(write.name)
             return
         del self._writes[write.name]
         began = time.perf_counter()
@@ -416,6 +420,16 @@ class DiskTier(DiskReads):
         if write.entry is not None:
             write.entry.value.written = True
         self._index(write.tokens, write.name, write.size, write.header.trimmable)
+        if self._undeleted:
+            self._delete_again()
+
+    def _delete_again(self) -> None:
+        """Delete again the files whose deletion failed, now that the folder
+        takes writes: but for one written anew since (its name is its tokens')."""
+        kept = {entry.value.name for entry in self.tree} | set(self._writes)
+        for name in self._undeleted - kept:
+            self._folder.delete(name)
+        self._undeleted.clear()
 
     def _write_failed(self, error: Exception) -> None:
         """A write failed (a full disk, no inodes, a failing device): one
