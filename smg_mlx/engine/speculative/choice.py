@@ -130,8 +130,7 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwis
     if (names := other_kinds(make_prompt_cache(draft))) is not None:
         raise Unservable(
             f"--draft-model {draft_path}: its caches include {names}, which cannot take "
-            "tokens back; "
-            "choose a draft with plain attention"
+            "tokens back; choose a draft with plain attention"
         )
     mine, theirs = named_context_length(draft_path), named_context_length(config.model_path)
     if mine is not None and theirs is not None and mine < theirs:
