@@ -31,6 +31,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import verdicts
+from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.memory import probe_results
 from smg_mlx.engine.prefix_cache import disk_folder, disk_tier, fingerprint, kv_files, safe_files
 from smg_mlx.engine.prefix_cache.disk_folder import Folder
@@ -629,7 +630,7 @@ def test_writes_that_fail_say_so_once_and_writing_resumes(
     with caplog.at_level(logging.WARNING):
         for key in range(1, 7):
             same_as_cold(w, cold, prompt(400, key))  # each pushes the last to disk
-            time.sleep(0.3)
+            time.sleep(0.003)
         assert len(failed) >= 3
         failed = None
         for key in range(7, 9):
@@ -680,6 +681,13 @@ def _writes_waiting_behind_a_stream(start_worker, model_dir, tmp_path, monkeypat
 
     monkeypatch.setattr(kv_files, "export", slow_export)
     monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
+    step = Batch.step
+
+    def slow_step(*args, **kwargs):  # the stream outlasts what follows on a fast host too
+        time.sleep(0.003)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(Batch, "step", slow_step)
     w = start_worker(model_dir, prompt_cache_dir=tmp_path, **settings)
     long = w.stub.Generate(request(prompt(16, 9), max_tokens=2000, ignore_eos=True), timeout=60)
     streamed, ended = [], threading.Event()
