@@ -102,10 +102,15 @@ class RunningWorker:
     def active_requests(self) -> int:
         return self.stub.GetServerInfo(pb.GetServerInfoRequest()).active_requests
 
-    def stop(self) -> int:
+    def stop(self, hang_up: bool = True) -> int:
+        """`hang_up`: the client's channel closes first, so the calls still open
+        end as disconnects; else they stay open through the stop, as a
+        router's would, and only the grace ends them."""
         if self.exit_code is None:
-            self.channel.close()
+            if hang_up:
+                self.channel.close()
             self.exit_code = self.call(self.worker.shutdown())
+            self.channel.close()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
         return self.exit_code
