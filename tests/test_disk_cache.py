@@ -192,13 +192,13 @@ def test_files_whose_deletion_failed_are_deleted_once_the_disk_takes_writes_agai
     refused = {"on": True}
     write = Folder._write
 
-    def deleting(job, path, model):
+    def deleting(folder, job, path, model):
         if job.header is None and refused["on"]:
             job.error = OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
             return job
-        return write(job, path, model)
+        return write(folder, job, path, model)
 
-    monkeypatch.setattr(Folder, "_write", staticmethod(deleting))
+    monkeypatch.setattr(Folder, "_write", deleting)
     monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
     w = start_worker(model_dir, prompt_cache_dir=tmp_path, prompt_cache_disk_bytes=bound)
     with caplog.at_level(logging.WARNING):
@@ -557,7 +557,40 @@ def test_a_cache_folder_deleted_while_in_use_is_made_again_with_one_warning(
         served = same_as_cold(w, cold, again + [9]).complete.cached_tokens
     assert got.complete.cached_tokens == 0 and served == len(again)
     warnings = logged(caplog, level=logging.WARNING)
-    assert len(warnings) == 1 and "was deleted; making it again" in warnings[0]
+    assert len(warnings) == 1 and "was deleted or replaced; making it again" in warnings[0]
+
+
+def test_a_link_put_in_place_of_the_folder_while_in_use_is_never_written_through(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch
+):
+    """Whoever can write the cache directory cannot make the worker write
+    elsewhere: a link in place of the model's folder stops the disk tier, with
+    one warning naming it, and once the link goes the folder is made again."""
+    monkeypatch.setattr(disk_tier, "RETRY_SECONDS", 0.2)
+    monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
+    w = start_worker(model_dir, prompt_cache_dir=tmp_path / "cache")
+    same_as_cold(w, cold, prompt(400, 1))
+    assert wait_until(lambda: len(files(tmp_path)) == 1, 10)
+    (folder,) = [f for f in _model_folders(tmp_path / "cache") if (f / "lock").exists()]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(folder)
+    folder.symlink_to(elsewhere)
+    with caplog.at_level(logging.INFO):
+        for key in (2, 3):
+            same_as_cold(w, cold, prompt(400, key))
+        assert wait_until(lambda: logged(caplog, "cannot make"), 10)
+        time.sleep(0.5)  # several retries
+        assert list(elsewhere.iterdir()) == []
+        folder.unlink()
+        same_as_cold(w, cold, prompt(400, 4))
+        assert wait_until(lambda: len(files(tmp_path / "cache")) >= 1, 10)
+    assert list(elsewhere.iterdir()) == []
+    warnings = logged(caplog, level=logging.WARNING)
+    assert len(warnings) == 2, warnings
+    assert "was deleted or replaced" in warnings[0]
+    assert "is a symbolic link, not a folder" in warnings[1] and "tried again" in warnings[1]
+    assert logged(caplog, f"made {folder} again")
 
 
 def test_the_free_space_asked_while_the_folder_was_gone_is_not_kept(
@@ -572,7 +605,7 @@ def test_the_free_space_asked_while_the_folder_was_gone_is_not_kept(
             same_as_cold(w, cold, prompt(400, key))  # each pushes the last out, to disk
         assert wait_until(lambda: len(files(tmp_path)) >= 2, 10)
     warnings = logged(caplog, level=logging.WARNING)
-    assert len(warnings) == 1 and "was deleted; making it again" in warnings[0]
+    assert len(warnings) == 1 and "was deleted or replaced; making it again" in warnings[0]
 
 
 def test_entries_kept_while_the_disk_was_full_are_written_once_it_has_room(

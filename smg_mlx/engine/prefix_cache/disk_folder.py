@@ -135,6 +135,7 @@ class Folder:
         self.open_seconds = OPEN_SECONDS
         self._open_by = time.monotonic() + OPEN_SECONDS
         self._lock: int | None = None
+        self._identity: tuple[int, int] | None = None  # the folder's (`safe_files.same_folder`)
         self._wake = wake
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._to_writer: queue.SimpleQueue = queue.SimpleQueue()
@@ -182,8 +183,9 @@ class Folder:
         self._to_writer.put((self._remake, ()))
 
     def missing(self) -> bool:
-        """Whether the folder is gone (deleted under the worker)."""
-        return not self.path.is_dir()
+        """Whether the folder is gone: deleted under the worker, or something
+        else put in its place."""
+        return not safe_files.same_folder(self.path, self._identity)
 
     def free_bytes(self) -> int:
         try:
@@ -244,7 +246,7 @@ class Folder:
 
     def _make(self, path: Path) -> None:
         """Make the folder `path` if need be, take its lock and say whose it is."""
-        safe_files.make_folder(path)
+        self._identity = safe_files.make_folder(path)
         self._lock = self._take_lock(path)
         with safe_files.create(path / "model.json") as f:
             f.write(self._about)
@@ -252,7 +254,8 @@ class Folder:
     def _remake(self) -> Remade:
         remade = Remade()
         try:
-            os.close(self._lock)  # the deleted folder's
+            if self._lock is not None:  # the deleted folder's (None: an earlier remake failed)
+                os.close(self._lock)
             self._lock = None
             self._make(self.path)
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
@@ -357,10 +360,10 @@ class Folder:
             probe.unlink(missing_ok=True)
         return PROBE_BYTES / max(time.perf_counter() - began, 1e-6)
 
-    @staticmethod
-    def _write(write: Write, path: Path, model: str) -> Write:
+    def _write(self, write: Write, path: Path, model: str) -> Write:
         began = time.perf_counter()
         try:
+            self._check_folder(path)
             if write.header is None:
                 path.unlink(missing_ok=True)
             elif not write.cancelled:
@@ -374,10 +377,10 @@ class Folder:
         write.seconds = time.perf_counter() - began
         return write
 
-    @staticmethod
-    def _read(read: Read, path: Path, model: str) -> Read:
+    def _read(self, read: Read, path: Path, model: str) -> Read:
         began = time.perf_counter()
         try:
+            self._check_folder(path)
             read.data = kv_files.read(path, model)
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
             read.error = exc
@@ -390,6 +393,15 @@ class Folder:
                 os.utime(path, follow_symlinks=False)
         read.seconds = time.perf_counter() - began
         return read
+
+
+    def _check_folder(self, path: Path) -> None:
+        """Raises FileNotFoundError where `path`'s folder is gone or replaced:
+        checked again on this thread, just before the file is opened, as the
+        engine thread's check (`missing`) may be a turn old."""
+        if not safe_files.same_folder(path.parent, self._identity):
+            raise FileNotFoundError(errno.ENOENT, "the folder is gone or replaced",
+                                    str(path.parent))  # fmt: skip
 
 
 def _worker_pid() -> int:

@@ -144,6 +144,7 @@ class DiskTier(DiskReads):
         self._undeleted: set[str] = set()
         self._free, self._free_at, self._started_bytes = 0, -FREE_SECONDS, 0  # see _free_bytes
         self._remaking = False  # the folder was deleted: it is being made again
+        self._unmade = False  # making it again failed: tried again every RETRY_SECONDS
         versions = (FORMAT, f"mlx {mx.__version__}", f"mlx-lm {mlx_lm.__version__}",
                     str(mx.default_device()))  # fmt: skip
         if kv_format is not None:  # another format's entries live in another folder
@@ -395,7 +396,7 @@ class DiskTier(DiskReads):
 
     def _written(self, write: Write, memory: MemoryTier) -> None:
         if write.header is None:  # a deletion
-            if write.error is not None:
+            if write.error is not None and not self._gone():  # (gone: the file went with it)
                 log.warning("prompt cache: cannot delete %s: %s", write.name, write.error)
                 self._undeleted.add(write.name)
             return
@@ -442,15 +443,16 @@ class DiskTier(DiskReads):
         self._retry_at = time.monotonic() + RETRY_SECONDS
 
     def _gone(self) -> bool:
-        """Whether the folder was deleted under the worker: then it is made
-        again (once, with one warning), and the index, whose files went with
-        it, emptied."""
+        """Whether the folder was deleted under the worker (or something put in
+        its place): then it is made again (with one warning), and the index,
+        whose files went with it, emptied."""
         if self._remaking:
             return True
         if not self._folder.missing():
             return False
-        log.warning("prompt cache: %s was deleted; making it again (its entries are lost)",
-                    self._folder.path)  # fmt: skip
+        if not self._unmade:
+            log.warning("prompt cache: %s was deleted or replaced; making it again (its entries "
+                        "are lost)", self._folder.path)  # fmt: skip
         self._remaking = True
         for entry in self.tree:
             self.tree.remove(entry)
@@ -461,8 +463,18 @@ class DiskTier(DiskReads):
     def _remade(self, remade: Remade) -> None:
         self._remaking = False
         self._free_at = -FREE_SECONDS  # asked while it was gone: ask again
-        if remade.error is not None:
-            self._turn_off(f"cannot make {self._folder.path} again: {remade.error}")
+        if remade.error is None:
+            if self._unmade:
+                log.info("prompt cache: made %s again", self._folder.path)
+            self._unmade = False
+            return
+        if not self._unmade:
+            log.warning(
+                "prompt cache: cannot make %s again: %s; entries stay in memory only until it "
+                "can be (tried again every %gs)", self._folder.path, remade.error, RETRY_SECONDS,
+            )  # fmt: skip
+        self._unmade = True
+        self._retry_at = time.monotonic() + RETRY_SECONDS
 
     def close(self, memory: MemoryTier, until: Callable[[], float] | None) -> None:
         """A graceful stop: write what memory holds that is worth it and not on

@@ -87,15 +87,29 @@ def write_whole(path: Path, data: bytes) -> None:
         raise
 
 
-def make_folder(path: Path) -> None:
-    """The folder `path`, made (with its parents) if need be; raises Unsafe
+def make_folder(path: Path) -> tuple[int, int]:
+    """The folder `path`, made (with its parents) if need be: its device and
+    inode, which tell it from anything put in its place later. Raises Unsafe
     if something else is there (a link to a folder elsewhere would carry
     every file the worker writes there)."""
     try:
         path.mkdir(parents=True)
     except FileExistsError:
         pass
-    _expect(path, os.lstat(path).st_mode, stat.S_ISDIR, "a folder")
+    found = os.lstat(path)
+    _expect(path, found.st_mode, stat.S_ISDIR, "a folder")
+    return found.st_dev, found.st_ino
+
+
+def same_folder(path: Path, identity: tuple[int, int] | None) -> bool:
+    """Whether `path` is still the folder `make_folder` made (`identity`):
+    not deleted, nor anything put in its place (a link to a folder elsewhere,
+    which every later open through `path` would follow)."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(found.st_mode) and (found.st_dev, found.st_ino) == identity
 
 
 def _expect(
