@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
+import errno
 import logging
 import os
 import re
@@ -196,6 +197,11 @@ def _unusable_directory(path: Path) -> str | None:
         with tempfile.TemporaryFile(dir=path):
             return None
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # Full (of bytes or of inodes, which the worker's own entries may
+            # use up): no mistake to refuse, and a refusal (exit 2) is not
+            # restarted; the worker serves from memory and says why.
+            return None
         return f"cannot make it or write in it ({exc.strerror or exc})"
 
 

@@ -4,11 +4,13 @@ docs/configuration.md."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -201,6 +203,18 @@ def serve_args(*argv: str):
     args = build_parser().parse_args(["serve", *argv])
     check_serve_args(args.serve_parser, args)
     return args
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_prompt_cache_dir_named_is_not_refused(tmp_path, monkeypatch, error):
+    """Full, of bytes or of inodes (the worker's own entries may use them up):
+    not a mistyped path, so no exit 2, which a supervisor would not restart."""
+
+    def full(*args, **kwargs):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", full)
+    assert serve_args("--demo", "--prompt-cache-dir", str(tmp_path)).prompt_cache_dir == tmp_path
 
 
 def test_the_model_may_be_named_as_vllm_does():
