@@ -37,6 +37,7 @@ from smg_mlx.engine.prefix_cache import disk_folder, disk_tier, fingerprint, kv_
 from smg_mlx.engine.prefix_cache.disk_folder import Folder
 from smg_mlx.engine.prefix_cache.folder_contents import file_name
 from smg_mlx.engine.schedule.bursts import BurstGatherer
+from smg_mlx.server import ONE_STOP_SECONDS
 
 from helpers import generate, prompt, request, wait_until
 
@@ -783,7 +784,7 @@ def test_entries_a_second_stop_signal_leaves_unwritten_are_said_for_that_reason(
     with caplog.at_level(logging.WARNING, "smg_mlx"):
         w.loop.call_soon_threadsafe(w.worker.request_stop)
         stopping = asyncio.run_coroutine_threadsafe(w.worker.shutdown(), w.loop)
-        time.sleep(0.5)  # (a second signal, not the first delivered twice)
+        time.sleep(ONE_STOP_SECONDS + 0.2)  # (a second signal, not the first delivered twice)
         w.loop.call_soon_threadsafe(w.worker.request_stop)
         assert stopping.result(30) == 0
     said = logged(caplog, "not written to disk")
@@ -1019,7 +1020,7 @@ def test_the_writes_at_a_stop_fit_in_the_shutdown_grace(
         w.loop.call_soon_threadsafe(w.worker.request_stop)
         stopping = asyncio.run_coroutine_threadsafe(w.worker.shutdown(), w.loop)
         if asked == "twice":
-            time.sleep(1.0)  # into the writes
+            time.sleep(ONE_STOP_SECONDS + 0.2)  # into the writes (a second signal)
             w.loop.call_soon_threadsafe(w.worker.request_stop)
         assert stopping.result(20) == 0
         assert time.monotonic() - began < 5.0

@@ -22,7 +22,7 @@ from smg_mlx.engine.batch.batch import Batch
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
-from smg_mlx.server import load_tokenizer
+from smg_mlx.server import ONE_STOP_SECONDS, load_tokenizer
 
 from helpers import (
     NOT_SERVING,
@@ -417,7 +417,7 @@ def test_a_second_stop_request_ends_the_grace_period(start_worker, model_dir, mo
         next(call)
         w.loop.call_soon_threadsafe(w.worker.request_stop)
         stopping = ThreadPoolExecutor(1).submit(w.stop)
-        time.sleep(0.5)
+        time.sleep(ONE_STOP_SECONDS + 0.2)  # (a second signal, not the first delivered twice)
         assert not stopping.done()  # draining: the stream may finish
         w.loop.call_soon_threadsafe(w.worker.request_stop)
         assert stopping.result(timeout=15) == 0
