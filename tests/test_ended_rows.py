@@ -132,3 +132,31 @@ def test_a_block_mostly_unkept_from_the_start_goes_at_once():
     assert all(not block.rows for block in blocks)
     for got, expected in zip(_held(out[3]), _row(cache, 3), strict=True):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_snapshot_holds_the_rows_as_they_were_and_copies_no_more_than_they_take():
+    """A snapshot is taken as rows end; rows joining write into the cache before
+    the ended rows are copied out. Those rows are as they were, and copying one
+    out costs about its own bytes: not a copy of every layer's whole buffer."""
+    cache = _batch(layers=4)
+    for layer in cache:  # a longer cache, so that a row is a small part of it
+        keys = mx.random.normal((len(PADDING), 2, 250, 4))
+        layer.update_and_fetch(keys, -keys)
+    mx.eval([(c.keys, c.values) for c in cache])
+    pad, end = PADDING[4], cache[0]._idx
+    want = [np.array(a[4, :, pad:end]) for c in cache for a in (c.keys, c.values)]
+    taken = Snapshot.of(cache)
+    for layer in cache:  # written before the ended row is copied
+        layer.keys[4] = 0.0
+        layer.values[4] = 0.0
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    (layers,), _ = copied_out([EndedRow(taken, 4, pad)])
+    mx.eval([(c.keys, c.values) for c in layers])
+    for got, expected in zip(_held(layers), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    row = sum(c.keys.nbytes + c.values.nbytes for c in layers)
+    batch = sum(a.nbytes for c in cache for a in (c.keys, c.values))
+    assert row < batch / 4
+    assert mx.get_peak_memory() - before < 2 * row

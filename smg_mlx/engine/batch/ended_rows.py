@@ -48,14 +48,17 @@ class Snapshot:
 
     @classmethod
     def of(cls, cache: list[BatchKVCache] | list[BatchQuantizedKVCache]) -> Snapshot:
-        # mx.array(a): a handle to a's present value, which writes into a leave be
+        # a[:]: a view of a's present value, its buffer shared. A write into the
+        # cache replaces the cache's array, not this one, and copies the buffer
+        # only while a view holds it (mx.array(a) would copy every layer's whole
+        # buffer, for every row's end).
         first = cache[0]
         if isinstance(first, BatchQuantizedKVCache):
             for c in cache:
                 c.flush()  # (its 16-bit tail into the quantized buffers)
-            arrays = [[mx.array(a) for a in (*c.keys, *c.values)] for c in cache]
+            arrays = [[a[:] for a in (*c.keys, *c.values)] for c in cache]
             return cls(arrays, first._idx, (first.group_size, first.bits))
-        return cls([[mx.array(c.keys), mx.array(c.values)] for c in cache], first._idx)
+        return cls([[c.keys[:], c.values[:]] for c in cache], first._idx)
 
 
 @dataclass(eq=False)
