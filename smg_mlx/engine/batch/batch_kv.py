@@ -162,6 +162,75 @@ def _filter(filter_rows: Callable) -> Callable:
     return filter
 
 
+def stacked_rows(parts: Sequence[tuple[mx.array | None, int, int, int]], width: int,
+                 like: mx.array) -> mx.array:  # fmt: skip
+    """Batches of rows (B, H, columns, D) stacked in one new array of `width`
+    columns, each given as (array, its rows, its entries' columns, where they
+    go). A batch already in place (its entries from column 0, its buffer wide
+    enough) goes in as it is; the others are padded (a copy each). Where the
+    padded ones hold most rows (a lane shifted for a longer row joining),
+    their copies would hold the lane twice beside the result: all are written
+    into zeros instead, one buffer (filled once more)."""
+    rows = sum(count for _, count, _, _ in parts)
+
+    def in_place(array: mx.array | None, at: int) -> bool:
+        return array is not None and at == 0 and array.shape[2] >= width
+
+    padded = sum(count for array, count, _, at in parts if not in_place(array, at))
+    if 2 * padded <= rows:
+        shape = (like.shape[1], width, like.shape[3])
+        return mx.concatenate([
+            array[:, :, :width] if in_place(array, at)
+            else mx.zeros((count, *shape), like.dtype) if array is None
+            else mx.pad(array[:, :, :n], [(0, 0), (0, 0), (at, width - at - n), (0, 0)])
+            for array, count, n, at in parts
+        ])  # fmt: skip
+    out = mx.zeros((rows, like.shape[1], width, like.shape[3]), like.dtype)
+    first = 0
+    for array, count, n, at in parts:
+        if array is not None and n:
+            out[first : first + count, :, at : at + n] = array[:, :, :n]
+        first += count
+    return out
+
+
+def stacked_caches(caches: Sequence[Any], name: str, idx: int, width: int) -> Any:
+    """The `name` arrays ("keys" or "values"; a quantized cache's: a tuple of
+    parts) of batch caches stacked along rows (`stacked_rows`), each batch
+    right-justified to end at column `idx` of `width`."""
+    arrays = [getattr(c, name) for c in caches]
+    like = next(a for a in arrays if a is not None)
+
+    def stacked(part: Callable[[Any], mx.array]) -> mx.array:
+        parts = [(None if a is None else part(a), c.offset.shape[0], c._idx, idx - c._idx)
+                 for a, c in zip(arrays, caches, strict=True)]  # fmt: skip
+        return stacked_rows(parts, width, part(like))
+
+    if isinstance(like, tuple):
+        return tuple(stacked(lambda a, i=i: a[i]) for i in range(len(like)))
+    return stacked(lambda a: a)
+
+
+def _extend(extend_rows: Callable) -> Callable:
+    def extend(self: BatchKVCache, other: BatchKVCache) -> None:
+        """mlx-lm's, both batches right-justified to the longer in a buffer as
+        wide as the wider one's, made once (`stacked_rows`)."""
+        both = (self, other)
+        if all(c.keys is None for c in both):
+            extend_rows(self, other)
+            return
+        idx = max(c._idx for c in both)
+        width = max(c.keys.shape[2] for c in both if c.keys is not None)
+        self.keys = stacked_caches(both, "keys", idx, width)
+        self.values = stacked_caches(both, "values", idx, width)
+        self.left_padding = mx.concatenate([c.left_padding + idx - c._idx for c in both])
+        self.offset = mx.concatenate([c.offset for c in both])
+        self._idx = idx
+
+    return extend
+
+
 BatchKVCache.update_and_fetch = _update_and_fetch
+BatchKVCache.extend = _extend(BatchKVCache.extend)
 BatchKVCache.make_mask = _no_mask_array_for_one_row(BatchKVCache.make_mask)
 BatchKVCache.filter = _filter(BatchKVCache.filter)

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
 
 from smg_mlx.engine.batch import fused_quantized_attention as fused
 from smg_mlx.engine.batch.attention_shapes import FEW_QUERIES
-from smg_mlx.engine.batch.batch_kv import rows_kept
+from smg_mlx.engine.batch.batch_kv import rows_kept, stacked_caches
 
 Quantized = tuple[mx.array, mx.array, mx.array]  # packed, scales, biases
 
@@ -388,26 +388,13 @@ class BatchQuantizedKVCache(_BaseCache):
             self._join_padding(other, 0, 0)
             self.offset = mx.concatenate([self.offset, other.offset])
             return
+        both = (self, other)
         idx = max(self._idx, other._idx)
-        tail = self._spare(idx)
-        like_k = self.keys or other.keys
-        like_v = self.values or other.values
+        # Only written positions are kept (and `_spare` room after them).
+        width = idx + self._spare(idx)
 
-        def justified(c: BatchQuantizedKVCache) -> tuple[Quantized, Quantized]:
-            rows = c.offset.shape[0]
-            k = c.keys or _zeros_like_rows(like_k, rows, 0)
-            v = c.values or _zeros_like_rows(like_v, rows, 0)
-            # Only written positions are kept (and `_spare` room after them).
-            shift = idx - c._idx
-
-            def pad(x: mx.array) -> mx.array:
-                return mx.pad(x[:, :, : c._idx], [(0, 0), (0, 0), (shift, tail), (0, 0)])
-
-            return map_parts(pad, k), map_parts(pad, v)
-
-        (k1, v1), (k2, v2) = justified(self), justified(other)
-        cat = lambda a, b: tuple(mx.concatenate([x, y]) for x, y in zip(a, b, strict=True))  # noqa: E731
-        self.keys, self.values = cat(k1, k2), cat(v1, v2)
+        self.keys = stacked_caches(both, "keys", idx, width)
+        self.values = stacked_caches(both, "values", idx, width)
         self._join_padding(other, idx - self._idx, idx - other._idx)
         self.offset = mx.concatenate([self.offset, other.offset])
         self._idx = idx
