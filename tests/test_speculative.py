@@ -507,6 +507,70 @@ def test_where_checking_turns_to_pay_or_not_the_log_says_so_now_and_then(paced, 
     assert said[1].endswith("plain); plain passes, a trial now and then")
 
 
+def test_checking_that_stops_at_a_width_says_so(paced, caplog):
+    """Where the width checking ran at loses and the narrower one waits for
+    its trial, checking has stopped: the log says so then, not only once a
+    trial has measured the narrower width."""
+    caplog.set_level(logging.INFO, logger="smg_mlx.engine.speculative.pacing")
+    _, clock, _ = paced
+    pacing = Pacing(most=8)
+    plain = (0.010, 8)
+    for _ in range(4):
+        run_widths(pacing, clock, 8, plain, dict.fromkeys((8, 4, 2, 1), (0.012, 40)))
+    clock.now += 10
+    wrong = dict.fromkeys((8, 4, 2, 1), (0.100, 8))  # (sinks before a narrower one is probed)
+    ran = []
+    while ran[-2:] != [0, 0]:  # until checking stopped: plain passes until a trial
+        ran.append(run_widths(pacing, clock, 8, plain, wrong))
+    said = [m for m in caplog.messages if "checking proposals" in m]
+    assert len(said) == 2 and said[1].startswith(
+        "speculation, batches of 5 to 8 streams: checking proposals does not pay ("
+    ) and "up to 8 proposed a stream, against 800 plain);" in said[1], said
+
+
+def serve_one_at_a_time(pacing: Pacing, clock: Clock, requests: int, wrong_first: int) -> float:
+    """Requests of 64 tokens one after another, as at one stream: a plain
+    pass takes 10 ms, a checking one 15 and makes three tokens, but one only
+    over a stream's first `wrong_first` tokens (its proposals wrong there). A
+    run under way when a stream ends is never timed (the batch stood empty).
+    The tokens a second served."""
+    for width in range(10):
+        pacing.new_shape(1, width)  # (no pass here builds kernels)
+    started, tokens = clock.now, 0
+    for _ in range(requests):
+        made = 1  # (the prefill's)
+        while made < 64:
+            block = pacing.start(1)
+            while not block.over and not pacing.losing(block) and made < 64:
+                block.begins()
+                clock.now += 0.015 if block.checking else 0.010
+                n = 1 if not block.checking or made < wrong_first else min(3, 64 - made)
+                made += n
+                block.ran(n, False, checked=block.checking, rows={0: n} if made < 64 else {})
+            if made < 64:
+                pacing.ended(block)
+        tokens += 63
+    return tokens / (clock.now - started)
+
+
+@pytest.mark.parametrize("most", [4, 8])
+def test_one_stream_keeps_checking_where_only_its_first_proposals_are_wrong(paced, most):
+    """One stream at a time, each answer's first dozen proposals wrong and
+    the rest right: checking gains 1.45x over the answers in all. Its runs at
+    an answer's start end two passes in (they lose there); those must weigh
+    as the passes they ran, not as whole runs, and a trial after checking lost
+    must not fall at an answer's start every time (each answer runs as many
+    runs): else the worker decodes plainly for good."""
+    _, clock, _ = paced
+    always = serve_one_at_a_time(Pacing(always=True), clock, 50, wrong_first=12)
+    plain = serve_one_at_a_time(Pacing(), clock, 50, wrong_first=64)
+    pacing = Pacing(most=most)
+    serve_one_at_a_time(pacing, clock, 50, wrong_first=12)
+    served = serve_one_at_a_time(pacing, clock, 200, wrong_first=12)
+    assert always > 1.4 * plain
+    assert served >= 0.95 * always, (served, always, plain)
+
+
 def run_widths(pacing: Pacing, clock: Clock, rows: int, plain: tuple[float, int],
                widths: dict[int, tuple[float, int]]) -> int:  # fmt: skip
     """One run of passes, each taking (seconds, tokens) as its kind does, a

@@ -11,8 +11,9 @@ checking or plain throughout, timed from its first pass's start to the
 next block's (`Block`). A single pass could not be timed alone: how long it
 takes depends on what the pass before left running. For each batch size (by
 powers of two) a moving average of the tokens a second of plain blocks and
-of checking ones, these for each width (`widths`: the most tokens a row may
-propose in the block's passes); a block checks where its rate beats the plain one's.
+of checking ones (each block weighing the passes it ran), these for each
+width (`widths`: the most tokens a row may propose in the block's passes); a
+block checks where its rate beats the plain one's.
 A wider pass keeps more of a row's right proposals, and costs more once
 the device computes rather than waits: the width checking runs at is the
 one measured best, its neighbours timed now and then (every PROBE checking
@@ -28,19 +29,20 @@ passes give every row. One stream's chat beside another's agent is not
 slowed for the agent's gain.
 Until both are measured it is tried; whichever kind loses runs again now and
 then, as the batch, its proposals and the machine change (a losing checking
-run after ever longer waits, and after plain passes ran long enough that what
-the last trial lost is a small share of the time, TRIAL_SHARE; plain after
-longer waits too, within a few dozen blocks); a checking block clearly
-losing after its first passes ends there (`losing`), so that a trial costs a
-few passes. A pass of a
-shape run for the first time counts in no block, neither its time nor its
-tokens (the backend may build kernels for it first); a block the engine set
-aside (`Block.void`) counts not at all.
+run after ever longer waits, drawn give or take a quarter, and after plain
+passes ran long enough that what the last trial lost is a small share of the
+time, TRIAL_SHARE; plain after longer waits too, within a few dozen blocks);
+a checking block clearly losing after its first passes ends there
+(`losing`), so that a trial costs a few passes. A pass of a shape run for
+the first time counts in no block, neither its time nor its tokens (the
+backend may build kernels for it first); a block the engine set aside
+(`Block.void`) counts not at all.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping
 
@@ -91,28 +93,34 @@ def _streams(size: int) -> str:
 
 
 class _Average:
-    """A moving average; over its first blocks, their mean (a block timed in a
-    slow moment weighs no more than its share)."""
+    """A moving average of a kind's passes: seconds and tokens a pass (a run
+    weighs as many passes as it ran: one cut short two passes in, where a
+    stream's first proposals were wrong, moves it a quarter as far as a
+    whole run); over its first passes, their mean (a run timed in a slow
+    moment weighs no more than its share)."""
 
-    __slots__ = ("seconds", "tokens", "slowest", "blocks", "weight")
+    __slots__ = ("seconds", "tokens", "slowest", "passes", "weight", "last")
 
-    def __init__(self, seconds: float, tokens: float, slowest: float | None) -> None:
-        self.seconds, self.tokens, self.blocks = seconds, tokens, 1
-        self.slowest = slowest  # the slowest row's tokens (`Block.slowest`); None: not known
-        self.weight = 1.0  # the last block's
+    def __init__(self, seconds: float, tokens: float, slowest: float | None, passes: int) -> None:
+        self.seconds, self.tokens = seconds / passes, tokens / passes
+        # The slowest row's tokens a pass (`Block.slowest`); None: not known.
+        self.slowest = slowest / passes if slowest is not None else None
+        self.passes = self.last = passes
+        self.weight = 1.0  # the last run's
 
-    def add(self, seconds: float, tokens: float, slowest: float | None) -> None:
-        self.blocks += 1
-        self.weight = weight = max(WEIGHT, 1 / self.blocks)
-        self.seconds += weight * (seconds - self.seconds)
-        self.tokens += weight * (tokens - self.tokens)
+    def add(self, seconds: float, tokens: float, slowest: float | None, passes: int) -> None:
+        self.passes += passes
+        self.last = passes
+        self.weight = weight = min(1.0, max(WEIGHT * passes / BLOCK, passes / self.passes))
+        self.seconds += weight * (seconds / passes - self.seconds)
+        self.tokens += weight * (tokens / passes - self.tokens)
         if slowest is not None:
-            known = self.slowest if self.slowest is not None else slowest
-            self.slowest = known + weight * (slowest - known)
+            known = self.slowest if self.slowest is not None else slowest / passes
+            self.slowest = known + weight * (slowest / passes - known)
 
     def later(self, seconds: float) -> None:
-        """The last block took `seconds` more."""
-        self.seconds += self.weight * seconds
+        """The last run took `seconds` more."""
+        self.seconds += self.weight * seconds / self.last
 
     @property
     def rate(self) -> float:
@@ -194,6 +202,11 @@ class Block:
         """Left out: its time holds other work (the other lane's passes)."""
         self.counted = False
 
+    @property
+    def measured(self) -> bool:
+        """Whether it counts: not left out, and some of its passes were timed."""
+        return self.counted and self.passes > 0
+
 
 class Pacing:
     """Checking and plain blocks' rates by batch size; whether the next block
@@ -210,6 +223,8 @@ class Pacing:
         self._probe: dict[int, int] = {}  # by size: checking blocks since a neighbour's
         self._waited: dict[int, int] = {}  # plain blocks since checking lost, by size
         self._retry: dict[int, int] = {}  # blocks between retries, by size
+        self._due: dict[int, int] = {}  # by size: blocks until the next retry (`_drawn`)
+        self._random = random.Random(0)
         self._wins: dict[int, bool] = {}  # by size: whether checking won, as last seen
         self._shapes: set[tuple[int, int]] = set()  # (rows, width) of the passes run so far
         self._said: dict[int, tuple[bool, float]] = {}  # by size: the verdict logged, when
@@ -286,14 +301,14 @@ class Pacing:
 
     def ended(self, block: Block) -> None:
         """`block` ran its passes: its rate, up to now, joins its kind's."""
-        if not block.counted:
+        if not block.measured:
             return
         seconds = block.seconds()
         kept, key = self._kept(block)
         if key in kept:
-            kept[key].add(seconds, block.tokens, block.slowest)
+            kept[key].add(seconds, block.tokens, block.slowest, block.passes)
         else:
-            kept[key] = _Average(seconds, block.tokens, block.slowest)
+            kept[key] = _Average(seconds, block.tokens, block.slowest, block.passes)
         self._account(block, seconds)
         if block.checked:
             self._choose_width(block.size, block.width)
@@ -334,11 +349,19 @@ class Pacing:
 
     def _say(self, size: int) -> None:
         """Log (info) where checking proposals turns to pay at a batch size, or
-        to lose: at most every SAY_EVERY seconds a size."""
-        plain, checking = self._plain.get(size), self._current(size)
+        to lose: at most every SAY_EVERY seconds a size. Where the width
+        checking ran at lost and a narrower one waits for a trial, checking
+        has stopped: said with the best rate measured."""
+        plain, current = self._plain.get(size), self._current(size)
+        width, checking = self._at(size), current
+        if checking is None:
+            measured = [(a.rate, w) for (s, w), a in self._checking.items() if s == size]
+            if measured:
+                width = max(measured)[1]
+                checking = self._measured(size, width)
         if plain is None or checking is None or self.always:
             return
-        pays, now = self._pays(plain, checking), time.perf_counter()
+        pays, now = self._pays(plain, current), time.perf_counter()
         said, when = self._said.get(size, (None, -SAY_EVERY))
         if pays == said or now - when < SAY_EVERY:
             return
@@ -350,7 +373,7 @@ class Pacing:
             "speculation, batches of %s: checking proposals %s (%.0f tokens a second%s against "
             "%.0f plain%s)%s", _streams(size),
             "pays" if pays else "does not pay", checking.rate,
-            _width_said(self._at(size), ", {},"), plain.rate, unfair,
+            _width_said(width, ", {},"), plain.rate, unfair,
             "" if pays else "; plain passes, a trial now and then",
         )  # fmt: skip
 
@@ -361,7 +384,7 @@ class Pacing:
         work()
         seconds = time.perf_counter() - started
         then.skipped += seconds
-        if ended.counted:
+        if ended.measured:
             kept, key = self._kept(ended)
             kept[key].later(seconds)
             if ended.checked and ended.size in self._owed:
@@ -406,20 +429,32 @@ class Pacing:
         if wins != self._wins.get(size):
             self._wins[size] = wins
             self._retry[size] = RETRY
+            self._due[size] = self._drawn(RETRY, wins)
         waited = self._waited[size] = self._waited.get(size, 0) + 1
-        retry = self._retry.get(size, RETRY)
-        if waited < retry:
+        if waited < self._due.get(size, RETRY):
             return wins
         if not wins and self._plain_since.get(size, 0.0) < self._owed.get(size, 0.0):
             return False  # the last trial's cost is not yet a small share of the time since
         self._waited[size] = 0
-        self._retry[size] = min(2 * retry, MOST_RETRY if not wins else MOST_PLAIN_RETRY)
+        retry = self._retry.get(size, RETRY)
+        retry = self._retry[size] = min(2 * retry, MOST_RETRY if not wins else MOST_PLAIN_RETRY)
+        self._due[size] = self._drawn(retry, wins)
         # (A narrower width not measured yet is tried first; at the widest the
         # trial's measure joins those before it, which hold the lining up of
         # rows that ended apart, charged when a checking run ends.)
         if not wins and self._current(size) is not None and self._at(size) != self._widths[-1]:
             self._forget_widths(size)
         return not wins
+
+    def _drawn(self, blocks: int, wins: bool) -> int:
+        """The wait before the next trial of the kind that lost: `blocks`, and
+        where checking lost, a quarter more or less, drawn. Requests of one
+        length would otherwise have every trial start at the same point of
+        one (waits of whole runs, of eight passes, doubling), and a stream's
+        first tokens are where its proposals are least often right."""
+        if wins:
+            return blocks
+        return self._random.randint(blocks - blocks // 4, blocks + blocks // 4)
 
     def _forget_widths(self, size: int) -> None:
         """A trial after checking lost at every width it could try, down to a
