@@ -23,6 +23,8 @@ SPECULATIVE = ("auto", "always", "off")
 # --num-draft-tokens at most: a checking pass of 1 + this many tokens a row still
 # attends as a decoding pass does (engine.batch.attention_shapes.FEW_QUERIES).
 MOST_DRAFT_TOKENS = 15
+# KV caches stored as the model computes them, as headers and metrics name it.
+UNQUANTIZED = "unquantized"
 # --kv-bits and --kv-group-size: what mx.quantize takes (engine.batch.kv_format).
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)

@@ -26,7 +26,7 @@ from smg_mlx.api.model_info import ModelInfo, load_model_info
 from smg_mlx.api.rpc_handlers import add_engine_service
 from smg_mlx.api.servicer import MlxEngineServicer
 from smg_mlx.api.tokenizer_files import VOCABULARY_PATTERNS, tokenizer_zip
-from smg_mlx.config import ServerConfig
+from smg_mlx.config import UNQUANTIZED, ServerConfig
 from smg_mlx.engine.ranks.launched import launched_rank
 from smg_mlx.grpc_stubs import mlx_engine_pb2
 from smg_mlx.logs import READY, counted, format_bytes, host_port, one_line
@@ -390,6 +390,7 @@ class Worker:
             raise StartupError(f"cannot serve {self.model_dir}: {exc}", code) from exc
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self.metrics.serving_mode.labels(self.engine.mode).set(1)
+        self.metrics.kv_format.labels(self.config.engine.kv_format or UNQUANTIZED).set(1)
         if self.config.engine.pipeline and self.engine.ranks == 1:  # a launcher of one rank
             log.warning("--pipeline does nothing: the model runs whole in this one process")
         longest = self.engine.longest_sequence

@@ -22,6 +22,7 @@ from mlx_lm.models import base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache
 from test_engine_core import TIMEOUT, spec, start_core
+from test_metrics import scrape
 
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import batch_check, quantized_attention, quantized_kv
@@ -35,7 +36,7 @@ from smg_mlx.engine.types import Request
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.logs import format_bytes
 
-from helpers import generate, memory_in_use, prompt, wait_until
+from helpers import free_port, generate, memory_in_use, prompt, wait_until
 
 A = prompt(400, 1)  # longer than the disk tier's minimum
 PROMPTS = [prompt(n, i) for i, n in enumerate((3, 40, 130, 300))]
@@ -216,14 +217,18 @@ def test_start_up_checks_batching_anew_and_speculation_stays_exact(
     start_worker, model64, cold, bits, tmp_path, caplog
 ):
     # The batch check's verdicts are kept in the prompt cache's directory.
-    unquantized = start_worker(model64, prompt_cache_dir=tmp_path)
-    # GetServerInfo's headers say how KV is stored and what proposes tokens.
+    port = free_port()
+    unquantized = start_worker(model64, prompt_cache_dir=tmp_path, metrics_port=port)
+    # GetServerInfo's headers say how KV is stored and what proposes tokens; so
+    # does a metric.
     headers = server_headers(unquantized)
     assert (headers["kv-format"], headers["speculative-decoding"]) == ("unquantized", "off")
+    assert scrape(port)[("smg_mlx_kv_cache_format", (("format", "unquantized"),))] == 1
     unquantized.stop()
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        w = start_worker(model64, kv_bits=bits, speculative="always", prompt_cache_dir=tmp_path)
+        w = start_worker(model64, kv_bits=bits, speculative="always", prompt_cache_dir=tmp_path,
+                         metrics_port=(port := free_port()))  # fmt: skip
     said = [r.getMessage() for r in caplog.records]
     assert any("speculative decoding: prompt lookup" in line for line in said), said
     # The plain caches' verdict is not taken for the quantized ones'.
@@ -234,6 +239,8 @@ def test_start_up_checks_batching_anew_and_speculation_stays_exact(
     assert "x of the model's own float32 KV (" in stored
     headers = server_headers(w)
     assert headers["kv-format"] == f"{bits}-bit KV, group 64"
+    formats = {k: v for k, v in scrape(port).items() if k[0] == "smg_mlx_kv_cache_format"}
+    assert formats == {("smg_mlx_kv_cache_format", (("format", f"{bits}-bit KV, group 64"),)): 1}
     assert headers["speculative-decoding"] == "prompt_lookup"
     assert server_headers(cold)["speculative-decoding"] == "off"
     # Rows take back their rejected proposals from quantized caches: the tokens

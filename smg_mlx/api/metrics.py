@@ -125,6 +125,11 @@ class Metrics:
             "served in; other than batched is slower: docs/serving.md, Model families)",
             labelnames=["mode"],
         )  # fmt: skip
+        self.kv_format = metric(
+            Gauge, "kv_cache_format", "How the KV caches are stored (1 for the format served: "
+            "unquantized, or --kv-bits and --kv-group-size, e.g. '8-bit KV, group 64'; as "
+            "GetServerInfo's kv-format header says)", labelnames=["format"],
+        )  # fmt: skip
         memory_gauge(
             "failed_steps",
             "Steps that failed otherwise since start (their requests ended with INTERNAL; "

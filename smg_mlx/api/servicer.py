@@ -26,7 +26,7 @@ from smg_mlx.api.rpc_handlers import Refusal
 from smg_mlx.api.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from smg_mlx.api.tokenizer_files import Bundle, chunks
 from smg_mlx.api.translation import InvalidRequest, encode
-from smg_mlx.config import RequestLimits
+from smg_mlx.config import UNQUANTIZED, RequestLimits
 from smg_mlx.engine.types import Failure, GenerationSpec
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 from smg_mlx.logs import counted, format_bytes
@@ -55,7 +55,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     ) -> None:
         """`kv_format`: how --kv-bits stores the KV caches (None: as the model computes them)."""
         self._engine = engine
-        self._kv_format = kv_format or "unquantized"
+        self._kv_format = kv_format or UNQUANTIZED
         self._metrics = metrics
         self._batch, self._pending = batch, pending  # --completion-batch-size, --max-pending
         self._limits = limits
