@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from smg_mlx import model_source
-from smg_mlx.config import DISK_CACHE_LEAST, MOST_DRAFT_TOKENS
+from smg_mlx.config import DISK_CACHE_LEAST, KV_BITS, MOST_DRAFT_TOKENS
 from smg_mlx.model_config import BadModelConfig, read_json
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?))?b?", re.IGNORECASE | re.ASCII)
@@ -171,6 +171,17 @@ def message_size(text: str) -> int:
 
 
 positive = _number(int, 1, "a whole number of at least 1")
+
+
+def kv_bits(text: str) -> int:
+    """--kv-bits: one of KV_BITS. There is no value for off (16, 0): leaving
+    the flag out is, and the refusal says so."""
+    if text.strip() in {str(bits) for bits in KV_BITS}:
+        return int(text)
+    raise argparse.ArgumentTypeError(
+        f"expected {' or '.join(map(str, sorted(KV_BITS, reverse=True)))}, got {text!r}; "
+        "to keep KV as the model computes it (16 bits for a bf16 model), leave --kv-bits out"
+    )
 
 
 def draft_tokens(text: str) -> int:

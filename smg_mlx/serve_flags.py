@@ -15,7 +15,6 @@ from smg_mlx.config import (
     DISK_CACHE_LEAST,
     DISK_CACHE_MOST,
     DISK_CACHE_SHARE,
-    KV_BITS,
     KV_GROUP_SIZES,
     MOST_DRAFT_TOKENS,
     SPECULATIVE,
@@ -35,6 +34,7 @@ from smg_mlx.flag_types import (
     draft_tokens,
     fixed_port,
     host,
+    kv_bits,
     message_size,
     model_name,
     non_negative,
@@ -201,8 +201,8 @@ def _running(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--kv-bits",
-        type=int,
-        choices=KV_BITS,
+        type=kv_bits,
+        metavar="{8,4}",
         help="store KV caches quantized to this many bits (mlx-lm's --kv-bits): about half "
         "(8) or a quarter (4) of 16-bit KV's memory, so more and longer sequences fit, but "
         "outputs change (4 bits more than 8); only for models whose caches are all plain "

@@ -258,7 +258,9 @@ def test_a_path_in_the_home_of_no_user_is_refused_with_the_flag(argv, capsys):
         (["org/a", "--demo"], "or --demo (org/a and --demo were given)"),
         (["--demo", "--revision", "v1"], "--revision names a version of a Hugging Face repo id"),
         (["--demo", "--metrics-port", "50051"], "--metrics-port 50051 is --port's too"),
-        (["--demo", "--kv-bits", "6"], "--kv-bits: invalid choice"),
+        (["--demo", "--kv-bits", "6"], "--kv-bits: expected 8 or 4, got '6'"),
+        (["--demo", "--kv-bits", "16"],  # (no value means off: leaving the flag out does)
+         "to keep KV as the model computes it (16 bits for a bf16 model), leave --kv-bits out"),
         (["--demo", "--kv-bits", "8"], "heads 64 wide, `python -m smg_mlx.demo_model DIR --head"),
         # (advice that works with the group asked for)
         (["--demo", "--kv-bits", "8", "--kv-group-size", "128"],
