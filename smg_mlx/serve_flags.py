@@ -15,6 +15,7 @@ from smg_mlx.config import (
     DISK_CACHE_LEAST,
     DISK_CACHE_MOST,
     DISK_CACHE_SHARE,
+    KV_BITS,
     KV_GROUP_SIZES,
     MOST_DRAFT_TOKENS,
     SPECULATIVE,
@@ -202,7 +203,7 @@ def _running(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--kv-bits",
         type=kv_bits,
-        metavar="{8,4}",
+        metavar="{" + ",".join(map(str, sorted(KV_BITS, reverse=True))) + "}",
         help="store KV caches quantized to this many bits (mlx-lm's --kv-bits): about half "
         "(8) or a quarter (4) of 16-bit KV's memory, so more and longer sequences fit, but "
         "outputs change (4 bits more than 8); only for models whose caches are all plain "

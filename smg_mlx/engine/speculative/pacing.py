@@ -436,8 +436,8 @@ class Pacing:
         if not wins and self._plain_since.get(size, 0.0) < self._owed.get(size, 0.0):
             return False  # the last trial's cost is not yet a small share of the time since
         self._waited[size] = 0
-        retry = self._retry.get(size, RETRY)
-        retry = self._retry[size] = min(2 * retry, MOST_RETRY if not wins else MOST_PLAIN_RETRY)
+        most = MOST_RETRY if not wins else MOST_PLAIN_RETRY
+        retry = self._retry[size] = min(2 * self._retry.get(size, RETRY), most)
         self._due[size] = self._drawn(retry, wins)
         # (A narrower width not measured yet is tried first; at the widest the
         # trial's measure joins those before it, which hold the lining up of
