@@ -116,7 +116,8 @@ def resolve(model: str, revision: str | None = None) -> ModelSource:
                 f"{model} is a local directory: --revision names a version of a Hugging Face "
                 "repo id only; leave it out"
             )
-        return ModelSource(local, None)
+        # absolute: logs and GetServerInfo then name it whatever the cwd was
+        return ModelSource(local.absolute(), None)
     if not REPO_ID.fullmatch(model):
         raise ModelNotFound(
             f"{model} is not a model directory (no such path), nor a Hugging Face repo id "

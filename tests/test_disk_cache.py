@@ -1003,6 +1003,28 @@ def test_other_models_folders_no_worker_uses_go_oldest_first_past_the_bound(
     assert "the entries of another model or KV format, last used" in caplog.text
 
 
+def test_only_the_entries_another_format_made_are_counted_as_kept_apart(model_dir, tmp_path):
+    # The folder this model's entries of another --kv-bits are in, as its worker
+    # leaves it: its own entry, a file the user keeps there, and an entry another
+    # model made, copied in (its worker would refuse it: not one of its entries).
+    other = "b" * 64
+    folder = tmp_path / other[:24]
+    folder.mkdir()
+    about = {"model": [str(model_dir)], "fingerprint": other}
+    (folder / "model.json").write_text(json.dumps(about))
+    header, arrays = kv_files.export(_caches(), tokens=5, trimmable=False)
+    mx.eval(arrays)
+    size = kv_files.write(folder / file_name(range(5)), other, header, range(5),
+                          kv_files.buffers(arrays))  # fmt: skip
+    kv_files.write(folder / file_name(range(6)), "c" * 64, replace(header, tokens=6), range(6),
+                   kv_files.buffers(arrays))  # fmt: skip
+    (folder / "notes.txt").write_text("mine")
+    folder = Folder(tmp_path, [model_dir], ["v"], None, lambda: None)
+    opened = folder.opened()
+    folder.close(release_lock=True)
+    assert opened.error is None and opened.apart == (1, size)
+
+
 @pytest.mark.parametrize("asked", ["once", "twice"])
 def test_the_writes_at_a_stop_fit_in_the_shutdown_grace(
     start_worker, model_dir, tmp_path, monkeypatch, asked

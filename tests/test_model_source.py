@@ -238,7 +238,7 @@ def test_a_local_path_wins_over_a_repo_id(model_dir, tmp_path, monkeypatch):
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "tiny-llama").symlink_to(model_dir)
     source = resolve(REPO_ID)
-    assert (source.path, source.served_name) == (Path(REPO_ID), None)
+    assert (source.path, source.served_name) == (tmp_path / REPO_ID, None)
 
 
 @pytest.mark.parametrize(
@@ -319,3 +319,13 @@ def test_a_partly_cached_repo_is_downloaded_whole(spawn, model_dir, fake_hub, hf
     p.wait_serving()
     assert len(generate(p.stub, prompt(8), max_tokens=2).tokens) == 2
     assert f"downloading {REPO_ID} from the Hugging Face Hub" in p.log.read_text()
+
+
+@pytest.mark.parametrize("written", ["{name}", "./{name}", "."])
+def test_a_relative_directory_is_named_in_full(written, model_dir, monkeypatch):
+    # The log and GetServerInfo name the directory; relative, it says nothing
+    # to a reader who does not know the worker's cwd (and "." has no name).
+    monkeypatch.chdir(model_dir if written == "." else model_dir.parent)
+    source = resolve(written.format(name=model_dir.name))
+    assert source.path == model_dir.absolute()
+    assert source.served_name is None

@@ -315,17 +315,16 @@ class Folder:
         count = size = 0
         for folder in self.directory.iterdir():
             try:
-                if folder == ours or (folder_contents.about(folder) or {}).get("model") != model:
+                about = folder_contents.about(folder) if folder != ours else None
+                if about is None or about.get("model") != model:
                     continue
-                # (A stray file in it, which keeps it from being deleted, is no reason
-                # to leave its entries uncounted.)
-                with os.scandir(folder) as listing:
-                    entries = [f for f in listing if f.name.endswith(folder_contents.SUFFIX)
-                               and f.is_file(follow_symlinks=False)]  # fmt: skip
-                size += sum(f.stat().st_size for f in entries)
-                count += len(entries)
+                # Its own entries only: a stray file, which keeps the folder from
+                # being deleted, leaves them counted; one copied in is not counted.
+                entries = folder_contents.sizes(folder, about["fingerprint"])
             except OSError:
                 continue  # going, or not ours to read
+            size += sum(entries)
+            count += len(entries)
         return count, size
 
     @staticmethod

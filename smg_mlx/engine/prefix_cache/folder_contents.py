@@ -60,6 +60,19 @@ def index(
             entries.remove(entry)
 
 
+def sizes(path: Path, model: str) -> list[int]:
+    """The lengths of the entries in `path` that `model` made, as `index`
+    would find them, deleting nothing: a file copied in from elsewhere (or
+    cut short) is not one of them."""
+    found = []
+    for file in _entry_files(path):
+        try:
+            found.append(_key(file, model)[-1])
+        except (kv_files.BadFile, OSError):
+            continue
+    return found
+
+
 def _entry_files(path: Path) -> list[Path]:
     """The entries' files in `path`, least recently used first (by their own
     times: a link is not followed)."""
