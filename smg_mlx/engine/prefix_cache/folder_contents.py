@@ -68,7 +68,7 @@ def sizes(path: Path, model: str) -> list[int]:
     for file in _entry_files(path):
         try:
             found.append(_key(file, model)[-1])
-        except (kv_files.BadFile, OSError):
+        except Exception:  # noqa: BLE001 - as `index`: whatever is wrong, only this file's
             continue
     return found
 
