@@ -25,8 +25,9 @@ SPECULATIVE = ("auto", "always", "off")
 MOST_DRAFT_TOKENS = 15
 # KV caches stored as the model computes them, as headers and metrics name it.
 UNQUANTIZED = "unquantized"
-# --kv-bits and --kv-group-size: what mx.quantize takes (engine.batch.kv_format).
-KV_BITS = (4, 8)
+# --kv-bits and --kv-group-size: what mx.quantize takes (engine.batch.kv_format);
+# the bits in the order --kv-bits' usage and refusal give them.
+KV_BITS = (8, 4)
 KV_GROUP_SIZES = (32, 64, 128)
 
 # Without --prompt-cache-disk-bytes the disk tier takes this share of the free

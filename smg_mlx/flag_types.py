@@ -179,7 +179,7 @@ def kv_bits(text: str) -> int:
     if text.strip() in {str(bits) for bits in KV_BITS}:
         return int(text)
     raise argparse.ArgumentTypeError(
-        f"expected {' or '.join(map(str, sorted(KV_BITS, reverse=True)))}, got {text!r}; "
+        f"expected {' or '.join(map(str, KV_BITS))}, got {text!r}; "
         "to keep KV as the model computes it (16 bits for a bf16 model), leave --kv-bits out"
     )
 

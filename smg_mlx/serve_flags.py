@@ -203,7 +203,7 @@ def _running(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--kv-bits",
         type=kv_bits,
-        metavar="{" + ",".join(map(str, sorted(KV_BITS, reverse=True))) + "}",
+        metavar="{" + ",".join(map(str, KV_BITS)) + "}",
         help="store KV caches quantized to this many bits (mlx-lm's --kv-bits): about half "
         "(8) or a quarter (4) of 16-bit KV's memory, so more and longer sequences fit, but "
         "outputs change (4 bits more than 8); only for models whose caches are all plain "
