@@ -5,6 +5,8 @@ filter, extend, extract and ragged prefill; and what a token costs at 8 and 4 bi
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -254,6 +256,48 @@ def test_quantized_attention_is_mlx_lms_for_few_queries_and_long_chunks(length, 
     assert mx.allclose(ours, theirs, atol=1e-4)
     if length <= 16:
         assert products == (["values"] if cuda else ["keys", "values"])
+
+
+def test_the_layers_of_a_pass_share_its_launch_and_each_reads_its_own_keys(monkeypatch):
+    """Few-query passes, as the worker installs them (on CUDA the fused
+    kernel's launch is worked out once a pass): every layer of a pass (the
+    same mask, the same shapes) attends its own keys and values, and a new
+    pass, or the same mask over keys of other shapes, is worked out again."""
+    launches = []
+
+    def launcher(queries, q_keys, q_values, scale, mask, group_size, bits):
+        launches.append(q_keys[0].shape[1])
+        return lambda q, k, v: mlx_lm_attention(mx.array(q), k, v, scale, mask, group_size, bits)
+
+    monkeypatch.setattr(quantized_attention.fused, "fits", lambda *a: True)
+    monkeypatch.setattr(quantized_attention.fused, "launcher", launcher)
+    # (mlx-lm's own attention put back after the test)
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", mlx_lm_attention)
+    quantized_attention.install(None)
+    attend = partial(base.quantized_scaled_dot_product_attention, scale=0.125, group_size=GROUP,
+                     bits=8)  # fmt: skip
+
+    def layer(seed: int, kv_heads: int = 2) -> tuple:
+        parts = (mx.random.normal((1, kv_heads, 48, 64), key=mx.random.key(seed + k))
+                 for k in (1, 2))  # fmt: skip
+        return tuple(mx.quantize(x, GROUP, 8) for x in parts)
+
+    queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(0))
+    mask = mx.ones((1, 1, 1, 48), mx.bool_)
+    outs = []
+    for seed in (10, 20, 30):  # three layers of one pass
+        q_keys, q_values = layer(seed)
+        outs.append(attend(queries, q_keys, q_values, mask=mask))
+        want = mlx_lm_attention(mx.array(queries), q_keys, q_values, 0.125, mask, GROUP, 8)
+        assert mx.allclose(outs[-1], want, atol=1e-5)
+    assert not mx.allclose(outs[0], outs[1]) and launches == [2]
+    q_keys, q_values = layer(40, kv_heads=1)
+    out = attend(queries, q_keys, q_values, mask=mask)
+    want = mlx_lm_attention(mx.array(queries), q_keys, q_values, 0.125, mask, GROUP, 8)
+    assert launches == [2, 1] and mx.allclose(out, want, atol=1e-5)
+    q_keys, q_values = layer(50, kv_heads=1)
+    attend(queries, q_keys, q_values, mask=mx.ones((1, 1, 1, 48), mx.bool_))
+    assert launches == [2, 1, 1]
 
 
 def test_prefill_in_few_shapes_pads_keys_while_quantized(monkeypatch):

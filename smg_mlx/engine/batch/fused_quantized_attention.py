@@ -20,6 +20,7 @@ to build), and keeps them with its other kernels."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -349,22 +350,22 @@ def fits(queries: mx.array, q_keys: Quantized, q_values: Quantized, mask: Any,
     )
 
 
-def attention(
+Launch = Callable[[mx.array, tuple, tuple], mx.array]
+
+
+def launcher(
     queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
     group_size: int, bits: int,
-) -> mx.array:  # fmt: skip
-    """softmax(queries · keysᵀ · scale, masked) · values for a pass `fits` took;
-    the keys and values may each end with a 16-bit tail (`quantized_kv.TAILS`),
-    whose positions the mask has after the quantized ones."""
+) -> Launch:  # fmt: skip
+    """`attention` for a pass that `fits`, as a call of its queries, keys and
+    values alone: what follows from their shapes and the mask (the mask as
+    the kernel reads it, the launch) is worked out here, once for the layers
+    of a pass that bring the same (`quantized_attention.FewQueryPasses`)."""
     rows, heads, length, dim = queries.shape
-    keys = q_keys[0].shape[2]
-    if len(q_keys) > 3:
-        tails = [q_keys[3], q_values[3]]
-        keys += tails[0].shape[2]
-    else:
-        if (queries.dtype, dim) not in _no_tails:
-            _no_tails[queries.dtype, dim] = mx.zeros((1, 1, 1, dim), queries.dtype)
-        tails = [_no_tails[queries.dtype, dim]] * 2
+    keys = q_keys[0].shape[2] + (q_keys[3].shape[2] if len(q_keys) > 3 else 0)
+    if (queries.dtype, dim) not in _no_tails:
+        _no_tails[queries.dtype, dim] = mx.zeros((1, 1, 1, dim), queries.dtype)
+    no_tails = [_no_tails[queries.dtype, dim]] * 2
     if mask is None:
         mask = mx.ones((1, 1, 1, keys), mx.bool_)
     while mask.ndim < 4:
@@ -372,6 +373,7 @@ def attention(
     mask = mx.broadcast_to(mask, (rows, mask.shape[1], length, keys))
     if scale not in _scales:
         _scales[scale] = mx.array([scale], mx.float32)
+    after = [mask, _scales[scale]]
     kv_heads = q_keys[0].shape[1]
     vectors = heads // kv_heads * length  # a KV head's
     each = _vectors_a_block(vectors, dim)
@@ -379,23 +381,50 @@ def attention(
     parts = 1 if keys < CUT_FROM else min(-(-keys // PART_KEYS), -(-BUSY_BLOCKS // blocks))
     template = [("T", queries.dtype), ("D", dim), ("BITS", bits), ("GROUP", group_size),
                 ("WARPS", WARPS), ("QV", each)]  # fmt: skip
-    inputs = [queries, *q_keys[:3], *q_values[:3], *tails, mask, _scales[scale]]
     threads = (32 * WARPS, 1, 1)
+    shapes, dtypes = [queries.shape], [queries.dtype]
+
+    def inputs(queries: mx.array, q_keys: tuple, q_values: tuple) -> list[mx.array]:
+        tails = [q_keys[3], q_values[3]] if len(q_keys) > 3 else no_tails
+        return [queries, *q_keys[:3], *q_values[:3], *tails, *after]
+
     if parts == 1:
-        (out,) = _kernel(False)(
-            inputs=inputs, template=template, grid=(blocks * threads[0], 1, 1),
-            threadgroup=threads, output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+        whole = _kernel(False)
+
+        def run(queries: mx.array, q_keys: tuple, q_values: tuple) -> mx.array:
+            (out,) = whole(
+                inputs=inputs(queries, q_keys, q_values), template=template,
+                grid=(blocks * threads[0], 1, 1), threadgroup=threads,
+                output_shapes=shapes, output_dtypes=dtypes,
+            )  # fmt: skip
+            return out
+
+        return run
+    per_part = (rows * heads * length, parts)
+    split, combine = _kernel(True), _combiner()
+
+    def run_parts(queries: mx.array, q_keys: tuple, q_values: tuple) -> mx.array:
+        values, most, total = split(
+            inputs=inputs(queries, q_keys, q_values), template=template,
+            grid=(blocks * threads[0], parts, 1), threadgroup=threads,
+            output_shapes=[(*per_part, dim), per_part, per_part], output_dtypes=[mx.float32] * 3,
+        )  # fmt: skip
+        (out,) = combine(
+            inputs=[values, most, total], template=[("T", queries.dtype), ("D", dim)],
+            grid=(per_part[0] * dim, 1, 1), threadgroup=(dim, 1, 1),
+            output_shapes=shapes, output_dtypes=dtypes,
         )  # fmt: skip
         return out
-    per_part = (rows * heads * length, parts)
-    values, most, total = _kernel(True)(
-        inputs=inputs, template=template, grid=(blocks * threads[0], parts, 1),
-        threadgroup=threads, output_shapes=[(*per_part, dim), per_part, per_part],
-        output_dtypes=[mx.float32] * 3,
-    )  # fmt: skip
-    (out,) = _combiner()(
-        inputs=[values, most, total], template=[("T", queries.dtype), ("D", dim)],
-        grid=(per_part[0] * dim, 1, 1), threadgroup=(dim, 1, 1),
-        output_shapes=[queries.shape], output_dtypes=[queries.dtype],
-    )  # fmt: skip
-    return out
+
+    return run_parts
+
+
+def attention(
+    queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
+    group_size: int, bits: int,
+) -> mx.array:  # fmt: skip
+    """softmax(queries · keysᵀ · scale, masked) · values for a pass `fits` took;
+    the keys and values may each end with a 16-bit tail (`quantized_kv.TAILS`),
+    whose positions the mask has after the quantized ones."""
+    run = launcher(queries, q_keys, q_values, scale, mask, group_size, bits)
+    return run(queries, q_keys, q_values)

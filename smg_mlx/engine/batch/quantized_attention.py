@@ -74,21 +74,20 @@ def install(shapes: AttentionShapes | None, seen: set[Kind] | None = None) -> No
     where they are given and installed; the kinds of its few-query passes
     go in `seen` (for `build_kernels`)."""
     base.quantized_scaled_dot_product_attention = partial(
-        attention, shapes=shapes, seen=seen, waits=LayerWaits()
+        attention, shapes=shapes, few=FewQueryPasses(seen), waits=LayerWaits()
     )
 
 
 def attention(
     queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
     group_size: int = 64, bits: int = 8, shapes: AttentionShapes | None = None,
-    seen: set[Kind] | None = None, waits: LayerWaits | None = None,
+    few: FewQueryPasses | None = None, waits: LayerWaits | None = None,
 ) -> mx.array:  # fmt: skip
     """softmax(queries · keysᵀ · scale, masked) · values, the keys and values
     quantized (module doc)."""
     if queries.shape[2] <= FEW_QUERIES:
-        if seen is not None:
-            seen.add(_kind(queries, q_keys, q_values, group_size, bits))
-        return _few_queries(queries, q_keys, q_values, scale, mask, group_size, bits)
+        few = few or FewQueryPasses(None)
+        return few(queries, q_keys, q_values, scale, mask, group_size, bits)
 
     def dequantize(parts: Quantized) -> mx.array:
         return mx.dequantize(*parts, group_size=group_size, bits=bits)
@@ -100,18 +99,43 @@ def attention(
     return out if waits is None else waits.after(out, keys.shape[0] * keys.shape[2])
 
 
-def _few_queries(
-    queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask: Any,
-    group_size: int, bits: int,
-) -> mx.array:  # fmt: skip
-    """A few-query pass: one fused kernel where it fits (CUDA), else `_few`
+class FewQueryPasses:
+    """Few-query passes: one fused kernel where it fits (CUDA), else `_few`
     (the keys and values may end with a 16-bit tail, `quantized_kv.TAILS`: on
-    the CPU, in tests, quantized there and read after the rest)."""
-    if fused.fits(queries, q_keys, q_values, mask, group_size, bits):
-        return fused.attention(queries, q_keys, q_values, scale, mask, group_size, bits)
-    if len(q_keys) > 3:
-        q_keys, q_values = (_tail_quantized(q, group_size, bits) for q in (q_keys, q_values))
-    return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
+    the CPU, in tests, quantized there and read after the rest).
+
+    Every layer of a pass brings the same mask and shapes: what follows from
+    them (its kind, whether the kernel takes it, the mask as the kernel reads
+    it, the launch) is worked out at the first and kept for the rest, since
+    a small model's decoding step on CUDA waits on the host, a layer at a time."""
+
+    def __init__(self, seen: set[Kind] | None) -> None:
+        self._seen = seen  # the kinds met, for `build_kernels`
+        self._mask: Any = None  # the last pass's (compared by identity: arrays compare by value)
+        self._shapes: tuple | None = None
+        self._launch: fused.Launch | None = None  # None: not the fused kernel's
+
+    def __call__(
+        self, queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float,
+        mask: Any, group_size: int, bits: int,
+    ) -> mx.array:  # fmt: skip
+        shapes = (
+            queries.shape, queries.dtype, len(q_keys), q_keys[0].shape, q_keys[-1].shape,
+            q_values[1].shape, scale, group_size, bits,
+        )  # fmt: skip
+        if mask is not self._mask or shapes != self._shapes:
+            if self._seen is not None:
+                self._seen.add(_kind(queries, q_keys, q_values, group_size, bits))
+            self._launch = (
+                fused.launcher(queries, q_keys, q_values, scale, mask, group_size, bits)
+                if fused.fits(queries, q_keys, q_values, mask, group_size, bits) else None
+            )  # fmt: skip
+            self._mask, self._shapes = mask, shapes
+        if self._launch is not None:
+            return self._launch(queries, q_keys, q_values)
+        if len(q_keys) > 3:
+            q_keys, q_values = (_tail_quantized(q, group_size, bits) for q in (q_keys, q_values))
+        return _few(queries, q_keys, q_values, scale, mask, group_size, bits)
 
 
 def _tail_quantized(parts: tuple, group_size: int, bits: int) -> Quantized:
@@ -208,7 +232,7 @@ def build_kernels(kinds: Iterable[Kind]) -> None:
         )  # fmt: skip
         queries = mx.zeros((1, heads, n, dk), dtype)
         mask = mx.ones((1, 1, n, keys), mx.bool_)
-        mx.eval(_few_queries(queries, q_keys, q_values, 1.0, mask, group_size, bits))  # type: ignore[arg-type]
+        mx.eval(FewQueryPasses(None)(queries, q_keys, q_values, 1.0, mask, group_size, bits))  # type: ignore[arg-type]
         progress.advance()
     if todo:
         log.info(

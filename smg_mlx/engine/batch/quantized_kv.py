@@ -47,8 +47,11 @@ WHOLE = mx.cuda.is_available()
 # buffers when it is full, and before rows join or the cache is read whole
 # (`flush`). Where the kernel runs (CUDA); tests turn it on on the CPU,
 # where attention quantizes the tail before it reads it.
+# The tail holds a few decoding steps' positions: a flush costs the host as
+# many ops as a step's attention, while each step's kernel reads the whole
+# tail (16-bit, quantized as it reads), and each row holds it (`tail_nbytes`).
 TAILS = WHOLE
-TAIL = FEW_QUERIES  # (a pass of up to FEW_QUERIES positions fits an empty tail)
+TAIL = 4 * FEW_QUERIES  # (a pass of up to FEW_QUERIES positions fits an empty tail)
 
 
 def _whole_steps(n: int, step: int) -> int:
@@ -252,7 +255,9 @@ class BatchQuantizedKVCache(_BaseCache):
         total = self._idx + self._tailed
         flushes = self._tailed + N > TAIL
         quantized = total if flushes else self._idx
-        width = self._mask_width(self._tailed if flushes else 0)  # (what a flush writes)
+        # The buffers' width once a flush wrote (a tail pass reads them whole where WHOLE).
+        flushed = self._tailed if flushes else 0
+        width = self._capacity_for(flushed) if WHOLE else self._idx + flushed
         mask = create_causal_mask(N, offset=total, left_padding=self.left_padding)
         ends = [(0, 0)] * (mask.ndim - 1)
         main = mx.pad(mask[..., :quantized], [*ends, (0, width - quantized)])
