@@ -81,7 +81,9 @@ def test_a_row_alone_or_rows_far_apart_get_arrays_of_their_own():
 
 def test_quantized_rows_ending_together_share_a_block_each_row_as_extract_gives_it(monkeypatch):
     """--kv-bits: rows a pass ends come out as one block a layer part too
-    (each row alone: six copies a layer), their decoding tail quantized in."""
+    (each row alone: six copies a layer), their decoding tail quantized in as
+    they are copied: the batch's buffers, which the pass in flight reads, are
+    not written (each write would copy a whole buffer first)."""
     monkeypatch.setattr(quantized_kv, "TAILS", True)
     cache = []
     for _ in range(3):
@@ -95,8 +97,13 @@ def test_quantized_rows_ending_together_share_a_block_each_row_as_extract_gives_
     places = [0, 1, 2, 3]
     taken = Snapshot.of(cache)
     out, blocks = copied_out([EndedRow(taken, p, PADDING[p]) for p in places])
+    (alone,), _ = copied_out([EndedRow(taken, 2, PADDING[2])])
+    assert all(c._tailed == 1 for c in cache)
     block = blocks[0]
     assert block is not None and all(b is block for b in blocks)
+    for got, expected in zip(alone, out[2], strict=True):
+        for a, b in zip((*got.keys, *got.values), (*expected.keys, *expected.values), strict=True):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
     for place, layers in zip(places, out, strict=True):
         want = [c.extract(place, PADDING[place]) for c in cache]
         for got, expected in zip(layers, want, strict=True):

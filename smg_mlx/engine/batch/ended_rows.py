@@ -45,6 +45,9 @@ class Snapshot:
     arrays: list[list[mx.array]]  # each layer's: keys then values (quantized: 3 parts each)
     end: int  # the column where every row's entries end
     quantized: tuple[int, int] | None = None  # (group size, bits); None: 16-bit
+    # Quantized: each layer's 16-bit tail (keys, values), its positions after
+    # the `arrays`' (which end at `end` less theirs); None: no positions there.
+    tails: list[tuple[mx.array, mx.array]] | None = None
 
     @classmethod
     def of(cls, cache: list[BatchKVCache] | list[BatchQuantizedKVCache]) -> Snapshot:
@@ -54,11 +57,29 @@ class Snapshot:
         # buffer, for every row's end).
         first = cache[0]
         if isinstance(first, BatchQuantizedKVCache):
-            for c in cache:
-                c.flush()  # (its 16-bit tail into the quantized buffers)
+            # The tail is not flushed into the buffers: the pass in flight reads
+            # them, so each write would copy a whole buffer first, and the rows
+            # ending are quantized alone as they are copied out (`copied`).
             arrays = [[a[:] for a in (*c.keys, *c.values)] for c in cache]
-            return cls(arrays, first._idx, (first.group_size, first.bits))
+            tailed = first._tailed
+            tails = [tuple(t[:, :, :tailed] for t in c._tail) for c in cache] if tailed else None
+            return cls(arrays, first._idx + tailed, (first.group_size, first.bits), tails)  # type: ignore[arg-type]
         return cls([[c.keys[:], c.values[:]] for c in cache], first._idx)
+
+    def copied(self, layer: int, rows: slice, start: int) -> list[mx.array]:
+        """Layer `layer`'s arrays for `rows`, from column `start` to `end`, in
+        arrays of their own (a tail's positions quantized as a flush would)."""
+        arrays = self.arrays[layer]
+        if self.tails is None:
+            return [mx.contiguous(a[rows, :, start : self.end]) for a in arrays]
+        group_size, bits = self.quantized  # type: ignore[misc]
+        quantized = [mx.quantize(t[rows], group_size=group_size, bits=bits)
+                     for t in self.tails[layer]]  # fmt: skip
+        written = self.end - self.tails[layer][0].shape[2]  # (the quantized columns')
+        return [
+            mx.concatenate([a[rows, :, start:written], t], axis=2)
+            for a, t in zip(arrays, [*quantized[0], *quantized[1]], strict=True)
+        ]
 
 
 @dataclass(eq=False)
@@ -274,8 +295,8 @@ def copied_out(
         first = min(r.padding for r in rows)
         parts = []
         block = Block()
-        for arrays in taken.arrays:
-            copies = [mx.contiguous(a[low:high, :, first : taken.end]) for a in arrays]
+        for layer in range(len(taken.arrays)):
+            copies = taken.copied(layer, slice(low, high), first)
             scheduled += copies
             block.nbytes += sum(a.nbytes for a in copies)
             parts.append([mx.split(a, high - low, axis=0) for a in copies])
@@ -295,10 +316,7 @@ def one_row(cache: list[Any] | EndedRow) -> list[Any]:
 def _own(taken: Snapshot, place: int, padding: int) -> list[Any]:
     """The row at `place` in arrays of its own."""
     row = slice(place, place + 1)
-    return [
-        _layer(taken, [mx.contiguous(a[row, :, padding : taken.end]) for a in arrays], 0)
-        for arrays in taken.arrays
-    ]
+    return [_layer(taken, taken.copied(i, row, padding), 0) for i in range(len(taken.arrays))]
 
 
 def _layer(taken: Snapshot, arrays: list[mx.array], skip: int) -> KVCache | QuantizedKVCache:
