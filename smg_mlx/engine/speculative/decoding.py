@@ -15,7 +15,10 @@ logprob returned is the model's.
 
 Such a pass must see its rows' latest tokens before it is built, so it waits
 for the pass before it, where mlx-lm would overlap them (its layers go to the
-device as they are recorded: `layer_waits.sent_layer_by_layer`): `Pacing` has passes
+device as they are recorded: `layer_waits.sent_layer_by_layer`). Under prompt
+lookup a call records CHAIN passes, each after the first while the one before
+runs, on the guess that every row keeps all its proposals (`_check`): the
+device waits for the host once a call, not once a pass. `Pacing` has passes
 check only where measured runs of them (`pacing.Block`) say that pays. A
 cache whose rows ended apart is lined up again at the end of each checking
 run, on that run's clock, so that plain passes run, and are timed, as plain
@@ -40,6 +43,11 @@ from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
 from smg_mlx.engine.speculative.ragged_kv import line_up, ragged
 from smg_mlx.engine.speculative.shared_history import SharedHistory
 
+# Checking passes a call runs at most, each after the first recorded while the
+# one before runs, on the guess that every row keeps all its proposals there
+# (`SpeculativeGenerationBatch._check`).
+CHAIN = 2
+
 
 @dataclass
 class DraftStats:
@@ -49,6 +57,18 @@ class DraftStats:
     accepted: int = 0  # of those, tokens kept
     passes: int = 0  # passes that checked proposals
     tokens: int = 0  # tokens those passes returned
+
+
+@dataclass
+class _Pass:
+    """A checking pass as recorded (`SpeculativeGenerationBatch._check`)."""
+
+    drafts: list[list[int]]  # each row's proposals
+    width: int  # tokens a row
+    sampled: mx.array  # each position's sample, by row
+    logprobs: mx.array
+    keeps: list  # by row, where its sampler keeps its own key (`_sample`)
+    counts: list[bool]  # whether each row's part counts, as far as known
 
 
 @dataclass
@@ -163,7 +183,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             pending = self._next_tokens.tolist()
             # The block's width (pacing: what pays at this batch size), else the most allowed.
             cap = self._block.width or self.drafting.most
-            drafts = self._proposals(likely, pending, cap)
+            passes = self._proposals(likely, pending, cap, CHAIN if self._chains() else 1)
+            drafts = passes[0]
             if any(drafts):
                 most = cap if self.drafting.one_width else max(map(len, drafts))
                 width = 1 + most
@@ -171,7 +192,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                     # Only the pass goes untimed: the proposals (a draft model
                     # catching up on every row's tokens) count.
                     self._block.begins()
-                out, made = self._check(pending, drafts, width, self._joined())
+                out, made = self._check(pending, drafts, width, self._joined(), passes[1:])
                 self._block.ran(len(out), new, checked=True, rows=made)
                 return out
         responses = super()._decode()
@@ -193,12 +214,14 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         width = 1 + self.drafting.most
         mx.eval(self._next_tokens)
         pending = self._next_tokens.tolist()
-        drafts = self._proposals(self._likely(), pending, self.drafting.most)
+        drafts = self._proposals(self._likely(), pending, self.drafting.most)[0]
         stats, self.drafting.stats = self.drafting.stats, DraftStats()
+        # (the passes after a call's first too, where calls run them: nothing proposed there)
+        later = [[[] for _ in pending]] * (CHAIN - 1) if self._chains() else []
         try:
             out, _ = self._check(pending, [d or [y] * self.drafting.most
                                            for d, y in zip(drafts, pending, strict=True)],
-                                 width, self._joined())  # fmt: skip
+                                 width, self._joined(), later)  # fmt: skip
         finally:
             self.drafting.stats = stats
         self._line_up()
@@ -218,23 +241,35 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         (where it is timed, not in the pass after it)."""
         line_up(self.prompt_cache)
 
-    def _proposals(self, likely: set[int], pending: list[int], most: int) -> list[list[int]]:
+    def _proposals(self, likely: set[int], pending: list[int], most: int,
+                   passes: int = 1) -> list[list[list[int]]]:  # fmt: skip
         """Each row's proposals (none for rows not `likely`), at most `most`,
         and no more than the tokens it has left after its pending one: those
-        past it are never sent."""
+        past it are never sent; for each of `passes` passes (prompt lookup:
+        those after the first propose where the passes before kept all their
+        proposals, the token each samples last taken to be the continuation's
+        next; see `_check`)."""
         if self._draft_rows is not None:
             rows = {self.uids[i]: (self.tokens[i], pending[i]) for i in likely}
             proposed = self._draft_rows.propose(rows, most)
-            drafts = [proposed.get(uid, []) for uid in self.uids]
+            found = [(proposed.get(uid, []), []) for uid in self.uids]
         else:
-            drafts = [
-                self._rows[uid].propose(self._steps, y, most) if i in likely else []
+            further = (1 + most) * (passes - 1)
+            found = [
+                self._rows[uid].propose(self._steps, y, most, further) if i in likely else ([], [])
                 for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
             ]
-        return [
-            d[: max(0, self.max_tokens[i] - self._num_tokens[i] - 1)]
-            for i, d in enumerate(drafts)
-        ]
+        by_pass: list[list[list[int]]] = [[] for _ in range(passes)]
+        for i, (first, rest) in enumerate(found):
+            left = self.max_tokens[i] - self._num_tokens[i] - 1  # after its pending token
+            proposal = first
+            for p in range(passes):
+                proposal = proposal[: max(0, left)]
+                by_pass[p].append(proposal)
+                left -= 1 + len(proposal)  # this pass's tokens, and the next pass's first
+                # The next pass's first token is this one's last sample, not rest[0].
+                proposal, rest = rest[1 : 1 + most], rest[1 + most :]
+        return by_pass
 
     def _likely(self) -> set[int]:
         """Rows that may propose (not those joining); with prompt lookup, those
@@ -255,77 +290,152 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 likely.add(i)
         return likely
 
-    def _check(self, pending: list[int], drafts: list[list[int]], width: int,
-               joining: list[int]) -> tuple[list, dict[int, int]]:  # fmt: skip
+    def _chains(self) -> bool:
+        """Whether a checking call may run passes after its first (`_check`):
+        prompt lookup, no row joining, and no row whose processors or sampler's
+        own key look back at the tokens kept (they would have to be known before
+        the next pass is recorded)."""
+        samplers = self.samplers or [None]
+        return (
+            CHAIN > 1
+            and self._draft_rows is None
+            and not self._joining
+            and not any(self.logits_processors)
+            and not any(hasattr(s, "ahead") for s in samplers)
+        )
+
+    def _check(self, pending: list[int], drafts: list[list[int]], width: int, joining: list[int],
+               later: list[list[list[int]]] = ()) -> tuple[list, dict[int, int]]:  # fmt: skip
         """One pass over every row's pending token and proposals (module
         docstring), `width` tokens a row: rows with fewer proposals are padded
         (positions whose tokens are not kept; see `Drafting.one_width`). Rows
         `joining` run their prompts' last tokens: the sample after it is their
-        first token, and they return nothing. Its responses, and the tokens
-        each row that decodes on made, by uid (`pacing.Block.ran`)."""
+        first token, and they return nothing.
+
+        Then a pass for each of `later`'s proposals (by row), each recorded
+        while the one before runs, so that the device does not wait for the
+        host between them: a row's first token there is the previous pass's
+        sample after its last proposal, its part counting only where that
+        pass kept all its proposals and it did not end there; a row whose part
+        does not count takes back what the pass wrote, and in the passes
+        recorded after that runs its pending token alone.
+        Its responses, and the tokens each row that decodes on made, by uid
+        (`pacing.Block.ran`)."""
         rows = len(self.uids)
-        pairs = zip(pending, drafts, strict=True)
-        inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
         self.prompt_cache = [ragged(c) for c in self.prompt_cache]
         # int32, as every token array is (engine.batch.sampling: kernels).
-        with sent_layer_by_layer():  # (waited for below: the device starts on it meanwhile)
-            logits = self.model(mx.array(inputs, dtype=mx.int32), cache=self.prompt_cache)
+        padded = [
+            [y, *d, *[y] * (width - 1 - len(d))] for y, d in zip(pending, drafts, strict=True)
+        ]
+        inputs = mx.array(padded, dtype=mx.int32)  # fmt: skip
         proposals = [[] if i in joining else d for i, d in enumerate(drafts)]
-        logits = self._processed(logits, pending, proposals)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled, keeps = self._sample(logprobs)
-        mx.eval(sampled, logprobs, self._next_logprobs)
-        sampled = sampled.tolist()
-
-        responses, keep, rewind, next_tokens, next_logprobs = [], [], [], [], []
+        passes = [self._record(inputs, proposals, pending)]
+        beyond = [width] * rows  # each row's entries past its tokens (written, not kept yet)
+        ended = [False] * rows
+        next_tokens, next_logprobs = list(pending), list(self._next_logprobs)
+        kept_tokens: list[list[int]] = [[] for _ in range(rows)]
+        kept_logprobs: list[list] = [[] for _ in range(rows)]
+        finishes: list[str | None] = [None] * rows
         accepted: dict[int, int] = {}  # proposals kept, by row
-        made: dict[int, int] = {}  # tokens, by row decoding on
-        for i, (y, proposal) in enumerate(zip(pending, drafts, strict=True)):
-            joins = i in joining
-            proposal = [] if joins else proposal  # (the warm-up's proposes for every row)
-            kept = 0
-            while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
-                kept += 1
-            tokens = [y, *proposal[:kept]]
-            if kept and self.logits_processors and self.logits_processors[i]:
-                # What its processors look back at next (its pending token went in
-                # as the pass was built, `_processed`).
-                self._token_context[i].update_and_fetch(mx.array(proposal[:kept], mx.int32))
-            chosen = [self._next_logprobs[i], *(logprobs[i, j] for j in range(kept))]
-            finish = None if joins else self._finish(i, tokens)
-            if finish is not None:
-                tokens = tokens[: finish[1] + 1]
-            if proposal:
-                if self._draft_rows is None:
-                    self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
-                accepted[self.uids[i]] = kept
-                self.drafting.stats.proposed += len(proposal)
-                # (those sent: none past a stop token)
-                self.drafting.stats.accepted += len(tokens) - 1
-            self.tokens[i].extend(tokens)
-            rewind.append(width - len(tokens))
-            if not joins:
-                responses.append((i, tokens, chosen, None if finish is None else finish[0]))
-            if keeps[i] is not None:  # the draws kept: the proposals and the next token
-                keeps[i](kept + 1)
-            keep += [i] if finish is None else []
-            if finish is None and not joins:
-                made[self.uids[i]] = len(tokens)
-            # (a row that ended keeps its entries until the filter below drops them)
-            next_tokens.append(sampled[i][kept])
-            next_logprobs.append(logprobs[i, kept])
-        self.rewind(rewind)
+        for at in range(1 + len(later)):
+            current = passes[at]
+            if at < len(later):
+                passes.append(self._guessed(current, later[at], next_tokens, ended, beyond))
+            mx.eval(current.sampled, current.logprobs)
+            sampled = current.sampled.tolist()
+            for i in range(rows):
+                if not current.counts[i]:
+                    continue
+                y, proposal = next_tokens[i], current.drafts[i]
+                kept = 0
+                while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
+                    kept += 1
+                tokens = [y, *proposal[:kept]]
+                if kept and self.logits_processors and self.logits_processors[i]:
+                    # What its processors look back at next (its pending token went in
+                    # as the pass was built, `_processed`).
+                    self._token_context[i].update_and_fetch(mx.array(proposal[:kept], mx.int32))
+                chosen = [next_logprobs[i], *(current.logprobs[i, j] for j in range(kept))]
+                finish = None if i in joining else self._finish(i, tokens)
+                if finish is not None:
+                    tokens = tokens[: finish[1] + 1]
+                    ended[i], finishes[i] = True, finish[0]
+                if proposal:
+                    if self._draft_rows is None:
+                        self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
+                    accepted[self.uids[i]] = kept
+                    self.drafting.stats.proposed += len(proposal)
+                    # (those sent: none past a stop token)
+                    self.drafting.stats.accepted += len(tokens) - 1
+                self.tokens[i].extend(tokens)
+                beyond[i] -= len(tokens)
+                kept_tokens[i] += tokens
+                kept_logprobs[i] += chosen[: len(tokens)]
+                if current.keeps[i] is not None:  # the draws kept: the proposals and the next token
+                    current.keeps[i](kept + 1)
+                next_tokens[i], next_logprobs[i] = sampled[i][kept], current.logprobs[i, kept]
+                if (finish is not None or kept < len(proposal)) and at + 1 < len(passes):
+                    passes[at + 1].counts[i] = False  # its first token there was not this
+        # (a row that ended keeps its entries until the filter below drops them)
+        self.rewind(beyond)
         if self._draft_rows is not None:
             self._draft_rows.kept(accepted, self.drafting.most)
-        out = self._responses(responses)
-        self.drafting.stats.passes += 1
+        out = self._responses([(i, kept_tokens[i], kept_logprobs[i], finishes[i])
+                               for i in range(rows) if i not in joining])  # fmt: skip
+        made = {self.uids[i]: len(kept_tokens[i])
+                for i in range(rows) if not ended[i] and i not in joining}  # fmt: skip
+        self.drafting.stats.passes += len(passes)
         self.drafting.stats.tokens += len(out)
         self._current_tokens = mx.array(pending, dtype=self._next_tokens.dtype)
         self._next_tokens = mx.array(next_tokens, dtype=self._current_tokens.dtype)
         self._next_logprobs = next_logprobs
-        if len(keep) < rows:
-            self.filter(keep)
+        if any(ended):
+            self.filter([i for i in range(rows) if not ended[i]])
         return out, made
+
+    def _record(self, inputs: mx.array, drafts: list[list[int]],
+                pending: list[int] | None = None) -> _Pass:  # fmt: skip
+        """A checking pass over `inputs` (each row's first token and proposals
+        `drafts`, padded), sent to the device; `pending`: the first tokens,
+        where known (the logits processors' context)."""
+        with sent_layer_by_layer():  # (waited for later: the device starts on it meanwhile)
+            logits = self.model(inputs, cache=self.prompt_cache)
+        if pending is not None:
+            logits = self._processed(logits, pending, drafts)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled, keeps = self._sample(logprobs)
+        mx.async_eval(sampled, logprobs)
+        return _Pass(drafts, inputs.shape[1], sampled, logprobs, keeps, [True] * len(drafts))
+
+    def _guessed(self, before: _Pass, drafts: list[list[int]], pending: list[int],
+                 ended: list[bool], beyond: list[int]) -> _Pass:  # fmt: skip
+        """The pass after `before`, recorded before `before` is checked: rows
+        whose part in `before` counts (as far as known) run the sample after
+        their proposals there and `drafts`; rows whose part does not take back
+        what they wrote past their tokens and run their `pending` token alone
+        (`beyond`: those entries, by row, updated; rows `ended` count no more)."""
+        rows = len(drafts)
+        guessing = [before.counts[i] and not ended[i] for i in range(rows)]
+        drafts = [d if guessing[i] else [] for i, d in enumerate(drafts)]
+        # A guessing row takes back its padding; a row running its pending token alone, all.
+        back = [before.width - 1 - len(d) if guessing[i] else (not ended[i]) * beyond[i]
+                for i, d in enumerate(before.drafts)]  # fmt: skip
+        self.rewind(back)
+        width = before.width if self.drafting.one_width else 1 + max(map(len, drafts))
+        last = mx.array([len(d) for d in before.drafts])[:, None]
+        first = mx.where(
+            mx.array(guessing)[:, None],
+            mx.take_along_axis(before.sampled, last, axis=1).astype(mx.int32),
+            mx.array(pending, dtype=mx.int32)[:, None],
+        )
+        if width > 1:
+            padded = [[*d, *[0] * (width - 1 - len(d))] for d in drafts]
+            first = mx.concatenate([first, mx.array(padded, dtype=mx.int32)], axis=1)
+        guessed = self._record(first, drafts)
+        for i in range(rows):
+            beyond[i] += width - back[i]
+            guessed.counts[i] = not ended[i]
+        return guessed
 
     def _processed(self, logits: mx.array, pending: list[int], drafts: list[list[int]]) -> mx.array:
         """The logits with each row's processors (penalties, logit bias) applied

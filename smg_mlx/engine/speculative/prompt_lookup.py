@@ -123,17 +123,22 @@ class RowDrafts:
         self._wait(step)
         return False
 
-    def propose(self, step: int, pending: int, most: int) -> list[int]:
+    def propose(
+        self, step: int, pending: int, most: int, further: int = 0
+    ) -> tuple[list[int], list[int]]:
         """Up to `most` tokens that should follow this row's tokens and
-        `pending` (sampled, not in its cache yet); [] where none."""
+        `pending` (sampled, not in its cache yet), [] where none; and up to
+        `further` tokens that follow those where they all come true (the same
+        continuation read on: passes recorded before these are checked)."""
         self._tokens[self._n] = pending
         most = min(most, self._length)
         if self._following(self._n + 1):
-            return self._ahead.after(self._n + 1, most)
-        proposal = self._looked_up(self._n + 1, most)
-        if not proposal:
+            found = self._ahead.after(self._n + 1, most + further)
+        else:
+            found = self._looked_up(self._n + 1, most + further)
+        if not found:
             self._wait(step)
-        return proposal
+        return found[:most], found[most:]
 
     def fared(self, step: int, proposed: int, accepted: int) -> None:
         """A pass checked `proposed` tokens of this row and kept `accepted`."""
