@@ -356,15 +356,16 @@ def test_accepted_proposals_count_only_the_tokens_sent(after):
 def test_prompt_lookup_finds_what_a_plain_scan_of_every_occurrence_finds():
     """On any tokens (repetitive or not, few or many distinct): the longest
     suffix of 4 down to 2 tokens that occurred before; of its occurrences the
-    latest followed by `most` tokens, else the one followed by the most."""
+    latest followed by `most` tokens, else the one followed by the most; and
+    `further` tokens more from the same occurrence (a second pass's proposals)."""
 
-    def scanned(tokens: list[int], n: int, most: int) -> list[int]:
+    def scanned(tokens: list[int], n: int, most: int, further: int) -> list[int]:
         for size in range(min(4, n - 1), 1, -1):
             found = [s for s in range(n - size) if tokens[s : s + size] == tokens[n - size : n]]
             if found:
                 full = [s for s in found if n - s - size >= most]
                 start = full[-1] if full else found[0]
-                return tokens[start + size : min(start + size + most, n)]
+                return tokens[start + size : min(start + size + most + further, n)]
         return []
 
     rng = np.random.default_rng(5)
@@ -375,8 +376,10 @@ def test_prompt_lookup_finds_what_a_plain_scan_of_every_occurrence_finds():
         if case % 3 == 0:  # a phrase repeated, as the tokens models repeat
             tokens = np.resize(tokens[: rng.integers(1, 9)], length)
         n, most = int(rng.integers(2, length + 1)), int(rng.integers(1, 16))
-        expected = scanned(tokens.tolist(), n, most)
-        assert lookup(tokens.astype(np.int64), n, most) == expected, (tokens.tolist(), n, most)
+        further = int(rng.choice([0, rng.integers(1, 17)]))
+        expected = scanned(tokens.tolist(), n, most, further)
+        got = lookup(tokens.astype(np.int64), n, most, further)
+        assert got == expected, (tokens.tolist(), n, most, further)
         found += bool(expected)
     assert 1000 < found < 2900  # (both kinds of case met)
 

@@ -31,11 +31,12 @@ SHORTEST = 2  # ...and at least: one token recurs too often to predict what foll
 MOST_PAUSE = 64  # steps a row waits at most before it looks again
 
 
-def lookup(tokens: np.ndarray, n: int, most: int) -> list[int]:
+def lookup(tokens: np.ndarray, n: int, most: int, further: int = 0) -> list[int]:
     """Up to `most` tokens that followed an earlier occurrence of the longest
     suffix of `tokens[:n]` that occurred before: the latest occurrence
     followed by `most` tokens, else the one followed by the most (the latest
-    of a run of one repeated token is followed by just one)."""
+    of a run of one repeated token is followed by just one); and up to
+    `further` tokens more that followed the same occurrence."""
     for size in range(min(LONGEST, n - 1), SHORTEST - 1, -1):
         suffix = tokens[n - size : n]
         # Every earlier start of the suffix, compared at once (in a document a
@@ -48,7 +49,7 @@ def lookup(tokens: np.ndarray, n: int, most: int) -> list[int]:
             # A start is followed by min(most, n - size - start) tokens.
             full = starts[starts <= n - size - most]
             start = full[-1] if full.size else starts[0]
-            return tokens[start + size : min(start + size + most, n)].tolist()
+            return tokens[start + size : min(start + size + most + further, n)].tolist()
     return []
 
 
@@ -135,7 +136,7 @@ class RowDrafts:
         if self._following(self._n + 1):
             found = self._ahead.after(self._n + 1, most + further)
         else:
-            found = self._looked_up(self._n + 1, most + further)
+            found = self._looked_up(self._n + 1, most, further)
         if not found:
             self._wait(step)
         return found[:most], found[most:]
@@ -151,11 +152,11 @@ class RowDrafts:
             self._length = accepted + 1
             self._pause = 1
 
-    def _looked_up(self, n: int, most: int) -> list[int]:
+    def _looked_up(self, n: int, most: int, further: int = 0) -> list[int]:
         """`lookup` in its own first `n` tokens, else in other streams'."""
-        found = lookup(self._tokens, n, most)
+        found = lookup(self._tokens, n, most, further)
         if not found and self._shared is not None:
-            found = self._shared.lookup(self._tokens, n, most, LONGEST)
+            found = self._shared.lookup(self._tokens, n, most + further, LONGEST)
         return found
 
     def _following(self, n: int) -> bool:
