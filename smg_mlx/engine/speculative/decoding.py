@@ -206,26 +206,32 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         """Each kind of pass speculation adds, once (the warm-up's: mlx builds
         some of their kernels on first use, seconds on CUDA, which would stall
         every stream the first time a row's proposals are checked): a checking
-        pass over the rows decoding now, its responses returned; then, on a
-        copy of the first row's cache twice, rows ending apart written,
-        attended and lined up. Its passes count in no metric."""
-        if not self.uids:
-            return []
+        call over the rows decoding now, rows joining included, and where that
+        one could not run a pass after its first (`_check`), another that does;
+        their responses returned; then, on a copy of the first row's cache
+        twice, rows ending apart written, attended and lined up. Its passes
+        count in no metric."""
         width = 1 + self.drafting.most
-        mx.eval(self._next_tokens)
-        pending = self._next_tokens.tolist()
-        drafts = self._proposals(self._likely(), pending, self.drafting.most)[0]
+        out: list = []
         stats, self.drafting.stats = self.drafting.stats, DraftStats()
-        # (the passes after a call's first too, where calls run them: nothing proposed there)
-        later = [[[] for _ in pending]] * (CHAIN - 1) if self._chains() else []
         try:
-            out, _ = self._check(pending, [d or [y] * self.drafting.most
-                                           for d, y in zip(drafts, pending, strict=True)],
-                                 width, self._joined(), later)  # fmt: skip
+            for _ in range(2):
+                if not self.uids:  # (every row ended)
+                    return out
+                mx.eval(self._next_tokens)
+                pending = self._next_tokens.tolist()
+                drafts = self._proposals(self._likely(), pending, self.drafting.most)[0]
+                chains = self._chains(warm_up=True)
+                later = [[[] for _ in pending]] * (CHAIN - 1) if chains else []
+                out += self._check(pending, [d or [y] * self.drafting.most
+                                             for d, y in zip(drafts, pending, strict=True)],
+                                   width, self._joined(), later)[0]  # fmt: skip
+                if chains or CHAIN == 1 or self._draft_rows is not None:
+                    break
         finally:
             self.drafting.stats = stats
         self._line_up()
-        if not self.uids:  # (every row ended in that pass)
+        if not self.uids:  # (every row ended in those passes)
             return out
         row = one_row(self.extract_cache(0))
         layers = zip(self.prompt_cache, row, strict=True)
@@ -290,19 +296,15 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 likely.add(i)
         return likely
 
-    def _chains(self) -> bool:
+    def _chains(self, warm_up: bool = False) -> bool:
         """Whether a checking call may run passes after its first (`_check`):
         prompt lookup, no row joining, and no row whose processors or sampler's
         own key look back at the tokens kept (they would have to be known before
-        the next pass is recorded)."""
+        the next pass is recorded); the warm-up's, whatever its rows' sampling
+        (its tokens are no client's, and it builds the kernels such calls run)."""
         samplers = self.samplers or [None]
-        return (
-            CHAIN > 1
-            and self._draft_rows is None
-            and not self._joining
-            and not any(self.logits_processors)
-            and not any(hasattr(s, "ahead") for s in samplers)
-        )
+        exact = not any(self.logits_processors) and not any(hasattr(s, "ahead") for s in samplers)
+        return CHAIN > 1 and self._draft_rows is None and not self._joining and (warm_up or exact)
 
     def _check(self, pending: list[int], drafts: list[list[int]], width: int, joining: list[int],
                later: list[list[list[int]]] = ()) -> tuple[list, dict[int, int]]:  # fmt: skip
