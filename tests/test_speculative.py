@@ -34,12 +34,8 @@ from smg_mlx.engine.batch.batch_kv import steady_mask
 from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.sampling import make_processors
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
-from smg_mlx.engine.speculative.decoding import (
-    CHAIN,
-    Drafting,
-    DraftStats,
-    SpeculativeGenerationBatch,
-)
+from smg_mlx.engine.speculative.checking import CHAIN
+from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows, PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import lookup
