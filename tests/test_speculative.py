@@ -631,6 +631,30 @@ def test_once_proposals_turn_right_checking_is_tried_at_the_widest_width_again(p
     assert late[8] >= 70, late
 
 
+def test_a_call_runs_a_second_pass_only_over_few_positions(monkeypatch):
+    """A call's second pass holds a second set of logits over the vocabulary
+    (rows x tokens a row) while the first runs: only batches of few positions
+    run one, and the tokens are the plain ones either way."""
+    from smg_mlx.engine.speculative import decoding
+
+    model = tiny_model("llama", scale=1.5)
+    prompts, max_tokens = repetitive_prompts(8, 1), [30] * 8
+    plain = generate(model, prompts, max_tokens, False)[0]
+    guessed, real = [], SpeculativeGenerationBatch._guessed
+
+    def recorded(self, *args):
+        guessed.append(len(self.uids))
+        return real(self, *args)
+
+    monkeypatch.setattr(SpeculativeGenerationBatch, "_guessed", recorded)
+    for limit in (8 * 5, 8 * 5 - 1):  # (4 proposals a row at most: 5 positions)
+        guessed.clear()
+        monkeypatch.setattr(decoding, "CHAIN_POSITIONS", limit)
+        assert generate(model, prompts, max_tokens, True)[0] == plain
+        assert guessed and all(rows * 5 <= limit for rows in guessed)
+        assert (8 in guessed) == (limit == 40)
+
+
 @pytest.mark.parametrize("drafter", ["prompt lookup", "draft model"])
 def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals(drafter):
     """A block's width is the most proposals a row has checked in one pass

@@ -38,6 +38,10 @@ from smg_mlx.engine.speculative.ragged_kv import ragged
 # Checking passes a call runs at most, each after the first recorded while the
 # one before runs, on the guess that every row keeps all its proposals there.
 CHAIN = 2
+# Positions (rows x tokens a row) a call runs in more than one pass, at most:
+# each pass in flight holds its logits over the vocabulary at every position,
+# and large batches, which wait on the host least, would hold the most.
+CHAIN_POSITIONS = 256
 
 
 @dataclass

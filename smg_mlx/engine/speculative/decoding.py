@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
 from smg_mlx.engine.batch.ended_rows import one_row
-from smg_mlx.engine.speculative.checking import CHAIN, CheckingPasses
+from smg_mlx.engine.speculative.checking import CHAIN, CHAIN_POSITIONS, CheckingPasses
 from smg_mlx.engine.speculative.draft_model import CatchUp, DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
@@ -262,10 +262,15 @@ class SpeculativeGenerationBatch(CheckingPasses):
 
     def _chains(self, warm_up: bool = False) -> bool:
         """Whether a checking call may run passes after its first (`_check`):
-        prompt lookup, no row joining, and no row whose processors or sampler's
-        own key look back at the tokens kept (they would have to be known before
-        the next pass is recorded); the warm-up's, whatever its rows' sampling
-        (its tokens are no client's, and it builds the kernels such calls run)."""
+        prompt lookup, rows few enough (CHAIN_POSITIONS), no row joining, and no
+        row whose processors or sampler's own key look back at the tokens kept
+        (they would have to be known before the next pass is recorded); the
+        warm-up's, whatever its rows' sampling (its tokens are no client's, and
+        it builds the kernels such calls run)."""
         samplers = self.samplers or [None]
         exact = not any(self.logits_processors) and not any(hasattr(s, "ahead") for s in samplers)
-        return CHAIN > 1 and self._draft_rows is None and not self._joining and (warm_up or exact)
+        few = len(self.uids) * (1 + self.drafting.most) <= CHAIN_POSITIONS
+        return (
+            CHAIN > 1 and few and self._draft_rows is None and not self._joining
+            and (warm_up or exact)
+        )  # fmt: skip
