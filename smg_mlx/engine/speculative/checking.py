@@ -88,7 +88,7 @@ class CheckingPasses(PlacedGenerationBatch):
         padded = [
             [y, *d, *[y] * (width - 1 - len(d))] for y, d in zip(pending, drafts, strict=True)
         ]
-        inputs = mx.array(padded, dtype=mx.int32)  # fmt: skip
+        inputs = mx.array(padded, dtype=mx.int32)
         proposals = [[] if i in joining else d for i, d in enumerate(drafts)]
         passes = [self._record(inputs, proposals, pending)]
         beyond = [width] * rows  # each row's entries past its tokens (written, not kept yet)
@@ -102,7 +102,7 @@ class CheckingPasses(PlacedGenerationBatch):
             current = passes[at]
             if at < len(later):
                 passes.append(self._guessed(current, later[at], next_tokens, ended, beyond))
-            mx.eval(current.sampled, current.logprobs)
+            mx.eval(current.sampled, current.logprobs, next_logprobs)
             sampled = current.sampled.tolist()
             for i in range(rows):
                 if not current.counts[i]:
