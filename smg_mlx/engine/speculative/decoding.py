@@ -190,7 +190,7 @@ class SpeculativeGenerationBatch(CheckingPasses):
                 out += self._check(pending, [d or [y] * self.drafting.most
                                              for d, y in zip(drafts, pending, strict=True)],
                                    width, self._joined(), later)[0]  # fmt: skip
-                if chains or CHAIN == 1 or self._draft_rows is not None:
+                if chains or not self._chains(warm_up=True):  # (a second call would not either)
                     break
         finally:
             self.drafting.stats = stats
