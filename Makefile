@@ -50,10 +50,10 @@ serve: install
 lint: install
 	$(PY) -m ruff check smg_mlx tests bench proto
 
-# Two processes: most tests wait on workers more than they compute. Work stealing:
-# a process left without tests takes some of the other's, so a slow one at the end
-# holds up less.
-TEST_JOBS ?= 2
+# Four processes on CI's two cores: most tests wait on workers (their start-up,
+# their streams) more than they compute. Work stealing: a process left without
+# tests takes some of another's, so a slow one at the end holds up less.
+TEST_JOBS ?= 4
 
 test: lint $(WHEELS)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)

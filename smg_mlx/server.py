@@ -166,14 +166,33 @@ def check_chat_template(tokenizer: Any) -> None:
         )
 
 
-def _check_draft(draft: Path) -> None:
-    """The checks --model's directory gets, for --draft-model's: a refusal
-    (exit 2) that names the flag, not a load failure that a supervisor restarts."""
+def _check_draft(draft: Path, tokenizer: Any) -> None:
+    """The checks --model's directory gets, for --draft-model's, and that it
+    proposes the model's tokens (`tokenizer`, the model's): a refusal (exit 2)
+    that names the flag, before the weights load, not a load failure that a
+    supervisor restarts."""
     try:
         model_files.check(draft)
-        load_tokenizer(draft)
+        theirs = load_tokenizer(draft).get_vocab()
     except (BadModelConfig, StartupError) as exc:
         raise StartupError(f"--draft-model: {exc}", exit_code=2) from None
+    if (differs := _first_difference(theirs, tokenizer.get_vocab())) is not None:
+        raise StartupError(
+            f"--draft-model {draft}: its tokenizer's vocabulary is not the model's "
+            f"({differs}): a draft must share the model's tokenizer (e.g. a smaller model of "
+            "the same family)",
+            exit_code=2,
+        )
+
+
+def _first_difference(draft: dict[str, int], model: dict[str, int]) -> str | None:
+    """Where the draft's vocabulary (token: id) first departs from the model's, said."""
+    if len(draft) != len(model):
+        return f"{len(draft)} tokens against {len(model)}"
+    for token, number in sorted(model.items(), key=lambda item: item[1]):
+        if draft.get(token) != number:
+            return f"token {token!r} is id {draft.get(token)} there, {number} here"
+    return None
 
 
 def _unreadable_json(paths: Iterable[Path]) -> Iterator[Path]:
@@ -357,13 +376,13 @@ class Worker:
         log.info("loading %s", self.model_dir)
         try:
             model_files.check(self.model_dir)
-            if self.config.engine.draft_model is not None:
-                await asyncio.to_thread(_check_draft, self.config.engine.draft_model)
-            self._check_budget_holds_the_weights()
             # Model facts need no weights: GetModelInfo answers while the
             # engine thread loads them. Read them before the engine starts:
             # transformers' lazy imports are not safe from two threads at once.
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+            if self.config.engine.draft_model is not None:
+                await asyncio.to_thread(_check_draft, self.config.engine.draft_model, tokenizer)
+            self._check_budget_holds_the_weights()
             await asyncio.to_thread(check_chat_template, tokenizer)
             bundle = await asyncio.to_thread(tokenizer_zip, self.model_dir)
             # --generation-config none: not read at all (a broken one cannot matter).
@@ -391,6 +410,7 @@ class Worker:
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self.metrics.serving_mode.labels(self.engine.mode).set(1)
         self.metrics.kv_format.labels(self.config.engine.kv_format or UNQUANTIZED).set(1)
+        self.metrics.speculative_drafter.labels(self.engine.speculation.drafter or "off").set(1)
         if self.config.engine.pipeline and self.engine.ranks == 1:  # a launcher of one rank
             log.warning("--pipeline does nothing: the model runs whole in this one process")
         longest = self.engine.longest_sequence

@@ -223,7 +223,9 @@ def test_start_up_checks_batching_anew_and_speculation_stays_exact(
     # does a metric.
     headers = server_headers(unquantized)
     assert (headers["kv-format"], headers["speculative-decoding"]) == ("unquantized", "off")
-    assert scrape(port)[("smg_mlx_kv_cache_format", (("format", "unquantized"),))] == 1
+    scraped = scrape(port)
+    assert scraped[("smg_mlx_kv_cache_format", (("format", "unquantized"),))] == 1
+    assert scraped[("smg_mlx_speculative_decoding", (("drafter", "off"),))] == 1
     unquantized.stop()
     caplog.clear()
     with caplog.at_level(logging.INFO):
@@ -242,6 +244,8 @@ def test_start_up_checks_batching_anew_and_speculation_stays_exact(
     formats = {k: v for k, v in scrape(port).items() if k[0] == "smg_mlx_kv_cache_format"}
     assert formats == {("smg_mlx_kv_cache_format", (("format", f"{bits}-bit KV, group 64"),)): 1}
     assert headers["speculative-decoding"] == "prompt_lookup"
+    drafters = {k: v for k, v in scrape(port).items() if k[0] == "smg_mlx_speculative_decoding"}
+    assert drafters == {("smg_mlx_speculative_decoding", (("drafter", "prompt_lookup"),)): 1}
     assert server_headers(cold)["speculative-decoding"] == "off"
     # Rows take back their rejected proposals from quantized caches: the tokens
     # are plain decoding's, solo and together.

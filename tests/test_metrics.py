@@ -339,12 +339,17 @@ def test_the_serving_mode_is_a_short_name_and_the_log_says_what_it_means(
 
 def test_no_speculation_counters_where_speculation_is_off(start_worker, model_dir):
     """--speculative off (the default): zeros labelled prompt_lookup would read as
-    speculation on and never paying."""
+    speculation on and never paying; a gauge says it is off."""
     port = free_port()
     start_worker(model_dir, metrics_port=port)
-    names = {name for name, _ in scrape(port)}
-    assert "smg_mlx_memory_budget_bytes" in names
-    assert not any(n.startswith("smg_mlx_speculative_") for n in names)
+    off = {("smg_mlx_speculative_decoding", (("drafter", "off"),)): 1}
+    assert _speculative(scrape(port)) == off
+
+
+def _speculative(scraped: dict) -> dict:
+    """The series of speculation: none but the gauge saying what proposes tokens."""
+    assert any(name == "smg_mlx_memory_budget_bytes" for name, _ in scraped)
+    return {k: v for k, v in scraped.items() if k[0].startswith("smg_mlx_speculative_")}
 
 
 def test_no_speculation_counters_where_the_model_cannot_speculate(start_worker, family_model):
@@ -354,9 +359,8 @@ def test_no_speculation_counters_where_the_model_cannot_speculate(start_worker, 
     port = free_port()
     w = start_worker(family_model("gemma3_text"), metrics_port=port, speculative="always")
     for _ in range(2):  # from the start, and after a request
-        names = {name for name, _ in scrape(port)}
-        assert "smg_mlx_memory_budget_bytes" in names
-        assert not any(n.startswith("smg_mlx_speculative_") for n in names)
+        off = {("smg_mlx_speculative_decoding", (("drafter", "off"),)): 1}
+        assert _speculative(scrape(port)) == off
         generate(w.stub, prompt(20, 1), max_tokens=4)
         assert wait_until(lambda: w.worker.engine.speculation.drafter == "")
 
@@ -365,8 +369,8 @@ def test_speculation_counters_name_the_drafter_from_the_start(start_worker, mode
     """Before any request the counters read 0, labelled with what proposes."""
     port = free_port()
     start_worker(model_dir, metrics_port=port, draft_model=model_dir, speculative="auto")
-    series = {key: value for key, value in scrape(port).items()
-              if key[0].startswith("smg_mlx_speculative_")}  # fmt: skip
+    series = _speculative(scrape(port))
+    assert series.pop(("smg_mlx_speculative_decoding", (("drafter", "draft_model"),))) == 1
     assert len(series) == 4 and not any(series.values())
     assert {labels for _, labels in series} == {(("drafter", "draft_model"),)}
 

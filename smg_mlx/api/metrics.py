@@ -130,6 +130,11 @@ class Metrics:
             "unquantized, or --kv-bits and --kv-group-size, e.g. '8-bit KV, group 64'; as "
             "GetServerInfo's kv-format header says)", labelnames=["format"],
         )  # fmt: skip
+        self.speculative_drafter = metric(
+            Gauge, "speculative_decoding", "What proposes tokens to check (1 for the drafter: "
+            "prompt_lookup, draft_model, or off; as GetServerInfo's speculative-decoding header "
+            "says)", labelnames=["drafter"],
+        )  # fmt: skip
         memory_gauge(
             "failed_steps",
             "Steps that failed otherwise since start (their requests ended with INTERNAL; "

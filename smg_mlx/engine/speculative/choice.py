@@ -9,7 +9,6 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_tokenizer
 
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch.kv_format import caches_for, other_kinds
@@ -100,21 +99,15 @@ def _ranks(group: mx.distributed.Group | None) -> int:
 
 def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwise:
     """The draft model, loaded; refused (types.Unservable) unless it can
-    propose the model's tokens: the same tokenizer (its ids padded to another
-    count or not: `PaddedOtherwise`), caches that take tokens back."""
+    propose the model's tokens: the same tokenizer (the server checked it; its
+    ids padded to another count or not: `PaddedOtherwise`), caches that take
+    tokens back."""
     started = time.perf_counter()
     draft_path = config.draft_model
     try:
         draft, _ = built_model(draft_path, lazy=False, strict=True)
     except Unservable as exc:
         raise Unservable(f"--draft-model: {exc}") from None
-    vocabulary = load_tokenizer(config.model_path).vocab
-    if (differs := _first_difference(load_tokenizer(draft_path).vocab, vocabulary)) is not None:
-        raise Unservable(
-            f"--draft-model {draft_path}: its tokenizer's vocabulary is not the model's "
-            f"({differs}): a draft must share the model's tokenizer (e.g. a smaller model of "
-            "the same family)"
-        )
     token = mx.array([[0]])
     scores, ids = draft(token).shape[-1], model(token).shape[-1]
     reads = getattr(getattr(draft, "args", None), "vocab_size", None) or scores
@@ -153,16 +146,6 @@ def _draft(config: EngineConfig, model: nn.Module) -> nn.Module | PaddedOtherwis
         )  # fmt: skip
     log.info("draft model %s loaded in %.1fs", draft_path, time.perf_counter() - started)
     return draft
-
-
-def _first_difference(draft: dict[str, int], model: dict[str, int]) -> str | None:
-    """Where the draft's vocabulary (token: id) first departs from the model's, said."""
-    if len(draft) != len(model):
-        return f"{len(draft)} tokens against {len(model)}"
-    for token, number in sorted(model.items(), key=lambda item: item[1]):
-        if draft.get(token) != number:
-            return f"token {token!r} is id {draft.get(token)} there, {number} here"
-    return None
 
 
 def _why_not(config: EngineConfig, model: nn.Module, ranks: int) -> str | None:
