@@ -81,7 +81,7 @@ def replay(prompt: list[int], answer: list[int], most: int, shared: SharedHistor
     while done < len(answer):
         steps += 1
         pending, rest = answer[done], answer[done + 1 :]
-        proposal = row.propose(steps, pending, most)[0] if row.likely(steps, tokens) else []
+        proposal = row.propose(steps, pending, most) if row.likely(steps, tokens) else []
         proposal = proposal[: len(rest)]
         n = 0
         while n < len(proposal) and proposal[n] == rest[n]:

@@ -73,8 +73,8 @@ def measure(
     passes, proposed, accepted = (now - then for now, then in zip(counts(), before, strict=True))
     return {
         "workload": workload, "rows": rows, "mode": mode, "tok_s": tokens / wall,
-        "ms_per_call": 1000 * wall / calls,
-        "calls": calls, "checking_passes": passes, "proposed": proposed, "accepted": accepted,
+        "ms_per_pass": 1000 * wall / calls,
+        "passes": calls, "checking_passes": passes, "proposed": proposed, "accepted": accepted,
     }  # fmt: skip
 
 
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(model, rows, mode, args.num_draft_tokens, args.seconds, args.workload,
                         one_width=cuda)
             plain = plain or r["tok_s"]
-            said = [f"{r['ms_per_call']:.1f} ms a call"]
+            said = [f"{r['ms_per_pass']:.1f} ms a pass"]
             if mode != "plain":
-                said.append(f"{r['checking_passes']} checking passes in {r['calls']} calls")
+                said.append(f"{r['checking_passes']} of {r['passes']} checking")
             if r["proposed"]:
                 said.append(f"{r['accepted']} of {r['proposed']} proposed kept")
             print(f"rows {rows:3d} {mode:6s} {r['tok_s']:8.0f} tok/s (x{r['tok_s'] / plain:.2f}), "

@@ -45,7 +45,6 @@ MLX_SIDE = {
     "smg_mlx.engine.prefix_cache.kv_files",
     "smg_mlx.engine.batch.sampling",
     "smg_mlx.engine.batch.row_places",
-    "smg_mlx.engine.speculative.checking",
     "smg_mlx.engine.speculative.decoding",
     "smg_mlx.engine.speculative.ragged_kv",
     "smg_mlx.engine.speculative.choice",

@@ -34,7 +34,6 @@ from smg_mlx.engine.batch.batch_kv import steady_mask
 from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.sampling import make_processors
 from smg_mlx.engine.batch.sampling import make_sampler as seeded
-from smg_mlx.engine.speculative.checking import CHAIN
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows, PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Block, Pacing
@@ -75,17 +74,16 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
 
 def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = False,
              stop=None, sampler=None, rows: int = 32, seeds=None, draft=None,
-             pacing=None, caches=None, one_width=False, processors=None,
-             most: int = 4):  # fmt: skip
+             pacing=None, caches=None, one_width=False, processors=None):  # fmt: skip
     """Each prompt's tokens (and logprobs of them, and the finished caches' sizes);
     with `stagger` half the prompts join while the first half decode; `caches`
     makes each row's fresh caches (mlx-lm's own by default); `processors`, a
-    prompt's logits processors by its index; `most`: proposals a row a pass."""
+    prompt's logits processors by its index."""
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows // 8,
                                stop_tokens=stop, sampler=sampler)  # fmt: skip
     stats = DraftStats()
     if speculative:
-        drafting = Drafting(most=most, pacing=pacing or Pacing(always=True), stats=stats,
+        drafting = Drafting(most=4, pacing=pacing or Pacing(always=True), stats=stats,
                             draft=draft, one_width=one_width)  # fmt: skip
         generator._generation_batch = SpeculativeGenerationBatch.start(
             model, generator.sampler, drafting
@@ -161,9 +159,9 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     widths = set()
     check = SpeculativeGenerationBatch._check
 
-    def recorded(self, pending, drafts, width, joining, later=()):
+    def recorded(self, pending, drafts, width, joining):
         widths.add(width)
-        return check(self, pending, drafts, width, joining, later)
+        return check(self, pending, drafts, width, joining)
 
     monkeypatch.setattr(SpeculativeGenerationBatch, "_check", recorded)
     model = tiny_model(family, scale=1.5, head_dim=16 if bits is None else 64)
@@ -352,16 +350,15 @@ def test_accepted_proposals_count_only_the_tokens_sent(after):
 def test_prompt_lookup_finds_what_a_plain_scan_of_every_occurrence_finds():
     """On any tokens (repetitive or not, few or many distinct): the longest
     suffix of 4 down to 2 tokens that occurred before; of its occurrences the
-    latest followed by `most` tokens, else the one followed by the most; and
-    `further` tokens more from the same occurrence (a second pass's proposals)."""
+    latest followed by `most` tokens, else the one followed by the most."""
 
-    def scanned(tokens: list[int], n: int, most: int, further: int) -> list[int]:
+    def scanned(tokens: list[int], n: int, most: int) -> list[int]:
         for size in range(min(4, n - 1), 1, -1):
             found = [s for s in range(n - size) if tokens[s : s + size] == tokens[n - size : n]]
             if found:
                 full = [s for s in found if n - s - size >= most]
                 start = full[-1] if full else found[0]
-                return tokens[start + size : min(start + size + most + further, n)]
+                return tokens[start + size : min(start + size + most, n)]
         return []
 
     rng = np.random.default_rng(5)
@@ -372,10 +369,8 @@ def test_prompt_lookup_finds_what_a_plain_scan_of_every_occurrence_finds():
         if case % 3 == 0:  # a phrase repeated, as the tokens models repeat
             tokens = np.resize(tokens[: rng.integers(1, 9)], length)
         n, most = int(rng.integers(2, length + 1)), int(rng.integers(1, 16))
-        further = int(rng.choice([0, rng.integers(1, 17)]))
-        expected = scanned(tokens.tolist(), n, most, further)
-        got = lookup(tokens.astype(np.int64), n, most, further)
-        assert got == expected, (tokens.tolist(), n, most, further)
+        expected = scanned(tokens.tolist(), n, most)
+        assert lookup(tokens.astype(np.int64), n, most) == expected, (tokens.tolist(), n, most)
         found += bool(expected)
     assert 1000 < found < 2900  # (both kinds of case met)
 
@@ -631,30 +626,6 @@ def test_once_proposals_turn_right_checking_is_tried_at_the_widest_width_again(p
     assert late[8] >= 70, late
 
 
-def test_a_call_runs_a_second_pass_only_over_few_positions(monkeypatch):
-    """A call's second pass holds a second set of logits over the vocabulary
-    (rows x tokens a row) while the first runs: only batches of few positions
-    run one, and the tokens are the plain ones either way."""
-    from smg_mlx.engine.speculative import decoding
-
-    model = tiny_model("llama", scale=1.5)
-    prompts, max_tokens = repetitive_prompts(8, 1), [30] * 8
-    plain = generate(model, prompts, max_tokens, False)[0]
-    guessed, real = [], SpeculativeGenerationBatch._guessed
-
-    def recorded(self, *args):
-        guessed.append(len(self.uids))
-        return real(self, *args)
-
-    monkeypatch.setattr(SpeculativeGenerationBatch, "_guessed", recorded)
-    for limit in (8 * 5, 8 * 5 - 1):  # (4 proposals a row at most: 5 positions)
-        guessed.clear()
-        monkeypatch.setattr(decoding, "CHAIN_POSITIONS", limit)
-        assert generate(model, prompts, max_tokens, True)[0] == plain
-        assert guessed and all(rows * 5 <= limit for rows in guessed)
-        assert (8 in guessed) == (limit == 40)
-
-
 @pytest.mark.parametrize("drafter", ["prompt lookup", "draft model"])
 def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals(drafter):
     """A block's width is the most proposals a row has checked in one pass
@@ -672,9 +643,9 @@ def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals(drafter):
     widths = []
     check = SpeculativeGenerationBatch._check
 
-    def counted(self, pending, drafts, width, joining, later=()):
-        widths.extend(max(map(len, d)) for d in [drafts, *later])
-        return check(self, pending, drafts, width, joining, later)
+    def counted(self, pending, drafts, width, joining):
+        widths.append(max(map(len, drafts)))
+        return check(self, pending, drafts, width, joining)
 
     SpeculativeGenerationBatch._check = counted
     try:
@@ -866,10 +837,8 @@ def test_streams_sampled_beside_repeating_ones_are_not_slowed_by_their_checking(
     assert 1 <= stats.passes <= 12, stats.passes  # tried, then plain passes
     assert stats.accepted > 0 and made  # the greedy streams' proposals were right...
     greedy, sampled = ([p[u] for p in made for u in uids if u in p] for uids in ((0, 2), (1, 3)))
-    # ...and counted as theirs: several tokens a pass, against about one (a call
-    # runs CHAIN passes: no stream joins or ends)
-    greedy, sampled = (sum(made) / len(made) / CHAIN for made in (greedy, sampled))
-    assert greedy > 2 and sampled < 1.5
+    # ...and counted as theirs: several tokens a pass, against about one
+    assert sum(greedy) / len(greedy) > 2 and sum(sampled) / len(sampled) < 1.5
 
 
 def run_paced(
@@ -878,8 +847,8 @@ def run_paced(
 ) -> DraftStats:  # fmt: skip
     """Four repeating streams through `calls` calls of a paced generator over a
     model of `scale` (`samplers`: each stream's; None: greedy), the clock moved
-    on after each call by `after(whether it checked)` seconds for each pass it
-    ran: what speculation did."""
+    on after each call by `after(whether it checked)` seconds: what
+    speculation did."""
     model = tiny_model("llama", scale=scale)
     stats = DraftStats()
     generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
@@ -890,7 +859,7 @@ def run_paced(
     for _ in range(calls):
         checked = stats.passes
         generator.next()
-        clock.now += after(True) * (stats.passes - checked) or after(False)
+        clock.now += after(stats.passes > checked)
     generator.close()
     return stats
 
@@ -928,11 +897,11 @@ def test_a_first_checking_pass_leaves_out_its_pass_not_its_proposals(monkeypatch
     proposals = SpeculativeGenerationBatch._proposals
     calls = []
 
-    def catching_up_first(self, likely, pending, most, passes=1):
+    def catching_up_first(self, likely, pending, most):
         if not calls:
             clock.now += 5.0  # (every row's tokens through the draft)
         calls.append(1)
-        return proposals(self, likely, pending, most, passes)
+        return proposals(self, likely, pending, most)
 
     monkeypatch.setattr(SpeculativeGenerationBatch, "_proposals", catching_up_first)
     stats = run_paced(1.0, clock, lambda checked: 0.010, calls=240)
@@ -1029,34 +998,19 @@ def _chi_square_bound(df: int) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("most", [4, 1], ids=["one pass a call", "a second pass a call"])
-def test_sampled_tokens_follow_the_models_distribution(most, monkeypatch):
-    """Sampled rows keep a proposal only where their own sample agrees: each
-    3-token output is as likely as the model makes it. With one proposal a
-    pass, a call's second pass (recorded before the first is checked) draws a
-    row's third token after its first pass's sample."""
+def test_sampled_tokens_follow_the_models_distribution():
     vocab = 4
     model = tiny_model("llama", scale=0.7, vocab=vocab, seed=3)
     prompt = [1] * 10  # proposes 1s, which this model samples about half the time
     rows, steps = 512, 3
     sampler = make_sampler(temp=1.0)
-    check, most_a_call = SpeculativeGenerationBatch._check, []
-
-    def counted(self, *args):
-        out, made = check(self, *args)
-        most_a_call.append(max(Counter(r.uid for r in out).values()))
-        return out, made
-
-    monkeypatch.setattr(SpeculativeGenerationBatch, "_check", counted)
     counts: Counter = Counter()
     proposed = accepted = 0
     for _ in range(6):
         outs, _, _, stats = generate(model, [prompt] * rows, [steps] * rows, True,
-                                     sampler=sampler, rows=rows, most=most)  # fmt: skip
+                                     sampler=sampler, rows=rows)  # fmt: skip
         counts.update(tuple(t) for t in outs)
         proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
-    # (one pass a call makes a row 1 + `most` tokens at most)
-    assert max(most_a_call) == steps
     assert accepted > 0.1 * sum(counts.values()), "proposals were checked and kept"
     # The exact probability of each 3-token continuation, a token at a time.
     expected = {}
@@ -1323,9 +1277,8 @@ def test_the_passes_bench_times_plain_and_checking_passes_apart():
     plain = measure(model, rows=4, mode="plain", most=4, seconds=0.3)
     always = measure(model, rows=4, mode="always", most=4, seconds=0.3)
     assert plain["checking_passes"] == 0 and plain["tok_s"] > 0
-    # (a call checks in a pass, and in the passes after it where it chains them)
-    assert always["checking_passes"] >= always["calls"] > 0
-    assert always["accepted"] > 0 and always["tok_s"] * always["ms_per_call"] / 1000 > 4
+    assert always["checking_passes"] == always["passes"] > 0
+    assert always["accepted"] > 0 and always["tok_s"] * always["ms_per_pass"] / 1000 > 4
 
 
 def test_the_copies_bench_times_each_change_of_rows_on_the_models_cache(model_dir, tmp_path):

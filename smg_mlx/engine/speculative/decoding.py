@@ -1,11 +1,25 @@
-"""mlx-lm's decoding rows, where a call may check each row's proposals (engine thread only).
+"""mlx-lm's decoding rows, where one pass may check each row's proposals (engine thread only).
 
-Which rows propose, and what (prompt lookup, or a draft model), and whether
-a call checks at all: `Pacing` has calls check only where measured runs of
-them (`pacing.Block`) say that pays. How a checking call runs its passes and
-keeps each row's tokens: `checking`. A cache whose rows ended apart is lined
-up again at the end of each checking run, on that run's clock, so that plain
-passes run, and are timed, as plain ones.
+mlx-lm's `GenerationBatch` keeps, for each row, its tokens in the cache and
+one token sampled but not yet returned (`_next_tokens`), and it starts each
+pass before it returns the last one's tokens. A pass that checks proposals
+keeps that state exact: it runs each row's pending token y and proposals
+d1..dk (rows with fewer are padded; their extra positions are not kept),
+samples every position with the row's own sampler, and keeps d1..da for as
+long as each equals the sample before it. The row returns y, d1..da; the
+sample after da becomes its pending token; its cache takes back the rest.
+Each token returned is thus one the row's sampler drew from the model's own
+distribution given the tokens before it, as plain decoding draws it: greedy
+decoding gives the same tokens, sampling the same distribution, and every
+logprob returned is the model's.
+
+Such a pass must see its rows' latest tokens before it is built, so it waits
+for the pass before it, where mlx-lm would overlap them (its layers go to the
+device as they are recorded: `layer_waits.sent_layer_by_layer`): `Pacing` has passes
+check only where measured runs of them (`pacing.Block`) say that pays. A
+cache whose rows ended apart is lined up again at the end of each checking
+run, on that run's clock, so that plain passes run, and are timed, as plain
+ones.
 """
 
 from __future__ import annotations
@@ -17,7 +31,9 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
 from smg_mlx.engine.batch.ended_rows import one_row
-from smg_mlx.engine.speculative.checking import CHAIN, CHAIN_POSITIONS, CheckingPasses
+from smg_mlx.engine.batch.layer_waits import sent_layer_by_layer
+from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
+from smg_mlx.engine.batch.sampling import CONTEXT
 from smg_mlx.engine.speculative.draft_model import CatchUp, DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
@@ -54,7 +70,7 @@ class Drafting:
     catch_up: CatchUp = field(default_factory=CatchUp)
 
 
-class SpeculativeGenerationBatch(CheckingPasses):
+class SpeculativeGenerationBatch(PlacedGenerationBatch):
     """`PlacedGenerationBatch` whose `next` may return several tokens a row."""
 
     drafting: Drafting
@@ -147,8 +163,7 @@ class SpeculativeGenerationBatch(CheckingPasses):
             pending = self._next_tokens.tolist()
             # The block's width (pacing: what pays at this batch size), else the most allowed.
             cap = self._block.width or self.drafting.most
-            passes = self._proposals(likely, pending, cap, CHAIN if self._chains() else 1)
-            drafts = passes[0]
+            drafts = self._proposals(likely, pending, cap)
             if any(drafts):
                 most = cap if self.drafting.one_width else max(map(len, drafts))
                 width = 1 + most
@@ -156,7 +171,7 @@ class SpeculativeGenerationBatch(CheckingPasses):
                     # Only the pass goes untimed: the proposals (a draft model
                     # catching up on every row's tokens) count.
                     self._block.begins()
-                out, made = self._check(pending, drafts, width, self._joined(), passes[1:])
+                out, made = self._check(pending, drafts, width, self._joined())
                 self._block.ran(len(out), new, checked=True, rows=made)
                 return out
         responses = super()._decode()
@@ -170,32 +185,24 @@ class SpeculativeGenerationBatch(CheckingPasses):
         """Each kind of pass speculation adds, once (the warm-up's: mlx builds
         some of their kernels on first use, seconds on CUDA, which would stall
         every stream the first time a row's proposals are checked): a checking
-        call over the rows decoding now, rows joining included, and where that
-        one could not run a pass after its first (`_check`), another that does;
-        their responses returned; then, on a copy of the first row's cache
-        twice, rows ending apart written, attended and lined up. Its passes
-        count in no metric."""
+        pass over the rows decoding now, its responses returned; then, on a
+        copy of the first row's cache twice, rows ending apart written,
+        attended and lined up. Its passes count in no metric."""
+        if not self.uids:
+            return []
         width = 1 + self.drafting.most
-        out: list = []
+        mx.eval(self._next_tokens)
+        pending = self._next_tokens.tolist()
+        drafts = self._proposals(self._likely(), pending, self.drafting.most)
         stats, self.drafting.stats = self.drafting.stats, DraftStats()
         try:
-            for _ in range(2):
-                if not self.uids:  # (every row ended)
-                    return out
-                mx.eval(self._next_tokens)
-                pending = self._next_tokens.tolist()
-                drafts = self._proposals(self._likely(), pending, self.drafting.most)[0]
-                chains = self._chains(warm_up=True)
-                later = [[[] for _ in pending]] * (CHAIN - 1) if chains else []
-                out += self._check(pending, [d or [y] * self.drafting.most
-                                             for d, y in zip(drafts, pending, strict=True)],
-                                   width, self._joined(), later)[0]  # fmt: skip
-                if chains or not self._chains(warm_up=True):  # (a second call would not either)
-                    break
+            out, _ = self._check(pending, [d or [y] * self.drafting.most
+                                           for d, y in zip(drafts, pending, strict=True)],
+                                 width, self._joined())  # fmt: skip
         finally:
             self.drafting.stats = stats
         self._line_up()
-        if not self.uids:  # (every row ended in those passes)
+        if not self.uids:  # (every row ended in that pass)
             return out
         row = one_row(self.extract_cache(0))
         layers = zip(self.prompt_cache, row, strict=True)
@@ -211,35 +218,23 @@ class SpeculativeGenerationBatch(CheckingPasses):
         (where it is timed, not in the pass after it)."""
         line_up(self.prompt_cache)
 
-    def _proposals(self, likely: set[int], pending: list[int], most: int,
-                   passes: int = 1) -> list[list[list[int]]]:  # fmt: skip
+    def _proposals(self, likely: set[int], pending: list[int], most: int) -> list[list[int]]:
         """Each row's proposals (none for rows not `likely`), at most `most`,
         and no more than the tokens it has left after its pending one: those
-        past it are never sent; for each of `passes` passes (prompt lookup:
-        those after the first propose where the passes before kept all their
-        proposals, the token each samples last taken to be the continuation's
-        next; see `_check`)."""
+        past it are never sent."""
         if self._draft_rows is not None:
             rows = {self.uids[i]: (self.tokens[i], pending[i]) for i in likely}
             proposed = self._draft_rows.propose(rows, most)
-            found = [(proposed.get(uid, []), []) for uid in self.uids]
+            drafts = [proposed.get(uid, []) for uid in self.uids]
         else:
-            further = (1 + most) * (passes - 1)
-            found = [
-                self._rows[uid].propose(self._steps, y, most, further) if i in likely else ([], [])
+            drafts = [
+                self._rows[uid].propose(self._steps, y, most) if i in likely else []
                 for i, (uid, y) in enumerate(zip(self.uids, pending, strict=True))
             ]
-        by_pass: list[list[list[int]]] = [[] for _ in range(passes)]
-        for i, (first, rest) in enumerate(found):
-            left = self.max_tokens[i] - self._num_tokens[i] - 1  # after its pending token
-            proposal = first
-            for p in range(passes):
-                proposal = proposal[: max(0, left)]
-                by_pass[p].append(proposal)
-                left -= 1 + len(proposal)  # this pass's tokens, and the next pass's first
-                # The next pass's first token is this one's last sample, not rest[0].
-                proposal, rest = rest[1 : 1 + most], rest[1 + most :]
-        return by_pass
+        return [
+            d[: max(0, self.max_tokens[i] - self._num_tokens[i] - 1)]
+            for i, d in enumerate(drafts)
+        ]
 
     def _likely(self) -> set[int]:
         """Rows that may propose (not those joining); with prompt lookup, those
@@ -260,17 +255,143 @@ class SpeculativeGenerationBatch(CheckingPasses):
                 likely.add(i)
         return likely
 
-    def _chains(self, warm_up: bool = False) -> bool:
-        """Whether a checking call may run passes after its first (`_check`):
-        prompt lookup, rows few enough (CHAIN_POSITIONS), no row joining, and no
-        row whose processors or sampler's own key look back at the tokens kept
-        (they would have to be known before the next pass is recorded); the
-        warm-up's, whatever its rows' sampling (its tokens are no client's, and
-        it builds the kernels such calls run)."""
-        samplers = self.samplers or [None]
-        exact = not any(self.logits_processors) and not any(hasattr(s, "ahead") for s in samplers)
-        few = len(self.uids) * (1 + self.drafting.most) <= CHAIN_POSITIONS
-        return (
-            CHAIN > 1 and few and self._draft_rows is None and not self._joining
-            and (warm_up or exact)
-        )  # fmt: skip
+    def _check(self, pending: list[int], drafts: list[list[int]], width: int,
+               joining: list[int]) -> tuple[list, dict[int, int]]:  # fmt: skip
+        """One pass over every row's pending token and proposals (module
+        docstring), `width` tokens a row: rows with fewer proposals are padded
+        (positions whose tokens are not kept; see `Drafting.one_width`). Rows
+        `joining` run their prompts' last tokens: the sample after it is their
+        first token, and they return nothing. Its responses, and the tokens
+        each row that decodes on made, by uid (`pacing.Block.ran`)."""
+        rows = len(self.uids)
+        pairs = zip(pending, drafts, strict=True)
+        inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
+        self.prompt_cache = [ragged(c) for c in self.prompt_cache]
+        # int32, as every token array is (engine.batch.sampling: kernels).
+        with sent_layer_by_layer():  # (waited for below: the device starts on it meanwhile)
+            logits = self.model(mx.array(inputs, dtype=mx.int32), cache=self.prompt_cache)
+        proposals = [[] if i in joining else d for i, d in enumerate(drafts)]
+        logits = self._processed(logits, pending, proposals)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled, keeps = self._sample(logprobs)
+        mx.eval(sampled, logprobs, self._next_logprobs)
+        sampled = sampled.tolist()
+
+        responses, keep, rewind, next_tokens, next_logprobs = [], [], [], [], []
+        accepted: dict[int, int] = {}  # proposals kept, by row
+        made: dict[int, int] = {}  # tokens, by row decoding on
+        for i, (y, proposal) in enumerate(zip(pending, drafts, strict=True)):
+            joins = i in joining
+            proposal = [] if joins else proposal  # (the warm-up's proposes for every row)
+            kept = 0
+            while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
+                kept += 1
+            tokens = [y, *proposal[:kept]]
+            if kept and self.logits_processors and self.logits_processors[i]:
+                # What its processors look back at next (its pending token went in
+                # as the pass was built, `_processed`).
+                self._token_context[i].update_and_fetch(mx.array(proposal[:kept], mx.int32))
+            chosen = [self._next_logprobs[i], *(logprobs[i, j] for j in range(kept))]
+            finish = None if joins else self._finish(i, tokens)
+            if finish is not None:
+                tokens = tokens[: finish[1] + 1]
+            if proposal:
+                if self._draft_rows is None:
+                    self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
+                accepted[self.uids[i]] = kept
+                self.drafting.stats.proposed += len(proposal)
+                # (those sent: none past a stop token)
+                self.drafting.stats.accepted += len(tokens) - 1
+            self.tokens[i].extend(tokens)
+            rewind.append(width - len(tokens))
+            if not joins:
+                responses.append((i, tokens, chosen, None if finish is None else finish[0]))
+            if keeps[i] is not None:  # the draws kept: the proposals and the next token
+                keeps[i](kept + 1)
+            keep += [i] if finish is None else []
+            if finish is None and not joins:
+                made[self.uids[i]] = len(tokens)
+            # (a row that ended keeps its entries until the filter below drops them)
+            next_tokens.append(sampled[i][kept])
+            next_logprobs.append(logprobs[i, kept])
+        self.rewind(rewind)
+        if self._draft_rows is not None:
+            self._draft_rows.kept(accepted, self.drafting.most)
+        out = self._responses(responses)
+        self.drafting.stats.passes += 1
+        self.drafting.stats.tokens += len(out)
+        self._current_tokens = mx.array(pending, dtype=self._next_tokens.dtype)
+        self._next_tokens = mx.array(next_tokens, dtype=self._current_tokens.dtype)
+        self._next_logprobs = next_logprobs
+        if len(keep) < rows:
+            self.filter(keep)
+        return out, made
+
+    def _processed(self, logits: mx.array, pending: list[int], drafts: list[list[int]]) -> mx.array:
+        """The logits with each row's processors (penalties, logit bias) applied
+        at its pending token's position and at each of its proposals', each
+        after the tokens before it, as decoding them one at a time applies
+        them; a row's padding positions are left as they are (never kept)."""
+        if not any(self.logits_processors):
+            return logits
+        rows = []  # (slices: an int index would be a uint32 array to mlx)
+        for i, processors in enumerate(self.logits_processors):
+            if not processors:
+                rows.append(logits[i : i + 1])
+                continue
+            context = self._token_context[i].update_and_fetch(mx.array(pending[i : i + 1]))
+            recent = context[-CONTEXT:]  # (all the penalties look back at)
+            proposal = drafts[i]
+            positions = []
+            for j in range(len(proposal) + 1):
+                before = recent if j == 0 else mx.concatenate(
+                    [recent, mx.array(proposal[:j], dtype=recent.dtype)]
+                )  # fmt: skip
+                position = logits[i, j : j + 1]
+                for processor in processors:
+                    position = processor(before, position)
+                positions.append(position)
+            rows.append(mx.concatenate([*positions, logits[i, len(proposal) + 1 :]])[None])
+        return mx.concatenate(rows)
+
+    def _sample(self, logprobs: mx.array) -> tuple[mx.array, list]:
+        """Every position of every row, by the row's sampler (one call where all
+        share one); and for each row whose sampler keeps its own random key
+        (`ahead`, engine.batch.sampling), the call that moves it on by the
+        tokens kept, so its draws are those of decoding token by token."""
+        rows, width = logprobs.shape[:2]
+        samplers = [self.fallback_sampler if s is None else s
+                    for s in (self.samplers or [None] * rows)]  # fmt: skip
+        keeps: list = [None] * rows
+        if all(s is samplers[0] for s in samplers) and not hasattr(samplers[0], "ahead"):
+            return samplers[0](logprobs.reshape(rows * width, -1)).reshape(rows, width), keeps
+        draws = []
+        for i, sample in enumerate(samplers):
+            row = logprobs[i : i + 1].squeeze(0)  # (x[i] would gather by a uint32 index)
+            if hasattr(sample, "ahead"):
+                drawn, keeps[i] = sample.ahead(row)
+                draws.append(drawn)
+            else:
+                draws.append(sample(row))
+        return mx.stack(draws), keeps
+
+    def _finish(self, i: int, tokens: list[int]) -> tuple[str, int] | None:
+        """Why row i ends and at which of `tokens`, as mlx-lm decides it a token at a time."""
+        for at, token in enumerate(tokens):
+            self._num_tokens[i] += 1
+            reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            if self._matchers[i].advance(token):
+                reason = "stop"
+            if reason is not None:
+                return reason, at
+        return None
+
+    def _responses(self, rows: list[tuple[int, list[int], list, str | None]]) -> list:
+        """mlx-lm's responses, a token each, in order; a row that ends hands its cache over."""
+        out = []
+        for i, tokens, chosen, finish in rows:
+            for token, logprobs in zip(tokens[:-1], chosen[: len(tokens) - 1], strict=True):
+                out.append(self.Response(self.uids[i], token, logprobs, None, None, None))
+            last = (finish, self.extract_cache(i), self.tokens[i]) if finish else (None, None, None)
+            out.append(self.Response(self.uids[i], tokens[-1], chosen[len(tokens) - 1], *last))
+        return out

@@ -31,12 +31,11 @@ SHORTEST = 2  # ...and at least: one token recurs too often to predict what foll
 MOST_PAUSE = 64  # steps a row waits at most before it looks again
 
 
-def lookup(tokens: np.ndarray, n: int, most: int, further: int = 0) -> list[int]:
+def lookup(tokens: np.ndarray, n: int, most: int) -> list[int]:
     """Up to `most` tokens that followed an earlier occurrence of the longest
     suffix of `tokens[:n]` that occurred before: the latest occurrence
     followed by `most` tokens, else the one followed by the most (the latest
-    of a run of one repeated token is followed by just one); and up to
-    `further` tokens more that followed the same occurrence."""
+    of a run of one repeated token is followed by just one)."""
     for size in range(min(LONGEST, n - 1), SHORTEST - 1, -1):
         suffix = tokens[n - size : n]
         # Every earlier start of the suffix, compared at once (in a document a
@@ -49,7 +48,7 @@ def lookup(tokens: np.ndarray, n: int, most: int, further: int = 0) -> list[int]
             # A start is followed by min(most, n - size - start) tokens.
             full = starts[starts <= n - size - most]
             start = full[-1] if full.size else starts[0]
-            return tokens[start + size : min(start + size + most + further, n)].tolist()
+            return tokens[start + size : min(start + size + most, n)].tolist()
     return []
 
 
@@ -124,22 +123,17 @@ class RowDrafts:
         self._wait(step)
         return False
 
-    def propose(
-        self, step: int, pending: int, most: int, further: int = 0
-    ) -> tuple[list[int], list[int]]:
+    def propose(self, step: int, pending: int, most: int) -> list[int]:
         """Up to `most` tokens that should follow this row's tokens and
-        `pending` (sampled, not in its cache yet), [] where none; and up to
-        `further` tokens that follow those where they all come true (the same
-        continuation read on: passes recorded before these are checked)."""
+        `pending` (sampled, not in its cache yet); [] where none."""
         self._tokens[self._n] = pending
         most = min(most, self._length)
         if self._following(self._n + 1):
-            found = self._ahead.after(self._n + 1, most + further)
-        else:
-            found = self._looked_up(self._n + 1, most, further)
-        if not found:
+            return self._ahead.after(self._n + 1, most)
+        proposal = self._looked_up(self._n + 1, most)
+        if not proposal:
             self._wait(step)
-        return found[:most], found[most:]
+        return proposal
 
     def fared(self, step: int, proposed: int, accepted: int) -> None:
         """A pass checked `proposed` tokens of this row and kept `accepted`."""
@@ -152,11 +146,11 @@ class RowDrafts:
             self._length = accepted + 1
             self._pause = 1
 
-    def _looked_up(self, n: int, most: int, further: int = 0) -> list[int]:
+    def _looked_up(self, n: int, most: int) -> list[int]:
         """`lookup` in its own first `n` tokens, else in other streams'."""
-        found = lookup(self._tokens, n, most, further)
+        found = lookup(self._tokens, n, most)
         if not found and self._shared is not None:
-            found = self._shared.lookup(self._tokens, n, most + further, LONGEST)
+            found = self._shared.lookup(self._tokens, n, most, LONGEST)
         return found
 
     def _following(self, n: int) -> bool:
