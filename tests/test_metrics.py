@@ -342,8 +342,11 @@ def test_no_speculation_counters_where_speculation_is_off(start_worker, model_di
     speculation on and never paying; a gauge says it is off."""
     port = free_port()
     start_worker(model_dir, metrics_port=port)
-    off = {("smg_mlx_speculative_decoding", (("drafter", "off"),)): 1}
-    assert _speculative(scrape(port)) == off
+    assert _speculative(scrape(port)) == SPECULATION_OFF
+
+
+# What a worker that does not speculate exports of speculation: a gauge saying so.
+SPECULATION_OFF = {("smg_mlx_speculative_decoding", (("drafter", "off"),)): 1}
 
 
 def _speculative(scraped: dict) -> dict:
@@ -359,8 +362,7 @@ def test_no_speculation_counters_where_the_model_cannot_speculate(start_worker, 
     port = free_port()
     w = start_worker(family_model("gemma3_text"), metrics_port=port, speculative="always")
     for _ in range(2):  # from the start, and after a request
-        off = {("smg_mlx_speculative_decoding", (("drafter", "off"),)): 1}
-        assert _speculative(scrape(port)) == off
+        assert _speculative(scrape(port)) == SPECULATION_OFF
         generate(w.stub, prompt(20, 1), max_tokens=4)
         assert wait_until(lambda: w.worker.engine.speculation.drafter == "")
 
