@@ -55,8 +55,6 @@ def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Mod
     if mx.cuda.is_available():
         # the kernels of a pass the same from pass to pass: its CUDA graphs replay
         steady_widths(True)
-    if mx.cuda.is_available() and config.speculative != "off" and group is None:
-        _cuda_graphs_when_speculating(config.completion_batch_size)
     if mx.cuda.is_available() and "MLX_PTX_CACHE_DIR" not in os.environ:
         # Read when the first kernel is compiled, after this.
         os.environ["MLX_PTX_CACHE_DIR"] = str(kernel_folder(config))
@@ -138,29 +136,6 @@ def _say_tf32(model: nn.Module) -> None:
             "may differ where two tokens nearly tie; MLX_ENABLE_TF32=0 makes them the same "
             "(slower)"
         )
-
-
-def _cuda_graphs_when_speculating(rows: int) -> None:
-    """Kernels launched one by one, not recorded into CUDA graphs, where passes
-    may check speculative proposals for several rows (`rows`, the most decoded
-    together): such passes ran slower in serving with graphs than without,
-    even replaying them (`batch_kv.steady_widths`). One row's checking passes
-    gain from theirs, and every plain pass runs faster with graphs: a worker
-    decoding one stream at a time keeps them. Read when the device first runs
-    work, after this; an operator's MLX_USE_CUDA_GRAPHS wins."""
-    if "MLX_USE_CUDA_GRAPHS" in os.environ:
-        return
-    if rows == 1:
-        log.info(
-            "CUDA graphs kept with speculative decoding on: one stream at a time "
-            "(--completion-batch-size 1), whose checking passes reuse them"
-        )
-        return
-    os.environ["MLX_USE_CUDA_GRAPHS"] = "0"
-    log.info(
-        "CUDA graphs off, as speculative decoding is on: checking passes of several streams run "
-        "slower with them (MLX_USE_CUDA_GRAPHS=1 keeps them; so does --completion-batch-size 1)"
-    )
 
 
 def built_model(path: Path, lazy: bool, strict: bool) -> tuple[nn.Module, dict]:
