@@ -1347,9 +1347,9 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
 def test_on_cuda_a_speculating_worker_keeps_cuda_graphs_and_steady_widths(
     model_dir, monkeypatch, speculative
 ):
-    # Plain passes run slower without CUDA graphs, and checking passes of
-    # several rows ran faster with them (their kernels replay: several rows
-    # attend over steady widths on CUDA): the worker leaves the setting to mlx.
+    # Plain passes run slower without CUDA graphs, and one row's checking
+    # passes ran faster with them (several rows attend over steady widths on
+    # CUDA, so their kernels replay): the worker leaves the setting to mlx.
     from smg_mlx.config import EngineConfig
     from smg_mlx.engine.batch import loading
 
