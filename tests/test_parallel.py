@@ -34,6 +34,12 @@ from helpers import (
 )
 
 RANKS = 2
+# How soon a fault must end the ranks here. Ranks notice a dead or hung peer
+# within 5-10 s (docs/scaling.md), but a hung peer's limit grows with the slowest
+# step seen, and CI runs four test processes, and each pair of ranks polls a core,
+# on two cores: there a fault has taken 20 s to end. Well short of the streams'
+# 60 s timeout, this still tells a bounded end from a hang.
+FAULT_SECONDS = 30
 PROMPTS = [prompt(9 + 3 * i, i) for i in range(8)]
 
 
@@ -279,10 +285,10 @@ def test_kill_9_of_the_follower(start_ranks, models):
     killed_at = time.monotonic()
     ranks.ranks[1].proc.kill()
     assert _code(streaming) == grpc.StatusCode.INTERNAL
-    assert wait_until(lambda: "w" in outcome, 10)
+    assert wait_until(lambda: "w" in outcome, FAULT_SECONDS)
     assert outcome["w"] == grpc.StatusCode.UNAVAILABLE  # the router retries it elsewhere
-    assert ranks.leader.proc.wait(10) == 1
-    assert time.monotonic() - killed_at < 10
+    assert ranks.leader.proc.wait(FAULT_SECONDS) == 1
+    assert time.monotonic() - killed_at < FAULT_SECONDS
 
 
 def test_a_hung_follower(start_ranks, models):
@@ -294,10 +300,10 @@ def test_a_hung_follower(start_ranks, models):
     stopped_at = time.monotonic()
     ranks.ranks[1].proc.send_signal(signal.SIGSTOP)
     try:
-        assert wait_until(lambda: _not_serving(ranks.leader), 10)
+        assert wait_until(lambda: _not_serving(ranks.leader), FAULT_SECONDS)
         assert _code(streaming) == grpc.StatusCode.INTERNAL
-        assert ranks.leader.proc.wait(10) == 1
-        assert time.monotonic() - stopped_at < 10
+        assert ranks.leader.proc.wait(FAULT_SECONDS) == 1
+        assert time.monotonic() - stopped_at < FAULT_SECONDS
     finally:
         ranks.ranks[1].proc.send_signal(signal.SIGCONT)
 
@@ -320,8 +326,8 @@ def test_rank_0_gone_ends_the_follower(start_ranks, models, how):
     else:
         ranks.leader.proc.send_signal(signal.SIGSTOP)
     try:
-        assert ranks.ranks[1].proc.wait(10) == 1
-        assert time.monotonic() - gone_at < 10
+        assert ranks.ranks[1].proc.wait(FAULT_SECONDS) == 1
+        assert time.monotonic() - gone_at < FAULT_SECONDS
     finally:
         ranks.leader.proc.kill()
     if how == "kill":  # its sockets closed: the follower says whose (not "Ran out of input")
