@@ -241,7 +241,7 @@ def test_a_draft_models_proposals_leave_greedy_tokens_as_plain_decodings(family)
     model = tiny_model(family, scale=1.5)
     other = tiny_model(family, scale=1.5, seed=5)
     rng = np.random.default_rng(4)
-    prompts = repetitive_prompts(6, 4) + [rng.integers(0, VOCAB, 3000).tolist()]
+    prompts = repetitive_prompts(6, 4) + [rng.integers(0, VOCAB, 1200).tolist()]
     max_tokens = [int(n) for n in rng.integers(1, 40, len(prompts))]
     plain, plain_logprobs, _, _ = generate(model, prompts, max_tokens, False, True)
     assert any(len(set(t)) > 3 for t in plain), "the model's output should vary"
@@ -1168,13 +1168,13 @@ def test_a_draft_catching_up_on_a_long_prompt_stays_within_the_memory_budget(
     plan leaves free, and its output is the model's. A draft that reads less
     context than the model is served with a warning at start-up."""
     caplog.set_level(logging.WARNING, "smg_mlx")
-    model = build_model(tmp_path / "long", ["--context-length", "8192", "--seed", "5"])
-    draft = build_model(tmp_path / "draft", ["--context-length", "4096", "--seed", "6"])
-    ids = helpers.prompt(5000, 3)
+    model = build_model(tmp_path / "long", ["--context-length", "4096", "--seed", "5"])
+    draft = build_model(tmp_path / "draft", ["--context-length", "2048", "--seed", "6"])
+    ids = helpers.prompt(2500, 3)
     plain = start_worker(model, speculative="off")
     want = helpers.generate(plain.stub, ids, max_tokens=24)
     weights = plain.worker.engine.memory.weights
-    budget = 2 * weights + 40 * 2**20  # (the draft's weights are the model's size)
+    budget = 2 * weights + 20 * 2**20  # (the draft's weights are the model's size)
     plain.stop()
     before = helpers.memory_in_use()
     drafting = start_worker(model, speculative="always", draft_model=draft,
@@ -1184,7 +1184,7 @@ def test_a_draft_catching_up_on_a_long_prompt_stays_within_the_memory_budget(
     engine = drafting.worker.engine
     assert engine.speculation.proposed > 0  # the draft caught up, and proposed
     assert engine.memory.peak - before <= budget
-    assert "reads 4096 tokens of context, the model 8192: past that its proposals" in caplog.text
+    assert "reads 2048 tokens of context, the model 4096: past that its proposals" in caplog.text
 
 
 def test_a_draft_whose_ids_are_padded_otherwise_proposes_for_the_model(model_dir, tmp_path,
