@@ -271,6 +271,27 @@ def test_a_model_that_cannot_be_split_so_is_refused_on_every_rank(start_ranks, m
         assert "start a number of ranks its sizes divide by" in said
 
 
+def test_idle_ranks_sleep_rather_than_poll_and_answer_when_work_comes(start_ranks, models):
+    """MLX's ring backend polls its sockets while a rank waits in a collective:
+    a follower waiting there for rank 0's next turn kept a core busy, idle or
+    not. Idle, the ranks now sleep between turns; a request still finds them."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads processes' CPU time from /proc (Linux)")
+    ranks = start_ranks("--model", str(models["llama"]))
+    time.sleep(1.0)  # (past the turns that follow start-up)
+    used = [_cpu_seconds(r.proc.pid) for r in ranks.ranks]
+    time.sleep(3.0)
+    used = [_cpu_seconds(r.proc.pid) - u for r, u in zip(ranks.ranks, used, strict=True)]
+    assert max(used) < 1.0, used  # of 3 s: a polling rank uses all of them
+    out = generate(ranks.stub, PROMPTS[4], max_tokens=6, ignore_eos=True)
+    assert out.complete.finish_reason == "length"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_kill_9_of_the_follower(start_ranks, models):
     ranks = start_ranks("--model", str(models["llama"]), "--completion-batch-size", "1")
     streaming = ranks.stub.Generate(

@@ -28,6 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from smg_mlx.config import EngineConfig
@@ -181,6 +182,7 @@ class EngineCore:
         settle = False  # the last turn ended requests and left the batch idle
         kept = False  # the last turn kept ended requests' caches after its report
         building = False  # the last idle turn built attention shapes, nothing having come
+        quiet_since: float | None = None  # when the batch went idle, nothing having come since
         reported_waits = 0  # requests waiting for memory, as last reported
         try:
             while True:
@@ -200,7 +202,7 @@ class EngineCore:
                 turns.started(turn.expected_seconds)
                 if watchdog is not None:
                     watchdog.turn_started(turn.expected_seconds)
-                    turn = channel.share(turn)
+                    turn = channel.share(_marked_idle(turn, batch, scheduler))
                 events += self._change(batch, turn)
                 if turn.chunk is not None:
                     sink.stepping(turn.expected_seconds)
@@ -246,23 +248,30 @@ class EngineCore:
                 progress_at = self._progress(batch, progress_at)
                 settle = idle and bool(finished or turn.remove)
                 building = building and idle
+                quiet_since = quiet_since if idle else None
                 if settle:
                     continue
                 if idle:
-                    # With followers, an idle rank 0 still sends a turn now and
-                    # then, so that they can tell it from a dead one; it also
-                    # wakes for the prefix cache's writes to disk, and builds
+                    # With followers, an idle rank 0 sends a turn every
+                    # IDLE_TURN_SECONDS, which they sleep through (lockstep). It
+                    # also wakes for the prefix cache's writes to disk, and builds
                     # attention shapes once nothing has come for a while.
-                    due = [lockstep.HEARTBEAT_SECONDS] if watchdog is not None else []
+                    now = time.monotonic()
+                    quiet_since = now if quiet_since is None else quiet_since
+                    due = [lockstep.IDLE_TURN_SECONDS] if watchdog is not None else []
                     due += [t for t in (batch.prefixes_due(),) if t is not None]
                     shapes = batch.shapes_queued
-                    due += [0.0 if building else SHAPES_QUIET_SECONDS] if shapes else []
+                    quiet = now - quiet_since
+                    due += [0.0 if building else SHAPES_QUIET_SECONDS - quiet] if shapes else []
                     turns.ended()
-                    building = not inbox.wait(min(due, default=None)) and shapes
+                    came = inbox.wait(min(due, default=None))
+                    quiet = time.monotonic() - quiet_since
+                    building = not came and shapes and quiet >= SHAPES_QUIET_SECONDS
+                    quiet_since = None if came else quiet_since
                     if building:  # quiet since: on with the next few
                         turns.started(SHAPES_SECONDS)
                         batch.build_shapes(SHAPES_SECONDS)
-                    else:
+                    elif came:
                         bursts.gather(inbox)
                 elif not batch.size and not turn.admit and not batch.prefixes_busy:
                     turns.ended()
@@ -444,8 +453,17 @@ class EngineCore:
                 watchdog.turn_ended()
                 if turn.stop:
                     return
+                if turn.idle:  # rank 0 turns again this much later, or when work comes
+                    time.sleep(lockstep.IDLE_TURN_SECONDS)
         finally:
             watchdog.close()
+
+
+def _marked_idle(turn: Turn, batch: Batch, scheduler: Scheduler) -> Turn:
+    """`turn`, marked idle where rank 0 will wait for work after it: nothing
+    running, joining, leaving or waiting."""
+    idle = not (batch.size or turn.admit or turn.remove or turn.chunk is not None or scheduler)
+    return replace(turn, idle=True) if idle else turn
 
 
 def _cache_stats(batch: Batch) -> CacheStats:

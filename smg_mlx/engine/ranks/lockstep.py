@@ -10,8 +10,13 @@ The decisions travel over the group's own collectives (`all_sum`), on the
 engine thread's stream: the model's collectives run there too, and messages
 issued on another stream would interleave with them on the ring backend's
 sockets. A peer that dies makes the next collective raise; one that hangs
-blocks it forever, so a watchdog bounds how long a turn may take, and an
-idle rank 0 still sends a turn every HEARTBEAT_SECONDS.
+blocks it forever, so a watchdog bounds how long a turn may take.
+
+A rank waiting in a collective keeps a core busy (MLX's ring backend polls
+its sockets). An idle rank 0 therefore sends a turn every IDLE_TURN_SECONDS,
+marked idle, and the other ranks sleep that long after such a turn before
+they wait for the next: a request reaching an idle worker waits for them at
+most that long. (The turns also tell the others that rank 0 is alive.)
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ import numpy as np
 from smg_mlx.engine.handoff import TurnTimes
 from smg_mlx.engine.ranks.launched import launched_rank
 
+# The longest rank 0 goes without a turn while it gathers a burst of requests:
+# the others must hear from it well before they give it up (HANG_SECONDS).
 HEARTBEAT_SECONDS = 1.0
+IDLE_TURN_SECONDS = 0.02
 # A turn is shared in one collective of this many bytes when it fits, in two
 # (its size, then itself) when not.
 INLINE_BYTES = 1024
