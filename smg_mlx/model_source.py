@@ -102,10 +102,11 @@ def resolve(model: str, revision: str | None = None) -> ModelSource:
         if not local.exists():
             raise ModelNotFound(f"{model} is not a model directory (no such path)")
         if local.is_file():  # config.json, say: its directory was meant
-            raise ModelNotFound(
-                f"{model} is a file, not a model directory: pass its directory, "
-                f"{local.absolute().parent}"
-            )
+            parent = local.absolute().parent
+            hint = (f"pass its directory, {parent}" if (parent / "config.json").is_file()
+                    else f"pass an mlx-lm model directory or a Hugging Face repo id such as "
+                    f"{EXAMPLE}")  # fmt: skip
+            raise ModelNotFound(f"{model} is a file, not a model directory: {hint}")
         if not (local / "config.json").is_file():
             raise ModelNotFound(
                 f"{model} is not a model directory (no config.json); pass an mlx-lm model "

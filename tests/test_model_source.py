@@ -20,7 +20,7 @@ import pytest
 
 from bench.workers import free_port
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
-from smg_mlx.model_source import ModelNotFound, resolve
+from smg_mlx.model_source import EXAMPLE, ModelNotFound, resolve
 
 from helpers import NOT_SERVING, generate, prompt, wait_until
 
@@ -256,12 +256,21 @@ def test_what_is_neither_says_so(name, message, tmp_path, monkeypatch):
         resolve(name)
 
 
-def test_a_file_in_a_model_directory_names_the_directory(model_dir):
+def test_a_file_in_a_model_directory_names_the_directory(model_dir, tmp_path):
     config = model_dir / "config.json"
     with pytest.raises(ModelNotFound) as err:
         resolve(str(config))
     assert str(err.value).startswith(
         f"{config} is a file, not a model directory: pass its directory, {model_dir}"
+    )
+    # A file elsewhere: its folder is no model either, so it is not the hint.
+    stray = tmp_path / "notes.txt"
+    stray.write_text("")
+    with pytest.raises(ModelNotFound) as err:
+        resolve(str(stray))
+    assert str(err.value) == (
+        f"{stray} is a file, not a model directory: pass an mlx-lm model directory or a "
+        f"Hugging Face repo id such as {EXAMPLE}"
     )
 
 
