@@ -183,6 +183,7 @@ class EngineCore:
         kept = False  # the last turn kept ended requests' caches after its report
         building = False  # the last idle turn built attention shapes, nothing having come
         quiet_since: float | None = None  # when the batch went idle, nothing having come since
+        idle_turns = 0  # turns in a row that paused the other ranks
         reported_waits = 0  # requests waiting for memory, as last reported
         try:
             while True:
@@ -202,7 +203,8 @@ class EngineCore:
                 turns.started(turn.expected_seconds)
                 if watchdog is not None:
                     watchdog.turn_started(turn.expected_seconds)
-                    turn = channel.share(_marked_idle(turn, batch, scheduler))
+                    turn = channel.share(_paused(turn, batch, scheduler, idle_turns))
+                    idle_turns = idle_turns + 1 if turn.pause else 0
                 events += self._change(batch, turn)
                 if turn.chunk is not None:
                     sink.stepping(turn.expected_seconds)
@@ -252,13 +254,13 @@ class EngineCore:
                 if settle:
                     continue
                 if idle:
-                    # With followers, an idle rank 0 sends a turn every
-                    # IDLE_TURN_SECONDS, which they sleep through (lockstep). It
+                    # With followers, an idle rank 0 turns again after the pause
+                    # they sleep through (lockstep), or when work comes. It
                     # also wakes for the prefix cache's writes to disk, and builds
                     # attention shapes once nothing has come for a while.
                     now = time.monotonic()
                     quiet_since = now if quiet_since is None else quiet_since
-                    due = [lockstep.IDLE_TURN_SECONDS] if watchdog is not None else []
+                    due = [turn.pause or lockstep.IDLE_TURN_SECONDS] if watchdog is not None else []
                     due += [t for t in (batch.prefixes_due(),) if t is not None]
                     shapes = batch.shapes_queued
                     quiet = now - quiet_since
@@ -453,17 +455,21 @@ class EngineCore:
                 watchdog.turn_ended()
                 if turn.stop:
                     return
-                if turn.idle:  # rank 0 turns again this much later, or when work comes
-                    time.sleep(lockstep.IDLE_TURN_SECONDS)
+                if turn.pause:  # rank 0 turns again no sooner, unless work comes
+                    time.sleep(turn.pause)
         finally:
             watchdog.close()
 
 
-def _marked_idle(turn: Turn, batch: Batch, scheduler: Scheduler) -> Turn:
-    """`turn`, marked idle where rank 0 will wait for work after it: nothing
-    running, joining, leaving or waiting."""
+def _paused(turn: Turn, batch: Batch, scheduler: Scheduler, idle_turns: int) -> Turn:
+    """`turn`, with the other ranks' pause (`lockstep.pause`) where rank 0 will
+    wait for work after it: nothing running, joining, leaving or waiting."""
     idle = not (batch.size or turn.admit or turn.remove or turn.chunk is not None or scheduler)
-    return replace(turn, idle=True) if idle else turn
+    if not idle:
+        return turn
+    from smg_mlx.engine.ranks import lockstep
+
+    return replace(turn, pause=lockstep.pause(idle_turns))
 
 
 def _cache_stats(batch: Batch) -> CacheStats:

@@ -194,6 +194,6 @@ class Turn:
     # prompt-cache entries dropped once the requests admitted have copied them
     release: tuple[int, ...] = ()
     spare_bytes: float = math.inf  # memory the step's plan leaves free (a draft's catch-up)
-    # Rank 0 waits for work after it: the other ranks sleep until its next turn
-    # (lockstep.IDLE_TURN_SECONDS) rather than wait for it in a collective.
-    idle: bool = False
+    # Rank 0 waits for work after it: the other ranks sleep this many seconds
+    # (lockstep.pause) rather than wait for its next turn in a collective.
+    pause: float = 0.0

@@ -13,10 +13,12 @@ sockets. A peer that dies makes the next collective raise; one that hangs
 blocks it forever, so a watchdog bounds how long a turn may take.
 
 A rank waiting in a collective keeps a core busy (MLX's ring backend polls
-its sockets). An idle rank 0 therefore sends a turn every IDLE_TURN_SECONDS,
-marked idle, and the other ranks sleep that long after such a turn before
-they wait for the next: a request reaching an idle worker waits for them at
-most that long. (The turns also tell the others that rank 0 is alive.)
+its sockets). An idle rank 0 therefore sends its turns with a pause, which
+the other ranks sleep through before they wait for the next, and waits as
+long itself unless work comes: a request reaching an idle worker waits for
+them at most that long. Pauses start short (the next request often follows
+the last closely) and double to IDLE_TURN_SECONDS. (The turns also tell the
+others that rank 0 is alive.)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from smg_mlx.engine.ranks.launched import launched_rank
 # the others must hear from it well before they give it up (HANG_SECONDS).
 HEARTBEAT_SECONDS = 1.0
 IDLE_TURN_SECONDS = 0.02
+FIRST_PAUSE_SECONDS = 0.001
 # A turn is shared in one collective of this many bytes when it fits, in two
 # (its size, then itself) when not.
 INLINE_BYTES = 1024
@@ -92,6 +95,11 @@ class Channel:
         buffer = self._sum(buffer)
         ends = np.cumsum(sizes)
         return [pickle.loads(buffer[e - n : e].tobytes()) for n, e in zip(sizes, ends, strict=True)]
+
+
+def pause(idle_turns: int) -> float:
+    """The pause of an idle turn after `idle_turns` idle turns in a row."""
+    return min(IDLE_TURN_SECONDS, FIRST_PAUSE_SECONDS * 2 ** min(idle_turns, 16))
 
 
 def group() -> mx.distributed.Group | None:
