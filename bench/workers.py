@@ -170,12 +170,9 @@ class WorkerProcess:
         so far; None where /proc cannot say (not Linux)."""
         total, found = 0.0, False
         for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # ended meanwhile
-            if int(fields[3]) == self.process.pid:  # its session
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            fields = _stat_fields(stat)
+            if fields is not None and int(fields[3]) == self.process.pid:  # its session
+                total += _cpu(fields)
                 found = True
         return total if found else None
 
@@ -220,3 +217,23 @@ class WorkerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU time process `pid` has used so far; None where /proc cannot say
+    (not Linux, or it ended)."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return None if fields is None else _cpu(fields)
+
+
+def _stat_fields(stat: Path) -> list[str] | None:
+    """A /proc/PID/stat's fields after the command's name (None: unreadable)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _cpu(fields: list[str]) -> float:
+    """User and system time, in seconds, of a process's stat fields."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from test_metrics import scrape
 
-from bench.workers import free_port
+from bench.workers import free_port, process_cpu_seconds
 from smg_mlx.demo_model import build_model
 from smg_mlx.engine.ranks.placement import shared_gpu
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
@@ -275,21 +275,16 @@ def test_idle_ranks_sleep_rather_than_poll_and_answer_when_work_comes(start_rank
     """MLX's ring backend polls its sockets while a rank waits in a collective:
     a follower waiting there for rank 0's next turn kept a core busy, idle or
     not. Idle, the ranks now sleep between turns; a request still finds them."""
-    if not Path("/proc/self/stat").exists():
+    if process_cpu_seconds(os.getpid()) is None:
         pytest.skip("reads processes' CPU time from /proc (Linux)")
     ranks = start_ranks("--model", str(models["llama"]))
     time.sleep(1.0)  # (past the turns that follow start-up)
-    used = [_cpu_seconds(r.proc.pid) for r in ranks.ranks]
+    used = [process_cpu_seconds(r.proc.pid) for r in ranks.ranks]
     time.sleep(3.0)
-    used = [_cpu_seconds(r.proc.pid) - u for r, u in zip(ranks.ranks, used, strict=True)]
+    used = [process_cpu_seconds(r.proc.pid) - u for r, u in zip(ranks.ranks, used, strict=True)]
     assert max(used) < 1.0, used  # of 3 s: a polling rank uses all of them
     out = generate(ranks.stub, PROMPTS[4], max_tokens=6, ignore_eos=True)
     assert out.complete.finish_reason == "length"
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_kill_9_of_the_follower(start_ranks, models):
