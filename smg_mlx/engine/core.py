@@ -263,12 +263,11 @@ class EngineCore:
                     due = [turn.pause or lockstep.IDLE_TURN_SECONDS] if watchdog is not None else []
                     due += [t for t in (batch.prefixes_due(),) if t is not None]
                     shapes = batch.shapes_queued
-                    quiet = now - quiet_since
-                    due += [0.0 if building else SHAPES_QUIET_SECONDS - quiet] if shapes else []
+                    quiet_until = quiet_since + SHAPES_QUIET_SECONDS
+                    due += [0.0 if building else quiet_until - now] if shapes else []
                     turns.ended()
                     came = inbox.wait(min(due, default=None))
-                    quiet = time.monotonic() - quiet_since
-                    building = not came and shapes and quiet >= SHAPES_QUIET_SECONDS
+                    building = not came and shapes and time.monotonic() >= quiet_until
                     quiet_since = None if came else quiet_since
                     if building:  # quiet since: on with the next few
                         turns.started(SHAPES_SECONDS)
