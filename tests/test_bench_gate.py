@@ -9,6 +9,8 @@ from bench.__main__ import build_parser
 from bench.gate import format_checks, mixed_checks, throughput_checks
 from bench.stats import LevelResult
 
+from helpers import wait_until
+
 
 def level(system: str, rounds: tuple[float, ...], errors: int = 0) -> LevelResult:
     tok_s = sum(rounds) / len(rounds)
@@ -113,18 +115,19 @@ def test_the_engines_round_waits_for_a_kept_worker_busy_with_work_of_its_own(tmp
     worker = WorkerProcess("ours", [sys.executable, "-c", busy_then_idle], free_port(),
                            tmp_path / "ours.log")  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while not spinning.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(spinning.exists, 30)
         started = time.monotonic()
         runner._quiet({"ours": (worker, {})})
         assert worker.cpu_seconds() >= 1.4 and time.monotonic() - started < 30
     finally:
         worker.stop()
-    always_busy = "while True: pass"
+    # (timed from once it spins, as above: Python starting is not the spell looked for)
+    spinning.unlink()
+    always_busy = f"open({str(spinning)!r}, 'w').close()\nwhile True: pass"
     worker = WorkerProcess("ours", [sys.executable, "-c", always_busy], free_port(),
                            tmp_path / "busy.log")  # fmt: skip
     try:
+        assert wait_until(spinning.exists, 30)
         assert not worker.wait_quiet(1.0)
     finally:
         worker.stop()
