@@ -134,8 +134,15 @@ class Process:
     """`python -m smg_mlx serve` as a real subprocess."""
 
     def __init__(
-        self, tmp_path, *args: str, port: int | None = None, env: dict | None = None
+        self,
+        tmp_path,
+        *args: str,
+        port: int | None = None,
+        env: dict | None = None,
+        session: bool = False,
     ) -> None:
+        """`session`: in a process group of its own, as a terminal's job is (its
+        children included), which `os.killpg(proc.pid, ...)` signals whole."""
         self.port = port or free_port()
         # Unique even for a worker restarted on the port of an earlier one.
         self.log = tmp_path / f"worker-{self.port}-{time.monotonic_ns()}.log"
@@ -144,6 +151,7 @@ class Process:
             stdout=subprocess.DEVNULL,
             stderr=self.log.open("w"),
             env=None if env is None else {**os.environ, **env},
+            start_new_session=session,
         )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = mlx_engine_pb2_grpc.MlxEngineStub(self.channel)

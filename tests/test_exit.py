@@ -19,7 +19,16 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 from smg_mlx.health_check import probe
 
-from helpers import NOT_SERVING, collect, generate, model_copy, prompt, request, wait_until
+from helpers import (
+    NOT_SERVING,
+    Process,
+    collect,
+    generate,
+    model_copy,
+    prompt,
+    request,
+    wait_until,
+)
 
 # More with SOAK_EXIT_CYCLES (make soak runs 200); 4 take each signal with and without traffic.
 CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "4"))
@@ -93,6 +102,22 @@ def test_a_signal_while_the_model_loads_exits_zero_quietly(spawn, loading_model,
     log = p.log.read_text()
     assert "Traceback" not in log and "Exception ignored" not in log, log
     assert "asked to stop while starting" in log
+
+
+def test_ctrl_c_while_the_engine_process_starts_prints_no_traceback(tmp_path, loading_model):
+    """A terminal's Ctrl-C reaches its whole process group, the engine's process
+    too, which may still be importing MLX then: it ignores stop signals from its
+    start (the worker relays a stop), so the worker stops quietly, exit 0."""
+    p = Process(tmp_path, "--model", str(loading_model), session=True)
+    try:
+        assert wait_until(lambda: "loading" in p.log.read_text(), 60)
+        os.killpg(p.proc.pid, signal.SIGINT)
+        assert p.proc.wait(15) == 0
+        log = p.log.read_text()
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+        assert "asked to stop while starting" in log
+    finally:
+        p.close()
 
 
 def test_server_info_while_the_model_loads_says_it_is_loading(spawn, loading_model):

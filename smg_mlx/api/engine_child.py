@@ -35,6 +35,10 @@ from smg_mlx.engine.types import CacheStats, Memory, SpeculationStats, StepRepor
 
 log = logging.getLogger(__name__)
 
+# Signals that stop the worker: this process ignores them (the worker asks it to
+# stop through the pipe), from its start (`engine_process` spawns it with them blocked).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 # The worker's process gone without a stop (killed): how long a serving engine
 # may take to end its step and close its prefix cache before this process exits.
 ORPHAN_SECONDS = 10.0
@@ -125,9 +129,10 @@ def serve(conn: Connection, stream_interval: int, log_level: int, turns: TurnTim
     """The child's entry point: once the worker sends ("start", config), serve
     that model through `conn` until stopped, marking its turns in `turns`
     (shared with the worker, whose watchdog reads them)."""
-    # Signals are the worker's: it asks this process to stop through the pipe.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    # Those sent while it imported (a Ctrl-C to the terminal's group) are dropped now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     pipe = PipeEnd(conn)
     receiver = PipeReceiver(pipe)
     logging.basicConfig(level=log_level, handlers=[PipeLogs(pipe)], force=True)

@@ -14,6 +14,7 @@ import multiprocessing
 import signal
 import threading
 from collections.abc import Iterable
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 
 from smg_mlx.api import engine_child
@@ -65,7 +66,17 @@ class EngineProcess:
             name="smg-mlx-engine",
             daemon=True,
         )
-        self.process.start()
+        # Stop signals blocked in the child from its start, before its imports
+        # (seconds; a KeyboardInterrupt there would print a traceback):
+        # `engine_child.serve` ignores them, then unblocks them. Here they are
+        # only held back meanwhile. multiprocessing's resource tracker, which a
+        # spawn starts first where none runs, unblocks them as it starts: so first.
+        resource_tracker.ensure_running()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, engine_child.STOP_SIGNALS)
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         child_end.close()  # else the pipe never reads as closed when the child dies
         threading.Thread(
             target=self._read, args=(loop, receiver), name="engine-reports", daemon=True
