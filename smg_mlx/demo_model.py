@@ -20,12 +20,18 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 from smg_mlx import __version__
 from smg_mlx.config import cache_home
 
 log = logging.getLogger(__name__)
+
+# How long a build asked to stop may take before it is killed.
+STOP_SECONDS = 5.0
+# The builds under way (their processes, and the folders they write), for `stop_builds`.
+_building: dict[subprocess.Popen, Path] = {}
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 CHAT_TEMPLATE = (
@@ -241,15 +247,34 @@ def build_model(out: Path, args: Sequence[str] = ()) -> Path:
         return out
 
     def build(tmp: Path) -> None:
-        built = subprocess.run(
-            [sys.executable, "-m", "smg_mlx.demo_model", str(tmp), *args],
-            capture_output=True,
-            text=True,
-        )
-        if built.returncode != 0:
-            raise RuntimeError(f"building the model in {out} failed:\n{built.stderr}")
+        command = [sys.executable, "-m", "smg_mlx.demo_model", str(tmp), *args]
+        with subprocess.Popen(command, stdout=PIPE, stderr=PIPE, text=True) as child:
+            _building[child] = tmp
+            try:
+                said = child.communicate()[1]
+            except BaseException:  # (a signal, on the main thread: not waited for)
+                child.kill()
+                raise
+            finally:
+                _building.pop(child, None)
+        if child.returncode != 0:
+            raise RuntimeError(f"building the model in {out} failed:\n{said}")
 
     return built_aside(out, build)
+
+
+def stop_builds() -> None:
+    """End the builds under way and remove what they wrote: the worker stops
+    while it starts, and exits without waiting for the thread that waits for
+    them (a child would outlive it, still writing)."""
+    for child, tmp in list(_building.items()):
+        child.terminate()
+        try:
+            child.wait(STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def ensure_demo_model() -> Path:

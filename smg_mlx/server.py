@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from smg_mlx import flag_types, model_files, model_source
+from smg_mlx import demo_model, flag_types, model_files, model_source
 from smg_mlx.api import health_service, responses, sampling_defaults, translation
 from smg_mlx.api.engine_client import EngineClient, EngineState, EngineUnavailable
 from smg_mlx.api.health_service import HealthServicer
@@ -633,6 +633,7 @@ async def run(config: ServerConfig) -> int:
         # The engine thread may be deep in loading weights: it is not waited
         # for (the process exits without joining it).
         log.info("asked to stop while starting; stopping")
+        demo_model.stop_builds()  # (--demo's first run)
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
         await worker.server.stop(None)

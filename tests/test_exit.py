@@ -3,12 +3,14 @@ every way a worker ends gives the documented code, every time."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -117,6 +119,36 @@ def test_ctrl_c_while_the_engine_process_starts_prints_no_traceback(tmp_path, lo
         assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
         assert "asked to stop while starting" in log
     finally:
+        p.close()
+
+
+def test_a_demo_worker_stopped_while_it_builds_leaves_no_builder_nor_its_folder(tmp_path):
+    """SIGTERM to the worker alone (a supervisor's stop) while --demo builds its
+    model on a first run: the build's process ends with it, its folder goes."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads processes from /proc")
+    cache = tmp_path / "cache"
+    p = Process(tmp_path, "--demo", session=True, env={"XDG_CACHE_HOME": str(cache)})
+
+    def builders() -> list[str]:
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rpartition(")")[2].split()
+                command = (stat.parent / "cmdline").read_bytes()
+                if int(fields[3]) == p.proc.pid and b"smg_mlx.demo_model" in command:
+                    found.append(stat.parent.name)  # (fields[3]: its session)
+        return found
+
+    try:
+        assert wait_until(lambda: "building the demo model" in p.log.read_text(), 60)
+        assert wait_until(lambda: bool(builders()), 30), p.log.read_text()
+        assert p.stop(signal.SIGTERM, timeout=30) == 0
+        assert builders() == [] and not list((cache / "smg-mlx").glob(".demo-*.tmp*"))
+        assert "asked to stop while starting" in p.log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.proc.pid, signal.SIGKILL)
         p.close()
 
 
