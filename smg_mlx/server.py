@@ -25,6 +25,7 @@ from smg_mlx.api.metrics import Metrics
 from smg_mlx.api.model_info import ModelInfo, load_model_info
 from smg_mlx.api.rpc_handlers import add_engine_service
 from smg_mlx.api.servicer import MlxEngineServicer
+from smg_mlx.api.start_up_progress import StartUpProgress, said_while_quiet
 from smg_mlx.api.tokenizer_files import VOCABULARY_PATTERNS, tokenizer_zip
 from smg_mlx.config import UNQUANTIZED, ServerConfig
 from smg_mlx.engine.ranks.launched import launched_rank
@@ -372,41 +373,9 @@ class Worker:
             "TLS" if credentials else "plaintext",
         )
         started = time.perf_counter()
-        await self._locate_model()
-        log.info("loading %s", self.model_dir)
-        try:
-            model_files.check(self.model_dir)
-            # Model facts need no weights: GetModelInfo answers while the
-            # engine thread loads them. Read them before the engine starts:
-            # transformers' lazy imports are not safe from two threads at once.
-            tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
-            if self.config.engine.draft_model is not None:
-                await asyncio.to_thread(_check_draft, self.config.engine.draft_model, tokenizer)
-            self._check_budget_holds_the_weights()
-            await asyncio.to_thread(check_chat_template, tokenizer)
-            bundle = await asyncio.to_thread(tokenizer_zip, self.model_dir)
-            # --generation-config none: not read at all (a broken one cannot matter).
-            generation = (
-                generation_config(self.model_dir) if self.config.model_sampling_defaults else None
-            )
-            info = load_model_info(
-                self.model_dir, tokenizer, self.config.served_model_name, generation
-            )
-            self._check_request_room(info)
-            defaults = self._sampling_defaults(generation)
-            self.servicer.set_model(info, tokenizer, defaults, bundle)
-            self.engine.start(self.config.engine)
-            await self.engine.wait_ready()
-        except StartupError:
-            await self.server.stop(None)
-            raise
-        except Exception as exc:
-            await self.server.stop(None)
-            # A model the worker can never serve is refused like a bad flag (exit 2):
-            # supervisors do not restart it into the same refusal.
-            permanent = isinstance(exc, EngineUnavailable) and exc.permanent
-            code = 2 if permanent or isinstance(exc, BadModelConfig) else 1
-            raise StartupError(f"cannot serve {self.model_dir}: {exc}", code) from exc
+        finding = "finding the model (a download, or the demo model's build)"
+        async with said_while_quiet(log, finding) as progress:
+            info = await self._load(progress)
         self.metrics.model_load_seconds.set(time.perf_counter() - started)
         self.metrics.serving_mode.labels(self.engine.mode).set(1)
         self.metrics.kv_format.labels(self.config.engine.kv_format or UNQUANTIZED).set(1)
@@ -432,6 +401,50 @@ class Worker:
             time.perf_counter() - started,
             self._ranks(),
         )
+
+    async def _load(self, progress: StartUpProgress) -> ModelInfo:
+        """Find the model, read what the worker needs of it, and have the
+        engine load it; what it is. Says in `progress` what it waits on."""
+        await self._locate_model()
+        log.info("loading %s", self.model_dir)
+        try:
+            model_files.check(self.model_dir)
+            # Model facts need no weights: GetModelInfo answers while the
+            # engine thread loads them. Read them before the engine starts:
+            # transformers' lazy imports are not safe from two threads at once.
+            progress.waiting_on = "reading the model's tokenizer"
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+            if self.config.engine.draft_model is not None:
+                progress.waiting_on = "reading the draft model's tokenizer"
+                await asyncio.to_thread(_check_draft, self.config.engine.draft_model, tokenizer)
+            progress.waiting_on = "reading the tokenizer's files"
+            self._check_budget_holds_the_weights()
+            await asyncio.to_thread(check_chat_template, tokenizer)
+            bundle = await asyncio.to_thread(tokenizer_zip, self.model_dir)
+            # --generation-config none: not read at all (a broken one cannot matter).
+            generation = (
+                generation_config(self.model_dir) if self.config.model_sampling_defaults else None
+            )
+            info = load_model_info(
+                self.model_dir, tokenizer, self.config.served_model_name, generation
+            )
+            self._check_request_room(info)
+            defaults = self._sampling_defaults(generation)
+            self.servicer.set_model(info, tokenizer, defaults, bundle)
+            progress.waiting_on = "the engine (importing MLX, then loading the weights)"
+            self.engine.start(self.config.engine)
+            await self.engine.wait_ready()
+        except StartupError:
+            await self.server.stop(None)
+            raise
+        except Exception as exc:
+            await self.server.stop(None)
+            # A model the worker can never serve is refused like a bad flag (exit 2):
+            # supervisors do not restart it into the same refusal.
+            permanent = isinstance(exc, EngineUnavailable) and exc.permanent
+            code = 2 if permanent or isinstance(exc, BadModelConfig) else 1
+            raise StartupError(f"cannot serve {self.model_dir}: {exc}", code) from exc
+        return info
 
     def _check_budget_holds_the_weights(self) -> None:
         """Refuse a --memory-budget that cannot hold even the model's weights

@@ -165,6 +165,31 @@ def test_the_start_up_says_where_the_memory_budget_comes_from(start_worker, mode
                      r"64.00 GiB\)", caplog.text)
 
 
+def test_a_start_that_goes_quiet_says_what_it_waits_on(
+    start_worker, model_dir, caplog, monkeypatch
+):
+    """A start-up step that logs nothing for EVERY_SECONDS (here the tokenizer's
+    read, slowed; on a busy host transformers' import alone takes that long) is
+    said that often, so that a slow start does not read as a hung worker. A
+    start that never goes quiet that long says nothing more."""
+    import time
+
+    from smg_mlx import server
+    from smg_mlx.api import start_up_progress
+
+    caplog.set_level(logging.INFO, "smg_mlx")
+    start_worker(model_dir)
+    assert "still starting" not in caplog.text
+    monkeypatch.setattr(start_up_progress, "EVERY_SECONDS", 0.2)
+    read = server.load_tokenizer
+    monkeypatch.setattr(server, "load_tokenizer", lambda d: (time.sleep(0.7), read(d))[1])
+    start_worker(model_dir)
+    said = [r.getMessage() for r in caplog.records if "still starting" in r.getMessage()]
+    assert len(said) >= 2, caplog.text
+    assert all(re.fullmatch(r"still starting, \ds: reading the model's tokenizer", line)
+               for line in said[:2]), said  # fmt: skip
+
+
 def test_pipeline_with_one_rank_says_it_does_nothing(start_worker, model_dir, caplog):
     # As under a launcher that started one rank: the command line lets --pipeline through.
     caplog.set_level(logging.WARNING, "smg_mlx.server")
