@@ -110,10 +110,19 @@ def _port(low: int) -> Callable[[str], int]:
     return parse
 
 
+# Bytes below which a budget given as a bare number holds no model: a share meant (80 for 80%).
+LEAST_BARE_BUDGET = 1 << 20
+
+
 def budget(text: str) -> tuple[int | None, float | None]:
     size, share = memory_budget(text)
     if size == 0:
         raise argparse.ArgumentTypeError(f"expected a size above 0, or a percentage, got {text!r}")
+    if size is not None and size < LEAST_BARE_BUDGET and text.strip().isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {size} bytes, which hold no model: a share of the memory is written "
+            f"with % ({text.strip()}%), a size with its unit (24GiB)"
+        )
     return size, share
 
 

@@ -144,6 +144,8 @@ def test_the_disk_tier_takes_0_or_a_size_it_can_use():
          "Hugging Face repo id, got ' '"),
         (["--speculative", "on"], "invalid choice: 'on'"),
         (["--memory-budget", "0"], "expected a size above 0"),
+        (["--memory-budget", "80"], "'80' is 80 bytes, which hold no model: a share of the "
+                                    "memory is written with % (80%), a size with its unit"),
         (["--memory-budget=-5%"], "expected a percentage above 0 and up to 100%, got '-5%'"),
         # A value after a space that starts with '-' and a digit is the flag's, as after '='.
         (["--memory-budget", "-5%"], "expected a percentage above 0 and up to 100%, got '-5%'"),
