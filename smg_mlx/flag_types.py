@@ -126,11 +126,24 @@ def budget(text: str) -> tuple[int | None, float | None]:
     return size, share
 
 
+# A model's page on the Hugging Face hub, as a browser shows its address: the repo id in it.
+_HUB_PAGE = re.compile(
+    r"https?://(?:www\.)?(?:huggingface\.co|hf\.co)/(?:models/)?"
+    r"([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:[/?#].*)?"
+)
+
+
 def model_name(text: str) -> Path:
     if not text.strip():  # (Path("") is ".": the folder the worker runs in)
         raise argparse.ArgumentTypeError(
             f"expected an mlx-lm model directory or a Hugging Face repo id, got {text!r}"
         )
+    if "://" in text:  # (as a path its // would read as /, a name no one gave)
+        page = _HUB_PAGE.fullmatch(text.strip())
+        said = f"pass its repo id, {page[1]}" if page else (
+            "pass an mlx-lm model directory or a Hugging Face repo id (owner/name)"
+        )  # fmt: skip
+        raise argparse.ArgumentTypeError(f"{text!r} is a web address: {said}")
     # Absolute, so that a path written as one ("./models/x") stays one and is
     # never taken for a Hugging Face repo id (model_source).
     return _expanded(text).absolute() if model_source.looks_like_a_path(text) else Path(text)
