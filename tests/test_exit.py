@@ -21,16 +21,7 @@ from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
 from smg_mlx.health_check import probe
 
-from helpers import (
-    NOT_SERVING,
-    Process,
-    collect,
-    generate,
-    model_copy,
-    prompt,
-    request,
-    wait_until,
-)
+from helpers import NOT_SERVING, Process, collect, generate, model_copy, prompt, request, wait_until
 
 # More with SOAK_EXIT_CYCLES (make soak runs 200); 4 take each signal with and without traffic.
 CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "4"))
