@@ -431,7 +431,7 @@ class Worker:
             self._check_request_room(info)
             defaults = self._sampling_defaults(generation)
             self.servicer.set_model(info, tokenizer, defaults, bundle)
-            progress.waiting_on = "the engine (importing MLX, then loading the weights)"
+            progress.engine_loads()
             self.engine.start(self.config.engine)
             await self.engine.wait_ready()
         except StartupError:

@@ -170,24 +170,34 @@ def test_a_start_that_goes_quiet_says_what_it_waits_on(
 ):
     """A start-up step that logs nothing for EVERY_SECONDS (here the tokenizer's
     read, slowed; on a busy host transformers' import alone takes that long) is
-    said that often, so that a slow start does not read as a hung worker. A
-    start that never goes quiet that long says nothing more."""
+    said that often, so that a slow start does not read as a hung worker, until
+    the engine logs its first line (its own steps say where they are, and a
+    line of ours would name a stage past). A start that never goes quiet that
+    long says nothing more."""
     import time
 
     from smg_mlx import server
     from smg_mlx.api import start_up_progress
+    from smg_mlx.engine.batch import warm_up
 
     caplog.set_level(logging.INFO, "smg_mlx")
     start_worker(model_dir)
     assert "still starting" not in caplog.text
-    monkeypatch.setattr(start_up_progress, "EVERY_SECONDS", 0.2)
+    caplog.clear()
+    monkeypatch.setattr(start_up_progress, "EVERY_SECONDS", 0.05)
     read = server.load_tokenizer
     monkeypatch.setattr(server, "load_tokenizer", lambda d: (time.sleep(0.7), read(d))[1])
+    warm = warm_up.run  # (the engine's own steps, past its first line, quiet as long)
+    monkeypatch.setattr(warm_up, "run", lambda *a, **k: (time.sleep(0.3), warm(*a, **k))[1])
     start_worker(model_dir)
     said = [r.getMessage() for r in caplog.records if "still starting" in r.getMessage()]
     assert len(said) >= 2, caplog.text
     assert all(re.fullmatch(r"still starting, \ds: reading the model's tokenizer", line)
                for line in said[:2]), said  # fmt: skip
+    # Once the engine speaks, its own progress lines say where it is (none of these).
+    names = [r.name for r in caplog.records]
+    first = next(i for i, name in enumerate(names) if name.startswith("smg_mlx.engine"))
+    assert not [r for r in caplog.records[first:] if "still starting" in r.getMessage()]
 
 
 def test_pipeline_with_one_rank_says_it_does_nothing(start_worker, model_dir, caplog):

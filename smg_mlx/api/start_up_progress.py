@@ -4,8 +4,9 @@ From `loading DIR` to `SERVING` some steps log nothing for seconds: reading
 the tokenizer (transformers importing), the engine's process importing MLX,
 on a busy host ten seconds and more. A log that goes quiet that long reads as
 a hung worker. While start-up lasts, whenever nothing has been logged for
-EVERY_SECONDS (the engine's own steps log their progress as often), a line
-says what the worker is waiting on and for how long it has been starting.
+EVERY_SECONDS, a line says what the worker is waiting on and for how long it
+has been starting; until the engine logs its first line, after which its own
+steps say how far they have come as often.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 
 EVERY_SECONDS = 5.0
+ENGINE = "smg_mlx.engine"  # the engine's loggers (in its process or the worker's)
 
 
 class StartUpProgress(logging.Handler):
@@ -29,15 +31,24 @@ class StartUpProgress(logging.Handler):
         self.waiting_on = waiting_on  # what start-up waits on now, as a line says it
         self._log = log
         self._began = self._last = time.monotonic()
+        self._engine_loads = False
+        self._over = False
+
+    def engine_loads(self) -> None:
+        """The engine was asked to load the model: start-up waits on it until it
+        logs its first line; from there its own steps say how far they have come."""
+        self.waiting_on = "the engine (importing MLX, then loading the weights)"
+        self._engine_loads = True
 
     def emit(self, record: logging.LogRecord) -> None:
         self._last = time.monotonic()
+        self._over = self._over or (self._engine_loads and record.name.startswith(ENGINE))
 
     async def _say_when_quiet(self) -> None:
-        while True:
+        while not self._over:
             await asyncio.sleep(max(0.0, self._last + EVERY_SECONDS - time.monotonic()))
             now = time.monotonic()
-            if now - self._last >= EVERY_SECONDS:
+            if now - self._last >= EVERY_SECONDS and not self._over:
                 self._log.info("still starting, %.0fs: %s", now - self._began, self.waiting_on)
 
 
