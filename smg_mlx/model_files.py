@@ -79,11 +79,11 @@ def check(model_dir: Path) -> None:
         )
     known = families()
     if known is not None and family not in known:
-        nearest = difflib.get_close_matches(family, known, n=1)
+        # A few: the single nearest of 'qwen99' is 'qwen', where qwen2 or qwen3 was meant.
+        nearest = ", ".join(map(repr, difflib.get_close_matches(family, known, n=3)))
         raise BadModelConfig(
             f"{config_file} names model_type {family!r}, a model family mlx-lm "
-            f"{version('mlx-lm')} does not have"
-            + (f" (the nearest: {nearest[0]!r})" if nearest else "")
+            f"{version('mlx-lm')} does not have" + (f" (the nearest: {nearest})" if nearest else "")
         )
 
 
