@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from subprocess import PIPE
@@ -30,8 +31,11 @@ log = logging.getLogger(__name__)
 
 # How long a build asked to stop may take before it is killed.
 STOP_SECONDS = 5.0
-# The builds under way (their processes, and the folders they write), for `stop_builds`.
+# The builds under way (their processes, and the folders they write), for `stop_builds`;
+# a build starts under `_starting`, and none once `_stopped`.
 _building: dict[subprocess.Popen, Path] = {}
+_starting = threading.Lock()
+_stopped = False
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 CHAT_TEMPLATE = (
@@ -248,8 +252,12 @@ def build_model(out: Path, args: Sequence[str] = ()) -> Path:
 
     def build(tmp: Path) -> None:
         command = [sys.executable, "-m", "smg_mlx.demo_model", str(tmp), *args]
-        with subprocess.Popen(command, stdout=PIPE, stderr=PIPE, text=True) as child:
+        with _starting:  # (so that `stop_builds` meets every build that started)
+            if _stopped:
+                raise RuntimeError(f"building the model in {out}: the worker is stopping")
+            child = subprocess.Popen(command, stdout=PIPE, stderr=PIPE, text=True)
             _building[child] = tmp
+        with child:
             try:
                 said = child.communicate()[1]
             except BaseException:  # (a signal, on the main thread: not waited for)
@@ -264,10 +272,14 @@ def build_model(out: Path, args: Sequence[str] = ()) -> Path:
 
 
 def stop_builds() -> None:
-    """End the builds under way and remove what they wrote: the worker stops
-    while it starts, and exits without waiting for the thread that waits for
-    them (a child would outlive it, still writing)."""
-    for child, tmp in list(_building.items()):
+    """End the builds under way and remove what they wrote, and start none
+    after: the worker stops while it starts, and exits without waiting for the
+    thread that waits for them (a child would outlive it, still writing)."""
+    global _stopped
+    with _starting:
+        _stopped = True
+        building = list(_building.items())
+    for child, tmp in building:
         child.terminate()
         try:
             child.wait(STOP_SECONDS)
