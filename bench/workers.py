@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -168,13 +169,8 @@ class WorkerProcess:
     def cpu_seconds(self) -> float | None:
         """CPU time its session's processes (an engine process too) have used
         so far; None where /proc cannot say (not Linux)."""
-        total, found = 0.0, False
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            fields = _stat_fields(stat)
-            if fields is not None and int(fields[3]) == self.process.pid:  # its session
-                total += _cpu(fields)
-                found = True
-        return total if found else None
+        stats = [fields for _, fields in _session(self.process.pid)]
+        return sum(map(_cpu, stats)) if stats else None
 
     def wait_quiet(self, timeout_s: float, sample_s: float = 0.5, busy: float = 0.1) -> bool:
         """Wait until it uses under `busy` of a CPU over `sample_s` (an idle
@@ -224,6 +220,20 @@ def process_cpu_seconds(pid: int) -> float | None:
     (not Linux, or it ended)."""
     fields = _stat_fields(Path(f"/proc/{pid}/stat"))
     return None if fields is None else _cpu(fields)
+
+
+def session_pids(session: int) -> list[int]:
+    """The processes of session `session` (a process started in a session of its
+    own, and what it started); [] where /proc cannot say."""
+    return [pid for pid, _ in _session(session)]
+
+
+def _session(session: int) -> Iterator[tuple[int, list[str]]]:
+    """Each process of `session`, with its stat fields (`_stat_fields`)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat_fields(stat)
+        if fields is not None and int(fields[3]) == session:
+            yield int(stat.parent.name), fields
 
 
 def _stat_fields(stat: Path) -> list[str] | None:

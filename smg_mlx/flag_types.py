@@ -140,10 +140,8 @@ def model_name(text: str) -> Path:
         )
     if "://" in text:  # (as a path its // would read as /, a name no one gave)
         page = _HUB_PAGE.fullmatch(text.strip())
-        said = f"pass its repo id, {page[1]}" if page else (
-            "pass an mlx-lm model directory or a Hugging Face repo id (owner/name)"
-        )  # fmt: skip
-        raise argparse.ArgumentTypeError(f"{text!r} is a web address: {said}")
+        said = f"its repo id, {page[1]}" if page else model_source.TO_PASS
+        raise argparse.ArgumentTypeError(f"{text!r} is a web address: pass {said}")
     # Absolute, so that a path written as one ("./models/x") stays one and is
     # never taken for a Hugging Face repo id (model_source).
     return _expanded(text).absolute() if model_source.looks_like_a_path(text) else Path(text)

@@ -37,7 +37,7 @@ PATH_STARTS = ("/", "./", "../", "~")
 # What mlx-lm loads and the tokenizer reads; not other formats' weights or the README.
 MODEL_FILES = ["*.json", "model*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 EXAMPLE = "mlx-community/Qwen3-0.6B-4bit"
-_WHAT = f"an mlx-lm model directory or a Hugging Face repo id such as {EXAMPLE}"
+TO_PASS = f"an mlx-lm model directory or a Hugging Face repo id such as {EXAMPLE}"
 PROGRESS_SECONDS = 10.0
 # The demo model's name for the router: its directory's name carries the version.
 DEMO_NAME = "smg-mlx-demo"
@@ -104,10 +104,12 @@ def resolve(model: str, revision: str | None = None) -> ModelSource:
             raise ModelNotFound(f"{model} is not a model directory (no such path)")
         if local.is_file():  # config.json, say: its directory was meant
             parent = local.absolute().parent
-            hint = f"its directory, {parent}" if (parent / "config.json").is_file() else _WHAT
+            hint = f"its directory, {parent}" if (parent / "config.json").is_file() else TO_PASS
             raise ModelNotFound(f"{model} is a file, not a model directory: pass {hint}")
         if not (local / "config.json").is_file():
-            raise ModelNotFound(f"{model} is not a model directory (no config.json); pass {_WHAT}")
+            raise ModelNotFound(
+                f"{model} is not a model directory (no config.json); pass {TO_PASS}"
+            )
         if revision is not None:
             raise ModelNotFound(
                 f"{model} is a local directory: --revision names a version of a Hugging Face "

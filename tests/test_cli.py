@@ -148,7 +148,8 @@ def test_the_disk_tier_takes_0_or_a_size_it_can_use():
          "'https://huggingface.co/mlx-community/Qwen3-0.6B-4bit/tree/main' is a web address: "
          "pass its repo id, mlx-community/Qwen3-0.6B-4bit"),
         (["--draft-model", "http://example.com/m"], "'http://example.com/m' is a web address: "
-         "pass an mlx-lm model directory or a Hugging Face repo id (owner/name)"),
+         "pass an mlx-lm model directory or a Hugging Face repo id such as "
+         "mlx-community/Qwen3-0.6B-4bit"),
         (["--memory-budget", "80"], "'80' is 80 bytes, which hold no model: a share of the "
                                     "memory is written with % (80%), a size with its unit"),
         (["--memory-budget=-5%"], "expected a percentage above 0 and up to 100%, got '-5%'"),

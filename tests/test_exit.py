@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.workers import free_port
+from bench.workers import free_port, session_pids
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
@@ -121,14 +121,12 @@ def test_a_demo_worker_stopped_while_it_builds_leaves_no_builder_nor_its_folder(
     cache = tmp_path / "cache"
     p = Process(tmp_path, "--demo", session=True, env={"XDG_CACHE_HOME": str(cache)})
 
-    def builders() -> list[str]:
+    def builders() -> list[int]:
         found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError):
-                fields = stat.read_text().rpartition(")")[2].split()
-                command = (stat.parent / "cmdline").read_bytes()
-                if int(fields[3]) == p.proc.pid and b"smg_mlx.demo_model" in command:
-                    found.append(stat.parent.name)  # (fields[3]: its session)
+        for pid in session_pids(p.proc.pid):
+            with contextlib.suppress(OSError):  # (ended meanwhile)
+                if b"smg_mlx.demo_model" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
         return found
 
     try:
