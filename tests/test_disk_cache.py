@@ -815,6 +815,38 @@ def test_the_lock_names_the_worker_that_holds_it(spawn, model_dir, tmp_path):
     )
 
 
+def test_a_worker_whose_lock_file_was_deleted_writes_only_while_it_holds_the_lock_again(
+    start_worker, model_dir, cold, tmp_path, caplog, monkeypatch
+):
+    """A cleanup script deletes a running worker's lock file, and a second
+    worker starts on the same directory: the second takes the folder through a
+    new lock file, and the first writes nothing more there (one warning naming
+    the other worker) until it can hold the lock again."""
+    monkeypatch.setattr(disk_folder, "LOCK_SECONDS", 0.0)
+    monkeypatch.setattr(disk_tier, "WRITE_AFTER", 0.05)
+    monkeypatch.setattr(disk_tier, "RETRY_SECONDS", 0.2)
+    first = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    same_as_cold(first, cold, prompt(400, 1))
+    assert wait_until(lambda: len(files(tmp_path)) == 1, 10)
+    (folder,) = [f for f in _model_folders(tmp_path) if (f / "lock").exists()]
+    (folder / "lock").unlink()
+    second = start_worker(model_dir, prompt_cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING):
+        same_as_cold(first, cold, prompt(400, 2))
+        assert wait_until(lambda: logged(caplog, "cannot write to"), 10)
+        time.sleep(0.5)  # several retries, each finding the lock still the second's
+    assert len(files(tmp_path)) == 1
+    (warning,) = logged(caplog, level=logging.WARNING)
+    assert "lock file was deleted or replaced, and" in warning
+    assert "in use by another worker serving this model" in warning
+    second.stop()  # lets the lock go
+    with caplog.at_level(logging.INFO):
+        same_as_cold(first, cold, prompt(400, 3))
+        assert wait_until(lambda: len(files(tmp_path)) >= 2, 10)
+    assert logged(caplog, "holds the folder's lock again")
+    assert (folder / "lock").read_text() == str(os.getpid())
+
+
 def test_a_second_worker_on_the_same_directory_says_why_it_goes_without(
     start_worker, model_dir, cold, tmp_path, caplog
 ):

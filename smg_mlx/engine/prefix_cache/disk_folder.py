@@ -11,7 +11,8 @@ numpy buffers for the engine thread to copy into MLX (`kv_files.Rebuild`).
 
 Opening the folder: the model's fingerprint names it (`engine.prefix_cache.fingerprint`),
 so other models' entries are never found; a lock keeps a second worker of
-the same model out (it serves without the tier and says why); nothing there
+the same model out (it serves without the tier and says why), and is taken
+again where its file is deleted under the worker (`_hold_lock`); nothing there
 is followed through a link (`engine.prefix_cache.safe_files`: a link in place of the
 folder or its lock leaves the tier off, one in place of a file the worker
 writes whole is replaced); leftovers of a write a crash cut short are
@@ -54,6 +55,9 @@ PROBE_BYTES = 32 << 20
 OPEN_SECONDS = 30.0
 # No write leaves less free space than this on the device.
 RESERVE_BYTES = 1 << 30
+# Seconds between two looks, before a write, at whether the lock file is still
+# the one this worker holds (`_hold_lock`).
+LOCK_SECONDS = 5.0
 class Opened:
     """What opening the folder found."""
 
@@ -135,6 +139,8 @@ class Folder:
         self.open_seconds = OPEN_SECONDS
         self._open_by = time.monotonic() + OPEN_SECONDS
         self._lock: int | None = None
+        self._lock_seen = -LOCK_SECONDS  # when `_hold_lock` last looked (writer thread)
+        self._lock_lost: str | None = None  # why the folder is another worker's now
         self._identity: tuple[int, int] | None = None  # the folder's (`safe_files.same_folder`)
         self._wake = wake
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -365,6 +371,8 @@ class Folder:
             self._check_folder(path)
             if write.header is None:
                 path.unlink(missing_ok=True)
+            elif self._hold_lock(path.parent) is not None:
+                raise _Locked(self._lock_lost)
             elif not write.cancelled:
                 write.size = kv_files.write(path, model, write.header, write.tokens, write.views)
         except Exception as exc:  # noqa: BLE001 - reported on the engine thread
@@ -393,6 +401,34 @@ class Folder:
         read.seconds = time.perf_counter() - began
         return read
 
+
+    def _hold_lock(self, folder: Path) -> str | None:
+        """Why `folder` is another worker's now, else None. Its lock file
+        deleted, or something put in its place, would let a second worker take
+        the folder through a new one: where it is no longer the file this
+        worker holds, the lock is taken again through the new one, and where
+        another worker holds that, no entry is written until this one can take
+        it. Looked at every LOCK_SECONDS (the engine warns once per spell of
+        failed writes)."""
+        now = time.monotonic()
+        if self._lock is None or now - self._lock_seen < LOCK_SECONDS:
+            return self._lock_lost
+        self._lock_seen = now
+        held = os.fstat(self._lock)
+        with contextlib.suppress(FileNotFoundError):
+            found = os.lstat(folder / "lock")
+            if (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino):
+                return self._lock_lost
+        try:
+            lock = self._take_lock(folder)
+        except (_Locked, safe_files.Unsafe) as exc:
+            self._lock_lost = f"its lock file was deleted or replaced, and {exc}"
+            return self._lock_lost
+        os.close(self._lock)
+        self._lock, self._lock_lost = lock, None
+        log.warning("prompt cache: the lock file in %s was deleted or replaced; this worker "
+                    "holds the folder's lock again", folder)  # fmt: skip
+        return None
 
     def _check_folder(self, path: Path) -> None:
         """Raises FileNotFoundError where `path`'s folder is gone or replaced:
