@@ -47,14 +47,20 @@ def kernel_folder(config: EngineConfig) -> Path:
     return (config.prompt_cache_dir or cache_home()) / "kernels" / f"mlx-{mx.__version__}-{device}"
 
 
-def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:
-    """The model (with its LoRA adapter, if one is named), or this rank's part
-    of it when a group of ranks serves it."""
+def as_served() -> None:
+    """mlx's settings the worker serves with (the benches that run passes
+    without it take them too)."""
     for name, value in CUDA_CACHE_SETTINGS.items():
         os.environ.setdefault(name, value)
     if mx.cuda.is_available():
         # the kernels of a pass the same from pass to pass: its CUDA graphs replay
         steady_widths(True)
+
+
+def load_for(config: EngineConfig, group: mx.distributed.Group | None) -> nn.Module:
+    """The model (with its LoRA adapter, if one is named), or this rank's part
+    of it when a group of ranks serves it."""
+    as_served()
     if mx.cuda.is_available() and "MLX_PTX_CACHE_DIR" not in os.environ:
         # Read when the first kernel is compiled, after this.
         os.environ["MLX_PTX_CACHE_DIR"] = str(kernel_folder(config))
