@@ -24,6 +24,7 @@ from smg_mlx.config import (
 )
 from smg_mlx.demo_model import default_demo_dir
 from smg_mlx.engine.ranks.launched import launched_rank
+from smg_mlx.engine.schedule.bursts import WINDOWS_AT_MOST
 from smg_mlx.stop_signals import stop_quietly
 
 
@@ -179,6 +180,17 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                 f"--prompt-cache-dir {args.prompt_cache_dir}: {unusable}; give a directory "
                 "this user can write, or leave it out for the default"
             )
+    waits = args.burst_window_ms / 1000 * WINDOWS_AT_MOST
+    if args.watchdog_seconds and 2 * waits > args.watchdog_seconds:
+        # A request the engine holds for its burst counts, to the watchdog, as not
+        # taken up: past the limit the worker would fail on a request.
+        parser.error(
+            f"--burst-window-ms {args.burst_window_ms:g}: a request may wait {WINDOWS_AT_MOST} "
+            f"windows ({waits:g} s) for the rest of its burst, and the watchdog (--watchdog-"
+            f"seconds {args.watchdog_seconds:g}) fails the worker on a request waiting that "
+            f"long: give a window up to {args.watchdog_seconds * 500 / WINDOWS_AT_MOST:g} ms, "
+            "or a --watchdog-seconds at least twice that wait (0: none)"
+        )
     if args.adapter_path is not None and launched_rank() is not None:
         parser.error("--adapter-path: adapters are not served over several ranks")
     if args.pipeline and launched_rank() is None:

@@ -287,7 +287,8 @@ def _pacing(serve: argparse.ArgumentParser) -> None:
         help="an idle worker waits this long after each new request for another, so "
         "that a burst starts as one prefill group; where requests just ended, their "
         "replacements are let in together, up to 5 windows after the last end (a running "
-        "batch steps on meanwhile); 0 starts each at once (%(default)s)",
+        "batch steps on meanwhile); at most a tenth of --watchdog-seconds, which would "
+        "count those waits as an engine stuck; 0 starts each at once (%(default)s)",
     )
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from smg_mlx.cli import build_parser
+from smg_mlx.cli import build_parser, check_serve_args
 from smg_mlx.engine.handoff import Inbox
 
 from helpers import generate, prompt, request
@@ -138,3 +138,24 @@ def test_burst_window_flag_refuses_what_no_wait_can_be(value, capsys):
 def test_a_burst_window_of_a_minute_is_taken():
     args = build_parser().parse_args(["serve", "--demo", "--burst-window-ms", "60000"])
     assert args.burst_window_ms == 60000
+
+
+def test_a_burst_wait_the_watchdog_would_take_for_a_stuck_engine_is_refused(capsys):
+    """A request held for its burst counts, to the watchdog, as not taken up: a
+    window whose whole wait (five) reaches the watchdog would fail the worker on
+    its first request, and a supervisor would restart it in a loop."""
+
+    def serve(*flags: str):
+        args = build_parser().parse_args(["serve", "--demo", *flags])
+        check_serve_args(args.serve_parser, args)
+        return args
+
+    with pytest.raises(SystemExit) as exit_:
+        serve("--burst-window-ms", "10000", "--watchdog-seconds", "3")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "a request may wait 5 windows (50 s) for the rest of its burst" in err
+    assert "give a window up to 300 ms" in err
+    # Twice the wait within the watchdog, or no watchdog: taken.
+    assert serve("--burst-window-ms", "300", "--watchdog-seconds", "3").burst_window_ms == 300
+    assert serve("--burst-window-ms", "60000", "--watchdog-seconds", "0").burst_window_ms == 60000
