@@ -231,7 +231,7 @@ def test_a_held_token_goes_before_a_step_that_would_hold_it_too_long():
     handed = []
 
     class Receiver:
-        def deliver(self, reports, per_message):
+        def deliver(self, reports, per_message, cadence):
             handed.append(len(reports))
 
     publisher = StreamPublisher(_at_once, Receiver(), minimum=2)
@@ -251,7 +251,7 @@ def test_with_every_token_alone_a_steps_early_tokens_go_before_it_ends():
     handed = []
 
     class Receiver:
-        def deliver(self, reports, per_message):
+        def deliver(self, reports, per_message, cadence):
             handed.append([e.token for r in reports for e in r.events])
 
     publisher = StreamPublisher(_at_once, Receiver(), minimum=2)
@@ -271,6 +271,48 @@ def test_with_every_token_alone_a_steps_early_tokens_go_before_it_ends():
     publisher.step(report(None, 0.01))
     publisher.step(report(7, None))
     assert handed[-1] != [7]
+
+
+def test_a_stream_never_holds_a_token_much_past_a_chunks_time_whatever_starts_beside_it():
+    """--stream-interval 1000 over steps of 1.5 ms: chunks of about 100 tokens
+    (150 ms). Another stream's start hands tokens over out of step, and a
+    stream counting its chunk from that hand-off held its oldest tokens
+    through two chunks' time (a probe saw gaps of 200-315 ms, 150 promised)."""
+    memory = Memory(*[0] * 11)
+    spec = GenerationSpec((1, 2, 3), 10_000, frozenset(), SamplingSettings(), LogitsSettings(),
+                          None)  # fmt: skip
+
+    async def scenario() -> list[int]:
+        client = EngineClient(asyncio.get_running_loop(), stream_interval=1000)
+        client.started(memory, 1, "batched", CacheStats(), SpeculationStats())
+        publisher = StreamPublisher(_at_once, client, minimum=1000)
+        job, other = Job("r", spec), Job("o", spec)
+        client.submit(job)
+        client.submit(other)
+        now = 0  # the step running
+        held: list[int] = []  # by message after the first: steps its oldest token waited
+
+        async def stream() -> None:
+            async for message in streaming.chunks(job, True, lambda: client.tokens_per_message,
+                                                  10_000):  # fmt: skip
+                held.append(now - message.chunk.token_ids[0])
+
+        task = asyncio.create_task(stream())
+        for now in range(1, 700):
+            seconds = 0.0007 if now % 97 == 0 else 0.0015  # now and then a faster step
+            events = [Event(job.key, token=now, first=now == 1)]
+            if now % 150 == 0:  # the other stream starts, or ends: handed over at once
+                events.append(Event(other.key, token=now, first=now == 150))
+            publisher.stepping(seconds)
+            publisher.step(StepReport(tuple(events), seconds, 2, 2, 0, 0, (), memory, idle=False))
+            for _ in range(3):
+                await asyncio.sleep(0)
+        task.cancel()
+        return held[1:]
+
+    held = asyncio.run(scenario())
+    assert len(held) >= 5
+    assert max(held) <= 105, held  # 100 steps is 150 ms
 
 
 def test_a_stream_sends_what_it_holds_before_a_slow_step():
@@ -304,21 +346,22 @@ def test_a_stream_sends_what_it_holds_before_a_slow_step():
             publisher.step(report(token, seconds))
             await asyncio.sleep(0.01)
 
-        for token in range(1, 7):
+        for token in range(1, 8):
             await step(token, 0.005)
-        assert sent == [[1], [2, 3], [4, 5]]  # token 6 waits for a chunk of two
+        # (the streams' cadence, every two steps, counted from the first)
+        assert sent == [[1], [2, 3, 4], [5, 6]]  # token 7 waits for a chunk of two
         publisher.stepping(0.15)
         await asyncio.sleep(0.01)
         before = [list(c) for c in sent]
-        await step(7, 0.15)
+        await step(8, 0.15)
         # Two slow steps' tokens found together (the stream's handler was
         # busy) go in one message: chunks of one are for fresh tokens.
-        publisher.step(report(8, 0.15))
         publisher.step(report(9, 0.15))
+        publisher.step(report(10, 0.15))
         await asyncio.sleep(0.01)
         task.cancel()
         return before, sent
 
     before, after = asyncio.run(scenario())
-    assert before == [[1], [2, 3], [4, 5], [6]]
-    assert after == [[1], [2, 3], [4, 5], [6], [7], [8, 9]]  # slow steps: a token a step
+    assert before == [[1], [2, 3, 4], [5, 6], [7]]
+    assert after == [[1], [2, 3, 4], [5, 6], [7], [8], [9, 10]]  # slow steps: a token a step

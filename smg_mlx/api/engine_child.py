@@ -80,8 +80,8 @@ class PipeReceiver:
         self.serving = True
         self._pipe.send("started", memory, ranks, mode, cache, speculation)
 
-    def deliver(self, reports: list[StepReport], per_message: int) -> None:
-        self._pipe.send("deliver", reports, per_message)
+    def deliver(self, reports: list[StepReport], per_message: int, cadence: bool) -> None:
+        self._pipe.send("deliver", reports, per_message, cadence)
 
     def stopped(self) -> None:
         self._pipe.send("stopped")

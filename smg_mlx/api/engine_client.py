@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 from smg_mlx.api.engine_process import EngineProcess
 from smg_mlx.api.jobs import Job
-from smg_mlx.api.streaming import StreamPublisher, poster
+from smg_mlx.api.streaming import MAX_CHUNK_SECONDS, StreamPublisher, poster
 from smg_mlx.config import EngineConfig
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox, TurnTimes
@@ -241,7 +241,7 @@ class EngineClient:
         # A watchdog's failure can come before the engine thread's last reports.
         return self.state in (EngineState.FAILED, EngineState.STOPPED)
 
-    def deliver(self, reports: list[StepReport], per_message: int) -> None:
+    def deliver(self, reports: list[StepReport], per_message: int, cadence: bool) -> None:
         if self._ended:
             return
         # Steps so slow that each token goes alone (a long prompt's chunk): a
@@ -263,6 +263,13 @@ class EngineClient:
                 if event.ends:
                     del self._jobs[event.key]
         stepped = [r for r in reports if r.step_seconds is not None]
+        if cadence and stepped:
+            # A stream that would hold its oldest token past MAX_CHUNK_SECONDS
+            # by waiting for its chunk (the next hand-off of the cadence) sends it now.
+            step = stepped[-1].step_seconds
+            for job in self._jobs.values():
+                if (len(job.tokens) - job.streamed + per_message) * step > MAX_CHUNK_SECONDS:
+                    job.hurry()
         if stepped:
             seconds = [r.step_seconds for r in stepped]
             sizes = [r.batch_size for r in stepped]

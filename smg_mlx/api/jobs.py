@@ -34,6 +34,9 @@ class Job:
     # `changed` is set once this many tokens are here (None: only at the end),
     # or the job ends; the stream's pacing (api.streaming) moves it.
     wake_at: int | None = 1
+    # The stream sends what it holds, whatever its chunk's count (api.streaming:
+    # its oldest token would wait too long for the next hand-off).
+    hurried: bool = False
     # Event-loop clock readings, for the wait, TTFT, inter-token latency and duration.
     arrived_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None  # it joined the batch
@@ -75,6 +78,12 @@ class Job:
         if self.wake_at is not None:
             self.wake_at = min(self.wake_at, self.streamed + per_message)
             self._wake_if_due()
+
+    def hurry(self) -> None:
+        """A stream holding tokens sends them now (api.streaming)."""
+        if self.wake_at is not None and len(self.tokens) > self.streamed:
+            self.hurried = True
+            self.changed.set()
 
     def _wake_if_due(self) -> None:
         if self.done or (self.wake_at is not None and len(self.tokens) >= self.wake_at):

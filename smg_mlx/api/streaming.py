@@ -18,11 +18,17 @@ Two halves apply these rules, on two threads:
 
 - `StreamPublisher` is the engine's `Sink`, on the engine thread. It hands
   step reports to the event loop at once when they carry a first token, an
-  end or an abort, or any token while each goes alone; else every
-  `tokens_per_message` steps (each hand-off is an event-loop wake-up). Its
-  only way to the loop is `call_soon_threadsafe`.
+  end or an abort, or any token while each goes alone; else on its cadence:
+  every `tokens_per_message` steps, or sooner where the next step would take
+  the tokens held past MAX_CHUNK_SECONDS (each hand-off is an event-loop
+  wake-up). Its only way to the loop is `call_soon_threadsafe`.
 - `chunks()` runs on the event loop, one per stream: it waits until
-  `tokens_per_message` new tokens are there and sends them as one chunk. When
+  `tokens_per_message` new tokens are there and sends them as one chunk; at
+  a hand-off of the cadence, a stream whose oldest token would wait past
+  MAX_CHUNK_SECONDS for the next one sends what it holds (`Job.hurry`): one
+  counting its chunk from a hand-off out of step with the cadence (one a
+  start or an end made, or a chunk size that moved with the steps' jitter)
+  would otherwise hold its first tokens through two cadences. When
   steps get so slow that each token goes alone, a stream asleep for a larger
   chunk sends what it holds (`Job.pace`): else a token held from the fast
   steps would wait through several slow ones.
@@ -66,7 +72,7 @@ class Receiver(Protocol):
     def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats,
                 speculation: SpeculationStats) -> None: ...  # fmt: skip
 
-    def deliver(self, reports: list[StepReport], per_message: int) -> None: ...
+    def deliver(self, reports: list[StepReport], per_message: int, cadence: bool) -> None: ...
 
     def stopped(self) -> None: ...
 
@@ -97,10 +103,15 @@ class StreamPublisher:
         self._minimum = minimum
         self._per_message = minimum  # tokens per message now
         self._held: list[StepReport] = []
+        # Steps, and their seconds, since the last hand-off of the cadence (module doc).
+        self._steps = 0
+        self._seconds = 0.0
 
-    def _flush(self) -> None:
+    def _flush(self, cadence: bool = False) -> None:
+        if cadence:
+            self._steps, self._seconds = 0, 0.0
         if self._held:
-            self._post(self._receiver.deliver, self._held, self._per_message)
+            self._post(self._receiver.deliver, self._held, self._per_message, cadence)
             self._held = []
 
     def started(self, memory: Memory, ranks: int, mode: str, cache: CacheStats,
@@ -112,12 +123,11 @@ class StreamPublisher:
         # MAX_CHUNK_SECONDS they go now (the step before was short, this one
         # will not be: a long prompt's chunk, a new prompt's first step). If
         # such steps send each token alone, the streams send them now too.
-        held = sum(r.step_seconds or 0.0 for r in self._held)
-        if self._held and held + expected_seconds > MAX_CHUNK_SECONDS:
+        if self._held and self._seconds + expected_seconds > MAX_CHUNK_SECONDS:
             running = self._held[-1].running
             if tokens_per_message(self._minimum, running, expected_seconds) == 1:
                 self._per_message = 1
-            self._flush()
+            self._flush(cadence=True)
 
     def step(self, report: StepReport) -> None:
         self._held.append(report)
@@ -125,13 +135,16 @@ class StreamPublisher:
             self._per_message = tokens_per_message(
                 self._minimum, report.running, report.step_seconds
             )
-        steps = sum(r.step_seconds is not None for r in self._held)
+            self._steps += 1
+            self._seconds += report.step_seconds
         urgent = any(e.first or e.ends for e in report.events)
         # With each token alone, tokens a step sends before its end (the short
         # lane's, before a long prompt's chunks) go then: were they held to
         # its end only now and then, a stream's gaps would be uneven.
         alone = self._per_message == 1 and bool(report.events)
-        if urgent or alone or report.idle or steps >= self._per_message:
+        if report.idle or self._steps >= self._per_message:
+            self._flush(cadence=True)
+        elif urgent or alone:
             self._flush()
 
     def stopped(self) -> None:
@@ -164,11 +177,12 @@ async def chunks(
         # when a handler woken late finds several. (Slow steps make chunks of
         # one too, but tokens that waited for a message go in one.) More may
         # land while a chunk is sent, so look again before finishing.
-        due = 1 if sent == 0 or job.finish_reason else per_message()
+        due = 1 if sent == 0 or job.finish_reason or job.hurried else per_message()
         if stream and len(job.tokens) - sent >= due:
             alone = sent == 0 or each_alone
             end = sent + 1 if alone else min(len(job.tokens), sent + most)
             message, sent = responses.chunk(job, sent, end), end
+            job.hurried = False
             yield message
             job.streamed = sent
             continue
