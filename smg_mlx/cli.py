@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     health = commands.add_parser(
         "health",
         help="exit 0 if the worker reports SERVING, else 1 with the reason on stderr "
-        "(an exec probe)",
+        "(an exec probe); 2 for the probe's own bad flags",
     )
     health.add_argument(
         "--host",
