@@ -173,15 +173,19 @@ class WorkerProcess:
         return sum(map(_cpu, stats)) if stats else None
 
     def wait_quiet(self, timeout_s: float, sample_s: float = 0.5, busy: float = 0.1) -> bool:
-        """Wait until it uses under `busy` of a CPU over `sample_s` (an idle
-        worker may still be doing work of its own, such as building attention
-        shapes): whether it did within `timeout_s` (True where unknown)."""
+        """Wait until it uses under `busy` of a CPU over two `sample_s` in a row
+        (an idle worker may still be doing work of its own, such as building
+        attention shapes; one sample alone may find a busy one starved by a
+        loaded host): whether it did within `timeout_s` (True where unknown)."""
         deadline = time.monotonic() + timeout_s
-        before = self.cpu_seconds()
+        before, quiet = self.cpu_seconds(), 0
         while before is not None and time.monotonic() < deadline:
             time.sleep(sample_s)
             after = self.cpu_seconds()
-            if after is None or after - before < busy * sample_s:
+            if after is None:
+                return True
+            quiet = quiet + 1 if after - before < busy * sample_s else 0
+            if quiet == 2:
                 return True
             before = after
         return before is None
