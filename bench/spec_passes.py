@@ -37,7 +37,12 @@ from smg_mlx.engine.batch.attention_shapes import AttentionShapes, shapes_build
 from smg_mlx.engine.batch.batch import CUDA_CHUNK
 from smg_mlx.engine.batch.loading import as_served
 from smg_mlx.engine.batch.sampling import make_sampler
-from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
+from smg_mlx.engine.speculative.decoding import (
+    CHAIN,
+    Drafting,
+    DraftStats,
+    SpeculativeGenerationBatch,
+)
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.types import SamplingSettings
 
@@ -57,7 +62,9 @@ def measure(
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=8)
     stats = DraftStats()
     if mode != "plain":
-        drafting = Drafting(most, Pacing(always=mode == "always"), stats, one_width=one_width)
+        # (paced: the widths the worker's pacing chooses from)
+        pacing = Pacing(always=mode == "always", most=most, chain=CHAIN)
+        drafting = Drafting(most, pacing, stats, one_width=one_width)
         generator._generation_batch = SpeculativeGenerationBatch.start(
             model, generator.sampler, drafting
         )
@@ -82,8 +89,8 @@ def measure(
     passes, proposed, accepted = (now - then for now, then in zip(counts(), before, strict=True))
     return {
         "workload": workload, "rows": rows, "mode": mode, "tok_s": tokens / wall,
-        "ms_per_pass": 1000 * wall / len(took), "median_ms_per_pass": 1000 * float(np.median(took)),
-        "passes": len(took), "checking_passes": passes, "proposed": proposed, "accepted": accepted,
+        "ms_per_call": 1000 * wall / len(took), "median_ms_per_call": 1000 * float(np.median(took)),
+        "calls": len(took), "checking_passes": passes, "proposed": proposed, "accepted": accepted,
     }  # fmt: skip
 
 
@@ -113,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(model, rows, mode, args.num_draft_tokens, args.seconds, args.workload,
                         one_width=cuda)
             plain = plain or r["tok_s"]
-            said = [f"{r['ms_per_pass']:.1f} ms a pass (median {r['median_ms_per_pass']:.1f})"]
+            said = [f"{r['ms_per_call']:.1f} ms a call (median {r['median_ms_per_call']:.1f})"]
             if mode != "plain":
-                said.append(f"{r['checking_passes']} of {r['passes']} checking")
+                said.append(f"{r['checking_passes']} checking passes in {r['calls']} calls")
             if r["proposed"]:
                 said.append(f"{r['accepted']} of {r['proposed']} proposed kept")
             print(f"rows {rows:3d} {mode:6s} {r['tok_s']:8.0f} tok/s (x{r['tok_s'] / plain:.2f}), "

@@ -215,14 +215,24 @@ class PlacedGenerationBatch(EndingGenerationBatch):
                 c.left_padding = mx.where(at, first_at, c.left_padding)
             c.offset = mx.where(at, counts_at, c.offset)
 
-    def rewind(self, counts: list[int]) -> None:
-        """Each row takes back its newest `counts[i]` entries (ragged caches); a
-        hole ends where the furthest row ends, so that holes never drift away
-        from the rows (`ragged_kv.SPREAD`)."""
+    def rewind(self, counts: list[int], ahead: bool = False) -> None:
+        """Each row takes back its newest `counts[i]` entries (ragged caches; `ahead`:
+        the device has, `rewind_ahead`); a hole ends where the furthest row ends, so
+        that holes never drift away from the rows (`ragged_kv.SPREAD`)."""
         ends = _ends(self.prompt_cache[0])  # every layer's: written and taken back together
         furthest = max(ends[p] - n for p, n in zip(self._places, counts, strict=True))
         each = [ends[p] - furthest for p in range(self._width)]
         for p, n in zip(self._places, counts, strict=True):
             each[p] = n
         for c in self.prompt_cache:
-            c.rewind(each)
+            c.rewind(each, ahead)
+
+    def rewind_ahead(self, counts: mx.array) -> None:
+        """Each row takes back its newest `counts[i]` entries, counted on the device
+        (ragged caches, `Ragged.rewind_ahead`); a hole, none."""
+        if self._route is not None:
+            places = mx.zeros((self._width,), dtype=counts.dtype)
+            places[self._route[1]] = counts
+            counts = places
+        for c in self.prompt_cache:
+            c.rewind_ahead(counts)

@@ -14,7 +14,7 @@ from smg_mlx.config import EngineConfig
 from smg_mlx.engine.batch.kv_format import caches_for, other_kinds
 from smg_mlx.engine.batch.loading import built_model
 from smg_mlx.engine.memory.probe import weights
-from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
+from smg_mlx.engine.speculative.decoding import CHAIN, Drafting, DraftStats
 from smg_mlx.engine.speculative.draft_model import PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Pacing
 from smg_mlx.engine.speculative.shared_history import SharedHistory
@@ -87,9 +87,10 @@ def drafting_for(
         "" if most == 1 else "s",
         "wherever there are some" if always else "where measured pass times say it pays",
     )  # fmt: skip
+    chain = CHAIN if draft is None else 1  # (a draft model's proposals wait on the host)
     return Drafting(
-        most, Pacing(always=always, most=most), DraftStats(), *(draft or ()), one_width=one_width,
-        shared=SharedHistory() if draft is None else None,
+        most, Pacing(always=always, most=most, chain=chain), DraftStats(), *(draft or ()),
+        one_width=one_width, shared=SharedHistory() if draft is None else None, chain=chain,
     )  # fmt: skip
 
 

@@ -15,8 +15,16 @@ logprob returned is the model's.
 
 Such a pass must see its rows' latest tokens before it is built, so it waits
 for the pass before it, where mlx-lm would overlap them (its layers go to the
-device as they are recorded: `layer_waits.sent_layer_by_layer`): `Pacing` has passes
-check only where measured runs of them (`pacing.Block`) say that pays. A
+device as they are recorded: `layer_waits.sent_layer_by_layer`). With prompt
+lookup, the first pass of a call may be followed by more (`Drafting.chain`),
+each recorded while the one before runs, as if that one kept every proposal:
+its first tokens are the device's samples after what each row keeps, its
+rows' cache ends the device's (`ragged_kv.Ragged.rewind_ahead`), and its
+proposals are looked up past the ones still being checked. Recording a pass
+costs the host about what the device spends running one, so this nearly
+halves a checking pass's time where proposals are right; where a row keeps
+fewer, its pass after is mostly wasted. `Pacing` has passes check, and
+chain, only where measured runs of them (`pacing.Block`) say that pays. A
 cache whose rows ended apart is lined up again at the end of each checking
 run, on that run's clock, so that plain passes run, and are timed, as plain
 ones.
@@ -39,6 +47,10 @@ from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
 from smg_mlx.engine.speculative.ragged_kv import line_up, ragged
 from smg_mlx.engine.speculative.shared_history import SharedHistory
+
+# Checking passes one call may send with prompt lookup, each recorded while
+# the one before runs on the device (`SpeculativeGenerationBatch._check`).
+CHAIN = 4
 
 
 @dataclass
@@ -68,6 +80,9 @@ class Drafting:
     shared: SharedHistory | None = None
     # How much a draft model's row catching up is fed a pass (within the memory budget).
     catch_up: CatchUp = field(default_factory=CatchUp)
+    # Checking passes one call may send (`_check`); pacing's widest width is
+    # `most` proposals a pass for `chain` passes.
+    chain: int = CHAIN
 
 
 class SpeculativeGenerationBatch(PlacedGenerationBatch):
@@ -161,8 +176,10 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         if self._block.checking and (likely := self._likely()):
             mx.eval(self._next_tokens)
             pending = self._next_tokens.tolist()
-            # The block's width (pacing: what pays at this batch size), else the most allowed.
-            cap = self._block.width or self.drafting.most
+            # The block's width (pacing: what pays at this batch size), else the
+            # most allowed: the most a row proposes in this call, over its passes.
+            allowed = self._block.width or self.drafting.most * self.drafting.chain
+            cap = min(allowed, self.drafting.most)
             drafts = self._proposals(likely, pending, cap)
             if any(drafts):
                 most = cap if self.drafting.one_width else max(map(len, drafts))
@@ -171,7 +188,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                     # Only the pass goes untimed: the proposals (a draft model
                     # catching up on every row's tokens) count.
                     self._block.begins()
-                out, made = self._check(pending, drafts, width, self._joined())
+                out, made = self._check(pending, drafts, width, self._joined(),
+                                        passes=max(1, allowed // cap))  # fmt: skip
                 self._block.ran(len(out), new, checked=True, rows=made)
                 return out
         responses = super()._decode()
@@ -184,8 +202,9 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
     def exercise(self) -> list:
         """Each kind of pass speculation adds, once (the warm-up's: mlx builds
         some of their kernels on first use, seconds on CUDA, which would stall
-        every stream the first time a row's proposals are checked): a checking
-        pass over the rows decoding now, its responses returned; then, on a
+        every stream the first time a row's proposals are checked): checking
+        passes over the rows decoding now, chained as they may be (`_check`),
+        their responses returned; then, on a
         copy of the first row's cache twice, rows ending apart written,
         attended and lined up. Its passes count in no metric."""
         if not self.uids:
@@ -198,7 +217,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         try:
             out, _ = self._check(pending, [d or [y] * self.drafting.most
                                            for d, y in zip(drafts, pending, strict=True)],
-                                 width, self._joined())  # fmt: skip
+                                 width, self._joined(), self.drafting.chain,
+                                 fill=True)  # fmt: skip
         finally:
             self.drafting.stats = stats
         self._line_up()
@@ -256,32 +276,105 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         return likely
 
     def _check(self, pending: list[int], drafts: list[list[int]], width: int,
-               joining: list[int]) -> tuple[list, dict[int, int]]:  # fmt: skip
-        """One pass over every row's pending token and proposals (module
+               joining: list[int], passes: int = 1,
+               fill: bool = False) -> tuple[list, dict[int, int]]:  # fmt: skip
+        """Passes over every row's pending token and proposals (module
         docstring), `width` tokens a row: rows with fewer proposals are padded
         (positions whose tokens are not kept; see `Drafting.one_width`). Rows
         `joining` run their prompts' last tokens: the sample after it is their
-        first token, and they return nothing. Its responses, and the tokens
-        each row that decodes on made, by uid (`pacing.Block.ran`)."""
+        first token, and they return nothing. Where `_chained`, up to `passes`
+        passes, each sent while the one before runs (`_guessed`; `fill`: the
+        warm-up's, every row proposes). Their responses, and the tokens each
+        row that decodes on made, by uid (`pacing.Block.ran`)."""
         rows = len(self.uids)
-        pairs = zip(pending, drafts, strict=True)
-        inputs = [[y, *d, *[y] * (width - 1 - len(d))] for y, d in pairs]
         self.prompt_cache = [ragged(c) for c in self.prompt_cache]
+        chain = passes if self._chained(joining) else 1
+        sent = self._send(mx.array(pending, dtype=mx.int32), drafts, width, pending, joining)
+        got = _Got()
+        for n in range(1, chain + 1):
+            after = None
+            if n < chain and not got.ended:
+                guessed, guesses = self._guessed(pending, drafts, width - 1, fill)
+                if any(guessed):
+                    counts, first = _kept_on_device(sent)
+                    self.rewind_ahead(counts)
+                    after = self._send(first, guessed, width)
+                    after.guesses = guesses
+            pending = self._settle(sent, pending, got, ahead=after is not None)
+            if after is None:
+                break
+            sent, drafts = after, after.drafts
+        if self._draft_rows is not None:
+            self._draft_rows.kept(got.accepted, self.drafting.most)
+        out = self._responses([(i, *got.rows[i]) for i in sorted(got.rows)])
+        self.drafting.stats.tokens += len(out)
+        self._current_tokens = mx.array(pending, dtype=self._next_tokens.dtype)
+        self._next_tokens = mx.array(got.next_tokens, dtype=self._current_tokens.dtype)
+        if got.ended:
+            self.filter([i for i in range(rows) if i not in got.ended])
+        return out, got.made
+
+    def _chained(self, joining: list[int]) -> bool:
+        """Whether a pass may be sent before the host reads the one before it:
+        not where its inputs wait on the host (rows joining, a draft model's
+        proposals, logits processors, samplers keeping their own keys)."""
+        if joining or self._draft_rows is not None or any(self.logits_processors):
+            return False
+        samplers = self.samplers or [None]
+        return not any(hasattr(s or self.fallback_sampler, "ahead") for s in samplers)
+
+    def _guessed(self, pending: list[int], drafts: list[list[int]], most: int,
+                 fill: bool) -> tuple[list[list[int]], list[int | None]]:  # fmt: skip
+        """For the pass after the one sent with `pending` and `drafts`, still
+        running: each row's proposals, looked up as if it keeps all its own
+        (those after the token it would then sample, guessed: the first
+        looked up), and that guess. Where it keeps fewer, its next proposals
+        follow a token it did not sample: likely wrong, never a wrong token.
+        Rows that proposed nothing propose nothing (`fill`: all do, repeating
+        their pending token)."""
+        out, guesses = [], []
+        for i, (y, d) in enumerate(zip(pending, drafts, strict=True)):
+            # The tokens it has left once these are kept: the sampled one, then these.
+            left = self.max_tokens[i] - self._num_tokens[i] - len(d) - 2
+            found = self._rows[self.uids[i]].guess(self.tokens[i], [y, *d], most) if d else []
+            if fill and len(found) < 2:
+                found = [y] * (most + 1)
+            out.append(found[1 : 1 + max(0, left)])
+            guesses.append(found[0] if out[-1] else None)
+        return out, guesses
+
+    def _send(self, first: mx.array, drafts: list[list[int]], width: int,
+              pending: list[int] | None = None, joining: list[int] = ()) -> _Pass:  # fmt: skip
+        """A checking pass over each row's `first` token (on the device or the
+        host's `pending`) and `drafts`, sent to the device, not waited for."""
+        rest = mx.array([[*d, *[0] * (width - 1 - len(d))] for d in drafts], dtype=mx.int32)
+        inputs = mx.concatenate([first[:, None].astype(mx.int32), rest], axis=1)
         # int32, as every token array is (engine.batch.sampling: kernels).
-        with sent_layer_by_layer():  # (waited for below: the device starts on it meanwhile)
-            logits = self.model(mx.array(inputs, dtype=mx.int32), cache=self.prompt_cache)
-        proposals = [[] if i in joining else d for i, d in enumerate(drafts)]
-        logits = self._processed(logits, pending, proposals)
+        with sent_layer_by_layer():  # (the device starts on it as it is recorded)
+            logits = self.model(inputs, cache=self.prompt_cache)
+        if pending is not None:  # (processors chain no pass: `_chained`)
+            proposals = [[] if i in joining else d for i, d in enumerate(drafts)]
+            logits = self._processed(logits, pending, proposals)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled, keeps = self._sample(logprobs)
-        mx.eval(sampled, logprobs, self._next_logprobs)
-        sampled = sampled.tolist()
+        mx.async_eval(sampled, logprobs)
+        return _Pass(drafts, width, sampled, logprobs, keeps, set(joining), [None] * len(drafts))
 
-        responses, keep, rewind, next_tokens, next_logprobs = [], [], [], [], []
-        accepted: dict[int, int] = {}  # proposals kept, by row
-        made: dict[int, int] = {}  # tokens, by row decoding on
-        for i, (y, proposal) in enumerate(zip(pending, drafts, strict=True)):
-            joins = i in joining
+    def _settle(self, sent: _Pass, pending: list[int], got: _Got, ahead: bool) -> list[int]:
+        """Pass `sent`'s tokens (it is waited for), row by row into `got`: each
+        row's pending token and the proposals its samples agree with; its cache
+        takes back the rest (`ahead`: the device has, for the pass after it). A
+        row `got` saw end takes back all. Each row's pending token next."""
+        mx.eval(sent.sampled, sent.logprobs, self._next_logprobs)
+        sampled = sent.sampled.tolist()
+        back, next_tokens, next_logprobs = [], [], []
+        for i, (y, proposal) in enumerate(zip(pending, sent.drafts, strict=True)):
+            if i in got.ended:
+                back.append(sent.width)
+                next_tokens.append(y)
+                next_logprobs.append(self._next_logprobs[i])
+                continue
+            joins = i in sent.joining
             proposal = [] if joins else proposal  # (the warm-up's proposes for every row)
             kept = 0
             while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
@@ -291,41 +384,33 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 # What its processors look back at next (its pending token went in
                 # as the pass was built, `_processed`).
                 self._token_context[i].update_and_fetch(mx.array(proposal[:kept], mx.int32))
-            chosen = [self._next_logprobs[i], *(logprobs[i, j] for j in range(kept))]
+            chosen = [self._next_logprobs[i], *(sent.logprobs[i, j] for j in range(kept))]
             finish = None if joins else self._finish(i, tokens)
             if finish is not None:
                 tokens = tokens[: finish[1] + 1]
+                got.ended.add(i)
             if proposal:
-                if self._draft_rows is None:
+                # (proposals after a guess the row did not sample say nothing of its drafter)
+                if self._draft_rows is None and sent.guesses[i] in (None, y):
                     self._rows[self.uids[i]].fared(self._steps, len(proposal), kept)
-                accepted[self.uids[i]] = kept
+                got.accepted[self.uids[i]] = kept
                 self.drafting.stats.proposed += len(proposal)
                 # (those sent: none past a stop token)
                 self.drafting.stats.accepted += len(tokens) - 1
             self.tokens[i].extend(tokens)
-            rewind.append(width - len(tokens))
+            back.append(sent.width - len(tokens))
             if not joins:
-                responses.append((i, tokens, chosen, None if finish is None else finish[0]))
-            if keeps[i] is not None:  # the draws kept: the proposals and the next token
-                keeps[i](kept + 1)
-            keep += [i] if finish is None else []
-            if finish is None and not joins:
-                made[self.uids[i]] = len(tokens)
-            # (a row that ended keeps its entries until the filter below drops them)
+                got.add(i, self.uids[i], tokens, chosen, finish)
+            if sent.keeps[i] is not None:  # the draws kept: the proposals and the next token
+                sent.keeps[i](kept + 1)
+            # (a row that ended keeps its entries until `_check` drops it)
             next_tokens.append(sampled[i][kept])
-            next_logprobs.append(logprobs[i, kept])
-        self.rewind(rewind)
-        if self._draft_rows is not None:
-            self._draft_rows.kept(accepted, self.drafting.most)
-        out = self._responses(responses)
-        self.drafting.stats.passes += 1
-        self.drafting.stats.tokens += len(out)
-        self._current_tokens = mx.array(pending, dtype=self._next_tokens.dtype)
-        self._next_tokens = mx.array(next_tokens, dtype=self._current_tokens.dtype)
+            next_logprobs.append(sent.logprobs[i, kept])
+        self.rewind(back, ahead)
         self._next_logprobs = next_logprobs
-        if len(keep) < rows:
-            self.filter(keep)
-        return out, made
+        got.next_tokens = next_tokens
+        self.drafting.stats.passes += 1
+        return next_tokens
 
     def _processed(self, logits: mx.array, pending: list[int], drafts: list[list[int]]) -> mx.array:
         """The logits with each row's processors (penalties, logit bias) applied
@@ -395,3 +480,48 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             last = (finish, self.extract_cache(i), self.tokens[i]) if finish else (None, None, None)
             out.append(self.Response(self.uids[i], tokens[-1], chosen[len(tokens) - 1], *last))
         return out
+
+
+@dataclass
+class _Pass:
+    """A checking pass sent to the device (`_send`)."""
+
+    drafts: list[list[int]]  # each row's proposals
+    width: int
+    sampled: mx.array  # (rows, width): each position's sample
+    logprobs: mx.array  # (rows, width, vocabulary)
+    keeps: list  # `_sample`'s
+    joining: set[int]
+    guesses: list[int | None]  # each row's first token, as its proposals took it (`_guessed`)
+
+
+@dataclass
+class _Got:
+    """What one call's checking passes returned (`_check`)."""
+
+    rows: dict[int, list] = field(default_factory=dict)  # row: [tokens, logprobs, finish]
+    ended: set[int] = field(default_factory=set)  # rows that ended
+    made: dict[int, int] = field(default_factory=dict)  # tokens, by uid, of rows decoding on
+    accepted: dict[int, int] = field(default_factory=dict)  # proposals kept, by uid (last pass)
+    next_tokens: list[int] = field(default_factory=list)
+
+    def add(self, i: int, uid: int, tokens: list[int], chosen: list, finish: Any) -> None:
+        row = self.rows.setdefault(i, [[], [], None])
+        row[0] += tokens
+        row[1] += chosen[: len(tokens)]
+        if finish is not None:
+            row[2] = finish[0]
+            self.made.pop(uid, None)
+        else:
+            self.made[uid] = self.made.get(uid, 0) + len(tokens)
+
+
+def _kept_on_device(sent: _Pass) -> tuple[mx.array, mx.array]:
+    """For each row of `sent`, before the host reads it: the entries its
+    cache takes back, and its next pending token (the sample after the
+    proposals it keeps)."""
+    proposed = [[*d, *[-1] * (sent.width - 1 - len(d))] for d in sent.drafts]
+    same = mx.array(proposed, dtype=mx.int32) == sent.sampled[:, :-1]
+    kept = mx.cumprod(same.astype(mx.int32), axis=1).sum(axis=1)
+    first = mx.take_along_axis(sent.sampled, kept[:, None], axis=1)[:, 0]
+    return sent.width - 1 - kept, first

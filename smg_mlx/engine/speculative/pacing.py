@@ -79,10 +79,13 @@ def _size_class(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def widths(most: int) -> list[int]:
+def widths(most: int, chain: int = 1) -> list[int]:
     """The widths checking blocks may run at, narrowest first: `most` and its
-    halves, down to 1."""
-    return sorted({most >> k for k in range(most.bit_length())})
+    halves, down to 1, a pass; then, where a call may send `chain` passes
+    each while the one before runs, `most` for each of them (a wrong
+    proposal costs the pass after it too, where the device's time is saved)."""
+    one = {most >> k for k in range(most.bit_length())}
+    return sorted(one | ({most * chain} if chain > 1 else set()))
 
 
 def _streams(size: int) -> str:
@@ -212,11 +215,11 @@ class Pacing:
     """Checking and plain blocks' rates by batch size; whether the next block
     checks. Engine thread only."""
 
-    def __init__(self, always: bool = False, most: int = 0) -> None:
+    def __init__(self, always: bool = False, most: int = 0, chain: int = 1) -> None:
         self.always = always  # check proposals whatever the rates (tests, benchmarks)
         # The widths to choose from (`widths`); where none are given, every
         # checking block is as wide as the rows are allowed to propose.
-        self._widths = widths(most) if most and not always else [0]
+        self._widths = widths(most, chain) if most and not always else [0]
         self._plain: dict[int, _Average] = {}
         self._checking: dict[tuple[int, int], _Average] = {}  # by size and width
         self._width: dict[int, int] = {}  # by size: the width checking runs at

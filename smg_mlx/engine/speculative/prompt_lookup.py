@@ -99,12 +99,15 @@ class RowDrafts:
 
     def sync(self, tokens: list[int]) -> None:
         """Catch up with the tokens in the row's cache (they only grow)."""
-        if len(tokens) + 1 > len(self._tokens):  # room for one sampled token more
-            grown = np.zeros(2 * (len(tokens) + 1), dtype=np.int64)
-            grown[: self._n] = self._tokens[: self._n]
-            self._tokens = grown
+        self._room(len(tokens) + 1)  # (one sampled token more)
         self._tokens[self._n : len(tokens)] = tokens[self._n :]
         self._n = len(tokens)
+
+    def _room(self, n: int) -> None:
+        if n > len(self._tokens):
+            grown = np.zeros(2 * n, dtype=np.int64)
+            grown[: self._n] = self._tokens[: self._n]
+            self._tokens = grown
 
     def likely(self, step: int, tokens: list[int]) -> bool:
         """Whether this row should look now: its `tokens` so far (those in its
@@ -126,14 +129,29 @@ class RowDrafts:
     def propose(self, step: int, pending: int, most: int) -> list[int]:
         """Up to `most` tokens that should follow this row's tokens and
         `pending` (sampled, not in its cache yet); [] where none."""
-        self._tokens[self._n] = pending
-        most = min(most, self._length)
-        if self._following(self._n + 1):
-            return self._ahead.after(self._n + 1, most)
-        proposal = self._looked_up(self._n + 1, most)
+        proposal = self._after([pending], min(most, self._length))
         if not proposal:
             self._wait(step)
         return proposal
+
+    def guess(self, tokens: list[int], sent: list[int], most: int) -> list[int]:
+        """For a pass sent after one still running: the token the running pass
+        should sample after the row's `tokens` and `sent` (its pending token and
+        proposals, if all are kept), then up to `most` tokens to follow it; []
+        where none."""
+        self.sync(tokens)
+        return self._after(sent, 1 + min(most, self._length))
+
+    def _after(self, ahead: list[int], most: int) -> list[int]:
+        """Up to `most` tokens that should follow this row's tokens and then
+        `ahead` (its pending token first, which it sampled)."""
+        n = self._n + len(ahead)
+        self._room(n)
+        self._tokens[self._n : n] = ahead
+        # (a cached continuation is checked against sampled tokens only)
+        if self._following(self._n + 1):
+            return self._ahead.after(n, most)
+        return self._looked_up(n, most)
 
     def fared(self, step: int, proposed: int, accepted: int) -> None:
         """A pass checked `proposed` tokens of this row and kept `accepted`."""

@@ -14,6 +14,11 @@ The columns past a row's end are room it has not used: when the rows' ends
 drift apart by more than `SPREAD`, `compact` lines them up again (one copy
 of the cache) so the batch holds no more columns than its longest row needs.
 
+A pass may also be recorded while the one before it still runs (chained
+checking passes, `rewind_ahead`): the device then counts what each row
+takes back, and the host's ends stay an upper bound until it reads the
+counts too.
+
 `Ragged` is that bookkeeping; `RaggedBatchKVCache` and, under --kv-bits,
 `RaggedBatchQuantizedKVCache` say how their arrays are written, rolled and cut.
 `ragged(cache)` gives a batch cache of either kind its ragged class.
@@ -39,6 +44,10 @@ class Ragged:
     module's docstring); mixed in before the batch cache's class."""
 
     _ends: list[int] | None = None
+    # Each row's end on the device, while a pass is built before the host knows
+    # how many entries the pass before it kept (`rewind_ahead`); `_ends` (or
+    # `_idx`) is then where each row's entries reach at most, until `rewind`.
+    _device_ends: mx.array | None = None
 
     @classmethod
     def adopt(cls, cache: Any) -> Any:
@@ -48,10 +57,11 @@ class Ragged:
         ragged = cls.__new__(cls)
         ragged.__dict__.update(cache.__dict__)
         ragged._ends = None
+        ragged._device_ends = None
         return ragged
 
     # What the storage does (the arrays' own layout):
-    def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
+    def _write_at(self, ends: mx.array, keys: mx.array, values: mx.array) -> None:
         """Write `keys` and `values` (B, H, n, D) at each row's end."""
         raise NotImplementedError
 
@@ -66,14 +76,25 @@ class Ragged:
         self._idx = max(ends, default=self._idx)
         self._ends = None if all(e == self._idx for e in ends) else ends
 
-    def rewind(self, counts: list[int]) -> None:
-        """Take back each row's newest `counts[i]` entries."""
+    def rewind(self, counts: list[int], ahead: bool = False) -> None:
+        """Take back each row's newest `counts[i]` entries (`ahead`: the device
+        has taken them back already, `rewind_ahead`)."""
+        self._device_ends = None
         if not any(counts):
             return
         self._set_ends([e - n for e, n in zip(self._row_ends(), counts, strict=True)])
-        self.offset = self.offset - mx.array(counts)
+        if not ahead:
+            self.offset = self.offset - mx.array(counts)
         if self._ends is not None and self._idx - min(self._ends) > SPREAD:
             self.compact()
+
+    def rewind_ahead(self, counts: mx.array) -> None:
+        """Take back each row's newest `counts[i]` entries, counted on the device
+        (a pass still running): the next pass writes from there, while the
+        host's ends stay where the entries reach until `rewind(counts, ahead=True)`
+        gives the same counts."""
+        self.offset = self.offset - counts
+        self._device_ends = mx.array(self._row_ends()) - counts
 
     def compact(self) -> None:
         """Every row ending at `_idx` again, and no column that every row pads."""
@@ -92,21 +113,27 @@ class Ragged:
             self.left_padding = self.left_padding - unused
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
-        if self._ends is None:
+        if self._ends is None and self._device_ends is None:
             return super().update_and_fetch(keys, values)
         n = keys.shape[2]
-        self._write_at(self._ends, keys, values)
+        self._write_at(self._query_ends(), keys, values)
         self.offset = self.offset + n
-        self._set_ends([e + n for e in self._ends])
+        if self._device_ends is not None:
+            self._device_ends = self._device_ends + n
+        self._set_ends([e + n for e in self._row_ends()])
         return self._fetch(n)
 
+    def _query_ends(self) -> mx.array:
+        """Where each row's next entries go."""
+        return self._device_ends if self._device_ends is not None else mx.array(self._row_ends())
+
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
-        if self._ends is None:
+        if self._ends is None and self._device_ends is None:
             return super().make_mask(N, return_array=return_array, **kwargs)
         if kwargs.get("window_size") is not None:
             raise ValueError("a ragged cache has no sliding window")
         keys = mx.arange(self._mask_width(N))[None, None, None, :]
-        queries = (mx.array(self._ends)[:, None] + mx.arange(N)[None])[:, None, :, None]
+        queries = (self._query_ends()[:, None] + mx.arange(N)[None])[:, None, :, None]
         first = self.left_padding[:, None, None, None]
         return (keys >= first) & (keys <= queries)
 
@@ -142,9 +169,9 @@ class Ragged:
             self._idx = saved
 
 
-def _where(ends: list[int], n: int) -> mx.array:
+def _where(ends: mx.array, n: int) -> mx.array:
     """put_along_axis's indices for `n` entries at each row's end, (B, 1, n, 1)."""
-    return (mx.array(ends)[:, None] + mx.arange(n)[None])[:, None, :, None]
+    return (ends[:, None] + mx.arange(n)[None])[:, None, :, None]
 
 
 class RaggedBatchKVCache(Ragged, BatchKVCache):
@@ -160,7 +187,7 @@ class RaggedBatchKVCache(Ragged, BatchKVCache):
     def _arrays(self, fn: Callable[[mx.array], mx.array]) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
 
-    def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
+    def _write_at(self, ends: mx.array, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
         make_room(self, keys, values)  # after `_idx`, the longest row's end
         where = _where(ends, n)
@@ -185,7 +212,7 @@ class RaggedBatchQuantizedKVCache(Ragged, BatchQuantizedKVCache):
         self.keys, self.values = map_parts(fn, self.keys), map_parts(fn, self.values)
         self._cut = True  # `compact` cuts them
 
-    def _write_at(self, ends: list[int], keys: mx.array, values: mx.array) -> None:
+    def _write_at(self, ends: mx.array, keys: mx.array, values: mx.array) -> None:
         qk, qv = self._quantize(keys), self._quantize(values)
         self._reserve(keys.shape[2], qk, qv)
         where = _where(ends, keys.shape[2])
