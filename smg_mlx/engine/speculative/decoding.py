@@ -300,7 +300,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                     self.rewind_ahead(counts)
                     after = self._send(first, guessed, width)
                     after.guesses = guesses
-            pending = self._settle(sent, pending, got, ahead=after is not None)
+            current, pending = pending, self._settle(sent, pending, got, ahead=after is not None)
             if after is None:
                 break
             sent, drafts = after, after.drafts
@@ -308,8 +308,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             self._draft_rows.kept(got.accepted, self.drafting.most)
         out = self._responses([(i, *got.rows[i]) for i in sorted(got.rows)])
         self.drafting.stats.tokens += len(out)
-        self._current_tokens = mx.array(pending, dtype=self._next_tokens.dtype)
-        self._next_tokens = mx.array(got.next_tokens, dtype=self._current_tokens.dtype)
+        self._current_tokens = mx.array(current, dtype=self._next_tokens.dtype)
+        self._next_tokens = mx.array(pending, dtype=self._current_tokens.dtype)
         if got.ended:
             self.filter([i for i in range(rows) if i not in got.ended])
         return out, got.made
@@ -408,7 +408,6 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             next_logprobs.append(sent.logprobs[i, kept])
         self.rewind(back, ahead)
         self._next_logprobs = next_logprobs
-        got.next_tokens = next_tokens
         self.drafting.stats.passes += 1
         return next_tokens
 
@@ -503,7 +502,6 @@ class _Got:
     ended: set[int] = field(default_factory=set)  # rows that ended
     made: dict[int, int] = field(default_factory=dict)  # tokens, by uid, of rows decoding on
     accepted: dict[int, int] = field(default_factory=dict)  # proposals kept, by uid (last pass)
-    next_tokens: list[int] = field(default_factory=list)
 
     def add(self, i: int, uid: int, tokens: list[int], chosen: list, finish: Any) -> None:
         row = self.rows.setdefault(i, [[], [], None])
