@@ -266,22 +266,27 @@ def test_the_thorough_warm_up_leaves_nothing_behind(model_dir, monkeypatch):
 
 def test_the_thorough_warm_up_checks_proposals_where_speculation_is_on(model_dir, monkeypatch):
     """Where kernels are built on first use (CUDA: seconds, every stream
-    stalled), the warm-up runs a pass checking proposals and one over rows that
-    end apart, lined up after, before the worker is ready; its passes count in
-    no metric, and requests then answer as without speculation."""
-    lined_up = []
-    compact = Ragged.compact
+    stalled), the warm-up runs a pass checking proposals, passes sent while the
+    one before runs (chained, whatever its rows' samplers), and one over rows
+    that end apart, lined up after, before the worker is ready; its passes
+    count in no metric, and requests then answer as without speculation."""
+    lined_up, chained = [], []
+    compact, ahead = Ragged.compact, Ragged.rewind_ahead
 
     def spied(self) -> None:
         lined_up.append(self._ends is not None)  # the rows ended apart
         compact(self)
 
     monkeypatch.setattr(Ragged, "compact", spied)
+    monkeypatch.setattr(Ragged, "rewind_ahead",
+                        lambda self, counts: chained.append(1) or ahead(self, counts))  # fmt: skip
     answers, counted = {}, {}
     for speculative, thorough in (("off", True), ("always", False), ("always", True)):
         monkeypatch.setattr(Batch, "shape_builds", property(lambda self, t=thorough: t))
         inbox = Inbox()
+        chained.clear()
         sink, thread = start_core(model_dir, inbox, speculative=speculative)
+        assert bool(chained) == ((speculative, thorough) == ("always", True))  # (ready now)
         inbox.submit(Request(1, spec(prompt(40, 2), max_tokens=12)))
         answers[speculative, thorough] = [e.token for e in sink.events_of(1)]
         counted[speculative, thorough] = sink.settled().speculation

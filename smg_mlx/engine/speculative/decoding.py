@@ -202,23 +202,24 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
     def exercise(self) -> list:
         """Each kind of pass speculation adds, once (the warm-up's: mlx builds
         some of their kernels on first use, seconds on CUDA, which would stall
-        every stream the first time a row's proposals are checked): checking
-        passes over the rows decoding now, chained as they may be (`_check`),
-        their responses returned; then, on a
+        every stream the first time a row's proposals are checked): a checking
+        pass over the rows decoding now (with those joining), then passes
+        chained (`_check`), their responses returned; then, on a
         copy of the first row's cache twice, rows ending apart written,
         attended and lined up. Its passes count in no metric."""
-        if not self.uids:
-            return []
+        out: list = []
         width = 1 + self.drafting.most
-        mx.eval(self._next_tokens)
-        pending = self._next_tokens.tolist()
-        drafts = self._proposals(self._likely(), pending, self.drafting.most)
         stats, self.drafting.stats = self.drafting.stats, DraftStats()
         try:
-            out, _ = self._check(pending, [d or [y] * self.drafting.most
-                                           for d, y in zip(drafts, pending, strict=True)],
-                                 width, self._joined(), self.drafting.chain,
-                                 fill=True)  # fmt: skip
+            for passes in (1, self.drafting.chain):
+                if not self.uids:  # (every row ended)
+                    return out
+                mx.eval(self._next_tokens)
+                pending = self._next_tokens.tolist()
+                drafts = self._proposals(self._likely(), pending, self.drafting.most)
+                out += self._check(pending, [d or [y] * self.drafting.most
+                                             for d, y in zip(drafts, pending, strict=True)],
+                                   width, self._joined(), passes, fill=True)[0]  # fmt: skip
         finally:
             self.drafting.stats = stats
         self._line_up()
@@ -288,7 +289,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         row that decodes on made, by uid (`pacing.Block.ran`)."""
         rows = len(self.uids)
         self.prompt_cache = [ragged(c) for c in self.prompt_cache]
-        chain = passes if self._chained(joining) else 1
+        chain = passes if self._chained(joining, warm_up=fill) else 1
         sent = self._send(mx.array(pending, dtype=mx.int32), drafts, width, pending, joining)
         got = _Got()
         for n in range(1, chain + 1):
@@ -314,11 +315,17 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             self.filter([i for i in range(rows) if i not in got.ended])
         return out, got.made
 
-    def _chained(self, joining: list[int]) -> bool:
+    def _chained(self, joining: list[int], warm_up: bool = False) -> bool:
         """Whether a pass may be sent before the host reads the one before it:
         not where its inputs wait on the host (rows joining, a draft model's
-        proposals, logits processors, samplers keeping their own keys)."""
-        if joining or self._draft_rows is not None or any(self.logits_processors):
+        proposals, logits processors, samplers keeping their own keys), but
+        in the warm-up whatever the rows' settings (its tokens are not kept:
+        the passes are run for the kernels they build)."""
+        if joining or self._draft_rows is not None:
+            return False
+        if warm_up:
+            return True
+        if any(self.logits_processors):
             return False
         samplers = self.samplers or [None]
         return not any(hasattr(s or self.fallback_sampler, "ahead") for s in samplers)
