@@ -32,6 +32,7 @@ ones.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,7 +352,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         return out, guesses
 
     def _send(self, first: mx.array, drafts: list[list[int]], width: int,
-              pending: list[int] | None = None, joining: list[int] = ()) -> _Pass:  # fmt: skip
+              pending: list[int] | None = None,
+              joining: Collection[int] = ()) -> _Pass:  # fmt: skip
         """A checking pass over each row's `first` token (on the device or the
         host's `pending`) and `drafts`, sent to the device, not waited for."""
         rest = mx.array([[*d, *[0] * (width - 1 - len(d))] for d in drafts], dtype=mx.int32)
