@@ -136,10 +136,11 @@ def generate(model, prompts, max_tokens, speculative: bool, stagger: bool = Fals
 def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     family, bits, whole, one_width, monkeypatch
 ):
-    """Checking passes are sent while the one before runs, where they can be.
-    With --kv-bits (`bits`), rows keep their keys and values quantized and each
-    takes back its own rejected proposals as from 16-bit caches (ragged_kv);
-    attention reading, as on CUDA, the whole buffers, masked past each row's end,
+    """Checking passes are sent while the one before runs, where they can be,
+    rows that ended among them. With --kv-bits (`bits`), rows keep their keys
+    and values quantized and each takes back its own rejected proposals as
+    from 16-bit caches (ragged_kv); attention reading, as on CUDA, the whole
+    buffers, masked past each row's end,
     and (`tails`) plain passes writing into 16-bit tails, quantized before a
     pass checks proposals. A checking pass is as wide as its rows' proposals
     need, or (`one_width`, as on CUDA, where each new shape costs a kernel
@@ -169,6 +170,14 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     ahead = SpeculativeGenerationBatch.rewind_ahead
     monkeypatch.setattr(SpeculativeGenerationBatch, "rewind_ahead",
                         lambda self, counts: chained.append(1) or ahead(self, counts))  # fmt: skip
+    past_an_end = []  # passes settled with one after them sent, once a row had ended
+    settle = SpeculativeGenerationBatch._settle
+
+    def settled(self, sent, pending, got, ahead):
+        past_an_end.append(ahead and bool(got.ended))
+        return settle(self, sent, pending, got, ahead)
+
+    monkeypatch.setattr(SpeculativeGenerationBatch, "_settle", settled)
     model = tiny_model(family, scale=1.5, head_dim=16 if bits is None else 64)
 
     def quantized() -> list[QuantizedKVCache]:
@@ -198,7 +207,7 @@ def test_greedy_tokens_are_plain_decodings_solo_and_in_batches(
     assert 0 < accepted < proposed, "some proposals right, some wrong"
     assert widths == {5} if one_width else len(widths) > 1 and max(widths) <= 5
     assert bool(widened) == steady
-    assert chained
+    assert chained and any(past_an_end)  # (and the rows that ended hold their tokens only)
     if bits is not None:  # the quantized caches were the ones in use: 16-bit ones differ
         _, own_logprobs, _, _ = generate(model, prompts, max_tokens, False, stagger)
         pairs = [zip(own_logprobs[i], plain_logprobs[i], strict=True) for i in own_logprobs]

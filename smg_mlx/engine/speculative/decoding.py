@@ -295,8 +295,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         got = _Got()
         for n in range(1, chain + 1):
             after = None
-            if n < chain and not got.ended:
-                guessed, guesses = self._guessed(pending, drafts, width - 1, fill)
+            if n < chain:
+                guessed, guesses = self._guessed(pending, drafts, width - 1, fill, got.ended)
                 if any(guessed):
                     counts, first = _kept_on_device(sent)
                     self.rewind_ahead(counts)
@@ -331,17 +331,21 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         samplers = self.samplers or [None]
         return not any(hasattr(s or self.fallback_sampler, "ahead") for s in samplers)
 
-    def _guessed(self, pending: list[int], drafts: list[list[int]], most: int,
-                 fill: bool) -> tuple[list[list[int]], list[int | None]]:  # fmt: skip
+    def _guessed(self, pending: list[int], drafts: list[list[int]], most: int, fill: bool,
+                 ended: set[int]) -> tuple[list[list[int]], list[int | None]]:  # fmt: skip
         """For the pass after the one sent with `pending` and `drafts`, still
         running: each row's proposals, looked up as if it keeps all its own
         (those after the token it would then sample, guessed: the first
         looked up), and that guess. Where it keeps fewer, its next proposals
         follow a token it did not sample: likely wrong, never a wrong token.
-        Rows that proposed nothing propose nothing (`fill`: all do, repeating
-        their pending token)."""
+        Rows that proposed nothing, or `ended`, propose nothing (`fill`: all
+        but those that ended do, repeating their pending token)."""
         out, guesses = [], []
         for i, (y, d) in enumerate(zip(pending, drafts, strict=True)):
+            if i in ended:
+                out.append([])
+                guesses.append(None)
+                continue
             # The tokens it has left once these are kept: the sampled one, then these.
             left = self.max_tokens[i] - self._num_tokens[i] - len(d) - 2
             found = self._rows[self.uids[i]].guess(self.tokens[i], [y, *d], most) if d else []
@@ -372,22 +376,26 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
     def _settle(self, sent: _Pass, pending: list[int], got: _Got, ahead: bool) -> list[int]:
         """Pass `sent`'s tokens (it is waited for), row by row into `got`: each
         row's pending token and the proposals its samples agree with; its cache
-        takes back the rest (`ahead`: the device has, for the pass after it). A
-        row `got` saw end takes back all. Each row's pending token next."""
+        takes back the rest (`ahead`: the device has, for the pass after it).
+        A row that ends takes back what it did not keep as the device counts
+        it, and what lies past its end with the call's last pass (`_Got.past`).
+        Each row's pending token next."""
         mx.eval(sent.sampled, sent.logprobs, self._next_logprobs)
         sampled = sent.sampled.tolist()
         back, next_tokens, next_logprobs = [], [], []
         for i, (y, proposal) in enumerate(zip(pending, sent.drafts, strict=True)):
-            if i in got.ended:
-                back.append(sent.width)
-                next_tokens.append(y)
-                next_logprobs.append(self._next_logprobs[i])
-                continue
             joins = i in sent.joining
             proposal = [] if joins else proposal  # (the warm-up's proposes for every row)
             kept = 0
             while kept < len(proposal) and proposal[kept] == sampled[i][kept]:
                 kept += 1
+            back.append(sent.width - 1 - kept)  # (as `_kept_on_device` counts)
+            next_tokens.append(sampled[i][kept])
+            if i in got.ended:  # (in a pass sent before it ended)
+                got.past[i] += 1 + kept
+                next_logprobs.append(self._next_logprobs[i])
+                continue
+            next_logprobs.append(sent.logprobs[i, kept])
             tokens = [y, *proposal[:kept]]
             if kept and self.logits_processors and self.logits_processors[i]:
                 # What its processors look back at next (its pending token went in
@@ -398,6 +406,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             if finish is not None:
                 tokens = tokens[: finish[1] + 1]
                 got.ended.add(i)
+                got.past[i] = 1 + kept - len(tokens)
             if proposal:
                 # (proposals after a guess the row did not sample say nothing of its drafter)
                 if self._draft_rows is None and sent.guesses[i] in (None, y):
@@ -407,14 +416,13 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 # (those sent: none past a stop token)
                 self.drafting.stats.accepted += len(tokens) - 1
             self.tokens[i].extend(tokens)
-            back.append(sent.width - len(tokens))
             if not joins:
                 got.add(i, self.uids[i], tokens, chosen, finish)
             if sent.keeps[i] is not None:  # the draws kept: the proposals and the next token
                 sent.keeps[i](kept + 1)
-            # (a row that ended keeps its entries until `_check` drops it)
-            next_tokens.append(sampled[i][kept])
-            next_logprobs.append(sent.logprobs[i, kept])
+        if not ahead:  # (the call's last pass: before the rows that ended hand their caches over)
+            for i, n in got.past.items():
+                back[i] += n
         self.rewind(back, ahead)
         self._next_logprobs = next_logprobs
         self.drafting.stats.passes += 1
@@ -511,6 +519,9 @@ class _Got:
     ended: set[int] = field(default_factory=set)  # rows that ended
     made: dict[int, int] = field(default_factory=dict)  # tokens, by uid, of rows decoding on
     accepted: dict[int, int] = field(default_factory=dict)  # proposals kept, by uid (last pass)
+    # Entries each row that ended holds past its end (its last pass's beyond its
+    # stop, and what passes sent before it ended kept), taken back with the last pass.
+    past: dict[int, int] = field(default_factory=dict)
 
     def add(self, i: int, uid: int, tokens: list[int], chosen: list, finish: Any) -> None:
         row = self.rows.setdefault(i, [[], [], None])
