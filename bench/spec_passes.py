@@ -71,10 +71,12 @@ def measure(
     greedy, hot = (make_sampler(SamplingSettings(temperature=t)) for t in (0.0, 1.0))
     samplers = [hot if workload == "half" and i % 2 else greedy for i in range(rows)]
     generator.insert(prompts, [1 << 30] * rows, samplers=samplers)
+    while len(generator._generation_batch.uids) < rows:  # (the prompts)
+        generator.next()
+    if mode != "plain":  # before pacing's first trial, as the worker's warm-up
+        generator._generation_batch.exercise()
     for _ in range(WARM_UP_CALLS):
         generator.next()
-    if mode != "plain":
-        generator._generation_batch.exercise()
     counts = lambda: (stats.passes, stats.proposed, stats.accepted)  # noqa: E731
     before = counts()
     tokens = 0

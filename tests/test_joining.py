@@ -13,7 +13,7 @@ from test_speculative import tiny_model
 from smg_mlx.engine.batch.ended_rows import one_row
 from smg_mlx.engine.batch.lanes import Lanes
 from smg_mlx.engine.schedule.step_plan import SHORT
-from smg_mlx.engine.speculative.decoding import Drafting, DraftStats
+from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.pacing import Pacing
 
 
@@ -79,8 +79,22 @@ def _serve(model, requests, running: int, call, generator: BatchGenerator, monke
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_prompts_join_the_decoding_rows_without_a_pass_of_their_own(speculative, monkeypatch):
+    """(Speculating, a row joins in a call's first checking pass, and decodes
+    on in the passes chained after it.)"""
     model = tiny_model("llama", scale=1.5)
     requests = _requests(30)
+    chained_on = []  # calls whose first pass had rows joining, and a pass after it
+    check, ahead = SpeculativeGenerationBatch._check, SpeculativeGenerationBatch.rewind_ahead
+
+    def checked(self, pending, drafts, width, joining, *rest, **more):
+        self.chains = 0
+        out = check(self, pending, drafts, width, joining, *rest, **more)
+        chained_on.append(bool(joining) and self.chains > 0)
+        return out
+
+    def counted(self, counts):
+        self.chains += 1
+        return ahead(self, counts)
 
     generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=4)
     theirs = _serve(model, requests, 6, generator.next, generator, monkeypatch)
@@ -89,6 +103,8 @@ def test_prompts_join_the_decoding_rows_without_a_pass_of_their_own(speculative,
     lanes = Lanes(model, mx.default_stream(mx.default_device()), 512, nullcontext,
                   drafting if speculative else None)  # fmt: skip
     lanes.open(batch_size=8, prefill_rows=4)
+    monkeypatch.setattr(SpeculativeGenerationBatch, "_check", checked)
+    monkeypatch.setattr(SpeculativeGenerationBatch, "rewind_ahead", counted)
     ours = _serve(model, requests, 6, lambda: lanes.next(SHORT, 512), lanes[SHORT], monkeypatch)
 
     assert any(len(set(t)) > 3 for t in theirs["tokens"].values()), "output should vary"
@@ -105,6 +121,8 @@ def test_prompts_join_the_decoding_rows_without_a_pass_of_their_own(speculative,
     if not speculative:  # (checking passes run several tokens a row)
         fewer = theirs["passes"]["one token"] - ours["passes"]["one token"]
         assert fewer >= theirs["passes"]["joining alone"] / 2
+    else:
+        assert any(chained_on)
 
 
 def test_a_row_removed_while_joining_leaves_the_others_exact_and_its_cache_whole():

@@ -128,6 +128,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
     def extend(self, other: GenerationBatch) -> None:
         if not self.uids:
             self._block = None  # the batch stood empty, waiting for requests, since
+        for uid, most in zip(other.uids, other.max_tokens, strict=True):
+            self.drafting.pacing.admit(uid, most)
         super().extend(other)
 
     def expect(self, uid: int, ahead: Ahead) -> None:
@@ -152,6 +154,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         for uid in [u for u in self._rows if u not in kept]:
             del self._rows[uid]
         self.forget(left)
+        self.drafting.pacing.left(left)
 
     def _decode(self) -> list:
         if not self.uids:
@@ -163,13 +166,13 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         if self._block is not None and (resized or self._block.over or pacing.losing(self._block)):
             ended = self._block
             pacing.ended(ended)
-            self._block = pacing.start(len(self.uids))
+            self._block = pacing.start(len(self.uids), self.uids)
             if ended.checking and not self._block.checking:
                 # The checking run's passes may have left the rows ending apart:
                 # lined up for the plain passes, on the run's clock.
                 pacing.charge(ended, self._block, self._line_up)
         if self._block is None:
-            self._block = pacing.start(len(self.uids))
+            self._block = pacing.start(len(self.uids), self.uids)
         self._block.begins()
         self._steps += 1
         rows = len(self.uids)
@@ -189,14 +192,12 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                     # Only the pass goes untimed: the proposals (a draft model
                     # catching up on every row's tokens) count.
                     self._block.begins()
-                out, made = self._check(pending, drafts, width, self._joined(),
-                                        passes=max(1, allowed // cap))  # fmt: skip
-                self._block.ran(len(out), new, checked=True, rows=made)
+                out, made, sent = self._check(pending, drafts, width, self._joined(),
+                                              passes=max(1, allowed // cap))  # fmt: skip
+                self._block.ran(len(out), new, checked=True, rows=made, sent=sent)
                 return out
         responses = super()._decode()
-        made = None  # (a checking run's measure of its slowest row counts each row's token)
-        if self._block.checking:
-            made = {r.uid: 1 for r in responses if r.finish_reason is None}
+        made = {r.uid: 1 for r in responses if r.finish_reason is None}  # (streams' ledgers)
         self._block.ran(len(responses), pacing.new_shape(rows, 1), rows=made)
         return responses
 
@@ -279,18 +280,19 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
 
     def _check(self, pending: list[int], drafts: list[list[int]], width: int,
                joining: list[int], passes: int = 1,
-               fill: bool = False) -> tuple[list, dict[int, int]]:  # fmt: skip
+               fill: bool = False) -> tuple[list, dict[int, int], int]:  # fmt: skip
         """Passes over every row's pending token and proposals (module
         docstring), `width` tokens a row: rows with fewer proposals are padded
         (positions whose tokens are not kept; see `Drafting.one_width`). Rows
         `joining` run their prompts' last tokens: the sample after it is their
         first token, and they return nothing. Where `_chained`, up to `passes`
         passes, each sent while the one before runs (`_guessed`; `fill`: the
-        warm-up's, every row proposes). Their responses, and the tokens each
-        row that decodes on made, by uid (`pacing.Block.ran`)."""
-        rows = len(self.uids)
+        warm-up's, every row proposes). Their responses, the tokens each row
+        that decodes on made, by uid, but those joining (`pacing.Block.ran`:
+        their first pass makes them none), and the passes sent."""
+        rows, joined = len(self.uids), {self.uids[i] for i in joining}
         self.prompt_cache = [ragged(c) for c in self.prompt_cache]
-        chain = passes if self._chained(joining, warm_up=fill) else 1
+        chain = passes if self._chained(warm_up=fill) else 1
         sent = self._send(mx.array(pending, dtype=mx.int32), drafts, width, pending, joining)
         got = _Got()
         for n in range(1, chain + 1):
@@ -314,15 +316,16 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         self._next_tokens = mx.array(pending, dtype=self._current_tokens.dtype)
         if got.ended:
             self.filter([i for i in range(rows) if i not in got.ended])
-        return out, got.made
+        return out, {uid: n for uid, n in got.made.items() if uid not in joined}, n
 
-    def _chained(self, joining: list[int], warm_up: bool = False) -> bool:
+    def _chained(self, warm_up: bool = False) -> bool:
         """Whether a pass may be sent before the host reads the one before it:
-        not where its inputs wait on the host (rows joining, a draft model's
-        proposals, logits processors, samplers keeping their own keys), but
-        in the warm-up whatever the rows' settings (its tokens are not kept:
-        the passes are run for the kernels they build)."""
-        if joining or self._draft_rows is not None:
+        not where its inputs wait on the host (a draft model's proposals,
+        logits processors, samplers keeping their own keys), but in the
+        warm-up whatever the rows' settings (its tokens are not kept: the
+        passes are run for the kernels they build). (Rows joining in the
+        first pass decode on in the next, their first token sampled there.)"""
+        if self._draft_rows is not None:
             return False
         if warm_up:
             return True
@@ -348,7 +351,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 continue
             # The tokens it has left once these are kept: the sampled one, then these.
             left = self.max_tokens[i] - self._num_tokens[i] - len(d) - 2
-            found = self._rows[self.uids[i]].guess(self.tokens[i], [y, *d], most) if d else []
+            row = self._rows.get(self.uids[i])  # (none for a row joining: it proposed nothing)
+            found = row.guess(self.tokens[i], [y, *d], most) if d and row else []
             if fill and len(found) < 2:
                 found = [y] * (most + 1)
             out.append(found[1 : 1 + max(0, left)])

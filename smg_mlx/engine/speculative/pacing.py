@@ -22,10 +22,17 @@ one, tried when a losing checking run would be; once none is left to try, the
 next trial starts again from the widest, the measures before it forgotten.
 Checking pays only where it is fair too: rows with nothing right to propose
 make a token a pass whatever their neighbours do, and a checking pass costs
-more than a plain one (it waits for the one before, and is wider), so a
-checking block counts each row's tokens, and its slowest row (of those that
-decoded through at least half its passes) must keep FAIR of the pace plain
-passes give every row. One stream's chat beside another's agent is not
+more than a plain one (it waits for the one before, and is wider). So each
+stream keeps a ledger (`Pacing.admit`): the tokens it made, less FAIR of
+those plain passes would have made it in the same time. Plain passes add
+to it, a checking pass where it keeps fewer proposals than the pass costs
+takes from it; it starts with what FAIR leaves of its first ALLOWANCE
+tokens. While any stream that kept no proposal in its last checking pass
+could not afford another such, passes are plain (one keeping some is
+making its ledger up; one not checked yet has its first proposals to
+find). So no stream makes much less than FAIR of its plain pace over its
+life, whatever its neighbours gain, and a stream whose proposals were
+right has room for a spell of wrong ones. One stream's chat beside another's agent is not
 slowed for the agent's gain.
 Until both are measured it is tried; whichever kind loses runs again now and
 then, as the batch, its proposals and the machine change (a losing checking
@@ -44,7 +51,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 BLOCK = 8  # passes a block runs
 WEIGHT = 0.25  # of each new block in a moving average
@@ -68,8 +75,11 @@ TRIAL_SHARE = 0.03
 SAY_EVERY = 10.0
 # Checking blocks at a size between two at a neighbouring width.
 PROBE = 8
-# The share of its pace under plain passes a row keeps in checking ones, at least.
+# The share of its pace under plain passes a stream keeps, at least, over its life.
 FAIR = 0.97
+# A stream's first tokens (its `max_tokens`, if fewer) of which it may lose
+# 1 - FAIR before its checking passes have made any up.
+ALLOWANCE = 256
 
 log = logging.getLogger(__name__)
 
@@ -102,24 +112,19 @@ class _Average:
     whole run); over its first passes, their mean (a run timed in a slow
     moment weighs no more than its share)."""
 
-    __slots__ = ("seconds", "tokens", "slowest", "passes", "weight", "last")
+    __slots__ = ("seconds", "tokens", "passes", "weight", "last")
 
-    def __init__(self, seconds: float, tokens: float, slowest: float | None, passes: int) -> None:
+    def __init__(self, seconds: float, tokens: float, passes: int) -> None:
         self.seconds, self.tokens = seconds / passes, tokens / passes
-        # The slowest row's tokens a pass (`Block.slowest`); None: not known.
-        self.slowest = slowest / passes if slowest is not None else None
         self.passes = self.last = passes
         self.weight = 1.0  # the last run's
 
-    def add(self, seconds: float, tokens: float, slowest: float | None, passes: int) -> None:
+    def add(self, seconds: float, tokens: float, passes: int) -> None:
         self.passes += passes
         self.last = passes
         self.weight = weight = min(1.0, max(WEIGHT * passes / BLOCK, passes / self.passes))
         self.seconds += weight * (seconds / passes - self.seconds)
         self.tokens += weight * (tokens / passes - self.tokens)
-        if slowest is not None:
-            known = self.slowest if self.slowest is not None else slowest / passes
-            self.slowest = known + weight * (slowest / passes - known)
 
     def later(self, seconds: float) -> None:
         """The last run took `seconds` more."""
@@ -128,13 +133,6 @@ class _Average:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def row_rate(self) -> float | None:
-        """The slowest row's tokens a second (None: not known)."""
-        if self.slowest is None or self.seconds <= 0:
-            return None
-        return self.slowest / self.seconds
 
 
 class Block:
@@ -154,7 +152,8 @@ class Block:
         self.passes = self.checked = self.tokens = 0
         self.skipped = 0.0  # seconds of passes that do not count
         self.counted = True
-        self.rows: dict[int, list[int]] = {}  # by row: [tokens, passes] of those told (`ran`)
+        # By row told (`ran`): [tokens, passes, whether it kept a proposal in its last].
+        self.rows: dict[int, list[int]] = {}
 
     def begins(self) -> None:
         """One of its passes begins."""
@@ -162,12 +161,13 @@ class Block:
 
     def ran(
         self, tokens: int, new_shape: bool, checked: bool = False,
-        rows: Mapping[int, int] | None = None,
+        rows: Mapping[int, int] | None = None, sent: int = 1,
     ) -> None:  # fmt: skip
         """The pass that began returned `tokens` (`new_shape`: its shape's
         first run, not timed; `checked`: it checked proposals, and waited for
         the pass before it, timed or not; `rows`: the tokens of each row, by
-        uid, that decodes on after it: not those that ended or joined)."""
+        uid, that decodes on after it: not those that ended or joined;
+        `sent`: the model's passes it took, chained)."""
         self.checked += checked
         if new_shape:
             self.skipped += time.perf_counter() - self._pass
@@ -175,19 +175,10 @@ class Block:
         self.passes += 1
         self.tokens += tokens
         for uid, made in (rows or {}).items():
-            counts = self.rows.setdefault(uid, [0, 0])
+            counts = self.rows.setdefault(uid, [0, 0, 0])
             counts[0] += made
             counts[1] += 1
-
-    @property
-    def slowest(self) -> float | None:
-        """The tokens its slowest row made, at that row's pace through all its
-        passes: of the rows told that decoded through at least half of them
-        (None: no such row). A plain pass makes each row one."""
-        if not self.checked:
-            return float(self.passes)
-        paces = [made / passes for made, passes in self.rows.values() if 2 * passes >= self.passes]
-        return min(paces) * self.passes if paces else None
+            counts[2] = made > sent  # (each of its passes made it one token, and those it kept)
 
     def fits(self, rows: int) -> bool:
         """Whether a batch of `rows` rows is of its size."""
@@ -234,6 +225,41 @@ class Pacing:
         # By size: plain seconds due before the next trial (after one that lost), and run since.
         self._owed: dict[int, float] = {}
         self._plain_since: dict[int, float] = {}
+        # By stream (uid): its ledger, in tokens (the module's docstring; `admit`),
+        # and whether it kept a proposal in its last checking pass.
+        self._ledger: dict[int, float] = {}
+        self._kept_last: dict[int, bool] = {}
+
+    def admit(self, uid: int, max_tokens: int) -> None:
+        """Stream `uid` decodes from now on, for `max_tokens` tokens at most:
+        its ledger opens with what FAIR leaves of its first ALLOWANCE tokens."""
+        self._ledger[uid] = (1 - FAIR) * min(max_tokens, ALLOWANCE)
+
+    def _of(self, uid: int) -> float:
+        """Stream `uid`'s ledger (one not admitted opens with all of ALLOWANCE)."""
+        return self._ledger.get(uid, (1 - FAIR) * ALLOWANCE)
+
+    def left(self, uids: Iterable[int]) -> None:
+        """Streams that decode no more: their ledgers closed."""
+        for uid in uids:
+            self._ledger.pop(uid, None)
+            self._kept_last.pop(uid, None)
+
+    def _behind(self, uids: Iterable[int], size: int) -> int:
+        """How many of streams `uids` kept no proposal in their last checking
+        pass and could not afford another such at `size`."""
+        margin = self._margin(size)
+        return sum(
+            self._kept_last.get(uid) is False and self._of(uid) < margin for uid in uids
+        )
+
+    def _margin(self, size: int) -> float:
+        """What a checking pass at `size` takes from the ledger of a stream
+        that keeps no proposal in it, as measured (0: not measured)."""
+        plain, checking = self._plain.get(size), self._current(size)
+        if plain is None or checking is None or plain.seconds <= 0:
+            return 0.0
+        return max(0.0, FAIR * checking.seconds / plain.seconds - 1)
 
     def new_shape(self, rows: int, width: int) -> bool:
         """Whether a pass of `rows` rows and `width` tokens a row runs for the first time."""
@@ -242,9 +268,12 @@ class Pacing:
         self._shapes.add((rows, width))
         return True
 
-    def start(self, rows: int) -> Block:
-        """The next block, over `rows` rows: checking (at which width) or plain."""
+    def start(self, rows: int, uids: Iterable[int] = ()) -> Block:
+        """The next block, over `rows` rows (streams `uids`): checking (at which
+        width) or plain."""
         size = _size_class(rows)
+        if not self.always and self._behind(uids, size):
+            return Block(rows, False)  # (until their ledgers are made up)
         if not self._checks(size):
             return Block(rows, False)
         return Block(rows, True, self._next_width(size))
@@ -276,42 +305,46 @@ class Pacing:
 
     def losing(self, block: Block) -> bool:
         """Whether `block`, checking, makes clearly fewer tokens a second so far
-        than plain blocks do, in all or for its slowest row: it ends now, its
-        passes measured as they are."""
-        if not block.checked or self.always or block.passes < EARLY or not block.counted:
+        than plain blocks do, or has left a stream's ledger below nothing: it
+        ends now, its passes measured as they are."""
+        if not block.checked or self.always or not block.passes or not block.counted:
             return False
         plain, seconds = self._plain.get(block.size), block.seconds()
         if plain is None or seconds <= 0:
             return False
-        slowest, pace = block.slowest, plain.row_rate
-        slow = slowest is not None and pace is not None and slowest / seconds < LOSING * pace
-        return slow or block.tokens / seconds < LOSING * plain.rate
+        cost = seconds / block.passes / plain.seconds
+        # (a stream that could not afford the next pass, at this block's cost so far)
+        margin = max(0.0, FAIR * cost - 1)
+        if any(not kept and self._of(uid) + made - FAIR * passes * cost < margin
+               for uid, (made, passes, kept) in block.rows.items()):  # fmt: skip
+            return True
+        return block.passes >= EARLY and block.tokens / seconds < LOSING * plain.rate
 
     @staticmethod
-    def _fair(plain: _Average | None, checking: _Average) -> bool:
-        """Whether checking at this measure leaves every row FAIR of its pace
-        under plain passes, at least (as far as known)."""
-        slowest = checking.row_rate
-        pace = plain.row_rate if plain is not None else None
-        return slowest is None or pace is None or slowest >= FAIR * pace
-
-    def _pays(self, plain: _Average | None, checking: _Average | None) -> bool:
-        """Whether checking at this measure beats plain passes: more tokens a
-        second, fairly (`_fair`)."""
+    def _pays(plain: _Average | None, checking: _Average | None) -> bool:
+        """Whether checking at this measure makes more tokens a second than plain passes."""
         if plain is None or checking is None:
             return False
-        return checking.rate > plain.rate and self._fair(plain, checking)
+        return checking.rate > plain.rate
 
     def ended(self, block: Block) -> None:
-        """`block` ran its passes: its rate, up to now, joins its kind's."""
+        """`block` ran its passes: its rate, up to now, joins its kind's, and
+        what each stream made in it, its ledger."""
         if not block.measured:
             return
         seconds = block.seconds()
+        plain = self._plain.get(block.size)
+        if plain is not None and plain.seconds > 0:
+            cost = seconds / block.passes / plain.seconds if block.checked else 1.0
+            for uid, (made, passes, kept) in block.rows.items():
+                self._ledger[uid] = self._of(uid) + made - FAIR * passes * cost
+                if block.checked:
+                    self._kept_last[uid] = bool(kept)
         kept, key = self._kept(block)
         if key in kept:
-            kept[key].add(seconds, block.tokens, block.slowest, block.passes)
+            kept[key].add(seconds, block.tokens, block.passes)
         else:
-            kept[key] = _Average(seconds, block.tokens, block.slowest, block.passes)
+            kept[key] = _Average(seconds, block.tokens, block.passes)
         self._account(block, seconds)
         if block.checked:
             self._choose_width(block.size, block.width)
@@ -327,7 +360,7 @@ class Pacing:
                 if checking else "not measured",
                 f"{plain.rate:.0f}" if plain else "not measured",
             )  # fmt: skip
-        self._say(block.size)
+        self._say(block.size, self._behind(block.rows, block.size))
 
     def _choose_width(self, size: int, ran: int) -> None:
         """After a checking block at width `ran`: the width checking runs at
@@ -339,22 +372,19 @@ class Pacing:
         if current is None:
             return  # the other lane's block moved it on to a width not tried yet
         plain = self._plain.get(size)
-
-        def better(a: _Average) -> tuple[bool, float]:  # fair first, then faster
-            return self._fair(plain, a), a.rate
-
-        if better(self._measured(size, ran)) > better(current):
+        if self._measured(size, ran).rate > current.rate:
             self._width[size], at, current = ran, ran, self._measured(size, ran)
         i = self._widths.index(at)
         if plain is not None and not self._pays(plain, current) and i > 0:
             if self._measured(size, narrower := self._widths[i - 1]) is None:
                 self._width[size] = narrower
 
-    def _say(self, size: int) -> None:
+    def _say(self, size: int, behind: int) -> None:
         """Log (info) where checking proposals turns to pay at a batch size, or
-        to lose: at most every SAY_EVERY seconds a size. Where the width
-        checking ran at lost and a narrower one waits for a trial, checking
-        has stopped: said with the best rate measured."""
+        to lose (or leaves `behind` streams' ledgers below nothing): at most
+        every SAY_EVERY seconds a size. Where the width checking ran at lost
+        and a narrower one waits for a trial, checking has stopped: said with
+        the best rate measured."""
         plain, current = self._plain.get(size), self._current(size)
         width, checking = self._at(size), current
         if checking is None:
@@ -364,20 +394,19 @@ class Pacing:
                 checking = self._measured(size, width)
         if plain is None or checking is None or self.always:
             return
-        pays, now = self._pays(plain, current), time.perf_counter()
+        pays, now = self._pays(plain, current) and not behind, time.perf_counter()
         said, when = self._said.get(size, (None, -SAY_EVERY))
         if pays == said or now - when < SAY_EVERY:
             return
         self._said[size] = (pays, now)
-        unfair = "" if self._fair(plain, checking) else (
-            f", the slowest stream at {checking.row_rate / plain.row_rate:.0%} of its pace"
-        )  # fmt: skip
+        unfair = f", {_streams_said(behind)} below {FAIR:.0%} of plain pace" if behind else ""
         log.info(
             "speculation, batches of %s: checking proposals %s (%.0f tokens a second%s against "
             "%.0f plain%s)%s", _streams(size),
             "pays" if pays else "does not pay", checking.rate,
             _width_said(width, ", {},"), plain.rate, unfair,
-            "" if pays else "; plain passes, a trial now and then",
+            "" if pays else "; plain passes, a trial now and then"
+            if not behind else "; plain passes until they catch up",
         )  # fmt: skip
 
     def charge(self, ended: Block, then: Block, work: Callable[[], object]) -> None:
@@ -472,13 +501,13 @@ class Pacing:
 
 def _lost(block: Block, seconds: float, plain: _Average) -> float:
     """The seconds a checking block took beyond what plain passes would have
-    taken for its tokens, or for its slowest row's at FAIR of that row's pace
-    (whichever is more)."""
-    lost = seconds - block.tokens / plain.rate
-    slowest, pace = block.slowest, plain.row_rate
-    if slowest is not None and pace:
-        lost = max(lost, seconds - slowest / (FAIR * pace))
-    return lost
+    taken for its tokens."""
+    return seconds - block.tokens / plain.rate
+
+
+def _streams_said(n: int) -> str:
+    """`n` streams, said."""
+    return "1 stream" if n == 1 else f"{n} streams"
 
 
 def _width_said(width: int, form: str) -> str:
