@@ -860,6 +860,36 @@ def test_checking_runs_only_where_rows_with_nothing_right_to_propose_keep_their_
     ), said
 
 
+def test_streams_joining_a_checking_batch_are_judged_once_they_could_have_proposed(paced):
+    """Every stream's proposals are right, but only from its second checking
+    call: its first tokens repeat nothing yet. A call chains four passes, costs
+    eight plain ones and makes a stream four tokens, twenty once it proposes
+    right. Requests of 128 tokens end and join all along: the streams just
+    joined must not stop checking for the batch."""
+    pacing, clock, _ = paced
+    calls = dict.fromkeys(range(8), 1)  # by stream: its checking calls so far
+    checks = []
+    for _ in range(200):
+        block = pacing.start(8, list(calls))
+        while not block.over and not pacing.losing(block):
+            block.begins()
+            new = pacing.new_shape(8, 9 if block.checking else 1)
+            clock.now += 1.0 if new else 0.080 if block.checking else 0.010
+            made = {u: (20 if n else 4) if block.checking else 1 for u, n in calls.items()}
+            block.ran(sum(made.values()), new, checked=block.checking, rows=made,
+                      sent=4 if block.checking else 1)  # fmt: skip
+            if block.checking:
+                calls = {u: n + 1 for u, n in calls.items()}
+        pacing.ended(block)
+        checks.append(block.checking)
+        gone = min(calls)  # (one request ends, the next joins)
+        del calls[gone]
+        pacing.left([gone])
+        calls[gone + 8] = 0
+        pacing.admit(gone + 8, 128)
+    assert sum(checks[100:]) >= 90, checks
+
+
 def test_streams_sampled_beside_repeating_ones_are_not_slowed_by_their_checking(monkeypatch):
     """Two streams repeat themselves (greedy: proposals right), two are sampled
     at temperature 1 (next to nothing right to propose): where a checking pass

@@ -29,8 +29,8 @@ to it, a checking pass where it keeps fewer proposals than the pass costs
 takes from it; it starts with what FAIR leaves of its first ALLOWANCE
 tokens. While any stream that kept no proposal in its last checking pass
 could not afford another such, passes are plain (one keeping some is
-making its ledger up; one not checked yet has its first proposals to
-find). So no stream makes much less than FAIR of its plain pace over its
+making its ledger up; one checked fewer than JUDGED times may have its
+first proposals still to find). So no stream makes much less than FAIR of its plain pace over its
 life, whatever its neighbours gain, and a stream whose proposals were
 right has room for a spell of wrong ones. One stream's chat beside another's agent is not
 slowed for the agent's gain.
@@ -80,6 +80,8 @@ FAIR = 0.97
 # A stream's first tokens (its `max_tokens`, if fewer) of which it may lose
 # 1 - FAIR before its checking passes have made any up.
 ALLOWANCE = 256
+# Checking passes a stream runs before its ledger may stop checking.
+JUDGED = 2
 
 log = logging.getLogger(__name__)
 
@@ -112,19 +114,21 @@ class _Average:
     whole run); over its first passes, their mean (a run timed in a slow
     moment weighs no more than its share)."""
 
-    __slots__ = ("seconds", "tokens", "passes", "weight", "last")
+    __slots__ = ("seconds", "tokens", "sent", "passes", "weight", "last")
 
-    def __init__(self, seconds: float, tokens: float, passes: int) -> None:
+    def __init__(self, seconds: float, tokens: float, sent: float, passes: int) -> None:
         self.seconds, self.tokens = seconds / passes, tokens / passes
+        self.sent = sent / passes  # the model's passes a pass sent (chained)
         self.passes = self.last = passes
         self.weight = 1.0  # the last run's
 
-    def add(self, seconds: float, tokens: float, passes: int) -> None:
+    def add(self, seconds: float, tokens: float, sent: float, passes: int) -> None:
         self.passes += passes
         self.last = passes
         self.weight = weight = min(1.0, max(WEIGHT * passes / BLOCK, passes / self.passes))
         self.seconds += weight * (seconds / passes - self.seconds)
         self.tokens += weight * (tokens / passes - self.tokens)
+        self.sent += weight * (sent / passes - self.sent)
 
     def later(self, seconds: float) -> None:
         """The last run took `seconds` more."""
@@ -135,12 +139,27 @@ class _Average:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+class _Stream:
+    """A stream's ledger (the module's docstring), in tokens; the checking
+    passes it ran, and whether it kept a proposal in the last."""
+
+    __slots__ = ("ledger", "checks", "kept")
+
+    def __init__(self, ledger: float) -> None:
+        self.ledger, self.checks, self.kept = ledger, 0, True
+
+    def judged(self, more: int = 0) -> bool:
+        """Whether it ran JUDGED checking passes (`more` with those of the run
+        under way): a stream finds its first proposals a few tokens in."""
+        return self.checks + more >= JUDGED
+
+
 class Block:
     """A run of one batch's passes, all checking or all plain."""
 
     __slots__ = (
-        "size", "checking", "width", "started", "passes", "checked", "tokens", "counted",
-        "skipped", "rows", "_pass",
+        "size", "checking", "width", "started", "passes", "checked", "tokens", "sent",
+        "counted", "skipped", "rows", "_pass",
     )  # fmt: skip
 
     def __init__(self, rows: int, checking: bool, width: int = 0) -> None:
@@ -149,7 +168,7 @@ class Block:
         # The most tokens a row proposes in its passes (0: as many as allowed).
         self.width = width if checking else 0
         self.started = self._pass = time.perf_counter()
-        self.passes = self.checked = self.tokens = 0
+        self.passes = self.checked = self.tokens = self.sent = 0
         self.skipped = 0.0  # seconds of passes that do not count
         self.counted = True
         # By row told (`ran`): [tokens, passes, whether it kept a proposal in its last].
@@ -174,6 +193,7 @@ class Block:
             return
         self.passes += 1
         self.tokens += tokens
+        self.sent += sent
         for uid, made in (rows or {}).items():
             counts = self.rows.setdefault(uid, [0, 0, 0])
             counts[0] += made
@@ -225,41 +245,39 @@ class Pacing:
         # By size: plain seconds due before the next trial (after one that lost), and run since.
         self._owed: dict[int, float] = {}
         self._plain_since: dict[int, float] = {}
-        # By stream (uid): its ledger, in tokens (the module's docstring; `admit`),
-        # and whether it kept a proposal in its last checking pass.
-        self._ledger: dict[int, float] = {}
-        self._kept_last: dict[int, bool] = {}
+        self._streams: dict[int, _Stream] = {}  # by uid (`admit`)
 
     def admit(self, uid: int, max_tokens: int) -> None:
         """Stream `uid` decodes from now on, for `max_tokens` tokens at most:
         its ledger opens with what FAIR leaves of its first ALLOWANCE tokens."""
-        self._ledger[uid] = (1 - FAIR) * min(max_tokens, ALLOWANCE)
+        self._streams[uid] = _Stream((1 - FAIR) * min(max_tokens, ALLOWANCE))
 
-    def _of(self, uid: int) -> float:
-        """Stream `uid`'s ledger (one not admitted opens with all of ALLOWANCE)."""
-        return self._ledger.get(uid, (1 - FAIR) * ALLOWANCE)
+    def _stream(self, uid: int) -> _Stream:
+        """Stream `uid`'s (one not admitted opens with all of ALLOWANCE)."""
+        if uid not in self._streams:
+            self._streams[uid] = _Stream((1 - FAIR) * ALLOWANCE)
+        return self._streams[uid]
 
     def left(self, uids: Iterable[int]) -> None:
         """Streams that decode no more: their ledgers closed."""
         for uid in uids:
-            self._ledger.pop(uid, None)
-            self._kept_last.pop(uid, None)
+            self._streams.pop(uid, None)
 
     def _behind(self, uids: Iterable[int], size: int) -> int:
-        """How many of streams `uids` kept no proposal in their last checking
-        pass and could not afford another such at `size`."""
+        """How many of streams `uids` could not afford another checking pass at
+        `size` where they keep no proposal, as they did in their last (`_Stream.judged`)."""
         margin = self._margin(size)
-        return sum(
-            self._kept_last.get(uid) is False and self._of(uid) < margin for uid in uids
-        )
+        streams = [self._streams[uid] for uid in uids if uid in self._streams]
+        return sum(s.judged() and not s.kept and s.ledger < margin for s in streams)
 
     def _margin(self, size: int) -> float:
         """What a checking pass at `size` takes from the ledger of a stream
-        that keeps no proposal in it, as measured (0: not measured)."""
+        that keeps no proposal in it (each pass it chains makes it a token),
+        as measured (0: not measured)."""
         plain, checking = self._plain.get(size), self._current(size)
         if plain is None or checking is None or plain.seconds <= 0:
             return 0.0
-        return max(0.0, FAIR * checking.seconds / plain.seconds - 1)
+        return max(0.0, FAIR * checking.seconds / plain.seconds - checking.sent)
 
     def new_shape(self, rows: int, width: int) -> bool:
         """Whether a pass of `rows` rows and `width` tokens a row runs for the first time."""
@@ -314,10 +332,11 @@ class Pacing:
             return False
         cost = seconds / block.passes / plain.seconds
         # (a stream that could not afford the next pass, at this block's cost so far)
-        margin = max(0.0, FAIR * cost - 1)
-        if any(not kept and self._of(uid) + made - FAIR * passes * cost < margin
-               for uid, (made, passes, kept) in block.rows.items()):  # fmt: skip
-            return True
+        margin = max(0.0, FAIR * cost - block.sent / block.passes)
+        for uid, (made, passes, kept) in block.rows.items():
+            s = self._stream(uid)
+            if s.judged(passes) and not kept and s.ledger + made - FAIR * passes * cost < margin:
+                return True
         return block.passes >= EARLY and block.tokens / seconds < LOSING * plain.rate
 
     @staticmethod
@@ -337,14 +356,16 @@ class Pacing:
         if plain is not None and plain.seconds > 0:
             cost = seconds / block.passes / plain.seconds if block.checked else 1.0
             for uid, (made, passes, kept) in block.rows.items():
-                self._ledger[uid] = self._of(uid) + made - FAIR * passes * cost
+                s = self._stream(uid)
+                s.ledger += made - FAIR * passes * cost
                 if block.checked:
-                    self._kept_last[uid] = bool(kept)
+                    s.checks += passes
+                    s.kept = bool(kept)
         kept, key = self._kept(block)
         if key in kept:
-            kept[key].add(seconds, block.tokens, block.passes)
+            kept[key].add(seconds, block.tokens, block.sent, block.passes)
         else:
-            kept[key] = _Average(seconds, block.tokens, block.passes)
+            kept[key] = _Average(seconds, block.tokens, block.sent, block.passes)
         self._account(block, seconds)
         if block.checked:
             self._choose_width(block.size, block.width)
