@@ -18,6 +18,7 @@ the bench's random models behave, and the table reports what was measured:
   right in full, as where a client retries or regenerates. Both workers see
   the same cache hits; only the one that speculates proposes from them.
 
+The two workers run side by side, each on SHARE of the device's memory.
 With `--speculation-draft` the proposals come from a draft model instead:
 `self` (the model as its own draft: greedy proposals always right, sampled
 ones mostly wrong) or a random model of another shape with the same
@@ -37,6 +38,11 @@ from bench.long_prompts import default_worker, metrics
 from bench.runner import progress, steps_so_far
 from bench.stats import RequestRecord
 from bench.workload import Workload
+
+# Each worker's --memory-budget, where the bench's own flags name none: both run
+# side by side on one device, and each would otherwise plan on 90% of a GPU's
+# memory (on CPU, 75% of the host's), growing its prefix cache into it.
+SHARE = "45%"
 
 KINDS = ("right", "wrong", "half", "again")
 DEFAULT_KINDS = KINDS[:3]  # "again" is asked for by name: it runs its prompts twice
@@ -81,7 +87,8 @@ def _round(address: str, port: int, workload: Workload, kind: str, c: int, first
            tag: str, counted: tuple[str, ...]) -> tuple:  # fmt: skip
     """Warm-up, then the timed requests: (tokens, seconds, errors, the
     worker's steps, their seconds and their rows, and its `counted` counters,
-    over the timed requests), and the streams' rates (`stream_rates`)."""
+    over the timed requests), the streams' rates (`stream_rates`), and the
+    first error (None: none)."""
     warm, timed = workload.warmup(c), workload.requests(c)
     hot = partial(temperature, kind)
     asyncio.run(closed_loop(address, workload, c, range(first, first + warm), tag, hot))
@@ -92,8 +99,9 @@ def _round(address: str, port: int, workload: Workload, kind: str, c: int, first
     records, wall = asyncio.run(closed_loop(address, workload, c, span, tag, hot))
     after = [*(steps_so_far(port) or before[:3]), *metrics(port, *counted)]
     changes = [(b or 0) - (a or 0) for a, b in zip(before, after, strict=True)]
-    errors = sum(r.error is not None for r in records)
-    return (sum(r.tokens for r in records), wall, errors, *changes), stream_rates(records, kind)
+    errors = [r.error for r in records if r.error is not None]
+    figures = (sum(r.tokens for r in records), wall, len(errors), *changes)
+    return figures, stream_rates(records, kind), next(iter(errors), None)
 
 
 def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload: Workload,
@@ -101,6 +109,8 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
     """Each workload at each level: tok/s off and on, and what the proposals did."""
     rows = []
     drafting = [] if spec.draft is None else ["--draft-model", str(spec.draft)]
+    if "--memory-budget" not in extra:
+        extra = [*extra, "--memory-budget", SHARE]
     counted = counters("prompt_lookup" if spec.draft is None else "draft_model")
     with (
         default_worker(model_dir, work_dir, [*extra, "--speculative", "off"], "spec-off",
@@ -115,11 +125,14 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
                 # tokens, seconds, errors; steps, their seconds and rows; the counters
                 figures = {name: [0.0] * (6 + len(counted)) for name in workers}
                 streams: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
+                first_error: dict[str, str] = {}
                 for r in range(spec.rounds):
                     for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
                         worker, port = workers[name]
-                        got, rates = _round(worker.address, port, workload, kind, c, first,
-                                            f"{kind}-{c}-{r}", counted)  # fmt: skip
+                        got, rates, error = _round(worker.address, port, workload, kind, c,
+                                                   first, f"{kind}-{c}-{r}", counted)  # fmt: skip
+                        if error is not None:
+                            first_error.setdefault(name, error)
                         figures[name] = [a + b for a, b in zip(figures[name], got, strict=True)]
                         for how, seen in rates.items():
                             streams[name].setdefault(how, []).extend(seen)
@@ -130,6 +143,9 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
                     "off_tok_s": figures["off"][0] / figures["off"][1],
                     "on_tok_s": figures["on"][0] / figures["on"][1],
                     "errors": figures["off"][2] + figures["on"][2],
+                    # by worker: how many, and the first one's message
+                    "failed": {name: [figures[name][2], error]
+                               for name, error in first_error.items()},  # fmt: skip
                     "proposed": proposed, "accepted": accepted,
                     "checking_passes": passes, "tokens_per_checking_pass": tokens / max(1, passes),
                 }  # fmt: skip
@@ -168,6 +184,8 @@ def format_row(row: dict) -> str:
         f"{100 * row['on_stepping_share']:.0f}% of the time"
         + "".join(f"; a {how} stream x{ratio:.2f}"
                   for how, ratio in row.get("stream_on_over_off", {}).items())  # fmt: skip
+        + "".join(f"; {count:.0f} failed {name}, the first: {error}"
+                  for name, (count, error) in row.get("failed", {}).items())  # fmt: skip
     )
 
 

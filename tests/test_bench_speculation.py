@@ -37,3 +37,8 @@ def test_the_half_workload_reports_greedy_and_sampled_streams_apart():
         "stream_on_over_off": {"greedy": 1.5, "sampled": 0.96},
     }  # fmt: skip
     assert format_row(row).endswith("; a greedy stream x1.50; a sampled stream x0.96")
+    # Failed requests are said, by worker, with the first one's message.
+    row["failed"] = {"off": [3, "RESOURCE_EXHAUSTED: no room"]}
+    assert format_row(row).endswith(
+        "; a sampled stream x0.96; 3 failed off, the first: RESOURCE_EXHAUSTED: no room"
+    )
