@@ -64,6 +64,8 @@ class Lanes:
             for _ in (SHORT, LONG)
         )
         self._joined: list[list] = [[], []]  # by lane: the prompts `next` says ended next
+        if self.drafting is not None:  # (the rows of lanes closed left without a word)
+            self.drafting.pacing.left()
         for generator in self._generators:  # the decoding rows prompts move into
             generator._generation_batch = (
                 EndingGenerationBatch.start(self._model, generator.sampler)

@@ -258,9 +258,12 @@ class Pacing:
             self._streams[uid] = _Stream((1 - FAIR) * ALLOWANCE)
         return self._streams[uid]
 
-    def left(self, uids: Iterable[int]) -> None:
-        """Streams that decode no more: their ledgers closed."""
-        for uid in uids:
+    def left(self, uids: Iterable[int] | None = None) -> None:
+        """Streams that decode no more: their ledgers closed (None: every one,
+        as the lanes start empty again)."""
+        if uids is None:
+            self._streams.clear()
+        for uid in uids or ():
             self._streams.pop(uid, None)
 
     def _behind(self, uids: Iterable[int], size: int) -> int:
