@@ -326,21 +326,37 @@ class Pacing:
 
     def losing(self, block: Block) -> bool:
         """Whether `block`, checking, makes clearly fewer tokens a second so far
-        than plain blocks do, or has left a stream's ledger below nothing: it
-        ends now, its passes measured as they are."""
-        if not block.checked or self.always or not block.passes or not block.counted:
+        than plain blocks do, or has left a stream unable to afford another of
+        its passes: it ends now, its passes measured as they are."""
+        if not block.checked or self.always or not block.passes:
             return False
-        plain, seconds = self._plain.get(block.size), block.seconds()
-        if plain is None or seconds <= 0:
+        cost = self._cost(block)
+        if cost is None:
             return False
-        cost = seconds / block.passes / plain.seconds
         # (a stream that could not afford the next pass, at this block's cost so far)
         margin = max(0.0, FAIR * cost - block.sent / block.passes)
         for uid, (made, passes, kept) in block.rows.items():
             s = self._stream(uid)
             if s.judged(passes) and not kept and s.ledger + made - FAIR * passes * cost < margin:
                 return True
-        return block.passes >= EARLY and block.tokens / seconds < LOSING * plain.rate
+        plain, seconds = self._plain[block.size], block.seconds()
+        if not block.counted or block.passes < EARLY or seconds <= 0:
+            return False
+        return block.tokens / seconds < LOSING * plain.rate
+
+    def _cost(self, block: Block) -> float | None:
+        """What each of `block`'s passes cost a stream, in plain passes: as its
+        own time says, or where that holds other work (`Block.void`), as
+        checking passes at its size were measured (None: not known)."""
+        if not block.checked:
+            return 1.0
+        plain = self._plain.get(block.size)
+        if plain is None or plain.seconds <= 0:
+            return None
+        if block.measured:
+            return block.seconds() / block.passes / plain.seconds
+        current = self._current(block.size)
+        return current.seconds / plain.seconds if current is not None else None
 
     @staticmethod
     def _pays(plain: _Average | None, checking: _Average | None) -> bool:
@@ -351,19 +367,18 @@ class Pacing:
 
     def ended(self, block: Block) -> None:
         """`block` ran its passes: its rate, up to now, joins its kind's, and
-        what each stream made in it, its ledger."""
-        if not block.measured:
-            return
-        seconds = block.seconds()
-        plain = self._plain.get(block.size)
-        if plain is not None and plain.seconds > 0:
-            cost = seconds / block.passes / plain.seconds if block.checked else 1.0
+        what each stream made in it, its ledger (whether its time counts or not:
+        the streams ran its passes either way)."""
+        if (cost := self._cost(block)) is not None and block.passes:
             for uid, (made, passes, kept) in block.rows.items():
                 s = self._stream(uid)
                 s.ledger += made - FAIR * passes * cost
                 if block.checked:
                     s.checks += passes
                     s.kept = bool(kept)
+        if not block.measured:
+            return
+        seconds = block.seconds()
         kept, key = self._kept(block)
         if key in kept:
             kept[key].add(seconds, block.tokens, block.sent, block.passes)
