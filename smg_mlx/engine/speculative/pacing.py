@@ -30,10 +30,10 @@ takes from it; it starts with what FAIR leaves of its first ALLOWANCE
 tokens. While any stream that kept no proposal in its last checking pass
 could not afford another such, passes are plain (one keeping some is
 making its ledger up; one checked fewer than JUDGED times may have its
-first proposals still to find). So no stream makes much less than FAIR of its plain pace over its
-life, whatever its neighbours gain, and a stream whose proposals were
-right has room for a spell of wrong ones. One stream's chat beside another's agent is not
-slowed for the agent's gain.
+first proposals still to find). So no stream makes much less than FAIR
+of its plain pace over its life, whatever its neighbours gain, and a
+stream whose proposals were right has room for a spell of wrong ones. One
+stream's chat beside another's agent is not slowed for the agent's gain.
 Until both are measured it is tried; whichever kind loses runs again now and
 then, as the batch, its proposals and the machine change (a losing checking
 run after ever longer waits, drawn give or take a quarter, and after plain
