@@ -377,6 +377,9 @@ class Pacing:
                     s.checks += passes
                     s.kept = bool(kept)
         if not block.measured:
+            log.debug("speculation, batches of at most %d: a run of %d %s passes left out of "
+                      "the rates (other work ran beside them)", block.size, block.passes,
+                      "checking" if block.checked else "plain")  # fmt: skip
             return
         seconds = block.seconds()
         kept, key = self._kept(block)
@@ -455,6 +458,8 @@ class Pacing:
         work()
         seconds = time.perf_counter() - started
         then.skipped += seconds
+        log.debug("speculation, batches of at most %d: rows lined up after checking passes "
+                  "in %.1f ms", ended.size, 1e3 * seconds)  # fmt: skip
         if ended.measured:
             kept, key = self._kept(ended)
             kept[key].later(seconds)
