@@ -234,5 +234,7 @@ class PlacedGenerationBatch(EndingGenerationBatch):
             places = mx.zeros((self._width,), dtype=counts.dtype)
             places[self._route[1]] = counts
             counts = places
+        # (every layer's ends alike: written and taken back together)
+        ends = mx.array(_ends(self.prompt_cache[0])) - counts
         for c in self.prompt_cache:
-            c.rewind_ahead(counts)
+            c.rewind_ahead(counts, ends)

@@ -88,13 +88,14 @@ class Ragged:
         if self._ends is not None and self._idx - min(self._ends) > SPREAD:
             self.compact()
 
-    def rewind_ahead(self, counts: mx.array) -> None:
+    def rewind_ahead(self, counts: mx.array, ends: mx.array) -> None:
         """Take back each row's newest `counts[i]` entries, counted on the device
-        (a pass still running): the next pass writes from there, while the
-        host's ends stay where the entries reach until `rewind(counts, ahead=True)`
-        gives the same counts."""
+        (a pass still running), leaving it ending at `ends[i]` (its end less
+        those, given by the caller once for every layer): the next pass writes
+        from there, while the host's ends stay where the entries reach until
+        `rewind(counts, ahead=True)` gives the same counts."""
         self.offset = self.offset - counts
-        self._device_ends = mx.array(self._row_ends()) - counts
+        self._device_ends = ends
 
     def compact(self) -> None:
         """Every row ending at `_idx` again, and no column that every row pads."""
