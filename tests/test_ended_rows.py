@@ -5,9 +5,16 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
 
 from smg_mlx.engine.batch import quantized_kv
-from smg_mlx.engine.batch.ended_rows import EndedRow, SharedBlocks, Snapshot, copied_out
+from smg_mlx.engine.batch.ended_rows import (
+    EndedRow,
+    EndingGenerationBatch,
+    SharedBlocks,
+    Snapshot,
+    copied_out,
+)
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
+from smg_mlx.engine.speculative.ragged_kv import ragged
 
 PADDING = [0, 2, 1, 0, 3, 0]
 
@@ -167,3 +174,30 @@ def test_a_snapshot_holds_the_rows_as_they_were_and_copies_no_more_than_they_tak
     batch = sum(a.nbytes for c in cache for a in (c.keys, c.values))
     assert row < batch / 4
     assert mx.get_peak_memory() - before < 2 * row
+
+
+def test_rows_of_a_ragged_cache_come_out_to_their_own_ends_without_reading_the_device():
+    """Speculative decoding's rows end apart (`ragged_kv`): each ended row is
+    taken from a snapshot, to its own end, alone or in a block, as mlx-lm's
+    extract gives it (which reads the padding back from the device, waiting
+    for the pass in flight: the ragged cache's rows are not copied so)."""
+    cache = [ragged(layer) for layer in _batch()]
+    back = [0, 2, 1, 0, 3, 1]
+    for layer in cache:
+        layer.rewind(back)
+    ends = [6 - n for n in back]
+    assert cache[0]._ends == ends
+    want = {p: [np.array(a[p, :, PADDING[p] : ends[p]]) for c in cache for a in (c.keys, c.values)]
+            for p in range(len(PADDING))}  # fmt: skip
+    batch = EndingGenerationBatch.start(None, None)
+    batch.prompt_cache = cache
+    batch.tokens = [[1] * (e - p) for e, p in zip(ends, PADDING, strict=True)]
+    rows = [batch.extract_cache(p) for p in range(len(PADDING))]
+    assert all(isinstance(r, EndedRow) for r in rows)
+    assert [r.padding for r in rows] == PADDING
+    for places in ([0, 1, 2, 3], [4], [1, 5]):
+        out, _ = copied_out([rows[p] for p in places])
+        for place, layers in zip(places, out, strict=True):
+            assert [c.offset for c in layers] == [ends[place] - PADDING[place]] * 3
+            for got, expected in zip(_held(layers), want[place], strict=True):
+                np.testing.assert_array_equal(got, expected)

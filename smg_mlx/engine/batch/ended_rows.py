@@ -28,9 +28,19 @@ from smg_mlx.engine.batch import batch_kv  # noqa: F401 - its filter takes a kno
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
 from smg_mlx.engine.prefix_cache.token_tree import Entry
+from smg_mlx.engine.speculative.ragged_kv import (
+    Ragged,
+    RaggedBatchKVCache,
+    RaggedBatchQuantizedKVCache,
+)
 
 # Batch caches whose filter takes the padding its rows share, known from their tokens.
 KNOWN_PADDING = (BatchKVCache, BatchQuantizedKVCache)
+# Batch caches whose ended rows are taken from a snapshot (`EndedRow`); the
+# ragged ones' rows (speculative decoding's) end each at its own column. Any
+# other's are copied out by mlx-lm, which reads the padding back from the
+# device: that waits for the pass in flight.
+SNAPSHOT = (*KNOWN_PADDING, RaggedBatchKVCache, RaggedBatchQuantizedKVCache)
 # Rows a pass ends are copied out as a block where they are at least two and
 # span at most this many places a row (the places between, rows still
 # running or holes, are copied too).
@@ -43,11 +53,16 @@ class Snapshot:
     cache (rows joining in the same call) change its arrays, not these."""
 
     arrays: list[list[mx.array]]  # each layer's: keys then values (quantized: 3 parts each)
-    end: int  # the column where every row's entries end
+    end: int  # the column where every row's entries end (ragged: the furthest)
     quantized: tuple[int, int] | None = None  # (group size, bits); None: 16-bit
     # Quantized: each layer's 16-bit tail (keys, values), its positions after
     # the `arrays`' (which end at `end` less theirs); None: no positions there.
     tails: list[tuple[mx.array, mx.array]] | None = None
+    # Where each place's entries end, where rows end apart (a ragged cache); None: at `end`.
+    ends: list[int] | None = None
+
+    def end_of(self, place: int) -> int:
+        return self.end if self.ends is None else self.ends[place]
 
     @classmethod
     def of(cls, cache: list[BatchKVCache] | list[BatchQuantizedKVCache]) -> Snapshot:
@@ -63,15 +78,17 @@ class Snapshot:
             arrays = [[a[:] for a in (*c.keys, *c.values)] for c in cache]
             tailed = first._tailed
             tails = [tuple(t[:, :, :tailed] for t in c._tail) for c in cache] if tailed else None
-            return cls(arrays, first._idx + tailed, (first.group_size, first.bits), tails)  # type: ignore[arg-type]
-        return cls([[c.keys[:], c.values[:]] for c in cache], first._idx)
+            quantized = (first.group_size, first.bits)
+            return cls(arrays, first._idx + tailed, quantized, tails, _apart(first))  # type: ignore[arg-type]
+        return cls([[c.keys[:], c.values[:]] for c in cache], first._idx, ends=_apart(first))
 
-    def copied(self, layer: int, rows: slice, start: int) -> list[mx.array]:
+    def copied(self, layer: int, rows: slice, start: int, end: int) -> list[mx.array]:
         """Layer `layer`'s arrays for `rows`, from column `start` to `end`, in
-        arrays of their own (a tail's positions quantized as a flush would)."""
+        arrays of their own (a tail's positions quantized as a flush would:
+        a cache with a tail has every row ending at `self.end`)."""
         arrays = self.arrays[layer]
         if self.tails is None:
-            return [mx.contiguous(a[rows, :, start : self.end]) for a in arrays]
+            return [mx.contiguous(a[rows, :, start:end]) for a in arrays]
         group_size, bits = self.quantized  # type: ignore[misc]
         quantized = [mx.quantize(t[rows], group_size=group_size, bits=bits)
                      for t in self.tails[layer]]  # fmt: skip
@@ -82,6 +99,11 @@ class Snapshot:
         ]
 
 
+def _apart(cache: Any) -> list[int] | None:
+    """Where each place of a ragged cache ends, if its rows end apart."""
+    return list(cache._ends) if isinstance(cache, Ragged) and cache._ends is not None else None
+
+
 @dataclass(eq=False)
 class EndedRow:
     """A row of a batch cache (16-bit or quantized) that ended or left, where
@@ -90,6 +112,10 @@ class EndedRow:
     snapshot: Snapshot
     place: int
     padding: int  # the columns before its entries
+
+    @property
+    def end(self) -> int:
+        return self.snapshot.end_of(self.place)
 
 
 class _NoStop:
@@ -188,14 +214,16 @@ class EndingGenerationBatch(GenerationBatch):
     def _ended(self, idx: int, place: int) -> list[Any] | EndedRow:
         """Row `idx`, at `place` in the cache."""
         cache = self.prompt_cache
-        if not cache or any(type(c) not in KNOWN_PADDING for c in cache):
+        if not cache or any(type(c) not in SNAPSHOT for c in cache):
             return [c.extract(place) for c in cache]
-        padding = self._padding(idx)
         if self._snapshots is None:  # (not in a pass: a row leaving)
-            return EndedRow(Snapshot.of(cache), place, padding)
-        if not self._snapshots:
-            self._snapshots.append(Snapshot.of(cache))
-        return EndedRow(self._snapshots[0], place, padding)
+            taken = Snapshot.of(cache)
+        else:
+            if not self._snapshots:
+                self._snapshots.append(Snapshot.of(cache))
+            taken = self._snapshots[0]
+        # (its entries end its tokens: those before them are its padding)
+        return EndedRow(taken, place, taken.end_of(place) - len(self.tokens[idx]))
 
 
 @dataclass(eq=False)
@@ -289,20 +317,20 @@ def copied_out(
         low, high = min(places), max(places) + 1
         if len(rows) < 2 or high - low > SPAN_PER_ROW * len(rows):
             for i, row in zip(members, rows, strict=True):
-                out[i] = _own(taken, row.place, row.padding)
+                out[i] = _own(taken, row)
                 scheduled += [layer.state for layer in out[i]]
             continue
-        first = min(r.padding for r in rows)
+        first, end = min(r.padding for r in rows), max(r.end for r in rows)
         parts = []
         block = Block()
         for layer in range(len(taken.arrays)):
-            copies = taken.copied(layer, slice(low, high), first)
+            copies = taken.copied(layer, slice(low, high), first, end)
             scheduled += copies
             block.nbytes += sum(a.nbytes for a in copies)
             parts.append([mx.split(a, high - low, axis=0) for a in copies])
         for i, row in zip(members, rows, strict=True):
-            at, skip = row.place - low, row.padding - first
-            out[i] = [_layer(taken, [a[at] for a in layer], skip) for layer in parts]
+            at, skip, length = row.place - low, row.padding - first, row.end - row.padding
+            out[i] = [_layer(taken, [a[at] for a in layer], skip, length) for layer in parts]
             blocks[i] = block
     mx.async_eval(scheduled)
     return out, blocks
@@ -313,16 +341,19 @@ def one_row(cache: list[Any] | EndedRow) -> list[Any]:
     return copied_out([cache])[0][0]
 
 
-def _own(taken: Snapshot, place: int, padding: int) -> list[Any]:
-    """The row at `place` in arrays of its own."""
-    row = slice(place, place + 1)
-    return [_layer(taken, taken.copied(i, row, padding), 0) for i in range(len(taken.arrays))]
+def _own(taken: Snapshot, row: EndedRow) -> list[Any]:
+    """`row` in arrays of its own."""
+    rows, length = slice(row.place, row.place + 1), row.end - row.padding
+    return [_layer(taken, taken.copied(i, rows, row.padding, row.end), 0, length)
+            for i in range(len(taken.arrays))]  # fmt: skip
 
 
-def _layer(taken: Snapshot, arrays: list[mx.array], skip: int) -> KVCache | QuantizedKVCache:
+def _layer(taken: Snapshot, arrays: list[mx.array], skip: int,
+           length: int) -> KVCache | QuantizedKVCache:  # fmt: skip
     """A single sequence's cache of a layer's `arrays` (as `taken` holds
-    them) after `skip` columns."""
-    arrays = [a[:, :, skip:] if skip else a for a in arrays]
+    them): `length` columns after `skip` (a row of a block ends before
+    those ending furthest)."""
+    arrays = [a[:, :, skip : skip + length] if skip or a.shape[2] > length else a for a in arrays]
     if taken.quantized is None:
         layer = KVCache()
         layer.keys, layer.values = arrays
