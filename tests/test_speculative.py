@@ -863,6 +863,43 @@ def test_checking_runs_only_where_rows_with_nothing_right_to_propose_keep_their_
     ), said
 
 
+def test_a_slow_plain_pass_now_and_then_does_not_make_checking_look_cheap(paced):
+    """Rows end and join far more often once checking has them end apart, and
+    the pass where one does takes several plain ones' time: here one pass in
+    each plain run takes 80 ms, the others 10. Checking passes take 16 ms: less
+    than a plain run's mean pass, but 1.6 usual ones. Half the streams have
+    nothing right to propose: they are held within 3% of their pace at the
+    usual plain pass (the slow passes' time aside), and the others still gain."""
+    pacing, clock, _ = paced
+    made = {uid: 5 if uid % 2 else 1 for uid in range(8)}
+    stalled = 0.0
+
+    def run() -> Block:
+        nonlocal stalled
+        block = pacing.start(len(made), made)
+        while not block.over and not pacing.losing(block):
+            block.begins()
+            new = pacing.new_shape(len(made), 5 if block.checking else 1)
+            slow = not block.checking and block.passes == 3
+            clock.now += 1.0 if new else 0.016 if block.checking else 0.080 if slow else 0.010
+            stalled += 0.070 if slow and not new else 0.0
+            tokens = made if block.checking else dict.fromkeys(made, 1)
+            block.ran(sum(tokens.values()), new, checked=block.checking, rows=tokens)
+        pacing.ended(block)
+        return block
+
+    for _ in range(4):  # (both kinds measured, first passes aside)
+        run()
+    started, stalled = clock.now, 0.0
+    runs = [run() for _ in range(400)]
+    tokens = {uid: sum(r.passes * (n if r.checking else 1) for r in runs)
+              for uid, n in made.items()}  # fmt: skip
+    paces = {uid: tokens[uid] * 0.010 / (clock.now - started - stalled) for uid in made}
+    assert any(r.checking for r in runs)
+    assert min(paces.values()) >= 0.96, paces
+    assert paces[1] > 1.1, paces
+
+
 def test_runs_timed_beside_other_work_still_count_what_they_cost_each_stream(paced):
     """Runs whose time holds other work (prompts prefilled beside them) say
     nothing of the rates, but their streams ran their passes: where every run

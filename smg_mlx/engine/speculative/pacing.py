@@ -24,7 +24,9 @@ Checking pays only where it is fair too: rows with nothing right to propose
 make a token a pass whatever their neighbours do, and a checking pass costs
 more than a plain one (it waits for the one before, and is wider). So each
 stream keeps a ledger (`Pacing.admit`): the tokens it made, less FAIR of
-those plain passes would have made it in the same time. Plain passes add
+those plain passes would have made it in the same time (plain passes as
+they usually run, without the slow one where a row ends or joins:
+`Block.usual`). Plain passes add
 to it, a checking pass where it keeps fewer proposals than the pass costs
 takes from it; it starts with what FAIR leaves of its first ALLOWANCE
 tokens. While any stream that kept no proposal in its last checking pass
@@ -112,23 +114,28 @@ class _Average:
     weighs as many passes as it ran: one cut short two passes in, where a
     stream's first proposals were wrong, moves it a quarter as far as a
     whole run); over its first passes, their mean (a run timed in a slow
-    moment weighs no more than its share)."""
+    moment weighs no more than its share). Beside the seconds a pass, those
+    of its usual pass (`Block.usual`)."""
 
-    __slots__ = ("seconds", "tokens", "sent", "passes", "weight", "last")
+    __slots__ = ("seconds", "usual", "tokens", "sent", "passes", "weight", "last")
 
-    def __init__(self, seconds: float, tokens: float, sent: float, passes: int) -> None:
-        self.seconds, self.tokens = seconds / passes, tokens / passes
-        self.sent = sent / passes  # the model's passes a pass sent (chained)
+    def __init__(self, block: Block, seconds: float) -> None:
+        passes = block.passes
+        self.seconds, self.tokens = seconds / passes, block.tokens / passes
+        self.usual = block.usual()
+        self.sent = block.sent / passes  # the model's passes a pass sent (chained)
         self.passes = self.last = passes
         self.weight = 1.0  # the last run's
 
-    def add(self, seconds: float, tokens: float, sent: float, passes: int) -> None:
+    def add(self, block: Block, seconds: float) -> None:
+        passes = block.passes
         self.passes += passes
         self.last = passes
         self.weight = weight = min(1.0, max(WEIGHT * passes / BLOCK, passes / self.passes))
         self.seconds += weight * (seconds / passes - self.seconds)
-        self.tokens += weight * (tokens / passes - self.tokens)
-        self.sent += weight * (sent / passes - self.sent)
+        self.usual += weight * (block.usual() - self.usual)
+        self.tokens += weight * (block.tokens / passes - self.tokens)
+        self.sent += weight * (block.sent / passes - self.sent)
 
     def later(self, seconds: float) -> None:
         """The last run took `seconds` more."""
@@ -159,7 +166,7 @@ class Block:
 
     __slots__ = (
         "size", "checking", "width", "started", "passes", "checked", "tokens", "sent",
-        "counted", "skipped", "rows", "_pass",
+        "counted", "skipped", "rows", "_pass", "_mark", "_walls",
     )  # fmt: skip
 
     def __init__(self, rows: int, checking: bool, width: int = 0) -> None:
@@ -173,10 +180,14 @@ class Block:
         self.counted = True
         # By row told (`ran`): [tokens, passes, whether it kept a proposal in its last].
         self.rows: dict[int, list[int]] = {}
+        self._mark: float | None = None  # where the next pass's time starts
+        self._walls: list[float] = []  # each timed pass's, up to the end of the one before
 
     def begins(self) -> None:
         """One of its passes begins."""
         self._pass = time.perf_counter()
+        if self._mark is None:
+            self._mark = self._pass
 
     def ran(
         self, tokens: int, new_shape: bool, checked: bool = False,
@@ -188,9 +199,12 @@ class Block:
         uid, that decodes on after it: not those that ended or joined;
         `sent`: the model's passes it took, chained)."""
         self.checked += checked
+        now, mark = time.perf_counter(), self._mark
+        self._mark = now
         if new_shape:
-            self.skipped += time.perf_counter() - self._pass
+            self.skipped += now - self._pass
             return
+        self._walls.append(now - (mark if mark is not None else self._pass))
         self.passes += 1
         self.tokens += tokens
         self.sent += sent
@@ -211,6 +225,15 @@ class Block:
     def seconds(self) -> float:
         """Its time so far, but the passes that do not count."""
         return time.perf_counter() - self.started - self.skipped
+
+    def usual(self) -> float:
+        """Its usual pass's seconds (the median, from the end of the pass before
+        to its own): a pass where a row ends or joins takes several times as
+        long, and where checking has rows end apart, they do far more often
+        than in a batch that never checks, whose rows of one length end
+        together. So a stream's plain pace is this, not the mean."""
+        walls = sorted(self._walls)
+        return walls[len(walls) // 2] if walls else 0.0
 
     def void(self) -> None:
         """Left out: its time holds other work (the other lane's passes)."""
@@ -278,9 +301,9 @@ class Pacing:
         that keeps no proposal in it (each pass it chains makes it a token),
         as measured (0: not measured)."""
         plain, checking = self._plain.get(size), self._current(size)
-        if plain is None or checking is None or plain.seconds <= 0:
+        if plain is None or checking is None or plain.usual <= 0:
             return 0.0
-        return max(0.0, FAIR * checking.seconds / plain.seconds - checking.sent)
+        return max(0.0, FAIR * checking.seconds / plain.usual - checking.sent)
 
     def new_shape(self, rows: int, width: int) -> bool:
         """Whether a pass of `rows` rows and `width` tokens a row runs for the first time."""
@@ -345,18 +368,19 @@ class Pacing:
         return block.tokens / seconds < LOSING * plain.rate
 
     def _cost(self, block: Block) -> float | None:
-        """What each of `block`'s passes cost a stream, in plain passes: as its
-        own time says, or where that holds other work (`Block.void`), as
-        checking passes at its size were measured (None: not known)."""
+        """What each of `block`'s passes cost a stream, in usual plain passes
+        (`Block.usual`): as its own time says, rows ending and joining in it
+        and all, or where that holds other work (`Block.void`), as checking
+        passes at its size were measured (None: not known)."""
         if not block.checked:
             return 1.0
         plain = self._plain.get(block.size)
-        if plain is None or plain.seconds <= 0:
+        if plain is None or plain.usual <= 0:
             return None
         if block.measured:
-            return block.seconds() / block.passes / plain.seconds
+            return block.seconds() / block.passes / plain.usual
         current = self._current(block.size)
-        return current.seconds / plain.seconds if current is not None else None
+        return current.seconds / plain.usual if current is not None else None
 
     @staticmethod
     def _pays(plain: _Average | None, checking: _Average | None) -> bool:
@@ -384,9 +408,9 @@ class Pacing:
         seconds = block.seconds()
         kept, key = self._kept(block)
         if key in kept:
-            kept[key].add(seconds, block.tokens, block.sent, block.passes)
+            kept[key].add(block, seconds)
         else:
-            kept[key] = _Average(seconds, block.tokens, block.sent, block.passes)
+            kept[key] = _Average(block, seconds)
         self._account(block, seconds)
         if block.checked:
             self._choose_width(block.size, block.width)
