@@ -455,11 +455,17 @@ def run_block(
 
 def test_pacing_checks_proposals_only_where_that_pays(paced, caplog):
     """And with --log-level debug it says what each run of passes made, beside
-    each kind's rate: why it checks where it does."""
+    each kind's rate: why it checks where it does (and at info, a pass that
+    stalled every stream while its kernels were built)."""
     caplog.set_level(logging.DEBUG, logger="smg_mlx.engine.speculative.pacing")
     pacing, _, run = paced
     plain, paying, losing = (0.010, 8), (0.012, 20), (0.030, 9)
     assert not run(8, plain, paying)  # plain first: the measure to hold against
+    # (a shape's first pass, kernels built in a second, untimed: said, a stall every stream saw)
+    assert caplog.messages[0] == (
+        "speculation, batches of 5 to 8 streams: a plain pass of a new shape took 1.0 s "
+        "(mlx building its kernels; every stream waited)"
+    )
     assert run(8, plain, paying)  # checking not measured yet: tried
     assert caplog.messages[-2:] == [
         "speculation, batches of at most 8: 8 checking passes made 160 tokens in 96.0 ms; "

@@ -75,6 +75,9 @@ TRIAL_SHARE = 0.03
 # Seconds between two log lines (info) saying checking turned to pay, or not,
 # for one batch size: rates near each other may cross back and forth.
 SAY_EVERY = 10.0
+# Seconds from which a pass of a shape run for the first time is logged (info):
+# a stall every stream sees.
+SLOW_FIRST = 0.5
 # Checking blocks at a size between two at a neighbouring width.
 PROBE = 8
 # The share of its pace under plain passes a stream keeps, at least, over its life.
@@ -203,6 +206,10 @@ class Block:
         self._mark = now
         if new_shape:
             self.skipped += now - self._pass
+            if now - self._pass >= SLOW_FIRST:
+                log.info("speculation, batches of %s: a %s pass of a new shape took %.1f s "
+                         "(mlx building its kernels; every stream waited)", _streams(self.size),
+                         "checking" if checked else "plain", now - self._pass)  # fmt: skip
             return
         self._walls.append(now - (mark if mark is not None else self._pass))
         self.passes += 1
