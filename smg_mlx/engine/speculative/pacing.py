@@ -205,11 +205,12 @@ class Block:
         now, mark = time.perf_counter(), self._mark
         self._mark = now
         if new_shape:
-            self.skipped += now - self._pass
-            if now - self._pass >= SLOW_FIRST:
+            took = now - self._pass
+            self.skipped += took
+            if took >= SLOW_FIRST:
                 log.info("speculation, batches of %s: a %s pass of a new shape took %.1f s "
                          "(mlx building its kernels; every stream waited)", _streams(self.size),
-                         "checking" if checked else "plain", now - self._pass)  # fmt: skip
+                         "checking" if checked else "plain", took)  # fmt: skip
             return
         self._walls.append(now - (mark if mark is not None else self._pass))
         self.passes += 1
