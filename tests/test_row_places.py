@@ -237,6 +237,32 @@ def test_the_model_runs_each_row_at_its_own_place(monkeypatch):
     assert isinstance(batch, GenerationBatch)
 
 
+def test_counts_taken_back_on_the_device_reach_each_rows_place_with_no_scatter(tmp_path):
+    """Chained checking passes take back what each row did not keep, counted on
+    the device: each place gets its row's count, a hole none. They are gathered
+    by place: mlx's CUDA backend would build a scatter of int32s on first use,
+    seconds during which every stream waits (the warm-up builds gathers)."""
+    got = []
+
+    class Layer:
+        offset = mx.zeros((3,), mx.int32)
+
+        def size(self):
+            return 10
+
+        def rewind_ahead(self, counts, ends):
+            got.append((counts, ends))
+
+    batch = PlacedGenerationBatch.start(tiny_model("llama", scale=1.5), None)
+    batch._placed([2, 0], 3)
+    batch.prompt_cache = [Layer(), Layer()]
+    batch.rewind_ahead(mx.array([1, 3], dtype=mx.int32))
+    graph = tmp_path / "counts.dot"
+    mx.export_to_dot(str(graph), got[0][0])  # (before it is evaluated)
+    assert "Scatter" not in graph.read_text()
+    assert [(c.tolist(), e.tolist()) for c, e in got] == [([3, 0, 1], [7, 10, 9])] * 2
+
+
 @contextmanager
 def _device_reads(reads: list[str]) -> Iterator[None]:
     """Each array read back to the host meanwhile, noted in `reads`."""

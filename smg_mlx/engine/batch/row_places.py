@@ -231,9 +231,12 @@ class PlacedGenerationBatch(EndingGenerationBatch):
         """Each row takes back its newest `counts[i]` entries, counted on the device
         (ragged caches, `Ragged.rewind_ahead`); a hole, none."""
         if self._route is not None:
-            places = mx.zeros((self._width,), dtype=counts.dtype)
-            places[self._route[1]] = counts
-            counts = places
+            # Gathered by each place's row, not scattered to each row's place:
+            # mlx's CUDA backend builds an int32 scatter only on first use, which
+            # would stall every stream for seconds; the warm-up builds gathers.
+            taken = set(self._places)
+            row = mx.array([p in taken for p in range(self._width)])
+            counts = mx.where(row, counts[self._route[0]], 0)
         # (every layer's ends alike: written and taken back together)
         ends = mx.array(_ends(self.prompt_cache[0])) - counts
         for c in self.prompt_cache:
