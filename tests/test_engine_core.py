@@ -20,6 +20,7 @@ from smg_mlx.demo_model import build_model
 from smg_mlx.engine import core as core_module
 from smg_mlx.engine.batch import attention_shapes, warm_up
 from smg_mlx.engine.batch.batch import Batch
+from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
 from smg_mlx.engine.core import EngineCore
 from smg_mlx.engine.handoff import Inbox
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier
@@ -267,11 +268,13 @@ def test_the_thorough_warm_up_leaves_nothing_behind(model_dir, monkeypatch):
 def test_the_thorough_warm_up_checks_proposals_where_speculation_is_on(model_dir, monkeypatch):
     """Where kernels are built on first use (CUDA: seconds, every stream
     stalled), the warm-up runs a pass checking proposals, passes sent while the
-    one before runs (chained, whatever its rows' samplers), and one over rows
-    that end apart, lined up after, before the worker is ready; its passes
-    count in no metric, and requests then answer as without speculation."""
-    lined_up, chained = [], []
+    one before runs (chained, whatever its rows' samplers, beside a place a
+    row left: what they take back goes through the rows' places), and one
+    over rows that end apart, lined up after, before the worker is ready; its
+    passes count in no metric, and requests then answer as without speculation."""
+    lined_up, chained, placed = [], [], []
     compact, ahead = Ragged.compact, Ragged.rewind_ahead
+    routed = PlacedGenerationBatch.rewind_ahead
 
     def spied(self) -> None:
         lined_up.append(self._ends is not None)  # the rows ended apart
@@ -280,6 +283,9 @@ def test_the_thorough_warm_up_checks_proposals_where_speculation_is_on(model_dir
     monkeypatch.setattr(Ragged, "compact", spied)
     monkeypatch.setattr(Ragged, "rewind_ahead",
                         lambda self, *a: chained.append(1) or ahead(self, *a))  # fmt: skip
+    monkeypatch.setattr(PlacedGenerationBatch, "rewind_ahead",
+                        lambda self, *a: placed.append(self._route is not None)
+                        or routed(self, *a))  # fmt: skip
     answers, counted = {}, {}
     for speculative, thorough in (("off", True), ("always", False), ("always", True)):
         monkeypatch.setattr(Batch, "shape_builds", property(lambda self, t=thorough: t))
@@ -287,6 +293,8 @@ def test_the_thorough_warm_up_checks_proposals_where_speculation_is_on(model_dir
         chained.clear()
         sink, thread = start_core(model_dir, inbox, speculative=speculative)
         assert bool(chained) == ((speculative, thorough) == ("always", True))  # (ready now)
+        assert any(placed) == ((speculative, thorough) == ("always", True))
+        placed.clear()
         inbox.submit(Request(1, spec(prompt(40, 2), max_tokens=12)))
         answers[speculative, thorough] = [e.token for e in sink.events_of(1)]
         counted[speculative, thorough] = sink.settled().speculation

@@ -151,8 +151,13 @@ def _every_kind_of_step(script: _Script) -> None:
     script.step(CHUNK, CHUNK)
     script.until(script.running)
     script.until(script.start(script.request(300, 2)))  # a batch of one
-    # Proposals checked (speculative decoding), greedy and sampled rows together.
-    both = script.start(script.request(40, 24), script.request(50, 24, SAMPLED))
+    # Proposals checked (speculative decoding), greedy and sampled rows together,
+    # beside the place a row that ended left: rows then run through their places
+    # (`row_places`), and chained passes route what they take back there.
+    rows = script.start(
+        script.request(40, 24), script.request(50, 24, SAMPLED), script.request(30, 1)
+    )
+    script.step()
     script.step()
     script.exercise_speculation()
-    script.until(both)
+    script.until(rows)
