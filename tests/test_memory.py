@@ -379,6 +379,37 @@ def test_an_out_of_memory_step_is_contained(
     assert len(generate(w.stub, prompt(5), max_tokens=3).tokens) == 3
 
 
+def test_steps_that_keep_running_out_of_memory_shed_load_and_the_worker_serves_on(
+    start_worker, model_dir, unbounded_outputs, monkeypatch
+):
+    """Something beyond the worker's estimates holds the device's memory (another
+    process on the GPU, say): any step with more than two requests runs out of
+    it. Each such step puts its batch back and at most half as many run after
+    it, so the worker does not fail step after step at the same size until it
+    gives up: every request ends whole, as it would have, and it still serves."""
+    step = BatchGenerator.next
+    failed = []
+
+    def next_or_fail(generator):
+        rows = len(generator._generation_batch) + len(generator._prompt_batch)
+        if rows + len(generator._unprocessed_sequences) > 2:
+            failed.append(rows)
+            raise RuntimeError(OUT_OF_MEMORY.args[0])
+        return step(generator)
+
+    w = start_worker(model_dir)
+    monkeypatch.setattr(BatchGenerator, "next", next_or_fail)
+    with ThreadPoolExecutor(6) as pool:
+        calls = [pool.submit(generate, w.stub, p, max_tokens=200, ignore_eos=True)
+                 for p in PROMPTS[:6]]  # fmt: skip
+        outputs = [c.result().tokens for c in calls]
+    assert outputs == unbounded_outputs[1][:6]
+    assert len(failed) >= 2  # (steps of more than two did run out of memory, again and again)
+    health = health_pb2_grpc.HealthStub(w.channel)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == SERVING
+    assert len(generate(w.stub, prompt(5), max_tokens=3).tokens) == 3
+
+
 def test_a_long_prompts_pass_out_of_memory_loses_and_repeats_none_of_a_streams_tokens(
     start_worker, model_dir, monkeypatch
 ):

@@ -2,8 +2,10 @@
 
 A request too large for the memory budget ends at once, saying what would
 fit. A step that ran out of memory despite the budget puts its batch back in
-the waiting room (the estimates were short: they grow first); alone in the
-batch, the request cannot run and ends. Any other failure ends the step's
+the waiting room (the estimates were short: they grow first), and at most
+half as many requests run at once until steps succeed again (something else
+may hold the device's memory); alone in the batch, the request cannot run
+and ends. Any other failure ends the step's
 requests with an error a client may retry, and the batch starts over.
 """
 
@@ -61,15 +63,16 @@ def put_back(batch: Batch, scheduler: Scheduler, exc: Exception) -> list[Event]:
     the batch does not fit at all: it ends."""
     scheduler.planner.learn()
     requests = batch.reset()
-    log.warning(
-        "out of memory in a step (%s); %s put back to wait for memory; estimates now x%.2f",
-        exc,
-        counted(len(requests), "request"),
-        scheduler.planner.safety,
-    )
     if len(requests) > 1:
+        cap = scheduler.shed(len(requests))
+        log.warning(
+            "out of memory in a step (%s); %s put back to wait for memory; estimates now "
+            "x%.2f, and at most %s run at once until steps succeed again", exc,
+            counted(len(requests), "request"), scheduler.planner.safety, cap,
+        )  # fmt: skip
         scheduler.put_back(requests)
         return []
+    log.warning("out of memory in a step (%s) running one request alone: it ends", exc)
     batch.forget_resumed([r.key for r in requests])
     return [
         Event(
