@@ -20,7 +20,7 @@ of memory despite the budget puts the batch back in the waiting room; any
 other error ends that step's requests with an error and the batch starts
 over. Only steps failing MAX_FAILED_STEPS_IN_A_ROW times in a row end it;
 one that ran out of memory with several requests does not count: each such
-step sheds load (at most half as many run after it), so they end with a
+step sheds load (fewer run after it than ran in it), so they end with a
 request running alone.
 With several ranks any failed step ends it: the ranks' batches could differ.
 """
@@ -217,7 +217,7 @@ class EngineCore:
                     stepped, passes, rows, finished = self._step(batch, turn, early)
                 except Exception as exc:
                     # (out of memory with several requests: load is shed, each such step
-                    # running at most half as many as the last, `Scheduler.shed`)
+                    # running fewer than the last, `Scheduler.shed`)
                     failures += not (is_out_of_memory(exc) and batch.size > 1)
                     if channel is not None or failures >= MAX_FAILED_STEPS_IN_A_ROW:
                         raise

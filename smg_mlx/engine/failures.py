@@ -2,10 +2,10 @@
 
 A request too large for the memory budget ends at once, saying what would
 fit. A step that ran out of memory despite the budget puts its batch back in
-the waiting room (the estimates were short: they grow first), and at most
-half as many requests run at once until steps succeed again (something else
-may hold the device's memory); alone in the batch, the request cannot run
-and ends. Any other failure ends the step's
+the waiting room (the estimates were short: they grow first), and fewer
+requests run at once until steps have succeeded for a while (something else
+may hold the device's memory: `Scheduler.shed`); alone in the batch, the
+request cannot run and ends. Any other failure ends the step's
 requests with an error a client may retry, and the batch starts over.
 """
 
