@@ -59,6 +59,12 @@ def model_dir(models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def other_model_dir(models_root: Path) -> Path:
+    """The regression model's shapes and files with other weights (another seed)."""
+    return build_model(models_root / "tiny-llama3-seed1", ["--seed", "1"])
+
+
+@pytest.fixture(scope="session")
 def short_model_dir(models_root: Path) -> Path:
     """The same shapes with a 64-token context, to reach the context end quickly."""
     return build_model(models_root / "tiny-ctx64", ["--context-length", "64"])

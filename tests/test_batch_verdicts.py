@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from smg_mlx.demo_model import build_model
 from smg_mlx.engine import progress
 
 from helpers import remembered_files
@@ -38,11 +37,9 @@ def test_the_second_start_of_a_model_reuses_its_verdict(restart, model_dir, tmp_
     assert verdict_files(tmp_path) == [kept]
 
 
-def test_another_models_weights_are_checked_again(restart, model_dir, tmp_path):
+def test_another_models_weights_are_checked_again(restart, model_dir, other_model_dir, tmp_path):
     restart(model_dir)
-    # The same shapes and files, other weights.
-    other = build_model(tmp_path / "other", ["--seed", "1"])
-    log = restart(other)
+    log = restart(other_model_dir)  # the same shapes and files, other weights
     assert CHECKS in log and REMEMBERED not in log
     assert len(verdict_files(tmp_path)) == 2
 

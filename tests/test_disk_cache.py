@@ -453,12 +453,14 @@ def test_files_the_worker_writes_replace_links_and_never_write_through_them(
     assert same_as_cold(again, cold, history + [7]).complete.cached_tokens == len(history)
 
 
-def test_another_models_entries_are_never_used(start_worker, tmp_path):
+def test_another_models_entries_are_never_used(
+    start_worker, model_dir, other_model_dir, tmp_path
+):
     # A fine-tune written over the same path: same config, other weights.
-    model = build_model(tmp_path / "model")
+    model = shutil.copytree(model_dir, tmp_path / "model")
     history, _ = _written(start_worker, model, tmp_path / "cache")
     shutil.rmtree(model)
-    build_model(model, ["--seed", "1"])
+    shutil.copytree(other_model_dir, model)
     w = start_worker(model, prompt_cache_dir=tmp_path / "cache")
     fresh = start_worker(model, prompt_cache_bytes=0)
     got = generate(w.stub, history + [7], max_tokens=8)
@@ -468,10 +470,10 @@ def test_another_models_entries_are_never_used(start_worker, tmp_path):
 
 
 def test_an_entry_copied_from_another_models_folder_is_not_used(
-    start_worker, model_dir, cold, tmp_path, caplog
+    start_worker, model_dir, other_model_dir, cold, tmp_path, caplog
 ):
-    other = build_model(tmp_path / "other", ["--seed", "1"])  # same shapes, other weights
-    history, foreign = _written(start_worker, other, tmp_path / "cache")
+    # The same shapes, other weights.
+    history, foreign = _written(start_worker, other_model_dir, tmp_path / "cache")
     start_worker(model_dir, prompt_cache_dir=tmp_path / "cache").stop()  # makes this one's folder
     (ours,) = [f for f in _model_folders(tmp_path / "cache") if f != foreign.parent]
     copy = Path(shutil.copy2(foreign, ours))
