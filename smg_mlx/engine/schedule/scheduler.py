@@ -125,7 +125,7 @@ class Scheduler:
         self._room = WaitingRoom(prefixes)
         # After a step ran out of memory with several requests: how many may run
         # at once (`shed`; None: no cap), and the steps run since it last grew.
-        self.running_cap: int | None = None
+        self._running_cap: int | None = None
         self._capped_steps = 0
 
     # ---- the waiting room ----
@@ -149,9 +149,9 @@ class Scheduler:
         one request runs alone, rather than failing at the same size again,
         and the worker finds its way back up when the memory is there again.
         Returns the cap."""
-        fewer = running - 1 if self.running_cap is not None else running // 2
-        self.running_cap, self._capped_steps = max(1, fewer), 0
-        return self.running_cap
+        fewer = running - 1 if self._running_cap is not None else running // 2
+        self._running_cap, self._capped_steps = max(1, fewer), 0
+        return self._running_cap
 
     def remove(self, keys: Iterable[int]) -> list[Request]:
         """Take these requests out of the room (aborted); those that were there."""
@@ -162,12 +162,12 @@ class Scheduler:
     def observe(self, passes: Passes, rows: int) -> None:
         """The planned step ran over `rows` sequences, its passes taking `passes`."""
         self.steps.observe(passes, rows)
-        if self.running_cap is not None:
+        if self._running_cap is not None:
             self._capped_steps += 1
             if self._capped_steps >= GROW_STEPS:  # (one more: the memory may be back)
-                self.running_cap, self._capped_steps = self.running_cap + 1, 0
-                if self.running_cap >= self.batch_size:
-                    self.running_cap = None
+                self._running_cap, self._capped_steps = self._running_cap + 1, 0
+                if self._running_cap >= self.batch_size:
+                    self._running_cap = None
 
     def schedule(
         self, running: Sequence[Running], prefix_bytes: int, now: float | None = None
@@ -283,7 +283,7 @@ class Scheduler:
         """Who starts now, the keys of those that go to the long lane, and the
         prefix-cache entries that leave once copied."""
         costs = [r.cost for r in running]
-        slots = min(self.batch_size, self.running_cap or self.batch_size) - len(costs)
+        slots = min(self.batch_size, self._running_cap or self.batch_size) - len(costs)
         if slots <= 0:
             return [], set(), (), (), 0
         rows = self.prefill_rows - sum(not r.long for r in prefilling)  # the short lane's
