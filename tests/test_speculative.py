@@ -37,7 +37,7 @@ from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows, PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Block, Pacing
-from smg_mlx.engine.speculative.prompt_lookup import RowDrafts, lookup
+from smg_mlx.engine.speculative.prompt_lookup import lookup
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
 import helpers
@@ -396,21 +396,6 @@ def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
     assert lookup(tokens, 13, 3) == [9, 2, 5]
     assert lookup(tokens, 13, 1) == [9]
     assert lookup(np.array([1, 2, 3, 4]), 4, 3) == []  # nothing recurs
-
-
-def test_a_row_pausing_its_lookups_is_seen_to_propose_once_its_tokens_repeat():
-    """A row whose lookups found nothing waits ever longer before it looks
-    again; asked by pacing (whose checking it holds back), it looks at once,
-    and where that finds something, it proposes at its next pass."""
-    row = RowDrafts(4)
-    tokens = [1, 2, 3, 4, 5, 6]
-    for step in range(6):  # (nothing recurs: each look pauses the next longer)
-        row.likely(step, tokens[: step + 1])
-    assert not row.likely(7, tokens + [7, 5])  # (pausing: it does not even look)
-    assert not row.finds(7, tokens + [7])
-    assert row.finds(7, tokens + [7, 5, 6])  # ...5 6 again: 7 followed
-    assert row.likely(8, tokens + [7, 5, 6])
-    assert row.propose(8, 7, 4) == [5, 6, 7]
 
 
 def test_other_streams_tokens_propose_what_followed_the_longest_latest_match():

@@ -247,7 +247,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         def may(uid: int) -> bool:
             if uid in self._joining or uid not in self.uids:  # (not one of its rows now)
                 return False
-            return self._lookups(uid).finds(self._steps, self.tokens[self.uids.index(uid)])
+            return self._lookups(uid).likely(self._steps, self.tokens[self.uids.index(uid)])
 
         return may
 

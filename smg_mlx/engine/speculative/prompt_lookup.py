@@ -126,16 +126,6 @@ class RowDrafts:
         self._wait(step)
         return False
 
-    def finds(self, step: int, tokens: list[int]) -> bool:
-        """Whether its `tokens` so far suggest a proposal now, whatever its
-        pause (pacing asks it of a stream that holds checking back); if so,
-        it looks again from `step` on."""
-        self.sync(tokens)
-        if self._following(self._n) or self._looked_up(self._n, 1):
-            self._pause, self._next_look = 1, step
-            return True
-        return False
-
     def propose(self, step: int, pending: int, most: int) -> list[int]:
         """Up to `most` tokens that should follow this row's tokens and
         `pending` (sampled, not in its cache yet); [] where none."""
