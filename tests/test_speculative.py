@@ -294,7 +294,7 @@ class Now(Pacing):
         super().__init__()
         self.every, self.runs = every, 0
 
-    def start(self, rows: int, uids=(), proposing=None) -> Block:
+    def start(self, rows: int, uids=()) -> Block:
         self.runs += 1
         return Block(rows, self.runs % self.every == 0)
 
@@ -675,7 +675,7 @@ def test_the_width_a_checking_pass_runs_at_bounds_each_rows_proposals(drafter):
     plain ones still."""
 
     class Narrow(Pacing):
-        def start(self, rows: int, uids=(), proposing=None) -> Block:
+        def start(self, rows: int, uids=()) -> Block:
             return Block(rows, True, 2)
 
     model = tiny_model("llama", scale=1.5)
@@ -954,76 +954,6 @@ def test_streams_joining_a_checking_batch_are_judged_once_they_could_have_propos
     assert sum(checks[100:]) >= 90, checks
 
 
-def run_turnover(pacing: Pacing, clock: Clock, blocks: int, repeats_from: int,
-                 right: Callable[[int], bool] = lambda uid: True) -> tuple[list[bool], dict]:
-    """`blocks` runs of passes over 16 streams of 128 tokens each, one joining
-    as one ends: a stream's lookups find nothing until it made `repeats_from`
-    tokens, then its proposals are right (`right(uid)`: else wrong). A call
-    chains four passes and costs ten plain ones; it makes a stream four
-    tokens, twenty where it keeps its proposals. Whether each run checked,
-    and (uid: (tokens, seconds from its first to its last)) of the streams
-    that ended."""
-    made_so_far = {uid: 0 for uid in range(16)}
-    started = dict.fromkeys(made_so_far, clock.now)
-    lives, checks, uid_next = {}, [], 16
-
-    def proposing(uid: int) -> bool:
-        return made_so_far[uid] >= repeats_from
-
-    for _ in range(blocks):
-        block = pacing.start(16, list(made_so_far), proposing)
-        while not block.over and not pacing.losing(block):
-            block.begins()
-            new = pacing.new_shape(16, 9 if block.checking else 1)
-            clock.now += 1.0 if new else 0.100 if block.checking else 0.010
-            proposed = {u for u in made_so_far if block.checking and proposing(u)}
-            made = {u: (20 if u in proposed and right(u) else 4) if block.checking else 1
-                    for u in made_so_far}  # fmt: skip
-            block.ran(sum(made.values()), new, checked=block.checking, rows=made,
-                      sent=4 if block.checking else 1, proposed=proposed)  # fmt: skip
-            for u, n in made.items():
-                made_so_far[u] += n
-            for u in [u for u, n in made_so_far.items() if n >= 128]:
-                lives[u] = (made_so_far.pop(u), clock.now - started.pop(u))
-                pacing.left([u])
-                made_so_far[uid_next], started[uid_next] = 0, clock.now
-                pacing.admit(uid_next, 128)
-                uid_next += 1
-        pacing.ended(block)
-        checks.append(block.checking)
-    return checks, lives
-
-
-def test_streams_that_found_nothing_yet_hold_checking_back_only_until_they_may_propose(paced):
-    """Streams whose first 16 tokens repeat nothing yet (lookups find nothing)
-    pay for the checking calls they run in meanwhile: two calls and they are
-    below 97% of their plain pace. They hold the batch to plain passes only
-    until a lookup of theirs finds something: then checking resumes, and
-    they make their pace up with the rest (requests of 128 tokens, one
-    joining as one ends, as a closed loop of clients sends them). Every
-    stream ends at least 1.3 times as fast as plain passes would have it."""
-    pacing, clock, _ = paced
-    checks, lives = run_turnover(pacing, clock, 300, repeats_from=16)
-    assert sum(checks[150:]) >= 40, checks
-    later = [n / seconds * 0.010 for uid, (n, seconds) in lives.items() if uid >= 32]
-    assert min(later) > 1.3, later  # (the first ones waited for kernels to be built)
-
-
-def test_streams_whose_proposals_are_wrong_keep_their_pace_beside_right_ones(paced):
-    """Half the streams' lookups find something from their fourth token on but
-    are always wrong (sampled streams beside greedy ones): their checking
-    calls make them four tokens in ten plain passes' time. Whatever their
-    lookups find, each loses no more than the one call that tried its
-    proposals (6 tokens of its 128) besides 3% of its plain pace; the others
-    gain."""
-    pacing, clock, _ = paced
-    checks, lives = run_turnover(pacing, clock, 400, repeats_from=4, right=lambda uid: uid % 2)
-    paces = {uid: n / seconds * 0.010 for uid, (n, seconds) in lives.items() if uid >= 32}
-    assert any(checks), checks
-    assert min(pace for uid, pace in paces.items() if uid % 2 == 0) >= 0.95, paces
-    assert min(pace for uid, pace in paces.items() if uid % 2) > 1.05, paces
-
-
 def test_streams_sampled_beside_repeating_ones_are_not_slowed_by_their_checking(monkeypatch):
     """Two streams repeat themselves (greedy: proposals right), two are sampled
     at temperature 1 (next to nothing right to propose): where a checking pass
@@ -1154,7 +1084,7 @@ def test_rows_that_ended_apart_line_up_when_checking_stops_and_stay_exact():
             super().__init__()
             self.runs = runs
 
-        def start(self, rows: int, uids=(), proposing=None) -> Block:
+        def start(self, rows: int, uids=()) -> Block:
             self.runs -= 1
             return Block(rows, self.runs >= 0)
 

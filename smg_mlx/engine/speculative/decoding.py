@@ -44,7 +44,7 @@ from smg_mlx.engine.batch.layer_waits import sent_layer_by_layer
 from smg_mlx.engine.batch.row_places import PlacedGenerationBatch
 from smg_mlx.engine.batch.sampling import CONTEXT
 from smg_mlx.engine.speculative.draft_model import CatchUp, DraftRows
-from smg_mlx.engine.speculative.pacing import Block, Pacing, Proposing
+from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
 from smg_mlx.engine.speculative.ragged_kv import line_up, ragged
 from smg_mlx.engine.speculative.shared_history import SharedHistory
@@ -166,13 +166,13 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         if self._block is not None and (resized or self._block.over or pacing.losing(self._block)):
             ended = self._block
             pacing.ended(ended)
-            self._block = pacing.start(len(self.uids), self.uids, self._proposing())
+            self._block = pacing.start(len(self.uids), self.uids)
             if ended.checking and not self._block.checking:
                 # The checking run's passes may have left the rows ending apart:
                 # lined up for the plain passes, on the run's clock.
                 pacing.charge(ended, self._block, self._line_up)
         if self._block is None:
-            self._block = pacing.start(len(self.uids), self.uids, self._proposing())
+            self._block = pacing.start(len(self.uids), self.uids)
         self._block.begins()
         self._steps += 1
         rows = len(self.uids)
@@ -192,11 +192,9 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                     # Only the pass goes untimed: the proposals (a draft model
                     # catching up on every row's tokens) count.
                     self._block.begins()
-                proposed = {self.uids[i] for i, d in enumerate(drafts) if d}
                 out, made, sent = self._check(pending, drafts, width, self._joined(),
                                               passes=max(1, allowed // cap))  # fmt: skip
-                self._block.ran(len(out), new, checked=True, rows=made, sent=sent,
-                                proposed=proposed)  # fmt: skip
+                self._block.ran(len(out), new, checked=True, rows=made, sent=sent)
                 return out
         responses = super()._decode()
         made = {r.uid: 1 for r in responses if r.finish_reason is None}  # (streams' ledgers)
@@ -238,19 +236,6 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         line_up(pair)
         return out
 
-    def _proposing(self) -> Proposing | None:
-        """With prompt lookup, whether a row may propose now, by uid (pacing
-        tries a stream that found nothing to propose as soon as it may)."""
-        if self._draft_rows is not None:
-            return None  # (a draft model proposes for every row)
-
-        def may(uid: int) -> bool:
-            if uid in self._joining or uid not in self.uids:  # (not one of its rows now)
-                return False
-            return self._lookups(uid).likely(self._steps, self.tokens[self.uids.index(uid)])
-
-        return may
-
     def _line_up(self) -> None:
         """Rows that ended apart (`ragged_kv`) end together again, copied now
         (where it is timed, not in the pass after it)."""
@@ -284,18 +269,14 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
             if self._draft_rows is not None:
                 likely.add(i)
                 continue
-            if self._lookups(uid).likely(self._steps, self.tokens[i]):
+            row = self._rows.get(uid)
+            if row is None:
+                row = self._rows[uid] = RowDrafts(
+                    self.drafting.most, self._ahead.pop(uid, None), self.drafting.shared
+                )
+            if row.likely(self._steps, self.tokens[i]):
                 likely.add(i)
         return likely
-
-    def _lookups(self, uid: int) -> RowDrafts:
-        """Row `uid`'s prompt lookups (made as it first may propose)."""
-        row = self._rows.get(uid)
-        if row is None:
-            row = self._rows[uid] = RowDrafts(
-                self.drafting.most, self._ahead.pop(uid, None), self.drafting.shared
-            )
-        return row
 
     def _check(self, pending: list[int], drafts: list[list[int]], width: int,
                joining: list[int], passes: int = 1,

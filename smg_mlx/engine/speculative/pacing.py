@@ -32,13 +32,7 @@ takes from it; it starts with what FAIR leaves of its first ALLOWANCE
 tokens. While any stream that kept no proposal in its last checking pass
 could not afford another such, passes are plain (one keeping some is
 making its ledger up; one checked fewer than JUDGED times may have its
-first proposals still to find). Where the engine can say which streams may
-propose now (`Proposing`: their lookups find something), that replaces
-JUDGED: a stream that proposed nothing, and may now, tries once, whatever
-its ledger (its first tokens often repeat nothing, and it is the streams
-that gain most whose first tokens would hold checking back longest), and a
-stream not known to keep proposals holds checking back from its first
-pass, unless it may propose. So no stream makes much less than FAIR
+first proposals still to find). So no stream makes much less than FAIR
 of its plain pace over its life, whatever its neighbours gain, and a
 stream whose proposals were right has room for a spell of wrong ones. One
 stream's chat beside another's agent is not slowed for the agent's gain.
@@ -59,7 +53,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 BLOCK = 8  # passes a block runs
 WEIGHT = 0.25  # of each new block in a moving average
@@ -95,9 +89,6 @@ ALLOWANCE = 256
 JUDGED = 2
 
 log = logging.getLogger(__name__)
-
-# Whether a stream, by uid, may propose now (where a row's proposals are looked up).
-Proposing = Callable[[int], bool]
 
 
 def _size_class(rows: int) -> int:
@@ -160,25 +151,17 @@ class _Average:
 
 class _Stream:
     """A stream's ledger (the module's docstring), in tokens; the checking
-    passes it ran, whether it kept a proposal in the last, and whether it
-    proposed there and kept none (`missed`)."""
+    passes it ran, and whether it kept a proposal in the last."""
 
-    __slots__ = ("ledger", "checks", "kept", "missed")
+    __slots__ = ("ledger", "checks", "kept")
 
     def __init__(self, ledger: float) -> None:
-        self.ledger, self.checks, self.kept, self.missed = ledger, 0, False, False
+        self.ledger, self.checks, self.kept = ledger, 0, True
 
-    def judged(self, uid: int, proposing: Proposing | None, more: int = 0,
-               missed: bool | None = None) -> bool:  # fmt: skip
-        """Whether what it kept says what it will keep (its last checking pass,
-        or the run's under way: `more` passes, `missed` there): where
-        `proposing` says whether it may propose now, unless it found nothing
-        to propose last and may now; else once it ran JUDGED checking passes
-        (`more` with the run's): a stream finds its first proposals a few
-        tokens in."""
-        if proposing is None:
-            return self.checks + more >= JUDGED
-        return (self.missed if missed is None else missed) or not proposing(uid)
+    def judged(self, more: int = 0) -> bool:
+        """Whether it ran JUDGED checking passes (`more` with those of the run
+        under way): a stream finds its first proposals a few tokens in."""
+        return self.checks + more >= JUDGED
 
 
 class Block:
@@ -186,11 +169,10 @@ class Block:
 
     __slots__ = (
         "size", "checking", "width", "started", "passes", "checked", "tokens", "sent",
-        "counted", "skipped", "rows", "proposing", "_pass", "_mark", "_walls",
+        "counted", "skipped", "rows", "_pass", "_mark", "_walls",
     )  # fmt: skip
 
-    def __init__(self, rows: int, checking: bool, width: int = 0,
-                 proposing: Proposing | None = None) -> None:  # fmt: skip
+    def __init__(self, rows: int, checking: bool, width: int = 0) -> None:
         self.size = _size_class(rows)
         self.checking = checking
         # The most tokens a row proposes in its passes (0: as many as allowed).
@@ -199,10 +181,8 @@ class Block:
         self.passes = self.checked = self.tokens = self.sent = 0
         self.skipped = 0.0  # seconds of passes that do not count
         self.counted = True
-        # By row told (`ran`): [tokens, passes, whether it kept a proposal in
-        # its last, whether it proposed there].
+        # By row told (`ran`): [tokens, passes, whether it kept a proposal in its last].
         self.rows: dict[int, list[int]] = {}
-        self.proposing = proposing  # (`Pacing.start`)
         self._mark: float | None = None  # where the next pass's time starts
         self._walls: list[float] = []  # each timed pass's, up to the end of the one before
 
@@ -214,14 +194,13 @@ class Block:
 
     def ran(
         self, tokens: int, new_shape: bool, checked: bool = False,
-        rows: Mapping[int, int] | None = None, sent: int = 1, proposed: Collection[int] = (),
+        rows: Mapping[int, int] | None = None, sent: int = 1,
     ) -> None:  # fmt: skip
         """The pass that began returned `tokens` (`new_shape`: its shape's
         first run, not timed; `checked`: it checked proposals, and waited for
         the pass before it, timed or not; `rows`: the tokens of each row, by
         uid, that decodes on after it: not those that ended or joined;
-        `sent`: the model's passes it took, chained; `proposed`: the rows
-        that had proposals checked in it)."""
+        `sent`: the model's passes it took, chained)."""
         self.checked += checked
         now, mark = time.perf_counter(), self._mark
         self._mark = now
@@ -238,11 +217,10 @@ class Block:
         self.tokens += tokens
         self.sent += sent
         for uid, made in (rows or {}).items():
-            counts = self.rows.setdefault(uid, [0, 0, 0, 0])
+            counts = self.rows.setdefault(uid, [0, 0, 0])
             counts[0] += made
             counts[1] += 1
             counts[2] = made > sent  # (each of its passes made it one token, and those it kept)
-            counts[3] = uid in proposed
 
     def fits(self, rows: int) -> bool:
         """Whether a batch of `rows` rows is of its size."""
@@ -319,15 +297,12 @@ class Pacing:
         for uid in uids or ():
             self._streams.pop(uid, None)
 
-    def _behind(self, uids: Iterable[int], size: int, proposing: Proposing | None = None) -> int:
+    def _behind(self, uids: Iterable[int], size: int) -> int:
         """How many of streams `uids` could not afford another checking pass at
-        `size` where they keep no proposal, as they did in their last
-        (`_Stream.judged`, by `proposing`)."""
+        `size` where they keep no proposal, as they did in their last (`_Stream.judged`)."""
         margin = self._margin(size)
-        streams = [(uid, self._streams[uid]) for uid in uids if uid in self._streams]
-        return sum(
-            not s.kept and s.ledger < margin and s.judged(uid, proposing) for uid, s in streams
-        )
+        streams = [self._streams[uid] for uid in uids if uid in self._streams]
+        return sum(s.judged() and not s.kept and s.ledger < margin for s in streams)
 
     def _margin(self, size: int) -> float:
         """What a checking pass at `size` takes from the ledger of a stream
@@ -345,17 +320,15 @@ class Pacing:
         self._shapes.add((rows, width))
         return True
 
-    def start(self, rows: int, uids: Iterable[int] = (), proposing: Proposing | None = None,
-              ) -> Block:  # fmt: skip
-        """The next block, over `rows` rows (streams `uids`, of which those
-        `proposing` says may propose now, if given): checking (at which
+    def start(self, rows: int, uids: Iterable[int] = ()) -> Block:
+        """The next block, over `rows` rows (streams `uids`): checking (at which
         width) or plain."""
         size = _size_class(rows)
-        if not self.always and self._behind(uids, size, proposing):
-            return Block(rows, False, proposing=proposing)  # (until their ledgers are made up)
+        if not self.always and self._behind(uids, size):
+            return Block(rows, False)  # (until their ledgers are made up)
         if not self._checks(size):
-            return Block(rows, False, proposing=proposing)
-        return Block(rows, True, self._next_width(size), proposing)
+            return Block(rows, False)
+        return Block(rows, True, self._next_width(size))
 
     def _at(self, size: int) -> int:
         """The width checking runs at, at `size` (the widest, until measured)."""
@@ -393,10 +366,9 @@ class Pacing:
             return False
         # (a stream that could not afford the next pass, at this block's cost so far)
         margin = max(0.0, FAIR * cost - block.sent / block.passes)
-        for uid, (made, passes, kept, proposed) in block.rows.items():
+        for uid, (made, passes, kept) in block.rows.items():
             s = self._stream(uid)
-            if (not kept and s.ledger + made - FAIR * passes * cost < margin
-                    and s.judged(uid, block.proposing, passes, bool(proposed))):  # fmt: skip
+            if s.judged(passes) and not kept and s.ledger + made - FAIR * passes * cost < margin:
                 return True
         plain, seconds = self._plain[block.size], block.seconds()
         if not block.counted or block.passes < EARLY or seconds <= 0:
@@ -430,12 +402,12 @@ class Pacing:
         what each stream made in it, its ledger (whether its time counts or not:
         the streams ran its passes either way)."""
         if (cost := self._cost(block)) is not None and block.passes:
-            for uid, (made, passes, kept, proposed) in block.rows.items():
+            for uid, (made, passes, kept) in block.rows.items():
                 s = self._stream(uid)
                 s.ledger += made - FAIR * passes * cost
                 if block.checked:
                     s.checks += passes
-                    s.kept, s.missed = bool(kept), bool(proposed and not kept)
+                    s.kept = bool(kept)
         if not block.measured:
             log.debug("speculation, batches of at most %d: a run of %d %s passes left out of "
                       "the rates (other work ran beside them)", block.size, block.passes,
@@ -462,7 +434,7 @@ class Pacing:
                 if checking else "not measured",
                 f"{plain.rate:.0f}" if plain else "not measured",
             )  # fmt: skip
-        self._say(block.size, self._behind(block.rows, block.size, block.proposing))
+        self._say(block.size, self._behind(block.rows, block.size))
 
     def _choose_width(self, size: int, ran: int) -> None:
         """After a checking block at width `ran`: the width checking runs at
