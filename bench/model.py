@@ -40,6 +40,12 @@ SHAPES: dict[str, list[str]] = {
         "--kv-heads", "8", "--intermediate-size", "14336", "--vocab-size", "128256",
         "--dtype", "bfloat16", "--context-length", "8192",
     ],
+    # Llama-3.2-1B's shapes (its tokenizer is llama-8b's): a draft for llama-8b.
+    "llama-1b": [
+        "--family", "llama", "--hidden-size", "2048", "--layers", "16", "--heads", "32",
+        "--kv-heads", "8", "--intermediate-size", "8192", "--vocab-size", "128256",
+        "--tie-word-embeddings", "--dtype", "bfloat16", "--context-length", "8192",
+    ],
 }  # fmt: skip
 
 

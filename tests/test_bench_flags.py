@@ -34,7 +34,7 @@ def nothing_ran(work: Path) -> bool:
         (["--gen-spread", "-10"], "--gen-spread: at least 0, not -10"),
         (["--agent", "--sessions", "0"], "--sessions: at least 1, not 0"),
         (["--speculation", "--speculation-draft", "nonsense"],
-         "--speculation-draft: self or a shape (llama-8b, qwen3-0.6b"),
+         "--speculation-draft: self or a shape (llama-1b, llama-8b, qwen3-0.6b"),
         (["--speculation", "--speculation-kinds", "right,bogus"],
          "--speculation-kinds: each of right, wrong, half, again; not bogus"),
         (["--agent", "--agent-settings", "default,2gib"], "not 2gib"),
