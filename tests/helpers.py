@@ -265,6 +265,21 @@ class Router:
             exc.msg = f"{exc.msg}: {exc.read().decode(errors='replace')[:500]}"  # the router's why
             raise
 
+    def complete(self, body: dict, seconds: float = 30) -> dict:
+        """Its answer to completion `body`, asked again while it has no tokenizer
+        for the model yet (it fetches a worker's once it lists the worker
+        healthy, answering 503 tokenizer_not_ready, "retry shortly", until
+        then: no worker saw the request)."""
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                return self.post("/v1/completions", body)
+            except urllib.error.HTTPError as err:
+                if err.code != 503 or "tokenizer_not_ready" not in err.msg:
+                    raise
+                assert time.monotonic() < end, f"no tokenizer in the router after {seconds}s"
+                time.sleep(0.1)
+
     def stream(self, path: str, body: dict) -> list[dict]:
         req = urllib.request.Request(
             f"{self.base}{path}",

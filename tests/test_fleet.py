@@ -57,18 +57,10 @@ def active(worker) -> int:
 
 
 def complete(router: Router, i: int) -> int:
-    """Tokens a completion returned; asked again while the router says it has no
-    tokenizer yet (it fetches one from a worker after listing it healthy: no
-    worker saw the request)."""
+    """Tokens a completion returned (asked again while the router has no
+    tokenizer yet: `Router.complete`)."""
     body = {"model": NAME, "prompt": f"Hello {i}", "max_tokens": 4, **GREEDY}
-    end = time.monotonic() + 30
-    while True:
-        try:
-            return router.post("/v1/completions", body)["usage"]["completion_tokens"]
-        except urllib.error.HTTPError as err:
-            if "tokenizer_not_ready" not in err.msg or time.monotonic() > end:
-                raise
-            time.sleep(0.2)
+    return router.complete(body)["usage"]["completion_tokens"]
 
 
 def test_round_robin_reaches_both_and_a_full_worker_is_skipped(spawn, launch, long_model):
