@@ -26,7 +26,7 @@ def stack(model_dir, tmp_path_factory):
     worker = RunningWorker(worker_config(model_dir))
     router = Router([worker.worker.port], model_dir, tmp_path_factory.mktemp("router") / "smg.log")
     assert wait_until(router.worker_healthy, 30)
-    # (and until it has fetched the worker's tokenizer: the tests' first requests count)
+    # (and has fetched its tokenizer: until then it answers 503, and no test asks for that)
     router.complete({"model": NAME, "prompt": "Hi", "max_tokens": 1, **GREEDY})
     yield worker, router
     router.stop()
