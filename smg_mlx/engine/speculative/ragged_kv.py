@@ -97,21 +97,27 @@ class Ragged:
         self.offset = self.offset - counts
         self._device_ends = ends
 
-    def compact(self) -> None:
-        """Every row ending at `_idx` again, and no column that every row pads."""
+    def compact(self, unused: int | None = None) -> int | None:
+        """Every row ending at `_idx` again, and no column that every row pads:
+        how many those were (None: the rows ended together already). Where the
+        caller knows that count (every layer's cache of a batch pads alike) it
+        gives it as `unused`, else it is read back: a wait for the device
+        before the next layer's copy is sent."""
         if self._ends is None:
-            return
+            return None
         shift = mx.array([self._idx - e for e in self._ends])
         # What lies past a row's end rolls round into its padding, masked there.
         idx = self._idx
         self._arrays(lambda x: dynamic_roll(x[..., :idx, :], shift[:, None], axis=2))
         self.left_padding = self.left_padding + shift
         self._ends = None
-        unused = min(self.left_padding.tolist())
+        if unused is None:
+            unused = min(self.left_padding.tolist())
         if unused > 0:
             self._arrays(lambda x: x[..., unused:, :])
             self._idx -= unused
             self.left_padding = self.left_padding - unused
+        return unused
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
         if self._ends is None and self._device_ends is None:
@@ -228,11 +234,13 @@ class RaggedBatchQuantizedKVCache(Ragged, BatchQuantizedKVCache):
 
 
 def line_up(caches: list) -> None:
-    """The caches among `caches` whose rows ended apart end together again,
-    copied now (`Ragged.compact`, evaluated)."""
+    """The caches among `caches` (one model's layers, whose rows pad alike)
+    whose rows ended apart end together again, copied now (`Ragged.compact`,
+    evaluated)."""
     apart = [c for c in caches if isinstance(c, Ragged) and c._ends is not None]
+    unused = None  # (read back from the first layer's, once)
     for cache in apart:
-        cache.compact()
+        unused = cache.compact(unused)
     if apart:
         mx.eval([(cache.keys, cache.values) for cache in apart])
 
