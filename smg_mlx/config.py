@@ -23,6 +23,11 @@ SPECULATIVE = ("auto", "always", "off")
 # --num-draft-tokens at most: a checking pass of 1 + this many tokens a row still
 # attends as a decoding pass does (engine.batch.attention_shapes.FEW_QUERIES).
 MOST_DRAFT_TOKENS = 15
+# --num-draft-tokens' default by drafter. Prompt lookup's proposals cost nothing
+# to make, and at a few streams the widest checking pass costs about what a
+# narrower one does (pacing narrows it where it does not); each of a draft
+# model's proposals costs a pass of the draft.
+LOOKUP_DRAFT_TOKENS, DRAFT_MODEL_TOKENS = MOST_DRAFT_TOKENS, 8
 # KV caches stored as the model computes them, as headers and metrics name it.
 UNQUANTIZED = "unquantized"
 # --kv-bits and --kv-group-size: what mx.quantize takes (engine.batch.kv_format);
@@ -105,8 +110,9 @@ class EngineConfig:
     # proposals where measured pass times say it pays. Off by default until the
     # GPU shows auto never costs a workload it cannot help; auto with a draft model.
     speculative: str = "off"
-    # Proposed tokens one row may have checked in one pass, at most.
-    num_draft_tokens: int = 8
+    # Proposed tokens one row may have checked in one pass, at most (None: the
+    # drafter's default, LOOKUP_DRAFT_TOKENS or DRAFT_MODEL_TOKENS).
+    num_draft_tokens: int | None = None
     # A small model of the same vocabulary whose greedy tokens are the proposals
     # (None: prompt lookup proposes).
     draft_model: Path | None = None

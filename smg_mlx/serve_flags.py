@@ -15,8 +15,10 @@ from smg_mlx.config import (
     DISK_CACHE_LEAST,
     DISK_CACHE_MOST,
     DISK_CACHE_SHARE,
+    DRAFT_MODEL_TOKENS,
     KV_BITS,
     KV_GROUP_SIZES,
+    LOOKUP_DRAFT_TOKENS,
     MOST_DRAFT_TOKENS,
     SPECULATIVE,
     EngineConfig,
@@ -266,7 +268,8 @@ def _running(serve: argparse.ArgumentParser) -> None:
         type=draft_tokens,
         metavar="N",
         help="with speculative decoding: proposed tokens a stream may have checked in one "
-        f"pass, at most, 1 to {MOST_DRAFT_TOKENS} ({EngineConfig.num_draft_tokens})",
+        f"pass, at most, 1 to {MOST_DRAFT_TOKENS} ({LOOKUP_DRAFT_TOKENS} with prompt lookup, "
+        f"{DRAFT_MODEL_TOKENS} with a draft model)",
     )
 
 

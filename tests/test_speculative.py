@@ -1481,6 +1481,31 @@ def test_speculation_is_off_with_the_reason_where_rows_could_not_take_tokens_bac
         assert "off (--speculative off, the default; --speculative auto turns on" in caplog.text
 
 
+def test_a_stream_proposes_up_to_the_drafters_own_default_unless_num_draft_tokens_says(
+    model_dir, caplog
+):
+    """Prompt lookup's proposals cost nothing to make: up to 15 a stream a
+    pass by default; a draft model's each cost a pass of the draft: up to 8.
+    --num-draft-tokens sets either, and the start-up log says which."""
+    from mlx_lm.models.cache import KVCache
+
+    from smg_mlx.config import EngineConfig
+    from smg_mlx.engine.speculative.choice import Draft, drafting_for
+
+    class Model:  # what drafting_for reads of a model: its caches
+        def make_cache(self):
+            return [KVCache(), KVCache()]
+
+    draft = Draft(Model(), None)
+    for given, drafter, most in ((None, None, 15), (None, draft, 8), (4, None, 4), (12, draft, 12)):
+        config = EngineConfig(model_path=model_dir, speculative="auto", num_draft_tokens=given)
+        with caplog.at_level(logging.INFO, logger="smg_mlx.engine.speculative.choice"):
+            caplog.clear()
+            drafting = drafting_for(config, Model(), None, batched=True, draft=drafter)
+        assert drafting is not None and drafting.most == most
+        assert f"up to {most} proposed tokens a stream a pass" in caplog.text
+
+
 @pytest.mark.parametrize("speculative", ["auto", "always", "off"])
 def test_on_cuda_a_speculating_worker_keeps_cuda_graphs_and_steady_widths(
     model_dir, monkeypatch, speculative

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from smg_mlx.config import EngineConfig
+from smg_mlx.config import DRAFT_MODEL_TOKENS, LOOKUP_DRAFT_TOKENS, EngineConfig
 from smg_mlx.engine.batch.kv_format import caches_for, other_kinds
 from smg_mlx.engine.batch.loading import built_model
 from smg_mlx.engine.memory.probe import weights
@@ -61,6 +61,7 @@ def drafting_for(
     a row, as a pass checking proposals is), with `draft` (`draft_for`) or
     prompt lookup; `one_width`: see `Drafting`."""
     setting, most = config.speculative, config.num_draft_tokens
+    most = most or (LOOKUP_DRAFT_TOKENS if draft is None else DRAFT_MODEL_TOKENS)
     why_not = _why_not(config, model, _ranks(group))
     if why_not is None and not batched:
         if config.batching == "equal-lengths":
