@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,22 +54,39 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
 
 
+@contextmanager
+def building(out: Path) -> Iterator[None]:
+    """Held while `out` is built: the run's other test processes, which start
+    by asking for the same models, wait for the one build instead of each
+    running its own (a child process of seconds on the same cores)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def build_once(out: Path, args: list[str] | None = None) -> Path:
+    """`build_model(out, args)`, built by one test process of the run."""
+    with building(out):
+        return build_model(out, args or [])
+
+
 @pytest.fixture(scope="session")
 def model_dir(models_root: Path) -> Path:
     """The regression model: a llama whose rope frequencies are computed lazily (llama3)."""
-    return build_model(models_root / "tiny-llama3")
+    return build_once(models_root / "tiny-llama3")
 
 
 @pytest.fixture(scope="session")
 def other_model_dir(models_root: Path) -> Path:
     """The regression model's shapes and files with other weights (another seed)."""
-    return build_model(models_root / "tiny-llama3-seed1", ["--seed", "1"])
+    return build_once(models_root / "tiny-llama3-seed1", ["--seed", "1"])
 
 
 @pytest.fixture(scope="session")
 def short_model_dir(models_root: Path) -> Path:
     """The same shapes with a 64-token context, to reach the context end quickly."""
-    return build_model(models_root / "tiny-ctx64", ["--context-length", "64"])
+    return build_once(models_root / "tiny-ctx64", ["--context-length", "64"])
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +98,8 @@ def family_model(models_root: Path):
     def model(family: str) -> Path:
         if family not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; one of {sorted(FAMILIES)}")
-        build_family_models(root, sorted(FAMILIES))
+        with building(root):
+            build_family_models(root, sorted(FAMILIES))
         return root / family
 
     return model

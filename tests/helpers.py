@@ -121,12 +121,14 @@ def free_port_run(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+def wait_until(condition: Callable[[], bool], timeout: float = 5.0, every: float = 0.02) -> bool:
+    """Whether `condition` came true within `timeout`, asked `every` seconds (a
+    condition that runs a command costs CPU that the rest of the run shares)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if condition():
             return True
-        time.sleep(0.02)
+        time.sleep(every)
     return condition()
 
 

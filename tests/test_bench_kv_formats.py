@@ -8,15 +8,14 @@ import sys
 from pathlib import Path
 
 from bench.kv_formats import KvFormats, format_kv_formats, run_kv_formats
-from smg_mlx.demo_model import build_model
 
-from conftest import REPO
+from conftest import REPO, build_once
 
 
 def test_quantized_kv_holds_as_many_more_tokens_as_its_bytes_allow(models_root, tmp_path):
     """Filled until the memory tier drops an entry: 8-bit KV holds about as many
     times more tokens as a token's bytes shrink, and both formats stream."""
-    model = build_model(models_root / "tiny-head64", ["--head-dim", "64"])
+    model = build_once(models_root / "tiny-head64", ["--head-dim", "64"])
     run = KvFormats(formats=(16, 8), fill_tokens=256, context_tokens=256, concurrency=4,
                     gen_tokens=8)  # fmt: skip
     result = run_kv_formats(Path(model), tmp_path, run, ["--memory-budget", "10MiB"], 120)
@@ -31,10 +30,10 @@ def test_quantized_kv_holds_as_many_more_tokens_as_its_bytes_allow(models_root, 
     assert "8 bits: holds" in format_kv_formats(result)
 
 
-def test_a_format_the_model_cannot_take_is_skipped_with_the_workers_reason(models_root, tmp_path):
+def test_a_format_the_model_cannot_take_is_skipped_with_the_workers_reason(model_dir, tmp_path):
     """Heads narrower than any quantization group (the tiny model's 16): the
     worker refuses --kv-bits, and the model's own KV is still measured."""
-    model = build_model(models_root / "tiny-head16", [])
+    model = model_dir  # the tiny model of conftest, built once a run: heads of 16
     run = KvFormats(formats=(16, 8), context_tokens=64, concurrency=2, gen_tokens=4,
                     parts=("decode",))  # fmt: skip
     result = run_kv_formats(Path(model), tmp_path, run, [], 120)
@@ -49,7 +48,7 @@ def test_a_format_the_model_cannot_take_is_skipped_with_the_workers_reason(model
 def test_a_bench_stopped_by_sigterm_stops_the_worker_it_started(models_root, tmp_path):
     """A timeout or a supervisor stops the bench with SIGTERM: the worker it
     started (in a session of its own) goes with it, as on Ctrl-C."""
-    model = build_model(models_root / "tiny-head64", ["--head-dim", "64"])
+    model = build_once(models_root / "tiny-head64", ["--head-dim", "64"])
     cache_dir = str(tmp_path / "prompt-cache-kv16")  # in the worker's command line only
 
     def workers() -> list[int]:

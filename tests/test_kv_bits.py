@@ -36,6 +36,7 @@ from smg_mlx.engine.types import Request
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.logs import format_bytes
 
+from conftest import build_once
 from helpers import free_port, generate, memory_in_use, prompt, wait_until
 
 A = prompt(400, 1)  # longer than the disk tier's minimum
@@ -44,7 +45,7 @@ PROMPTS = [prompt(n, i) for i, n in enumerate((3, 40, 130, 300))]
 
 @pytest.fixture(scope="module")
 def model64(models_root: Path) -> Path:
-    return build_model(models_root / "tiny-head64", ["--head-dim", "64"])
+    return build_once(models_root / "tiny-head64", ["--head-dim", "64"])
 
 
 @pytest.fixture(scope="module", params=[8, 4])

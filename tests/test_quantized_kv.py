@@ -16,12 +16,12 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from smg_mlx.demo_model import build_model
 from smg_mlx.engine.batch import quantized_attention, quantized_kv
 from smg_mlx.engine.batch.attention_shapes import AttentionShapes, key_bucket
 from smg_mlx.engine.batch.layer_waits import IN_FLIGHT, LayerWaits
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache
 
+from conftest import build_once
 from helpers import prompt
 
 GROUP = 64
@@ -30,7 +30,7 @@ GROUP = 64
 @pytest.fixture(scope="module")
 def model(models_root):
     # Heads of 64 so that a head is one quantization group of 64.
-    path = build_model(models_root / "tiny-head64", ["--head-dim", "64"])
+    path = build_once(models_root / "tiny-head64", ["--head-dim", "64"])
     return load(str(path))[0]
 
 
