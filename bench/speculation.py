@@ -107,6 +107,15 @@ def _round(address: str, port: int, workload: Workload, kind: str, c: int, first
     return figures, stream_rates(records, kind), next(iter(errors), None)
 
 
+def timed_first(level: int, r: int) -> tuple[str, str]:
+    """The workers in the order round `r` of the `level`-th level run (kinds and
+    levels counted together) times them: each first in every other round, and
+    in every other level's first round, so that a run of one round does not
+    time one worker first throughout (which went first has moved a ratio by
+    more than the 3% speculation may cost)."""
+    return ("off", "on") if (level + r) % 2 == 0 else ("on", "off")
+
+
 def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload: Workload,
                     extra: list[str], timeout_s: float) -> list[dict]:  # fmt: skip
     """Each workload at each level: tok/s off and on, and what the proposals did."""
@@ -129,8 +138,9 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
                 figures = {name: [0.0] * (6 + len(counted)) for name in workers}
                 streams: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
                 first_error: dict[str, str] = {}
-                for r in range(spec.rounds):
-                    for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                order = [timed_first(len(rows), r) for r in range(spec.rounds)]
+                for r, names in enumerate(order):
+                    for name in names:
                         worker, port = workers[name]
                         got, rates, error = _round(worker.address, port, workload, kind, c,
                                                    first, f"{kind}-{c}-{r}", counted)  # fmt: skip
@@ -151,6 +161,7 @@ def run_speculation(model_dir: Path, work_dir: Path, spec: Speculation, workload
                                for name, error in first_error.items()},  # fmt: skip
                     "proposed": proposed, "accepted": accepted,
                     "checking_passes": passes, "tokens_per_checking_pass": tokens / max(1, passes),
+                    "timed_first": [names[0] for names in order],  # each round's
                 }  # fmt: skip
                 row["on_over_off"] = row["on_tok_s"] / row["off_tok_s"]
                 # A stream's own pace, greedy and sampled apart (mean tokens a second).

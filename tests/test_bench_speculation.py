@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.speculation import format_row, stream_rates
+from bench.speculation import format_row, stream_rates, timed_first
 from bench.stats import RequestRecord
 
 
@@ -42,3 +42,13 @@ def test_the_half_workload_reports_greedy_and_sampled_streams_apart():
     assert format_row(row).endswith(
         "; a sampled stream x0.96; 3 failed off, the first: RESOURCE_EXHAUSTED: no room"
     )
+
+
+def test_each_worker_is_timed_first_at_every_other_level_and_round():
+    """Of the two workers, the one timed second has measured slower: a run of
+    one round times the off worker first at one level, the on worker at the
+    next; within a level the rounds alternate."""
+    assert [timed_first(level, 0) for level in range(4)] == [
+        ("off", "on"), ("on", "off"), ("off", "on"), ("on", "off")
+    ]
+    assert [timed_first(1, r)[0] for r in range(3)] == ["on", "off", "on"]
