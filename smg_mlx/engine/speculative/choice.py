@@ -60,8 +60,8 @@ def drafting_for(
     (`batched`: rows of different lengths may share a pass of several tokens
     a row, as a pass checking proposals is), with `draft` (`draft_for`) or
     prompt lookup; `one_width`: see `Drafting`."""
-    setting, most = config.speculative, config.num_draft_tokens
-    most = most or (LOOKUP_DRAFT_TOKENS if draft is None else DRAFT_MODEL_TOKENS)
+    setting = config.speculative
+    most = config.num_draft_tokens or (LOOKUP_DRAFT_TOKENS if draft is None else DRAFT_MODEL_TOKENS)
     why_not = _why_not(config, model, _ranks(group))
     if why_not is None and not batched:
         if config.batching == "equal-lengths":
