@@ -500,7 +500,7 @@ def test_a_ragged_quantized_cache_holds_each_row_as_the_16_bit_one_quantized():
     quantized, and the mask lets each query see the same keys."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from smg_mlx.engine.speculative.ragged_kv import ragged
+    from smg_mlx.engine.speculative.ragged_kv import ragged, rewind_layers
 
     mx.random.seed(3)
     pairs = [(ragged(BatchKVCache([0, 2, 1])), ragged(BatchQuantizedKVCache([0, 2, 1], GROUP, 4)))]
@@ -509,7 +509,7 @@ def test_a_ragged_quantized_cache_holds_each_row_as_the_16_bit_one_quantized():
         keys, values = mx.random.normal((rows, 2, n, GROUP)), mx.random.normal((rows, 2, n, GROUP))
         for cache in pairs[0]:
             cache.update_and_fetch(keys, values)
-            cache.rewind(takeback)
+            rewind_layers([cache], takeback)
 
     write(5, 3, [0, 2, 4])
     write(300, 3, [0, 290, 10])  # ends more than SPREAD apart: lined up again

@@ -1046,6 +1046,40 @@ def test_a_first_checking_pass_leaves_out_its_pass_not_its_proposals(monkeypatch
     assert calls and stats.passes <= 12, stats.passes  # (counted as free: over 200)
 
 
+def test_layers_whose_rows_drift_far_apart_line_up_together_each_row_intact(monkeypatch):
+    """Rows taking back different counts pass after pass drift apart; past
+    SPREAD columns a model's layers are lined up again, every one of them, in
+    one go (their padding, alike in every layer, read back once): each row
+    still holds exactly its own entries in every layer, and the batch no more
+    columns than its longest row needs."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from smg_mlx.engine.speculative import ragged_kv
+
+    reads = []
+    tolist = mx.array.tolist
+    monkeypatch.setattr(mx.array, "tolist", lambda a: reads.append(a.shape) or tolist(a),
+                        raising=False)  # fmt: skip
+    mx.random.seed(5)
+    layers = [ragged_kv.ragged(BatchKVCache([0, 0, 0])) for _ in range(4)]
+    kept: list[list[list[mx.array]]] = [[[] for _ in range(3)] for _ in layers]
+    for n, back in ((40, [0, 30, 5]), (200, [0, 190, 20]), (100, [0, 90, 40])):
+        for layer, rows in zip(layers, kept, strict=True):
+            keys = mx.random.normal((3, 2, n, 8))
+            layer.update_and_fetch(keys, keys)
+            for i, row in enumerate(rows):
+                row.append(keys[i, :, : n - back[i], :])
+        reads.clear()
+        ragged_kv.rewind_layers(layers, back)
+    assert all(layer._ends is None for layer in layers)  # lined up, at the last rewind
+    assert len(reads) == 1, reads
+    for layer, rows in zip(layers, kept, strict=True):
+        assert layer._idx == 340  # the longest row's entries, no column more
+        for i, row in enumerate(rows):
+            mine = layer.extract(i)
+            assert mx.array_equal(mine.keys[0, :, : mine.offset], mx.concatenate(row, axis=1))
+
+
 def test_lining_rows_up_after_checking_counts_as_checking_time(monkeypatch):
     """Checking passes leave rows ending apart, and lining them up again
     before plain passes copies the cache: that copy is what the checking run

@@ -39,6 +39,7 @@ from smg_mlx.engine.speculative.ragged_kv import (
     Ragged,
     RaggedBatchKVCache,
     RaggedBatchQuantizedKVCache,
+    rewind_layers,
 )
 
 # Holes a batch keeps for rows to join, whatever its size.
@@ -224,8 +225,7 @@ class PlacedGenerationBatch(EndingGenerationBatch):
         each = [ends[p] - furthest for p in range(self._width)]
         for p, n in zip(self._places, counts, strict=True):
             each[p] = n
-        for c in self.prompt_cache:
-            c.rewind(each, ahead)
+        rewind_layers(self.prompt_cache, each, ahead)
 
     def rewind_ahead(self, counts: mx.array) -> None:
         """Each row takes back its newest `counts[i]` entries, counted on the device

@@ -46,7 +46,7 @@ from smg_mlx.engine.batch.sampling import CONTEXT
 from smg_mlx.engine.speculative.draft_model import CatchUp, DraftRows
 from smg_mlx.engine.speculative.pacing import Block, Pacing
 from smg_mlx.engine.speculative.prompt_lookup import Ahead, RowDrafts
-from smg_mlx.engine.speculative.ragged_kv import line_up, ragged
+from smg_mlx.engine.speculative.ragged_kv import line_up, ragged, rewind_layers
 from smg_mlx.engine.speculative.shared_history import SharedHistory
 
 # Checking passes one call may send with prompt lookup, each recorded while
@@ -230,8 +230,7 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         row = one_row(self.extract_cache(0))
         layers = zip(self.prompt_cache, row, strict=True)
         pair = [ragged(type(c).merge([one] * 2)) for c, one in layers]
-        for cache in pair:
-            cache.rewind([1, 0])
+        rewind_layers(pair, [1, 0])
         mx.eval(self._target(mx.array([pending[:1] * width] * 2, mx.int32), cache=pair))
         line_up(pair)
         return out

@@ -36,7 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from smg_mlx.engine.batch.layer_waits import sent_layer_by_layer
 from smg_mlx.engine.memory.costs import MemoryModel
 from smg_mlx.engine.memory.planner import draft_pass_bytes
-from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged
+from smg_mlx.engine.speculative.ragged_kv import Ragged, ragged, rewind_layers
 from smg_mlx.engine.types import LayerCaches
 
 # A row's unseen tokens one batched pass feeds at most; one further behind
@@ -139,8 +139,7 @@ class DraftRows:
             last = mx.array([len(feed) - 1 for feed in feeds])
             token = mx.argmax(logits[mx.arange(len(feeds)), last], axis=-1)
             if width > 1:
-                for cache in self._cache:
-                    cache.rewind([width - len(feed) for feed in feeds])
+                rewind_layers(self._cache, [width - len(feed) for feed in feeds])
             lengths = [min(self._length.setdefault(uid, most), most) for uid in self._uids]
             proposals = [token]
             for _ in range(max(lengths) - 1):
@@ -170,8 +169,7 @@ class DraftRows:
             self._seen[uid] = held
         self._fed.clear()
         if self._cache is not None and any(counts):
-            for cache in self._cache:
-                cache.rewind(counts)
+            rewind_layers(self._cache, counts)
 
     def _leave(self, uids: list[int], keep_seen: bool = False) -> None:
         """These rows leave the draft's batch."""

@@ -11,8 +11,8 @@ past a row's end. Nothing is copied.
 While every row ends at `_idx` (`_ends` is None) it is mlx-lm's cache,
 unchanged: the ragged paths run only after a step took back different counts.
 The columns past a row's end are room it has not used: when the rows' ends
-drift apart by more than `SPREAD`, `compact` lines them up again (one copy
-of the cache) so the batch holds no more columns than its longest row needs.
+drift apart by more than `SPREAD`, `rewind_layers` lines them up again (one
+copy of the cache) so the batch holds no more columns than its longest row needs.
 
 A pass may also be recorded while the one before it still runs (chained
 checking passes, `rewind_ahead`): the device then counts what each row
@@ -78,15 +78,18 @@ class Ragged:
 
     def rewind(self, counts: list[int], ahead: bool = False) -> None:
         """Take back each row's newest `counts[i]` entries (`ahead`: the device
-        has taken them back already, `rewind_ahead`)."""
+        has taken them back already, `rewind_ahead`). A model's layers rewind
+        together, through `rewind_layers`."""
         self._device_ends = None
         if not any(counts):
             return
         self._set_ends([e - n for e, n in zip(self._row_ends(), counts, strict=True)])
         if not ahead:
             self.offset = self.offset - mx.array(counts)
-        if self._ends is not None and self._idx - min(self._ends) > SPREAD:
-            self.compact()
+
+    def drifted(self) -> bool:
+        """Whether its rows' ends lie more than SPREAD apart."""
+        return self._ends is not None and self._idx - min(self._ends) > SPREAD
 
     def rewind_ahead(self, counts: mx.array, ends: mx.array) -> None:
         """Take back each row's newest `counts[i]` entries, counted on the device
@@ -243,6 +246,17 @@ def line_up(caches: list) -> None:
         unused = cache.compact(unused)
     if apart:
         mx.eval([(cache.keys, cache.values) for cache in apart])
+
+
+def rewind_layers(caches: list, counts: list[int], ahead: bool = False) -> None:
+    """Each of `caches` (one model's layers, whose rows end alike) takes back
+    each row's newest `counts[i]` entries (`Ragged.rewind`); where that leaves
+    the rows' ends over SPREAD apart, every layer is lined up (`line_up`:
+    their padding read back once, not once a layer)."""
+    for cache in caches:
+        cache.rewind(counts, ahead)
+    if caches and caches[0].drifted():
+        line_up(caches)
 
 
 def ragged(cache: Any) -> Ragged:
