@@ -347,9 +347,13 @@ def test_rank_0_gone_ends_the_follower(start_ranks, models, how):
     finally:
         ranks.leader.proc.kill()
     if how == "kill":  # its sockets closed: the follower says whose (not "Ran out of input")
-        assert "rank 0 is gone (its process ended or its connection closed)" in (
-            ranks.ranks[1].log.read_text()
-        )
+        said = ranks.ranks[1].log.read_text()
+        # (mostly the empty turn a closed socket sums to; now and then, on a loaded
+        # host, the collective waits on instead, and the watchdog says it)
+        assert (
+            "rank 0 is gone (its process ended or its connection closed)" in said
+            or re.search(r"rank 0 sent nothing for \d+s: it is gone, hung or unreachable", said)
+        ), said
 
 
 def _code(call) -> grpc.StatusCode:

@@ -444,7 +444,8 @@ class EngineCore:
         from smg_mlx.engine.ranks import lockstep
 
         def rank_0_hung(limit: float) -> None:
-            log.error("rank 0 sent nothing for %.0fs: hung or unreachable; exiting", limit)
+            log.error("rank 0 sent nothing for %.0fs: it is gone, hung or unreachable; exiting",
+                      limit)  # fmt: skip
             os._exit(1)  # the engine thread is stuck in a collective: nothing else ends it
 
         watchdog = lockstep.Watchdog(rank_0_hung, batch.slowest_step)
