@@ -121,6 +121,14 @@ def free_port_run(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
+# How often to ask `smg_mlx.health_check.probe` whether a worker is up yet: while
+# nothing listens on the port, each probe also tries a TLS handshake, whose
+# context loads the system's certificates (about 50 ms of CPU), so that at
+# wait_until's default pace the waiting took most of a core from the worker
+# it waited for.
+PROBE_EVERY = 0.25
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = 5.0, every: float = 0.02) -> bool:
     """Whether `condition` came true within `timeout`, asked `every` seconds (a
     condition that runs a command costs CPU that the rest of the run shares)."""

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from smg_mlx.demo_model import build_model
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.server import load_tokenizer
 
+from conftest import build_once
 from helpers import collect, generate, model_copy, prompt, request
 
 # Prompts of lengths 7 to 150, as the issue's check had them, and 24 tokens each.
@@ -159,7 +159,7 @@ def test_a_qwen2_demo_models_tokenizer_knows_exactly_the_models_ids(start_worker
     """transformers loads a qwen2 model's tokenizer as Qwen2Tokenizer, which adds
     <|endoftext|> where the vocabulary lacks it: a demo model whose vocabulary
     lacked it refused its own tokenizer's id for that text."""
-    model = build_model(models_root / "tiny-qwen2", ["--family", "qwen2"])
+    model = build_once(models_root / "tiny-qwen2", ["--family", "qwen2"])
     w = start_worker(model)
     done = generate(w.stub, text="hi <|endoftext|>", max_tokens=3, ignore_eos=True).complete
     assert (done.prompt_tokens, done.completion_tokens) == (4, 3)

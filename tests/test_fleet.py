@@ -12,9 +12,9 @@ import pytest
 from test_metrics import scrape
 
 from bench.workers import free_port
-from smg_mlx.demo_model import build_model
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 
+from conftest import build_once
 from helpers import SMG, Router, prompt, request, wait_until
 
 pytestmark = pytest.mark.skipif(SMG is None, reason="the router (pip install smg) is not installed")
@@ -26,7 +26,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def long_model(models_root: Path) -> Path:
     """A long context, so that one request can keep a worker busy for the whole test."""
-    return build_model(models_root / NAME, ["--context-length", "32768"])
+    return build_once(models_root / NAME, ["--context-length", "32768"])
 
 
 @pytest.fixture

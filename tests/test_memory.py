@@ -202,28 +202,39 @@ PROMPTS = [prompt(600, i) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
+def unbounded_memory(model_dir):
+    """What a worker with no budget to speak of measured of the model (its weights),
+    apart from `unbounded_outputs`: the tests that only size a budget from it
+    wait for no generation (a test process may run none of the others)."""
+    from conftest import RunningWorker, worker_config
+
+    w = RunningWorker(worker_config(model_dir))
+    try:
+        return w.worker.engine.memory
+    finally:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
 def unbounded_outputs(model_dir):
     """Greedy outputs of the 600-token prompts from a worker with no budget to speak of."""
     from conftest import RunningWorker, worker_config
 
     w = RunningWorker(worker_config(model_dir))
     try:
-        memory = w.worker.engine.memory
-        outputs = [generate(w.stub, p, max_tokens=200, ignore_eos=True).tokens for p in PROMPTS]
+        return [generate(w.stub, p, max_tokens=200, ignore_eos=True).tokens for p in PROMPTS]
     finally:
         w.stop()
-    return memory, outputs
 
 
-def small_budget(unbounded_outputs, extra_mib: int = 5) -> int:
-    memory, _ = unbounded_outputs
-    return memory.weights + extra_mib * MIB
+def small_budget(unbounded_memory, extra_mib: int = 5) -> int:
+    return unbounded_memory.weights + extra_mib * MIB
 
 
 def test_a_small_budget_queues_requests_and_changes_no_output(
-    start_worker, model_dir, unbounded_outputs
+    start_worker, model_dir, unbounded_memory, unbounded_outputs
 ):
-    budget = small_budget(unbounded_outputs)
+    budget = small_budget(unbounded_memory)
     before = memory_in_use()
     w = start_worker(model_dir, memory_budget_bytes=budget)
     engine = w.worker.engine
@@ -245,19 +256,19 @@ def test_a_small_budget_queues_requests_and_changes_no_output(
     finally:
         done.set()
         watcher.join()
-    assert [r.tokens for r in outputs] == unbounded_outputs[1]
+    assert [r.tokens for r in outputs] == unbounded_outputs
     assert all(r.complete.finish_reason == "length" for r in outputs)  # nothing refused
     assert max(queued for queued, _ in seen) > 0  # some had to wait for memory
     assert max(peak for _, peak in seen) - before <= budget
 
 
 def test_requests_waiting_for_memory_count_toward_max_pending(
-    start_worker, model_dir, unbounded_outputs
+    start_worker, model_dir, unbounded_memory
 ):
     """Where memory, not the batch, bounds what runs, --max-pending still bounds
     what waits: past it a request is refused at once (for the router to send
     it elsewhere), not queued behind every running one."""
-    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_outputs), max_pending=1)
+    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_memory), max_pending=1)
     engine = w.worker.engine
     # Taken in before the engine first says memory is full: they all wait their turn.
     streams = [
@@ -274,8 +285,8 @@ def test_requests_waiting_for_memory_count_toward_max_pending(
     assert generate(w.stub, prompt(5), max_tokens=2).complete.finish_reason == "length"
 
 
-def test_a_prompt_that_can_never_fit_is_refused_at_once(start_worker, model_dir, unbounded_outputs):
-    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_outputs))
+def test_a_prompt_that_can_never_fit_is_refused_at_once(start_worker, model_dir, unbounded_memory):
+    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_memory))
     longest = w.worker.engine.longest_sequence
     assert 100 < longest < 2000
     with pytest.raises(grpc.RpcError) as err:
@@ -291,13 +302,13 @@ def test_a_prompt_that_can_never_fit_is_refused_at_once(start_worker, model_dir,
 
 
 def test_chats_beside_long_streams_start_while_they_are_short(
-    start_worker, model_dir, unbounded_outputs
+    start_worker, model_dir, unbounded_memory
 ):
     # Three streams that may each grow to nearly the longest sequence: charged
     # at that length, a chat beside them would wait for one to end. While the
     # streams are short, a chat that ends soon costs little, so chats start
     # and end while all three run.
-    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_outputs))
+    w = start_worker(model_dir, memory_budget_bytes=small_budget(unbounded_memory))
     engine = w.worker.engine
     grow = engine.longest_sequence - 50
     with ThreadPoolExecutor(6) as pool:
@@ -373,7 +384,7 @@ def test_an_out_of_memory_step_is_contained(
             else:
                 assert message.complete.finish_reason == "length"
     # Every stream went on where it was, token for token as if nothing happened.
-    assert tokens == unbounded_outputs[1][:4]
+    assert tokens == unbounded_outputs[:4]
     assert health.Check(health_pb2.HealthCheckRequest()).status == SERVING
     assert w.worker.engine.memory.out_of_memory_steps == 1
     assert len(generate(w.stub, prompt(5), max_tokens=3).tokens) == 3
@@ -403,7 +414,7 @@ def test_steps_that_keep_running_out_of_memory_shed_load_and_the_worker_serves_o
         calls = [pool.submit(generate, w.stub, p, max_tokens=200, ignore_eos=True)
                  for p in PROMPTS[:6]]  # fmt: skip
         outputs = [c.result().tokens for c in calls]
-    assert outputs == unbounded_outputs[1][:6]
+    assert outputs == unbounded_outputs[:6]
     assert len(failed) >= 2  # (steps of more than two did run out of memory, again and again)
     health = health_pb2_grpc.HealthStub(w.channel)
     assert health.Check(health_pb2.HealthCheckRequest()).status == SERVING

@@ -20,6 +20,7 @@ from smg_mlx.demo_model import build_model
 from smg_mlx.engine.prefix_cache.cache import PrefixCache
 from smg_mlx.engine.prefix_cache.memory_tier import MemoryTier, Pace
 
+from conftest import build_once
 from helpers import abort_after, collect, generate, prompt, request, wait_until
 
 # ---- the store ----
@@ -546,7 +547,7 @@ def test_a_prompt_resent_under_a_tight_budget_reuses_its_entry(start_worker, mod
 def _wide_kv_workers(start_worker, models_root):
     """Much KV per token beside little else: a worker with 9 MiB beside the
     weights, and one of the same model without a prompt cache."""
-    model = build_model(
+    model = build_once(
         models_root / "wide-kv",
         ["--layers", "4", "--kv-heads", "4", "--head-dim", "64"],
     )

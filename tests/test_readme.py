@@ -34,7 +34,7 @@ from docs import (
     shell,
     stop,
 )
-from helpers import SMG, demo_model_cache, free_port_run, generate, prompt, wait_until
+from helpers import PROBE_EVERY, SMG, demo_model_cache, free_port_run, generate, prompt, wait_until
 
 VENV_BIN = REPO / ".venv" / "bin"
 pytestmark = [
@@ -81,8 +81,11 @@ def start_router(worker_port: int, env: dict[str, str], log: Path) -> tuple:
     (command,) = sh_blocks("## Quick start")[3]
     http_port = free_port()
     # The router's own metrics port (29000) is swapped too: another router may hold it.
+    # The tests stop it idle, where its default grace only makes the stop take 5 s.
     command = with_ports(command, {"50051": worker_port, "8000": http_port})
-    router = background(f"{command} --prometheus-port {free_port()}", env, log)
+    router = background(
+        f"{command} --prometheus-port {free_port()} --shutdown-grace-period-secs 0", env, log
+    )
     workers = f"curl -s 127.0.0.1:{http_port}/workers"
 
     def registered() -> bool:
@@ -140,7 +143,9 @@ def test_the_quick_start_works_in_order_on_the_demo_model(home, tmp_path):
 
         # The documented health command is a Python process (a third of a second of
         # CPU): asked once the worker says SERVING in-process, and again while not.
-        in_process = wait_until(lambda: probe("127.0.0.1", worker_port, 1) is None, 60)
+        in_process = wait_until(
+            lambda: probe("127.0.0.1", worker_port, 1) is None, 60, every=PROBE_EVERY
+        )
         assert in_process, (tmp_path / "worker.log").read_text()
         assert wait_until(serving, 60, every=0.5), (tmp_path / "worker.log").read_text()
         assert answers[-1].stdout == "SERVING\n"
@@ -217,7 +222,7 @@ def test_a_small_model_to_try_things_with(home, tmp_path):
     port = free_port()
     worker = background(with_ports(serve, {"50051": port}), env, tmp_path / "worker.log")
     try:
-        assert wait_until(lambda: probe("127.0.0.1", port, 1) is None, 60)
+        assert wait_until(lambda: probe("127.0.0.1", port, 1) is None, 60, every=PROBE_EVERY)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
             info = stub.GetModelInfo(pb.GetModelInfoRequest())

@@ -16,9 +16,9 @@ import pytest
 from bench.workers import free_port
 from smg_mlx import model_files
 from smg_mlx.config import EngineConfig
-from smg_mlx.demo_model import build_model
 from smg_mlx.server import check_chat_template, listen_failure, load_tokenizer
 
+from conftest import build_once
 from helpers import model_copy, serve
 
 
@@ -44,7 +44,7 @@ def test_a_demo_model_with_no_folder_to_build_in_says_where_to_build_it(tmp_path
 
 @pytest.fixture(scope="module")
 def qwen2_dir(models_root: Path) -> Path:
-    return build_model(models_root / "tiny-qwen2", ["--family", "qwen2"])
+    return build_once(models_root / "tiny-qwen2", ["--family", "qwen2"])
 
 
 @pytest.mark.parametrize(
