@@ -368,7 +368,14 @@ class Pacing:
         margin = max(0.0, FAIR * cost - block.sent / block.passes)
         for uid, (made, passes, kept) in block.rows.items():
             s = self._stream(uid)
-            if s.judged(passes) and not kept and s.ledger + made - FAIR * passes * cost < margin:
+            ledger = s.ledger + made - FAIR * passes * cost
+            if s.judged(passes) and not kept and ledger < margin:
+                # (how many checking passes a stream runs before its proposals are
+                # right, or it stops checking for the batch: the cost of its first tokens)
+                log.debug("speculation, batches of at most %d: checking ends: a stream kept "
+                          "none of its proposals in its checking pass %d, and could not afford "
+                          "another (its ledger %.1f tokens, a pass %.1f)", block.size,
+                          s.checks + passes, ledger, margin)  # fmt: skip
                 return True
         plain, seconds = self._plain[block.size], block.seconds()
         if not block.counted or block.passes < EARLY or seconds <= 0:
