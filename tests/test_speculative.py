@@ -37,7 +37,7 @@ from smg_mlx.engine.batch.sampling import make_sampler as seeded
 from smg_mlx.engine.speculative.decoding import Drafting, DraftStats, SpeculativeGenerationBatch
 from smg_mlx.engine.speculative.draft_model import DraftRows, PaddedOtherwise
 from smg_mlx.engine.speculative.pacing import Block, Pacing
-from smg_mlx.engine.speculative.prompt_lookup import RowDrafts, lookup
+from smg_mlx.engine.speculative.prompt_lookup import lookup
 from smg_mlx.engine.types import LogitsSettings, SamplingSettings
 
 import helpers
@@ -396,23 +396,6 @@ def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
     assert lookup(tokens, 13, 3) == [9, 2, 5]
     assert lookup(tokens, 13, 1) == [9]
     assert lookup(np.array([1, 2, 3, 4]), 4, 3) == []  # nothing recurs
-
-
-def test_a_row_that_proposed_nothing_proposes_in_a_chained_pass_once_its_tokens_repeat():
-    """A new stream with nothing to propose at a call's start rides its first
-    pass; in the pass after, as if its pending token were kept, it proposes
-    what its tokens now repeat, rather than a step later. One whose lookups
-    have found nothing for steps waits as it would between steps."""
-    young = RowDrafts(4)
-    assert not young.likely(10, [1, 5, 3, 9, 7])  # nothing recurs yet: it looks next step
-    assert young.guess(10, [1, 5, 3, 9, 7], [1], 4) == []  # 7 1 never occurred
-    assert young.guess(10, [1, 5, 3, 9, 7, 1], [5], 4) == [3, 9, 7, 1, 5]  # 1 5 did
-
-    quiet = RowDrafts(4)
-    for step in range(8):  # nothing found, look after look: its pause doubles
-        quiet.likely(step, [1, 5, 3, 9, 7])
-    assert quiet.guess(8, [1, 5, 3, 9, 7, 1], [5], 4) == []
-    assert quiet.guess(8, [1, 5, 3, 9, 7, 1], [5, 3], 4) == [9, 7, 1, 5, 3]  # (it proposed)
 
 
 def test_other_streams_tokens_propose_what_followed_the_longest_latest_match():

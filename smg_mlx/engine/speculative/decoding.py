@@ -340,9 +340,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
         (those after the token it would then sample, guessed: the first
         looked up), and that guess. Where it keeps fewer, its next proposals
         follow a token it did not sample: likely wrong, never a wrong token.
-        A row that proposed nothing may propose now (`RowDrafts.guess`); rows
-        `ended` propose nothing (`fill`: all others do, repeating their pending
-        token)."""
+        Rows that proposed nothing, or `ended`, propose nothing (`fill`: all
+        but those that ended do, repeating their pending token)."""
         out, guesses = [], []
         for i, (y, d) in enumerate(zip(pending, drafts, strict=True)):
             if i in ended:
@@ -351,8 +350,8 @@ class SpeculativeGenerationBatch(PlacedGenerationBatch):
                 continue
             # The tokens it has left once these are kept: the sampled one, then these.
             left = self.max_tokens[i] - self._num_tokens[i] - len(d) - 2
-            row = self._rows.get(self.uids[i])  # (none for a row joining)
-            found = row.guess(self._steps, self.tokens[i], [y, *d], most) if row else []
+            row = self._rows.get(self.uids[i])  # (none for a row joining: it proposed nothing)
+            found = row.guess(self.tokens[i], [y, *d], most) if d and row else []
             if fill and len(found) < 2:
                 found = [y] * (most + 1)
             out.append(found[1 : 1 + max(0, left)])

@@ -134,16 +134,11 @@ class RowDrafts:
             self._wait(step)
         return proposal
 
-    def guess(self, step: int, tokens: list[int], sent: list[int], most: int) -> list[int]:
+    def guess(self, tokens: list[int], sent: list[int], most: int) -> list[int]:
         """For a pass sent after one still running: the token the running pass
         should sample after the row's `tokens` and `sent` (its pending token and
         proposals, if all are kept), then up to `most` tokens to follow it; []
-        where none. A row that proposed nothing in the running pass looks only
-        where it would look at the next step anyway: a new stream whose own
-        tokens begin to repeat proposes a pass sooner, one that keeps finding
-        nothing waits as it does between steps."""
-        if len(sent) == 1 and self._ahead is None and step + 1 < self._next_look:
-            return []
+        where none."""
         self.sync(tokens)
         return self._after(sent, 1 + min(most, self._length))
 
