@@ -93,6 +93,21 @@ def start_ranks(tmp_path):
         ranks.close()
 
 
+@pytest.fixture(scope="module")
+def llama_ranks(models, tmp_path_factory) -> Ranks:
+    """Two ranks on the llama model (tensor parallel, started with watch_init),
+    shared by the tests that leave them serving: each start of a pair is two
+    workers' imports and loads."""
+    tmp = tmp_path_factory.mktemp("llama-ranks")
+    ranks = Ranks(tmp, "--model", str(models["llama"]), env=watch_init(tmp))
+    ranks.tmp = tmp
+    try:
+        ranks.leader.wait_serving(120)
+        yield ranks
+    finally:
+        ranks.close()
+
+
 def outputs(stub, **sampling) -> list[list[int]]:
     """The eight prompts at once, greedy unless told otherwise."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -118,14 +133,19 @@ def one_process_outputs(start_worker, model: Path, **sampling) -> list[list[int]
     ids=["llama tensor parallel", "qwen3 tensor parallel", "qwen2 pipeline"],
 )
 def test_two_ranks_give_one_process_output(
-    start_ranks, start_worker, models, family, flags, tmp_path
+    start_ranks, start_worker, models, family, flags, tmp_path, request
 ):
     expected = one_process_outputs(start_worker, models[family])
     # Random weights drawn too small repeat one token: equality would prove nothing.
     assert all(len(set(tokens)) > 1 for tokens in expected)
     assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS)
-    ranks = start_ranks("--model", str(models[family]), *flags, env=watch_init(tmp_path))
-    assert loaded_at_init(tmp_path) == {rank: [] for rank in range(RANKS)}
+    if family == "llama":  # (the pair the idle test shares, started as these are)
+        ranks = request.getfixturevalue("llama_ranks")
+        watched = ranks.tmp
+    else:
+        ranks = start_ranks("--model", str(models[family]), *flags, env=watch_init(tmp_path))
+        watched = tmp_path
+    assert loaded_at_init(watched) == {rank: [] for rank in range(RANKS)}
     assert outputs(ranks.stub) == expected
     split = "pipeline" if flags else "tensor parallel"
     assert f"the model split over 2 ranks ({split})" in ranks.leader.log.read_text()
@@ -271,13 +291,13 @@ def test_a_model_that_cannot_be_split_so_is_refused_on_every_rank(start_ranks, m
         assert "start a number of ranks its sizes divide by" in said
 
 
-def test_idle_ranks_sleep_rather_than_poll_and_answer_when_work_comes(start_ranks, models):
+def test_idle_ranks_sleep_rather_than_poll_and_answer_when_work_comes(request):
     """MLX's ring backend polls its sockets while a rank waits in a collective:
     a follower waiting there for rank 0's next turn kept a core busy, idle or
     not. Idle, the ranks now sleep between turns; a request still finds them."""
     if process_cpu_seconds(os.getpid()) is None:
         pytest.skip("reads processes' CPU time from /proc (Linux)")
-    ranks = start_ranks("--model", str(models["llama"]))
+    ranks = request.getfixturevalue("llama_ranks")
     time.sleep(1.0)  # (past the turns that follow start-up)
     used = [process_cpu_seconds(r.proc.pid) for r in ranks.ranks]
     time.sleep(3.0)
