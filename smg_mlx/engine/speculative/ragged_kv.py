@@ -35,7 +35,7 @@ from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 from smg_mlx.engine.batch.batch_kv import make_room, width_after
 from smg_mlx.engine.batch.quantized_kv import BatchQuantizedKVCache, Quantized, map_parts
 
-# Columns by which rows' ends may drift apart before `compact` lines them up.
+# Columns by which rows' ends may drift apart before `rewind_layers` lines them up.
 SPREAD = 256
 
 
