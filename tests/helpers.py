@@ -26,6 +26,7 @@ from bench.workers import bindable, ephemeral_low, free_port
 from smg_mlx import __version__
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
+from smg_mlx.health_check import probe
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -121,12 +122,19 @@ def free_port_run(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
-# How often to ask `smg_mlx.health_check.probe` whether a worker is up yet: while
-# nothing listens on the port, each probe also tries a TLS handshake, whose
-# context loads the system's certificates (about 50 ms of CPU), so that at
-# wait_until's default pace the waiting took most of a core from the worker
-# it waited for.
+
+
+# How often `serving_within` asks `smg_mlx.health_check.probe`: while nothing
+# listens on the port, each probe also tries a TLS handshake, whose context
+# loads the system's certificates (about 50 ms of CPU), so that at wait_until's
+# default pace the waiting took most of a core from the worker it waited for.
 PROBE_EVERY = 0.25
+
+
+def serving_within(port: int, seconds: float, rpc_timeout: float = 1) -> bool:
+    """Whether the worker on this local port reported SERVING within `seconds`."""
+    return wait_until(lambda: probe("127.0.0.1", port, rpc_timeout) is None, seconds,
+                      every=PROBE_EVERY)  # fmt: skip
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 5.0, every: float = 0.02) -> bool:

@@ -16,9 +16,8 @@ import pytest
 
 from bench.workers import free_port
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
-from smg_mlx.health_check import probe
 
-from helpers import collect, generate, prompt, request, wait_until
+from helpers import collect, generate, prompt, request, serving_within, wait_until
 
 
 def engine_pid(worker_pid: int) -> int:
@@ -98,7 +97,7 @@ def test_ctrl_c_in_a_terminal_drains_and_exits_zero(model_dir, tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
             grpc.channel_ready_future(channel).result(60)
-            assert wait_until(lambda: probe("127.0.0.1", int(port), 5) is None, 60), log.read_text()
+            assert serving_within(int(port), 60, rpc_timeout=5), log.read_text()
             call = stub.Generate(request(prompt(4), max_tokens=64, ignore_eos=True), timeout=60)
             next(call)
             time.sleep(0.1)

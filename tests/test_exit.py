@@ -19,9 +19,18 @@ from bench.workers import free_port, session_pids
 from smg_mlx.engine.core import MAX_FAILED_STEPS_IN_A_ROW
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
-from smg_mlx.health_check import probe
 
-from helpers import NOT_SERVING, Process, collect, generate, model_copy, prompt, request, wait_until
+from helpers import (
+    NOT_SERVING,
+    Process,
+    collect,
+    generate,
+    model_copy,
+    prompt,
+    request,
+    serving_within,
+    wait_until,
+)
 
 # More with SOAK_EXIT_CYCLES (make soak runs 200); 4 take each signal with and without traffic.
 CYCLES = int(os.environ.get("SOAK_EXIT_CYCLES", "4"))
@@ -259,7 +268,7 @@ def test_an_engine_failure_ends_the_process_with_one(model_dir, tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             grpc.channel_ready_future(channel).result(60)
             stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
-            assert wait_until(lambda: probe("127.0.0.1", port, 5) is None, 60)
+            assert serving_within(port, 60, rpc_timeout=5)
             call = stub.Generate(request(prompt(4), max_tokens=1900, ignore_eos=True), timeout=60)
             # Fails once the client has a token: the request cannot go elsewhere.
             next(call)

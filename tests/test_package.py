@@ -22,9 +22,8 @@ import pytest
 from bench.workers import free_port
 from smg_mlx import __version__, mlx_backend
 from smg_mlx.grpc_stubs import mlx_engine_pb2_grpc
-from smg_mlx.health_check import probe
 
-from helpers import PROBE_EVERY, generate, prompt, wait_until
+from helpers import generate, prompt, serving_within
 
 REPO = Path(__file__).resolve().parent.parent
 WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
@@ -157,8 +156,7 @@ def test_install_sh_from_a_clean_tree_installs_and_serves(tmp_path):
         **isolated,
     )
     try:
-        up = wait_until(lambda: probe("127.0.0.1", port, 1) is None, 120, every=PROBE_EVERY)
-        assert up, log.read_text()
+        assert serving_within(port, 120), log.read_text()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
             assert len(generate(stub, prompt(8), max_tokens=4).tokens) == 4

@@ -19,7 +19,6 @@ from bench.workers import free_port
 from smg_mlx.config import DISK_CACHE_MOST, DISK_CACHE_SHARE, default_prompt_cache_dir
 from smg_mlx.grpc_stubs import common_pb2, mlx_engine_pb2_grpc
 from smg_mlx.grpc_stubs import mlx_engine_pb2 as pb
-from smg_mlx.health_check import probe
 from smg_mlx.model_source import DEMO_NAME
 
 from docs import (
@@ -34,7 +33,15 @@ from docs import (
     shell,
     stop,
 )
-from helpers import PROBE_EVERY, SMG, demo_model_cache, free_port_run, generate, prompt, wait_until
+from helpers import (
+    SMG,
+    demo_model_cache,
+    free_port_run,
+    generate,
+    prompt,
+    serving_within,
+    wait_until,
+)
 
 VENV_BIN = REPO / ".venv" / "bin"
 pytestmark = [
@@ -143,10 +150,7 @@ def test_the_quick_start_works_in_order_on_the_demo_model(home, tmp_path):
 
         # The documented health command is a Python process (a third of a second of
         # CPU): asked once the worker says SERVING in-process, and again while not.
-        in_process = wait_until(
-            lambda: probe("127.0.0.1", worker_port, 1) is None, 60, every=PROBE_EVERY
-        )
-        assert in_process, (tmp_path / "worker.log").read_text()
+        assert serving_within(worker_port, 60), (tmp_path / "worker.log").read_text()
         assert wait_until(serving, 60, every=0.5), (tmp_path / "worker.log").read_text()
         assert answers[-1].stdout == "SERVING\n"
         # The worker asked directly, as the Quick start shows (grpcurl, reflection).
@@ -222,7 +226,7 @@ def test_a_small_model_to_try_things_with(home, tmp_path):
     port = free_port()
     worker = background(with_ports(serve, {"50051": port}), env, tmp_path / "worker.log")
     try:
-        assert wait_until(lambda: probe("127.0.0.1", port, 1) is None, 60, every=PROBE_EVERY)
+        assert serving_within(port, 60)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = mlx_engine_pb2_grpc.MlxEngineStub(channel)
             info = stub.GetModelInfo(pb.GetModelInfoRequest())
